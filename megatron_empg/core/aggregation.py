@@ -1,0 +1,79 @@
+"""Loss aggregation through (sum, count) pairs, so that micro-batching never changes the result.
+
+A loss is reported as ``LossSum(loss_sum, count)``: the sum of per-unit losses and the number of
+units (tokens or sequences, depending on the mode). Sums and counts add across micro-batches and
+data-parallel ranks; ``divide_by_count`` is the single place where a division happens, by the
+*global* count. With every micro-batch holding whole sequences, the three modes give exactly the
+same gradient for any split (the verl/OpenRLHF normalisation bugs came from dividing per
+micro-batch).
+
+Modes (verl's ``agg_loss`` names; values ``l[b, s]``, mask ``m[b, s]``, ``n_b = sum_s m[b, s]``):
+    token-mean:            sum_{b,s} m l / sum_{b,s} m
+    seq-mean-token-sum:    sum_b [n_b > 0] sum_s m l / #{b : n_b > 0}
+    seq-mean-token-mean:   sum_b [n_b > 0] (sum_s m l / n_b) / #{b : n_b > 0}
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from megatron_empg.core.checks import check_bool, check_choice, check_same_shape
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+class LossSum(NamedTuple):
+    """An unnormalised loss: ``loss_sum`` [] (float) over ``count`` [] (int64) units."""
+
+    loss_sum: Tensor
+    count: Tensor
+
+
+def masked_values(values: Tensor, loss_mask: Tensor) -> Tensor:
+    """``values`` with masked-out entries set to 0 (no gradient reaches them) [same shape]."""
+    return torch.where(loss_mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean") -> LossSum:
+    """Reduce per-token values to a ``LossSum`` under one of ``AGG_MODES``.
+
+    Args:
+        values: [B, S] per-token losses (any float dtype; the sum keeps it).
+        loss_mask: [B, S] bool, True where the token contributes.
+        mode: one of ``AGG_MODES``.
+
+    Returns:
+        ``LossSum`` whose ``count`` is the number of tokens (token-mean) or of sequences with at
+        least one unmasked token (the seq-mean modes).
+    """
+    check_choice("mode", mode, AGG_MODES)
+    check_bool("loss_mask", loss_mask)
+    check_same_shape(values=values, loss_mask=loss_mask)
+    if values.dim() != 2:
+        raise ValueError(f"values must be [B, S], got shape {tuple(values.shape)}")
+    masked = masked_values(values, loss_mask)  # [B, S]
+    tokens_per_seq = loss_mask.sum(dim=-1)  # [B] int64
+    if mode == "token-mean":
+        return LossSum(masked.sum(), tokens_per_seq.sum())
+    per_seq = masked.sum(dim=-1)  # [B]
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / tokens_per_seq.clamp(min=1).to(per_seq.dtype)
+    return LossSum(per_seq.sum(), (tokens_per_seq > 0).sum())
+
+
+def add(*parts: LossSum) -> LossSum:
+    """Sum several ``LossSum`` (micro-batches); counts add exactly."""
+    return LossSum(sum(p.loss_sum for p in parts), sum(p.count for p in parts))
+
+
+def divide_by_count(loss_sum: Tensor, count: Tensor) -> Tensor:
+    """``loss_sum / count``; a zero count gives ``loss_sum * 0`` so that backward still runs [].
+
+    This is the only division of a loss by its normaliser in the project: the trainer passes the
+    count summed over micro-batches and all-reduced over data-parallel ranks.
+    """
+    safe = count.clamp(min=1).to(loss_sum.dtype)
+    return torch.where(count > 0, loss_sum / safe, loss_sum * 0)
