@@ -34,7 +34,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunks(num_tokens: int, chunk_size: int):
+def chunk_ranges(num_tokens: int, chunk_size: int):
+    """(start, end) row ranges of at most ``chunk_size`` tokens."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     for start in range(0, num_tokens, chunk_size):
@@ -50,7 +51,7 @@ class _GatherLogprobs(torch.autograd.Function):
         acc = accumulation_dtype(logits.dtype)
         out = torch.empty(ids.shape, dtype=acc, device=logits.device)
         lse = torch.empty(ids.shape[0], dtype=acc, device=logits.device)
-        for s, e in _chunks(logits.shape[0], chunk_size):
+        for s, e in chunk_ranges(logits.shape[0], chunk_size):
             z = logits[s:e].to(acc)  # [c, V] the one fp32 temporary (a view if already fp32)
             lse[s:e] = torch.logsumexp(z, dim=-1)
             out[s:e] = z.gather(-1, ids[s:e]) - lse[s:e, None]
@@ -62,7 +63,7 @@ class _GatherLogprobs(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         logits, ids, lse = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
-        for s, e in _chunks(logits.shape[0], ctx.chunk_size):
+        for s, e in chunk_ranges(logits.shape[0], ctx.chunk_size):
             g = grad_out[s:e].to(lse.dtype)  # [c, M]
             p = logits[s:e].to(lse.dtype, copy=True).sub_(lse[s:e, None]).exp_()  # softmax [c, V]
             p.mul_(-g.sum(dim=-1, keepdim=True)).scatter_add_(-1, ids[s:e], g)
@@ -84,22 +85,71 @@ def gather_logprobs(logits: Tensor, ids: Tensor, *, chunk_size: int = DEFAULT_CH
     """
     _check_logits_ids(logits, ids)
     lead = ids.shape[:-1]
-    flat = _GatherLogprobs.apply(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1, ids.shape[-1]), chunk_size)
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    # Explicit row count: reshape(-1, 0) is ambiguous and raises when there are no ids (k = 0).
+    flat_ids = ids.reshape(flat_logits.shape[0], ids.shape[-1])
+    flat = _GatherLogprobs.apply(flat_logits, flat_ids, chunk_size)
     return flat.reshape(*lead, ids.shape[-1])
+
+
+def rank_by_value_then_id(values: Tensor, ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k best (value descending, ties to the lower id) of a small candidate set.
+
+    Args:
+        values: [N, C]; ids: [N, C] int64 (distinct per row); k <= C.
+
+    Returns:
+        (values [N, k], ids [N, k]) in that order.
+    """
+    by_id = torch.sort(ids, dim=-1, stable=True)  # ids ascending
+    values = values.gather(-1, by_id.indices)
+    by_value = torch.sort(values, dim=-1, descending=True, stable=True)  # ties keep id order
+    top = by_value.indices[:, :k]
+    return by_value.values[:, :k], by_id.values.gather(-1, top)
+
+
+def topk_value_then_id(z: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``torch.topk`` with a deterministic tie rule: ties at the k-th value go to the lower ids.
+
+    ``torch.topk`` picks an arbitrary subset of equal values, which would make top-k ids depend on
+    the kernel and on the vocab sharding. Rows whose k-th value is tied beyond the selection are
+    re-selected by id; the result is ordered by value descending, then id ascending.
+
+    Args:
+        z: [N, V]; k: 0 <= k <= V.
+
+    Returns:
+        (values [N, k] in z's dtype, ids [N, k] int64).
+    """
+    top = torch.topk(z, k, dim=-1, sorted=True)
+    if k == 0:
+        return top.values, top.indices
+    kth = top.values[:, -1:]  # [N, 1]
+    ambiguous = (z == kth).sum(-1) > (top.values == kth).sum(-1)  # [N] ties straddle the cut
+    ids = top.indices.clone()
+    rows = ambiguous.nonzero().squeeze(-1)
+    if rows.numel():
+        sub = z[rows]  # [n, V]
+        greater = sub > kth[rows]
+        tied = sub == kth[rows]
+        room = k - greater.sum(-1, keepdim=True)  # [n, 1] how many tied ids fit
+        keep = greater | (tied & (tied.cumsum(-1) <= room))  # exactly k per row
+        ids[rows] = keep.nonzero()[:, 1].view(-1, k)  # ascending ids
+    values = z.gather(-1, ids)
+    return rank_by_value_then_id(values, ids, k)
 
 
 @torch.no_grad()
 def topk_logprobs(logits: Tensor, k: int, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[Tensor, Tensor]:
     """The k most likely ids per token and their log-probs (no gradient).
 
-    Ties are broken towards the lower id (``torch.topk`` on CPU does so; the vocab-parallel version
-    re-ranks candidates by (value, -id) to keep the same rule).
+    Ties go to the lower id (``topk_value_then_id``), the same rule as the vocab-parallel top-k.
 
     Args:
         logits: [*, V]; k: 0 <= k <= V.
 
     Returns:
-        (logprobs [*, K] float32 sorted descending, ids [*, K] int64).
+        (logprobs [*, K] sorted descending, float32 (float64 for float64 logits); ids [*, K] int64).
     """
     vocab = logits.shape[-1]
     if not 0 <= k <= vocab:
@@ -108,11 +158,10 @@ def topk_logprobs(logits: Tensor, k: int, *, chunk_size: int = DEFAULT_CHUNK_SIZ
     acc = accumulation_dtype(logits.dtype)
     values = torch.empty(flat.shape[0], k, dtype=acc, device=logits.device)
     ids = torch.empty(flat.shape[0], k, dtype=torch.int64, device=logits.device)
-    for s, e in _chunks(flat.shape[0], chunk_size):
+    for s, e in chunk_ranges(flat.shape[0], chunk_size):
         z = flat[s:e].to(acc)
-        top = torch.topk(z, k, dim=-1, sorted=True)
-        values[s:e] = top.values - torch.logsumexp(z, dim=-1, keepdim=True)
-        ids[s:e] = top.indices
+        top_values, ids[s:e] = topk_value_then_id(z, k)
+        values[s:e] = top_values - torch.logsumexp(z, dim=-1, keepdim=True)
     return values.reshape(*logits.shape[:-1], k), ids.reshape(*logits.shape[:-1], k)
 
 
@@ -129,7 +178,7 @@ def logsumexp_and_entropy(logits: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZ
     flat = logits.reshape(-1, logits.shape[-1])
     lse = torch.empty(flat.shape[0], dtype=accumulation_dtype(logits.dtype), device=logits.device)
     ent = torch.empty_like(lse)
-    for s, e in _chunks(flat.shape[0], chunk_size):
+    for s, e in chunk_ranges(flat.shape[0], chunk_size):
         z = flat[s:e].to(lse.dtype)
         lse[s:e] = torch.logsumexp(z, dim=-1)
         ent[s:e] = lse[s:e] - (torch.softmax(z, dim=-1) * z).sum(dim=-1)

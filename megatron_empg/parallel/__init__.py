@@ -1,0 +1,1 @@
+"""torch.distributed layer: vocab-parallel autograd Functions; every process group is an argument."""

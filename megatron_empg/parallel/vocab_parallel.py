@@ -1,0 +1,274 @@
+"""Log-probs, entropy, top-k and Top-k KL over tensor-parallel vocabulary shards.
+
+Megatron's output layer leaves each TP rank with ``vocab_parallel_logits`` [T, V_local]: the
+columns [vocab_start, vocab_start + V_local) of a vocabulary padded to TP * V_local. Columns at
+global ids >= ``vocab_size`` (the real vocabulary) are padding and are masked to -inf before every
+softmax, logsumexp and top-k. Nothing here gathers the vocabulary:
+
+    forward   per chunk of tokens: local logsumexp, sum_j exp(z_j - lse_local) z_j, and the logits
+              at the requested ids this rank owns -> ONE all-gather of [T, 2 + M] per call
+    backward  no collective: the upstream gradient is replicated over the TP group, so each rank
+              writes the gradient of its own columns,
+              d/dz_j = [j in ids] g - p_j (sum_m g_m + g_H (log p_j + H))
+    top-k     local top-k (ties to the lower id) -> all-gather [T, k] values and global ids ->
+              re-rank the TP * k candidates by (value, -id)
+
+Only one [chunk, V_local] float32 temporary exists at a time (two when the entropy gradient is
+needed). With ``inplace_backward=True`` the gradient is written into the logits buffer, as
+Megatron's vocab-parallel cross-entropy does; use it only when nothing else reads those logits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_empg.core.logprob import (
+    DEFAULT_CHUNK_SIZE,
+    accumulation_dtype,
+    chunk_ranges,
+    rank_by_value_then_id,
+    topk_value_then_id,
+)
+from megatron_empg.core.topk_kl import TopkKL, topk_kl_from_logprobs
+
+
+class VocabShard(NamedTuple):
+    """Where this rank's logits columns sit: global ids [vocab_start, vocab_start + V_local)."""
+
+    vocab_start: int
+    vocab_size: int  # real (unpadded) global vocabulary
+    tp_group: dist.ProcessGroup | None  # None: a single device, no collective
+
+    def num_valid(self, local_width: int) -> int:
+        """Columns of this shard that are real vocabulary (the padding is a suffix)."""
+        return max(0, min(local_width, self.vocab_size - self.vocab_start))
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """[*] -> [world, *] over ``group`` (a view of ``tensor`` when the group has one rank)."""
+    if _world(group) == 1:
+        return tensor.unsqueeze(0)
+    parts = [torch.empty_like(tensor) for _ in range(_world(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+def _masked_chunk(logits: Tensor, start: int, end: int, n_valid: int, dtype: torch.dtype) -> Tensor:
+    """A fresh [c, V_local] copy of rows start:end in ``dtype`` with padded columns at -inf."""
+    z = logits[start:end].to(dtype, copy=True)
+    z[:, n_valid:] = float("-inf")
+    return z
+
+
+def _combine_lse(local_lse: Tensor) -> Tensor:
+    """[world, T] per-rank logsumexp -> [T] global; ranks without real columns hold -inf."""
+    return torch.logsumexp(local_lse, dim=0)
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """(log pi at global ids [T, M], entropy [T]) from a vocab shard; backward has no collective."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, shard: VocabShard, chunk_size: int, inplace_backward: bool):
+        acc = accumulation_dtype(logits.dtype)
+        num_tokens, width = logits.shape
+        n_valid = shard.num_valid(width)
+        local_ids = ids - shard.vocab_start  # [T, M]
+        owned = (local_ids >= 0) & (local_ids < n_valid)
+        local_ids = torch.where(owned, local_ids, torch.zeros_like(local_ids))
+        packed = torch.zeros(num_tokens, 2 + ids.shape[1], dtype=acc, device=logits.device)
+        packed[:, 0] = float("-inf")  # stays for a shard of padding only: no mass, no entropy term
+        for s, e in chunk_ranges(num_tokens, chunk_size) if n_valid else ():
+            log_p = _masked_chunk(logits, s, e, n_valid, acc)  # [c, V_local]
+            lse_local = torch.logsumexp(log_p, dim=-1)  # [c]
+            log_p.sub_(lse_local[:, None])  # local log-softmax
+            p = log_p.exp()
+            log_p[:, n_valid:] = 0  # p is 0 there; avoids 0 * -inf
+            packed[s:e, 0] = lse_local
+            packed[s:e, 1] = p.mul_(log_p).sum(-1) + lse_local  # sum_j p_j^local z_j
+        packed[:, 2:] = torch.where(owned, logits.gather(-1, local_ids).to(acc), 0)
+        gathered = _all_gather(packed, shard.tp_group)  # [world, T, 2 + M]
+        lse = _combine_lse(gathered[:, :, 0])  # [T]
+        rank_mass = (gathered[:, :, 0] - lse).exp()  # [world, T] share of each rank's columns
+        entropy = lse - (rank_mass * gathered[:, :, 1]).sum(0)
+        logprobs = gathered[:, :, 2:].sum(0) - lse[:, None]
+        ctx.save_for_backward(logits, local_ids, owned, lse, entropy)
+        ctx.shard, ctx.chunk_size, ctx.inplace_backward = shard, chunk_size, inplace_backward
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local_ids, owned, lse, entropy = ctx.saved_tensors
+        n_valid = ctx.shard.num_valid(logits.shape[1])
+        grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
+        acc = lse.dtype
+        g_ids = torch.where(owned, grad_logprobs.to(acc), 0) if grad_logprobs is not None else None
+        for s, e in chunk_ranges(logits.shape[0], ctx.chunk_size):
+            log_p = _masked_chunk(logits, s, e, n_valid, acc).sub_(lse[s:e, None])  # [c, V_local]
+            p = log_p.exp()  # padded columns: 0
+            coef = torch.zeros(e - s, 1, dtype=acc, device=p.device)
+            if grad_logprobs is not None:
+                coef = coef + grad_logprobs[s:e].to(acc).sum(-1, keepdim=True)
+            if grad_entropy is not None:
+                log_p[:, n_valid:] = 0  # 0 * -inf would be NaN; p is 0 there anyway
+                log_p.add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None].to(acc)).add_(coef)
+                grad = p.mul_(log_p).neg_()
+            else:
+                grad = p.mul_(-coef)
+            if g_ids is not None:
+                grad.scatter_add_(-1, local_ids[s:e], g_ids[s:e])
+            grad_logits[s:e] = grad
+        # One None per forward argument after logits: ids, shard, chunk_size, inplace_backward.
+        return grad_logits, None, None, None, None
+
+
+def _check(logits: Tensor, shard: VocabShard) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"vocab_parallel_logits must be [T, V_local], got shape {tuple(logits.shape)}")
+    if shard.vocab_size < 1 or shard.vocab_start < 0:
+        raise ValueError(f"invalid vocab shard: vocab_start={shard.vocab_start}, vocab_size={shard.vocab_size}")
+
+
+def vocab_parallel_logprobs(
+    vocab_parallel_logits: Tensor,
+    ids: Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    inplace_backward: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs at global ids and the entropy, from this rank's vocabulary shard.
+
+    Args:
+        vocab_parallel_logits: [T, V_local] (bf16 or fp32; accumulation in fp32).
+        ids: [T, M] int64 global ids in [0, vocab_size) (e.g. the top-k index set and the sampled
+            token); the owner rank reads each one.
+        vocab_start: global id of this shard's first column.
+        vocab_size: real vocabulary size; columns at ids >= vocab_size are padding.
+        tp_group: the tensor-parallel group (None on a single device).
+        chunk_size: tokens per chunk.
+        inplace_backward: write the gradient into ``vocab_parallel_logits`` (saves [T, V_local]).
+
+    Returns:
+        (logprobs [T, M], entropy [T]), float32, identical on every rank of the group.
+    """
+    shard = VocabShard(vocab_start, vocab_size, tp_group)
+    _check(vocab_parallel_logits, shard)
+    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] != vocab_parallel_logits.shape[0]:
+        raise ValueError(f"ids must be int64 [T, M] with T={vocab_parallel_logits.shape[0]}, got {ids.dtype} {tuple(ids.shape)}")
+    return _VocabParallelLogprobs.apply(vocab_parallel_logits, ids, shard, chunk_size, inplace_backward)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(
+    vocab_parallel_logits: Tensor,
+    k: int,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor]:
+    """Global top-k log-probs and ids without gathering the vocabulary (no gradient).
+
+    Local top-k per shard (padding masked, ties to the lower id) -> all-gather (values, global
+    ids) -> re-rank the TP * k candidates by value, then id. Equals ``core.logprob.topk_logprobs``
+    on the full vocabulary, ties included.
+
+    Returns:
+        (logprobs [T, k] descending, float32; ids [T, k] int64), identical on every rank.
+    """
+    shard = VocabShard(vocab_start, vocab_size, tp_group)
+    _check(vocab_parallel_logits, shard)
+    if not 0 <= k <= vocab_size:
+        raise ValueError(f"k={k} must be in [0, vocab_size={vocab_size}]")
+    num_tokens, width = vocab_parallel_logits.shape
+    acc = accumulation_dtype(vocab_parallel_logits.dtype)
+    n_valid = shard.num_valid(width)
+    local_k = min(k, width)
+    lse_local = torch.empty(num_tokens, 1, dtype=acc, device=vocab_parallel_logits.device)
+    values = torch.empty(num_tokens, local_k, dtype=acc, device=vocab_parallel_logits.device)
+    ids = torch.empty(num_tokens, local_k, dtype=torch.int64, device=vocab_parallel_logits.device)
+    for s, e in chunk_ranges(num_tokens, chunk_size):
+        z = _masked_chunk(vocab_parallel_logits, s, e, n_valid, acc)
+        values[s:e], ids[s:e] = topk_value_then_id(z, local_k)
+        lse_local[s:e, 0] = torch.logsumexp(z, dim=-1)
+    ids += vocab_start
+    packed = torch.cat([lse_local, values, ids.to(acc)], dim=-1)  # ids < 2^24 are exact in fp32
+    gathered = _all_gather(packed, shard.tp_group)  # [world, T, 1 + 2 local_k]
+    lse = _combine_lse(gathered[:, :, 0])  # [T]
+    cand_values = gathered[:, :, 1 : 1 + local_k].permute(1, 0, 2).reshape(num_tokens, -1)
+    cand_ids = gathered[:, :, 1 + local_k :].permute(1, 0, 2).reshape(num_tokens, -1).to(torch.int64)
+    top_values, top_ids = rank_by_value_then_id(cand_values, cand_ids, k)
+    return top_values - lse[:, None], top_ids
+
+
+def vocab_parallel_topk_kl(
+    vocab_parallel_logits: Tensor,
+    token_ids: Tensor,
+    index_set: Tensor,
+    head_anchor_logprobs: Tensor,
+    anchor_logprobs: Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None,
+    direction: str,
+    tail: bool = True,
+    tail_grad: str = "unbiased",
+    old_logprobs: Tensor | None = None,
+    iw_clip: tuple[float | None, float | None] = (None, None),
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    inplace_backward: bool = False,
+    validate: bool = True,
+) -> tuple[TopkKL, Tensor]:
+    """Top-k KL of ``core.topk_kl`` from a vocab shard; also returns log pi(token) for the PG loss.
+
+    Args:
+        vocab_parallel_logits: [T, V_local].
+        token_ids: [T] int64 sampled tokens. index_set: [T, K] int64 global ids from an earlier
+            pass (top-k of pi_old for reverse, of the anchor for forward).
+        head_anchor_logprobs: [T, K]; anchor_logprobs: [T]; old_logprobs: [T] or None.
+        Other arguments: as ``vocab_parallel_logprobs`` and ``core.topk_kl.topk_kl_from_logprobs``.
+
+    Returns:
+        (``TopkKL`` of [T] tensors, logprobs [T] at ``token_ids`` carrying the gradient).
+    """
+    if index_set.shape[-1] > vocab_size:
+        raise ValueError(f"index_set has k={index_set.shape[-1]} ids per token but vocab_size={vocab_size}")
+    ids = torch.cat([index_set, token_ids.unsqueeze(-1)], dim=-1)  # [T, K+1]
+    gathered, _ = vocab_parallel_logprobs(
+        vocab_parallel_logits,
+        ids,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+        chunk_size=chunk_size,
+        inplace_backward=inplace_backward,
+    )
+    logprobs = gathered[:, -1]
+    in_head = (index_set == token_ids.unsqueeze(-1)).any(-1)
+    kl = topk_kl_from_logprobs(
+        gathered[:, :-1],
+        head_anchor_logprobs,
+        logprobs,
+        anchor_logprobs,
+        in_head,
+        direction=direction,
+        tail=tail,
+        tail_grad=tail_grad,
+        old_logprobs=old_logprobs,
+        iw_clip=iw_clip,
+        validate=validate,
+    )
+    return kl, logprobs
