@@ -41,7 +41,7 @@ def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean") -> Lo
     """Reduce per-token values to a ``LossSum`` under one of ``AGG_MODES``.
 
     Args:
-        values: [B, S] per-token losses (any float dtype; the sum keeps it).
+        values: [B, S] per-token losses (bf16 inputs are summed in float32).
         loss_mask: [B, S] bool, True where the token contributes.
         mode: one of ``AGG_MODES``.
 
@@ -54,6 +54,7 @@ def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean") -> Lo
     check_same_shape(values=values, loss_mask=loss_mask)
     if values.dim() != 2:
         raise ValueError(f"values must be [B, S], got shape {tuple(values.shape)}")
+    values = values.to(torch.promote_types(values.dtype, torch.float32))
     masked = masked_values(values, loss_mask)  # [B, S]
     tokens_per_seq = loss_mask.sum(dim=-1)  # [B] int64
     if mode == "token-mean":
@@ -66,6 +67,8 @@ def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean") -> Lo
 
 def add(*parts: LossSum) -> LossSum:
     """Sum several ``LossSum`` (micro-batches); counts add exactly."""
+    if not parts:
+        raise ValueError("add() needs at least one LossSum")
     return LossSum(sum(p.loss_sum for p in parts), sum(p.count for p in parts))
 
 
