@@ -51,7 +51,10 @@ def importance_weight(
     low, high = clip
     if low is not None and high is not None and low > high:
         raise ValueError(f"iw_clip={clip!r}: lower bound exceeds upper bound")
-    return log_ratio.exp().clamp(min=low, max=high)
+    weight = log_ratio.exp()
+    if low is None and high is None:  # torch.clamp raises when both bounds are None
+        return weight
+    return weight.clamp(min=low, max=high)
 
 
 def _k3(logprobs: Tensor, anchor_logprobs: Tensor) -> Tensor:

@@ -49,7 +49,7 @@ def _reverse_tail(logprobs: Tensor, anchor_logprobs: Tensor, tail_grad: str) -> 
     r = straight_through_one(logprobs)
     if tail_grad == "reference":
         return r * log_ratio
-    return r * (log_ratio + 1) - 1
+    return r * log_ratio + (r - 1)  # = r * sg(l - l_r + 1) - 1, same value bit for bit
 
 
 def _forward_tail(logprobs: Tensor, anchor_logprobs: Tensor, tail_grad: str) -> Tensor:
@@ -163,6 +163,9 @@ def topk_kl(
         ``TopkKL`` of [*] float32 tensors.
     """
     vocab = logits.shape[-1]
+    for name, ids in (("token_ids", token_ids), ("index_set", index_set)):
+        if ids.dtype != torch.int64:  # torch.cat below would silently promote a mix of int dtypes
+            raise ValueError(f"{name} must be int64, got {ids.dtype}")
     if index_set.shape[-1] > vocab:
         raise ValueError(f"index_set has k={index_set.shape[-1]} ids per token but V={vocab}")
     if token_ids.shape != logits.shape[:-1]:
