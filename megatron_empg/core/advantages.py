@@ -200,14 +200,14 @@ def grpo(
         [B] advantages, float32 (float64 for float64 rewards).
 
     Raises:
-        ValueError: with ``normalize_std=True``, naming ``group_ids`` and a group of size 1
-            (always checked: one host sync).
+        ValueError: naming ``group_ids`` and a group of size 1, whose advantage would be
+            identically 0 (always checked: one host sync).
     """
     _check_inputs(rewards, group_ids, validate, eps)
     centered, inverse, counts, unique_ids = _centered_by_group(rewards, group_ids)
+    _require_group_size(unique_ids, counts, "grpo" if normalize_std else "dr_grpo")
     if not normalize_std:
         return centered
-    _require_group_size(unique_ids, counts, "grpo with normalize_std=True")
     var = _group_sum(centered.square(), inverse, len(counts)) / (counts - 1).to(centered.dtype)
     return centered / (var.sqrt()[inverse] + eps)  # [B]
 
@@ -216,8 +216,7 @@ def grpo(
 def dr_grpo(rewards: Tensor, group_ids: Tensor, *, validate: bool = True) -> Tensor:
     """Dr.GRPO advantages ``R_i - mean_g`` (arXiv:2503.20783): ``grpo(normalize_std=False)``.
 
-    Identical to RPG's ``adv_estimator=rpg`` (registered as ``"rpg"`` too). Sums to 0 over each
-    group; a group of one gets advantage 0.
+    Sums to 0 over each group; a group of size 1 raises (see ``grpo``).
 
     Args:
         rewards: [B] one reward per sequence.
@@ -230,7 +229,25 @@ def dr_grpo(rewards: Tensor, group_ids: Tensor, *, validate: bool = True) -> Ten
     return grpo(rewards, group_ids, normalize_std=False, validate=validate)
 
 
-register_advantage_estimator("rpg")(dr_grpo)
+@register_advantage_estimator("rpg")
+def rpg_group_mean(rewards: Tensor, group_ids: Tensor, *, validate: bool = True) -> Tensor:
+    """RPG's ``adv_estimator=rpg`` (arXiv:2505.17508, rpg.md section 6): ``R_i - mean_g``.
+
+    Equal to ``dr_grpo`` except that, as in the RPG code, a group of size 1 is not an error: its
+    baseline is 0, so its advantage is its reward.
+
+    Args:
+        rewards: [B] one reward per sequence.
+        group_ids: [B] integer group ids (see ``grpo``).
+        validate: check that ``rewards`` is finite (one host sync).
+
+    Returns:
+        [B] advantages, float32 (float64 for float64 rewards).
+    """
+    _check_inputs(rewards, group_ids, validate)
+    centered, inverse, counts, _ = _centered_by_group(rewards, group_ids)
+    singleton = (counts == 1)[inverse]  # [B]
+    return torch.where(singleton, rewards.to(centered.dtype), centered)
 
 
 @register_advantage_estimator("rloo")

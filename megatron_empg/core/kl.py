@@ -32,8 +32,9 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "k3pp", "k4", "k5")
 # Log-ratios are clamped before exp() so that a token the two policies disagree on wildly cannot
 # overflow: exp(20) ~ 4.9e8 is finite in fp32 and bf16. Same constant as verl / ema-pg.
 LOG_RATIO_CLAMP = 20.0
-# verl's `low_var_kl` clamps the K3 value to [-10, 10]; where the clamp is active the gradient is 0.
-K3_CLAMP = 10.0
+# verl clamps K3 (`low_var_kl`) and the `rpg_*` KL values (except rpg_fkl) to [-10, 10]; where the
+# clamp is active the gradient is 0, so a single far-off token cannot dominate.
+KL_VALUE_CLAMP = 10.0
 
 
 def straight_through_one(logprobs: Tensor) -> Tensor:
@@ -59,7 +60,7 @@ def importance_weight(
 
 def _k3(logprobs: Tensor, anchor_logprobs: Tensor) -> Tensor:
     log_w = (anchor_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (log_w.exp() - log_w - 1).clamp(-K3_CLAMP, K3_CLAMP)
+    return (log_w.exp() - log_w - 1).clamp(-KL_VALUE_CLAMP, KL_VALUE_CLAMP)
 
 
 def _k5(logprobs: Tensor, anchor_logprobs: Tensor) -> Tensor:

@@ -123,13 +123,17 @@ def test_dr_grpo_equals_grpo_without_std_and_sums_to_zero_per_group():
     torch.testing.assert_close(actual, as_float32(reference_grpo(rewards_list, ids_list, False)))
     for g in set(ids_list):
         assert abs(actual[group_ids == g].double().sum().item()) < 1e-5
-    assert ADVANTAGE_ESTIMATORS["rpg"] is dr_grpo
+    torch.testing.assert_close(ADVANTAGE_ESTIMATORS["rpg"](rewards, group_ids), actual, rtol=0, atol=0)
 
 
-def test_dr_grpo_accepts_a_group_of_one_and_gives_zero():
+def test_dr_grpo_rejects_a_group_of_one_while_rpg_gives_it_its_reward():
     rewards = torch.tensor([0.7, 1.0, 0.0])
     group_ids = torch.tensor([9, 4, 4])
-    torch.testing.assert_close(dr_grpo(rewards, group_ids), torch.tensor([0.0, 0.5, -0.5]))
+    with pytest.raises(ValueError, match="group_ids: group 9 has a single sample"):
+        dr_grpo(rewards, group_ids)
+    # RPG's code: a singleton's baseline is 0, so its advantage is its reward (rpg.md property 17).
+    actual = ADVANTAGE_ESTIMATORS["rpg"](rewards, group_ids)
+    torch.testing.assert_close(actual, torch.tensor([0.7, 0.5, -0.5]))
 
 
 def test_rloo_matches_leave_one_out_formula():

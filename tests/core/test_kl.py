@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from megatron_empg.core.kl import K3_CLAMP, KL_ESTIMATORS, importance_weight, sampled_kl
+from megatron_empg.core.kl import KL_VALUE_CLAMP, KL_ESTIMATORS, importance_weight, sampled_kl
 
 # Exact enumeration in float64: the only error is rounding, ~1e-15 relative.
 ENUM_ATOL = 1e-10
@@ -86,7 +86,7 @@ def _enumerate(
 def _assert_k3_unclamped(logits: Tensor, anchor_logits: Tensor) -> None:
     log_w = torch.log_softmax(anchor_logits, -1) - torch.log_softmax(logits, -1)
     unclamped_k3 = log_w.exp() - log_w - 1
-    assert unclamped_k3.max() < K3_CLAMP, "test case left the unclamped regime of K3"
+    assert unclamped_k3.max() < KL_VALUE_CLAMP, "test case left the unclamped regime of K3"
 
 
 def _sampler_logits(sampler: str, old_logits: Tensor) -> Tensor | None:
@@ -196,7 +196,7 @@ def test_k3_clamp_zeroes_the_gradient_where_active():
     (actual_grad,) = torch.autograd.grad(actual_value.sum(), logprobs)
 
     clamped = torch.tensor([False, True, True, True, False])
-    expected_value = torch.where(clamped, torch.full_like(log_w, K3_CLAMP), log_w.exp() - log_w - 1)
+    expected_value = torch.where(clamped, torch.full_like(log_w, KL_VALUE_CLAMP), log_w.exp() - log_w - 1)
     expected_grad = torch.where(clamped, torch.zeros_like(log_w), 1 - log_w.exp())
     torch.testing.assert_close(actual_value.detach(), expected_value, rtol=0, atol=1e-12)
     assert torch.equal(actual_grad[clamped], torch.zeros(3, dtype=torch.float64))
