@@ -1,0 +1,1 @@
+"""Megatron-Core adapters: the only subpackage that imports megatron.core."""
