@@ -146,6 +146,7 @@ def vocab_parallel_logprobs(
     tp_group: dist.ProcessGroup | None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     inplace_backward: bool = False,
+    validate: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs at global ids and the entropy, from this rank's vocabulary shard.
 
@@ -158,6 +159,7 @@ def vocab_parallel_logprobs(
         tp_group: the tensor-parallel group (None on a single device).
         chunk_size: tokens per chunk.
         inplace_backward: write the gradient into ``vocab_parallel_logits`` (saves [T, V_local]).
+        validate: check that every id is in [0, vocab_size) (one host sync).
 
     Returns:
         (logprobs [T, M], entropy [T]), float32, identical on every rank of the group.
@@ -166,6 +168,8 @@ def vocab_parallel_logprobs(
     _check(vocab_parallel_logits, shard)
     if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] != vocab_parallel_logits.shape[0]:
         raise ValueError(f"ids must be int64 [T, M] with T={vocab_parallel_logits.shape[0]}, got {ids.dtype} {tuple(ids.shape)}")
+    if validate and ids.numel() and not bool(((ids >= 0) & (ids < vocab_size)).all()):
+        raise ValueError(f"ids must be in [0, vocab_size={vocab_size}); padded or negative ids have no log-prob")
     return _VocabParallelLogprobs.apply(vocab_parallel_logits, ids, shard, chunk_size, inplace_backward)
 
 
@@ -246,6 +250,11 @@ def vocab_parallel_topk_kl(
     """
     if index_set.shape[-1] > vocab_size:
         raise ValueError(f"index_set has k={index_set.shape[-1]} ids per token but vocab_size={vocab_size}")
+    if token_ids.shape != vocab_parallel_logits.shape[:1] or index_set.shape[:1] != token_ids.shape:
+        raise ValueError(
+            f"token_ids {tuple(token_ids.shape)} and index_set {tuple(index_set.shape)} must be [T] and "
+            f"[T, K] with T={vocab_parallel_logits.shape[0]}"
+        )
     ids = torch.cat([index_set, token_ids.unsqueeze(-1)], dim=-1)  # [T, K+1]
     gathered, _ = vocab_parallel_logprobs(
         vocab_parallel_logits,
@@ -255,6 +264,7 @@ def vocab_parallel_topk_kl(
         tp_group=tp_group,
         chunk_size=chunk_size,
         inplace_backward=inplace_backward,
+        validate=validate,
     )
     logprobs = gathered[:, -1]
     in_head = (index_set == token_ids.unsqueeze(-1)).any(-1)
