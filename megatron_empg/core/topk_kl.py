@@ -130,6 +130,49 @@ def topk_kl_from_logprobs(
     return TopkKL(head + weighted_tail, head, tail_values)
 
 
+def topk_kl_ids(index_set: Tensor, token_ids: Tensor, *, lead_shape: torch.Size, vocab_size: int) -> Tensor:
+    """The ids whose policy log-probs a Top-k KL needs: the index set, then the sampled token.
+
+    Args:
+        index_set: [*, K] int64 ids q; token_ids: [*] int64 sampled tokens y.
+        lead_shape: the logits' leading shape [*]; vocab_size: V (K must not exceed it).
+
+    Returns:
+        [*, K+1] int64.
+    """
+    for name, ids in (("token_ids", token_ids), ("index_set", index_set)):
+        if ids.dtype != torch.int64:  # torch.cat below would silently promote a mix of int dtypes
+            raise ValueError(f"{name} must be int64, got {ids.dtype}")
+    if index_set.shape[-1] > vocab_size:
+        raise ValueError(f"index_set has k={index_set.shape[-1]} ids per token but V={vocab_size}")
+    if token_ids.shape != lead_shape:
+        raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}, expected {tuple(lead_shape)}")
+    if index_set.shape[:-1] != token_ids.shape:
+        raise ValueError(f"index_set has shape {tuple(index_set.shape)}, expected {tuple(token_ids.shape)} + (K,)")
+    return torch.cat([index_set, token_ids.unsqueeze(-1)], dim=-1)
+
+
+def topk_kl_from_gathered(
+    gathered: Tensor,
+    index_set: Tensor,
+    token_ids: Tensor,
+    head_anchor_logprobs: Tensor,
+    anchor_logprobs: Tensor,
+    **estimator_args,
+) -> TopkKL:
+    """Top-k KL from the policy's log-probs at ``topk_kl_ids`` (single-device or vocab-parallel).
+
+    Args:
+        gathered: [*, K+1] log pi_theta at (q, y), carrying the gradient.
+        index_set: [*, K]; token_ids: [*]; head_anchor_logprobs: [*, K]; anchor_logprobs: [*].
+        estimator_args: keyword arguments of ``topk_kl_from_logprobs``.
+    """
+    in_head = (index_set == token_ids.unsqueeze(-1)).any(-1)  # [*]
+    return topk_kl_from_logprobs(
+        gathered[..., :-1], head_anchor_logprobs, gathered[..., -1], anchor_logprobs, in_head, **estimator_args
+    )
+
+
 def topk_kl(
     logits: Tensor,
     token_ids: Tensor,
@@ -162,27 +205,16 @@ def topk_kl(
     Returns:
         ``TopkKL`` of [*] float32 tensors.
     """
-    vocab = logits.shape[-1]
-    for name, ids in (("token_ids", token_ids), ("index_set", index_set)):
-        if ids.dtype != torch.int64:  # torch.cat below would silently promote a mix of int dtypes
-            raise ValueError(f"{name} must be int64, got {ids.dtype}")
-    if index_set.shape[-1] > vocab:
-        raise ValueError(f"index_set has k={index_set.shape[-1]} ids per token but V={vocab}")
-    if token_ids.shape != logits.shape[:-1]:
-        raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}, expected {tuple(logits.shape[:-1])}")
-    if index_set.shape[:-1] != token_ids.shape:
-        raise ValueError(f"index_set has shape {tuple(index_set.shape)}, expected {tuple(token_ids.shape)} + (K,)")
+    ids = topk_kl_ids(index_set, token_ids, lead_shape=logits.shape[:-1], vocab_size=logits.shape[-1])
     if validate:
         check_finite(logits=logits)
-    ids = torch.cat([index_set, token_ids.unsqueeze(-1)], dim=-1)  # [*, K+1]
     gathered = gather_logprobs(logits, ids, chunk_size=chunk_size)  # [*, K+1] float32
-    in_head = (index_set == token_ids.unsqueeze(-1)).any(-1)  # [*]
-    return topk_kl_from_logprobs(
-        gathered[..., :-1],
+    return topk_kl_from_gathered(
+        gathered,
+        index_set,
+        token_ids,
         head_anchor_logprobs,
-        gathered[..., -1],
         anchor_logprobs,
-        in_head,
         direction=direction,
         tail=tail,
         tail_grad=tail_grad,

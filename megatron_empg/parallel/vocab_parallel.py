@@ -33,7 +33,7 @@ from megatron_empg.core.logprob import (
     rank_by_value_then_id,
     topk_value_then_id,
 )
-from megatron_empg.core.topk_kl import TopkKL, topk_kl_from_logprobs
+from megatron_empg.core.topk_kl import TopkKL, topk_kl_from_gathered, topk_kl_ids
 
 
 class VocabShard(NamedTuple):
@@ -248,14 +248,7 @@ def vocab_parallel_topk_kl(
     Returns:
         (``TopkKL`` of [T] tensors, logprobs [T] at ``token_ids`` carrying the gradient).
     """
-    if index_set.shape[-1] > vocab_size:
-        raise ValueError(f"index_set has k={index_set.shape[-1]} ids per token but vocab_size={vocab_size}")
-    if token_ids.shape != vocab_parallel_logits.shape[:1] or index_set.shape[:1] != token_ids.shape:
-        raise ValueError(
-            f"token_ids {tuple(token_ids.shape)} and index_set {tuple(index_set.shape)} must be [T] and "
-            f"[T, K] with T={vocab_parallel_logits.shape[0]}"
-        )
-    ids = torch.cat([index_set, token_ids.unsqueeze(-1)], dim=-1)  # [T, K+1]
+    ids = topk_kl_ids(index_set, token_ids, lead_shape=vocab_parallel_logits.shape[:1], vocab_size=vocab_size)
     gathered, _ = vocab_parallel_logprobs(
         vocab_parallel_logits,
         ids,
@@ -266,14 +259,12 @@ def vocab_parallel_topk_kl(
         inplace_backward=inplace_backward,
         validate=validate,
     )
-    logprobs = gathered[:, -1]
-    in_head = (index_set == token_ids.unsqueeze(-1)).any(-1)
-    kl = topk_kl_from_logprobs(
-        gathered[:, :-1],
+    kl = topk_kl_from_gathered(
+        gathered,
+        index_set,
+        token_ids,
         head_anchor_logprobs,
-        logprobs,
         anchor_logprobs,
-        in_head,
         direction=direction,
         tail=tail,
         tail_grad=tail_grad,
@@ -281,4 +272,4 @@ def vocab_parallel_topk_kl(
         iw_clip=iw_clip,
         validate=validate,
     )
-    return kl, logprobs
+    return kl, gathered[:, -1]
