@@ -44,6 +44,77 @@ def chunk_ranges(num_tokens: int, chunk_size: int):
         yield start, min(start + chunk_size, num_tokens)
 
 
+def load_masked_(scratch: Tensor, rows: Tensor, n_valid: int) -> Tensor:
+    """Copy ``rows`` [c, V] (any float dtype) into ``scratch`` [c, V] (the accumulation dtype) and
+    set the padding columns ``n_valid:`` to -inf. Returns ``scratch``.
+
+    One scratch buffer reused over all chunks of a call: a fresh [chunk, V] allocation per chunk
+    costs its page faults again each time on CPU (the allocator returns large blocks to the OS).
+    """
+    scratch.copy_(rows)
+    if n_valid < scratch.shape[1]:
+        scratch[:, n_valid:] = float("-inf")
+    return scratch
+
+
+def logsumexp_(z: Tensor, *, with_mean: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Row logsumexp of ``z`` [c, V], overwriting ``z`` with exp(z - rowmax).
+
+    Returns:
+        (lse [c]; sum_j softmax(z)_j z_j [c] when ``with_mean``, else None). A row of -inf only
+        has lse = -inf (and mean 0).
+    """
+    row_max = z.amax(-1, keepdim=True)  # [c, 1]
+    row_max.masked_fill_(row_max.isinf(), 0)  # all -inf: exp stays 0 and lse = log 0 = -inf
+    unnormalized = z.sub_(row_max).exp_()
+    total = unnormalized.sum(-1, keepdim=True)
+    lse = (total.log() + row_max).squeeze(-1)
+    if not with_mean:
+        return lse, None
+    # sum_j e_j (z_j - max) = sum_j xlogy(e_j, e_j); xlogy(0, 0) = 0 for padding and underflow.
+    mean = torch.xlogy(unnormalized, unnormalized).sum(-1, keepdim=True).div_(total).add_(row_max)
+    return lse, mean.squeeze(-1)
+
+
+def logsoftmax_backward_(
+    z: Tensor,
+    lse: Tensor,
+    ids: Tensor,
+    grad_ids: Tensor | None,
+    grad_total: Tensor | None,
+    *,
+    entropy: Tensor | None = None,
+    grad_entropy: Tensor | None = None,
+) -> Tensor:
+    """Gradient w.r.t. z of sum_m g_m log p(id_m) + g_H H, written into ``z``.
+
+        d/dz_j = [j = id_m] g_m - p_j (sum_m g_m + g_H (log p_j + H)),   p = softmax(z)
+
+    Args:
+        z: [c, V] scratch holding the (padding-masked) logits in the accumulation dtype.
+        lse: [c] logsumexp of the rows (over every rank's columns under tensor parallelism).
+        ids: [c, M] int64 columns of ``z`` that receive ``grad_ids``.
+        grad_ids: [c, M] gradient of the log-probs at ``ids`` (0 where another rank owns the id),
+            or None (no gradient through the log-probs).
+        grad_total: [c] sum_m g_m over ALL ids, wherever they live; None with ``grad_ids``.
+        entropy, grad_entropy: [c] or None (no gradient through the entropy).
+
+    Returns:
+        ``z``, now the [c, V] gradient (0 on padding columns).
+    """
+    coef = grad_total[:, None] if grad_total is not None else z.new_zeros(z.shape[0], 1)
+    log_p = z.sub_(lse[:, None])
+    if grad_entropy is None:
+        grad = log_p.exp_().mul_(-coef)
+    else:  # needs p and log p at once: the one extra [c, V] temporary
+        p = log_p.exp()
+        log_p.nan_to_num_(nan=0.0, neginf=0.0)  # -inf only where p = 0: avoids 0 * -inf
+        grad = log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(coef).mul_(p).neg_()
+    if grad_ids is not None:
+        grad.scatter_add_(-1, ids, grad_ids)
+    return grad
+
+
 class _GatherLogprobs(torch.autograd.Function):
     """log_softmax(logits)[ids] with a chunked, recomputing backward (see module docstring)."""
 
@@ -51,25 +122,25 @@ class _GatherLogprobs(torch.autograd.Function):
     def forward(ctx, logits: Tensor, ids: Tensor, chunk_size: int) -> Tensor:
         # logits [T, V] (any float dtype), ids [T, M] int64 -> logprobs [T, M] float32 (fp64 in)
         acc = accumulation_dtype(logits.dtype)
-        out = torch.empty(ids.shape, dtype=acc, device=logits.device)
-        lse = torch.empty(ids.shape[0], dtype=acc, device=logits.device)
-        for s, e in chunk_ranges(logits.shape[0], chunk_size):
-            z = logits[s:e].to(acc)  # [c, V] the one fp32 temporary (a view if already fp32)
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            out[s:e] = z.gather(-1, ids[s:e]) - lse[s:e, None]
+        num_tokens, vocab = logits.shape
+        lse = torch.empty(num_tokens, dtype=acc, device=logits.device)
+        scratch = torch.empty(min(chunk_size, num_tokens), vocab, dtype=acc, device=logits.device)
+        for s, e in chunk_ranges(num_tokens, chunk_size):
+            lse[s:e], _ = logsumexp_(load_masked_(scratch[: e - s], logits[s:e], vocab))
         ctx.save_for_backward(logits, ids, lse)
         ctx.chunk_size = chunk_size
-        return out
+        return logits.gather(-1, ids).to(acc) - lse[:, None]
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         logits, ids, lse = ctx.saved_tensors
+        num_tokens, vocab = logits.shape
         grad_logits = torch.empty_like(logits)
-        for s, e in chunk_ranges(logits.shape[0], ctx.chunk_size):
-            g = grad_out[s:e].to(lse.dtype)  # [c, M]
-            p = logits[s:e].to(lse.dtype, copy=True).sub_(lse[s:e, None]).exp_()  # softmax [c, V]
-            p.mul_(-g.sum(dim=-1, keepdim=True)).scatter_add_(-1, ids[s:e], g)
-            grad_logits[s:e] = p
+        scratch = torch.empty(min(ctx.chunk_size, num_tokens), vocab, dtype=lse.dtype, device=logits.device)
+        for s, e in chunk_ranges(num_tokens, ctx.chunk_size):
+            z = load_masked_(scratch[: e - s], logits[s:e], vocab)
+            grad_ids = grad_out[s:e].to(lse.dtype)
+            grad_logits[s:e] = logsoftmax_backward_(z, lse[s:e], ids[s:e], grad_ids, grad_ids.sum(-1))
         # One None per forward argument after logits: ids, chunk_size.
         return grad_logits, None, None
 
@@ -123,20 +194,28 @@ def topk_value_then_id(z: Tensor, k: int) -> tuple[Tensor, Tensor]:
     Returns:
         (values [N, k] in z's dtype, ids [N, k] int64).
     """
-    top = torch.topk(z, k, dim=-1, sorted=True)
-    if k == 0:
-        return top.values, top.indices
-    kth = top.values[:, -1:]  # [N, 1]
-    ambiguous = (z == kth).sum(-1) > (top.values == kth).sum(-1)  # [N] ties straddle the cut
-    ids = top.indices.clone()
-    rows = ambiguous.nonzero().squeeze(-1)
+    if k == 0 or k == z.shape[-1]:
+        top = torch.topk(z, k, dim=-1, sorted=True)  # nothing left out: no tie can straddle the cut
+        return rank_by_value_then_id(top.values, top.indices, k)
+    top = torch.topk(z, k + 1, dim=-1, sorted=True)  # the (k+1)-th value tells whether a tie straddles
+    kth = top.values[:, k - 1 : k]  # [N, 1]
+    ids = top.indices[:, :k].clone()
+    rows = (top.values[:, k : k + 1] == kth).squeeze(-1).nonzero().squeeze(-1)  # ambiguous rows
     if rows.numel():
-        sub = z[rows]  # [n, V]
-        greater = sub > kth[rows]
-        tied = sub == kth[rows]
-        room = k - greater.sum(-1, keepdim=True)  # [n, 1] how many tied ids fit
-        keep = greater | (tied & (tied.cumsum(-1) <= room))  # exactly k per row
-        ids[rows] = keep.nonzero()[:, 1].view(-1, k)  # ascending ids
+        # Every value > kth is selected and sorted first; the remaining slots (where the selection
+        # holds kth) take the lowest tied ids. nonzero() lists the tied ids row by row, ascending.
+        tie_row, tie_id = (z == kth).nonzero(as_tuple=True)  # all rows: cheaper than copying z[rows]
+        row_of = torch.full((z.shape[0],), -1, dtype=torch.int64, device=z.device)
+        row_of[rows] = torch.arange(rows.numel(), device=z.device)
+        tie_row = row_of[tie_row]
+        keep = tie_row >= 0
+        tie_row, tie_id = tie_row[keep], tie_id[keep]
+        tie_count = torch.bincount(tie_row, minlength=rows.numel())  # [n]
+        rank_in_row = torch.arange(tie_row.numel(), device=z.device) - (tie_count.cumsum(0) - tie_count)[tie_row]
+        slots = top.values[rows, :k] == kth[rows]  # [n, k] a suffix of each row
+        row_ids = ids[rows]
+        row_ids[slots] = tie_id[rank_in_row < slots.sum(-1)[tie_row]]
+        ids[rows] = row_ids
     values = z.gather(-1, ids)
     return rank_by_value_then_id(values, ids, k)
 
@@ -160,10 +239,11 @@ def topk_logprobs(logits: Tensor, k: int, *, chunk_size: int = DEFAULT_CHUNK_SIZ
     acc = accumulation_dtype(logits.dtype)
     values = torch.empty(flat.shape[0], k, dtype=acc, device=logits.device)
     ids = torch.empty(flat.shape[0], k, dtype=torch.int64, device=logits.device)
+    scratch = torch.empty(min(chunk_size, flat.shape[0]), vocab, dtype=acc, device=logits.device)
     for s, e in chunk_ranges(flat.shape[0], chunk_size):
-        z = flat[s:e].to(acc)
+        z = load_masked_(scratch[: e - s], flat[s:e], vocab)
         top_values, ids[s:e] = topk_value_then_id(z, k)
-        values[s:e] = top_values - torch.logsumexp(z, dim=-1, keepdim=True)
+        values[s:e] = top_values - logsumexp_(z)[0][:, None]
     return values.reshape(*logits.shape[:-1], k), ids.reshape(*logits.shape[:-1], k)
 
 
@@ -177,13 +257,14 @@ def logsumexp_and_entropy(logits: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZ
     Returns:
         (lse [*] float32, entropy [*] float32).
     """
-    flat = logits.reshape(-1, logits.shape[-1])
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
     lse = torch.empty(flat.shape[0], dtype=accumulation_dtype(logits.dtype), device=logits.device)
     ent = torch.empty_like(lse)
+    scratch = torch.empty(min(chunk_size, flat.shape[0]), vocab, dtype=lse.dtype, device=logits.device)
     for s, e in chunk_ranges(flat.shape[0], chunk_size):
-        z = flat[s:e].to(lse.dtype)
-        lse[s:e] = torch.logsumexp(z, dim=-1)
-        ent[s:e] = lse[s:e] - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+        lse[s:e], mean_logit = logsumexp_(load_masked_(scratch[: e - s], flat[s:e], vocab), with_mean=True)
+        ent[s:e] = lse[s:e] - mean_logit
     return lse.reshape(logits.shape[:-1]), ent.reshape(logits.shape[:-1])
 
 

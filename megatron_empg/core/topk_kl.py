@@ -206,9 +206,9 @@ def topk_kl(
         ``TopkKL`` of [*] float32 tensors.
     """
     ids = topk_kl_ids(index_set, token_ids, lead_shape=logits.shape[:-1], vocab_size=logits.shape[-1])
-    if validate:
-        check_finite(logits=logits)
     gathered = gather_logprobs(logits, ids, chunk_size=chunk_size)  # [*, K+1] float32
+    if validate:  # a NaN/inf anywhere in a row of logits reaches its lse: [*, K+1], not [*, V], checked
+        check_finite(logits=gathered)
     return topk_kl_from_gathered(
         gathered,
         index_set,

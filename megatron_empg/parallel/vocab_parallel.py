@@ -7,6 +7,7 @@ softmax, logsumexp and top-k. Nothing here gathers the vocabulary:
 
     forward   per chunk of tokens: local logsumexp, sum_j exp(z_j - lse_local) z_j, and the logits
               at the requested ids this rank owns -> ONE all-gather of [T, 2 + M] per call
+              ([T, 1 + M] with_entropy=False: no entropy pass at all)
     backward  no collective: the upstream gradient is replicated over the TP group, so each rank
               writes the gradient of its own columns,
               d/dz_j = [j in ids] g - p_j (sum_m g_m + g_H (log p_j + H))
@@ -30,6 +31,9 @@ from megatron_empg.core.logprob import (
     DEFAULT_CHUNK_SIZE,
     accumulation_dtype,
     chunk_ranges,
+    load_masked_,
+    logsoftmax_backward_,
+    logsumexp_,
     rank_by_value_then_id,
     topk_value_then_id,
 )
@@ -61,73 +65,74 @@ def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return torch.stack(parts)
 
 
-def _masked_chunk(logits: Tensor, start: int, end: int, n_valid: int, dtype: torch.dtype) -> Tensor:
-    """A fresh [c, V_local] copy of rows start:end in ``dtype`` with padded columns at -inf."""
-    z = logits[start:end].to(dtype, copy=True)
-    z[:, n_valid:] = float("-inf")
-    return z
-
-
 def _combine_lse(local_lse: Tensor) -> Tensor:
     """[world, T] per-rank logsumexp -> [T] global; ranks without real columns hold -inf."""
     return torch.logsumexp(local_lse, dim=0)
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
-    """(log pi at global ids [T, M], entropy [T]) from a vocab shard; backward has no collective."""
+    """log pi at global ids [T, M] (and the entropy [T]) from a vocab shard; no collective backward."""
 
     @staticmethod
-    def forward(ctx, logits, ids, shard: VocabShard, chunk_size: int, inplace_backward: bool):
+    def forward(ctx, logits, ids, shard: VocabShard, chunk_size: int, inplace_backward: bool, with_entropy: bool):
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no work for it
         acc = accumulation_dtype(logits.dtype)
         num_tokens, width = logits.shape
         n_valid = shard.num_valid(width)
         local_ids = ids - shard.vocab_start  # [T, M]
         owned = (local_ids >= 0) & (local_ids < n_valid)
         local_ids = torch.where(owned, local_ids, torch.zeros_like(local_ids))
-        packed = torch.zeros(num_tokens, 2 + ids.shape[1], dtype=acc, device=logits.device)
+        first_id = 2 if with_entropy else 1  # packed columns: lse_local, [mean z_local], logits at ids
+        packed = torch.zeros(num_tokens, first_id + ids.shape[1], dtype=acc, device=logits.device)
         packed[:, 0] = float("-inf")  # stays for a shard of padding only: no mass, no entropy term
-        for s, e in chunk_ranges(num_tokens, chunk_size) if n_valid else ():
-            log_p = _masked_chunk(logits, s, e, n_valid, acc)  # [c, V_local]
-            lse_local = torch.logsumexp(log_p, dim=-1)  # [c]
-            log_p.sub_(lse_local[:, None])  # local log-softmax
-            p = log_p.exp()
-            log_p[:, n_valid:] = 0  # p is 0 there; avoids 0 * -inf
-            packed[s:e, 0] = lse_local
-            packed[s:e, 1] = p.mul_(log_p).sum(-1) + lse_local  # sum_j p_j^local z_j
-        packed[:, 2:] = torch.where(owned, logits.gather(-1, local_ids).to(acc), 0)
-        gathered = _all_gather(packed, shard.tp_group)  # [world, T, 2 + M]
+        if n_valid:
+            scratch = torch.empty(min(chunk_size, num_tokens), width, dtype=acc, device=logits.device)
+            for s, e in chunk_ranges(num_tokens, chunk_size):
+                lse_local, mean_logit = logsumexp_(
+                    load_masked_(scratch[: e - s], logits[s:e], n_valid), with_mean=with_entropy
+                )
+                packed[s:e, 0] = lse_local
+                if with_entropy:
+                    packed[s:e, 1] = mean_logit  # sum_j p_j^local z_j
+            del scratch
+        packed[:, first_id:] = torch.where(owned, logits.gather(-1, local_ids).to(acc), 0)
+        gathered = _all_gather(packed, shard.tp_group)  # [world, T, first_id + M]
         lse = _combine_lse(gathered[:, :, 0])  # [T]
+        logprobs = gathered[:, :, first_id:].sum(0) - lse[:, None]
+        ctx.shard, ctx.chunk_size, ctx.inplace_backward = shard, chunk_size, inplace_backward
+        if not with_entropy:
+            ctx.save_for_backward(logits, local_ids, owned, lse)
+            return logprobs
         rank_mass = (gathered[:, :, 0] - lse).exp()  # [world, T] share of each rank's columns
         entropy = lse - (rank_mass * gathered[:, :, 1]).sum(0)
-        logprobs = gathered[:, :, 2:].sum(0) - lse[:, None]
         ctx.save_for_backward(logits, local_ids, owned, lse, entropy)
-        ctx.shard, ctx.chunk_size, ctx.inplace_backward = shard, chunk_size, inplace_backward
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        logits, local_ids, owned, lse, entropy = ctx.saved_tensors
-        n_valid = ctx.shard.num_valid(logits.shape[1])
-        grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
+    def backward(ctx, grad_logprobs, grad_entropy=None):
+        logits, local_ids, owned, lse, *entropy = ctx.saved_tensors
+        entropy = entropy[0] if grad_entropy is not None else None
+        num_tokens, width = logits.shape
+        n_valid = ctx.shard.num_valid(width)
         acc = lse.dtype
-        g_ids = torch.where(owned, grad_logprobs.to(acc), 0) if grad_logprobs is not None else None
-        for s, e in chunk_ranges(logits.shape[0], ctx.chunk_size):
-            log_p = _masked_chunk(logits, s, e, n_valid, acc).sub_(lse[s:e, None])  # [c, V_local]
-            p = log_p.exp()  # padded columns: 0
-            coef = torch.zeros(e - s, 1, dtype=acc, device=p.device)
-            if grad_logprobs is not None:
-                coef = coef + grad_logprobs[s:e].to(acc).sum(-1, keepdim=True)
-            if grad_entropy is not None:
-                log_p[:, n_valid:] = 0  # 0 * -inf would be NaN; p is 0 there anyway
-                log_p.add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None].to(acc)).add_(coef)
-                grad = p.mul_(log_p).neg_()
-            else:
-                grad = p.mul_(-coef)
-            if g_ids is not None:
-                grad.scatter_add_(-1, local_ids[s:e], g_ids[s:e])
-            grad_logits[s:e] = grad
-        # One None per forward argument after logits: ids, shard, chunk_size, inplace_backward.
-        return grad_logits, None, None, None, None
+        grad_ids = grad_total = None
+        if grad_logprobs is not None:
+            grad_total = grad_logprobs.to(acc).sum(-1)  # [T] every id, wherever it lives
+            grad_ids = torch.where(owned, grad_logprobs.to(acc), 0)  # [T, M] the ids this rank owns
+        grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
+        scratch = torch.empty(min(ctx.chunk_size, num_tokens), width, dtype=acc, device=logits.device)
+        for s, e in chunk_ranges(num_tokens, ctx.chunk_size):
+            grad_logits[s:e] = logsoftmax_backward_(
+                load_masked_(scratch[: e - s], logits[s:e], n_valid),
+                lse[s:e],
+                local_ids[s:e],
+                grad_ids[s:e] if grad_ids is not None else None,
+                grad_total[s:e] if grad_total is not None else None,
+                entropy=entropy[s:e] if entropy is not None else None,
+                grad_entropy=grad_entropy[s:e].to(acc) if grad_entropy is not None else None,
+            )
+        # One None per forward argument after logits: ids, shard, chunk_size, inplace_backward, with_entropy.
+        return grad_logits, None, None, None, None, None
 
 
 def _check(logits: Tensor, shard: VocabShard) -> None:
@@ -146,8 +151,9 @@ def vocab_parallel_logprobs(
     tp_group: dist.ProcessGroup | None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     inplace_backward: bool = False,
+    with_entropy: bool = True,
     validate: bool = True,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor | None]:
     """Log-probs at global ids and the entropy, from this rank's vocabulary shard.
 
     Args:
@@ -159,10 +165,12 @@ def vocab_parallel_logprobs(
         tp_group: the tensor-parallel group (None on a single device).
         chunk_size: tokens per chunk.
         inplace_backward: write the gradient into ``vocab_parallel_logits`` (saves [T, V_local]).
+        with_entropy: also compute the entropy (one more pass over each chunk forward, and one
+            more [chunk, V_local] temporary backward when the entropy receives a gradient).
         validate: check that every id is in [0, vocab_size) (one host sync).
 
     Returns:
-        (logprobs [T, M], entropy [T]), float32, identical on every rank of the group.
+        (logprobs [T, M], entropy [T] or None), float32, identical on every rank of the group.
     """
     shard = VocabShard(vocab_start, vocab_size, tp_group)
     _check(vocab_parallel_logits, shard)
@@ -170,7 +178,8 @@ def vocab_parallel_logprobs(
         raise ValueError(f"ids must be int64 [T, M] with T={vocab_parallel_logits.shape[0]}, got {ids.dtype} {tuple(ids.shape)}")
     if validate and ids.numel() and not bool(((ids >= 0) & (ids < vocab_size)).all()):
         raise ValueError(f"ids must be in [0, vocab_size={vocab_size}); padded or negative ids have no log-prob")
-    return _VocabParallelLogprobs.apply(vocab_parallel_logits, ids, shard, chunk_size, inplace_backward)
+    out = _VocabParallelLogprobs.apply(vocab_parallel_logits, ids, shard, chunk_size, inplace_backward, with_entropy)
+    return out if with_entropy else (out, None)
 
 
 @torch.no_grad()
@@ -203,10 +212,11 @@ def vocab_parallel_topk(
     lse_local = torch.empty(num_tokens, 1, dtype=acc, device=vocab_parallel_logits.device)
     values = torch.empty(num_tokens, local_k, dtype=acc, device=vocab_parallel_logits.device)
     ids = torch.empty(num_tokens, local_k, dtype=torch.int64, device=vocab_parallel_logits.device)
+    scratch = torch.empty(min(chunk_size, num_tokens), width, dtype=acc, device=vocab_parallel_logits.device)
     for s, e in chunk_ranges(num_tokens, chunk_size):
-        z = _masked_chunk(vocab_parallel_logits, s, e, n_valid, acc)
+        z = load_masked_(scratch[: e - s], vocab_parallel_logits[s:e], n_valid)
         values[s:e], ids[s:e] = topk_value_then_id(z, local_k)
-        lse_local[s:e, 0] = torch.logsumexp(z, dim=-1)
+        lse_local[s:e, 0] = logsumexp_(z)[0]
     ids += vocab_start
     packed = torch.cat([lse_local, values, ids.to(acc)], dim=-1)  # ids < 2^24 are exact in fp32
     gathered = _all_gather(packed, shard.tp_group)  # [world, T, 1 + 2 local_k]
@@ -257,6 +267,7 @@ def vocab_parallel_topk_kl(
         tp_group=tp_group,
         chunk_size=chunk_size,
         inplace_backward=inplace_backward,
+        with_entropy=False,
         validate=validate,
     )
     kl = topk_kl_from_gathered(

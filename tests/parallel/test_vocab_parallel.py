@@ -170,6 +170,9 @@ def _logprobs_data(layout, logits32, logits, mask, g) -> dict:
     g_entropy = torch.randn(T, generator=g)
     masked = (torch.where(mask[:, None], g_logprobs, 0.0), torch.where(mask, g_entropy, 0.0))
     oracle_logprobs, oracle_entropy, oracle_grad = _log_softmax_oracle(real32, ids, *masked)
+    # One output unused: its gradient is None in backward (set_materialize_grads(False)).
+    *_, oracle_grad_logprobs_only = _log_softmax_oracle(real32, ids, masked[0], torch.zeros(T))
+    *_, oracle_grad_entropy_only = _log_softmax_oracle(real32, ids, torch.zeros(T, M), masked[1])
     fp32_logprobs, fp32_entropy, _ = _log_softmax_oracle(logits32[:, :v], ids, *masked)
     # Loose bound for bf16 against the unrounded fp32 logits: log p_j = z_j - lse(z) moves by at
     # most 2 max|dz|, and H by about sum_j p_j |log p_j + H| max|dz| <= 2 H max|dz| <= 2 log(V) max|dz|.
@@ -183,6 +186,8 @@ def _logprobs_data(layout, logits32, logits, mask, g) -> dict:
         "oracle_logprobs": oracle_logprobs,
         "oracle_entropy": oracle_entropy,
         "oracle_grad": _pad_columns(oracle_grad, layout),
+        "oracle_grad_logprobs_only": _pad_columns(oracle_grad_logprobs_only, layout),
+        "oracle_grad_entropy_only": _pad_columns(oracle_grad_entropy_only, layout),
         "fp32_logprobs": fp32_logprobs,
         "fp32_entropy": fp32_entropy,
         "loose_atol": {"logprobs": 2.0 * dz * 1.01 + 1e-5, "entropy": 2.0 * math.log(v) * dz * 1.5 + 1e-5},
@@ -315,6 +320,14 @@ def _run_logprobs(d: dict, layout: Layout, group, tp_rank: int) -> dict:
         logprobs, entropy = vocab_parallel_logprobs(leaf, d["ids"], chunk_size=chunk, **kw)
         (grad,) = torch.autograd.grad((logprobs, entropy), leaf, upstream)
         out[run] = (logprobs.detach(), entropy.detach(), grad)
+    leaf = shard.clone().requires_grad_(True)
+    logprobs, no_entropy = vocab_parallel_logprobs(leaf, d["ids"], chunk_size=CHUNK, with_entropy=False, **kw)
+    (grad,) = torch.autograd.grad(logprobs, leaf, masked[0])
+    out["without_entropy"] = (logprobs.detach(), no_entropy, grad)
+    leaf = shard.clone().requires_grad_(True)
+    _, entropy = vocab_parallel_logprobs(leaf, d["ids"], chunk_size=CHUNK, **kw)
+    (grad,) = torch.autograd.grad(entropy, leaf, masked[1])
+    out["entropy_only"] = grad
     # inplace_backward on a non-leaf buffer, as Megatron's output layer produces.
     buffer = shard.clone().requires_grad_(True).clone()
     logprobs, entropy = vocab_parallel_logprobs(buffer, d["ids"], inplace_backward=True, **kw)
@@ -343,6 +356,11 @@ def _check_logprobs(out: dict, d: dict, layout: Layout, tp_rank: int) -> None:
     _close(c_logprobs, d["oracle_logprobs"], f"chunk_size={CHUNK} logprobs", tol["values"])
     _close(c_entropy, d["oracle_entropy"], f"chunk_size={CHUNK} entropy", tol["values"])
     _close(c_grad, expected_grad, f"chunk_size={CHUNK} grad", tol["grad"])
+    w_logprobs, w_entropy, w_grad = out["without_entropy"]
+    assert w_entropy is None
+    _close(w_logprobs, d["oracle_logprobs"], "with_entropy=False logprobs", tol["values"])
+    _close(w_grad, _columns(d["oracle_grad_logprobs_only"], layout, tp_rank), "with_entropy=False grad", tol["grad"])
+    _close(out["entropy_only"], _columns(d["oracle_grad_entropy_only"], layout, tp_rank), "entropy-only grad", tol["grad"])
     i_logprobs, i_entropy, i_grad, shares_storage = out["inplace"]
     assert shares_storage, "inplace_backward=True: the gradient is not written into the logits buffer"
     assert torch.equal(i_logprobs, logprobs) and torch.equal(i_entropy, entropy)
@@ -634,6 +652,10 @@ def test_logprobs_one_all_gather_forward_none_backward_on_the_given_group(fake_c
         (logprobs.sum() + entropy.sum()).backward()
         assert len(calls) == 1, "backward must not communicate"
         calls.clear()
+    logprobs, _ = vocab_parallel_logprobs(
+        logits.detach(), ids, vocab_start=6, vocab_size=11, tp_group=group, with_entropy=False
+    )
+    assert calls == [(7, 1 + 3)], "without the entropy: [T, 1 + M]"
 
 
 def test_topk_and_topk_kl_one_all_gather_on_the_given_group(fake_collectives):
