@@ -65,9 +65,84 @@ def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return torch.stack(parts)
 
 
-def _combine_lse(local_lse: Tensor) -> Tensor:
-    """[world, T] per-rank logsumexp -> [T] global; ranks without real columns hold -inf."""
-    return torch.logsumexp(local_lse, dim=0)
+class TokenStats(NamedTuple):
+    """Per-token statistics of a forward-only pass; float32 (fp64 for fp64 logits), identical on
+    every rank of the TP group.
+
+    Attributes:
+        logprobs: [T, M] log pi at the requested global ids.
+        lse: [T] logsumexp over the real vocabulary.
+        entropy: [T], or None when not requested.
+        topk_logprobs: [T, k] descending (ties: lower id first); topk_ids: [T, k] int64 global ids.
+    """
+
+    logprobs: Tensor
+    lse: Tensor
+    entropy: Tensor | None
+    topk_logprobs: Tensor
+    topk_ids: Tensor
+
+
+def _owned_local_ids(ids: Tensor, shard: VocabShard, n_valid: int) -> tuple[Tensor, Tensor]:
+    """Global ids [T, M] -> (local column [T, M] (0 where not owned), owned [T, M] bool)."""
+    local_ids = ids - shard.vocab_start
+    owned = (local_ids >= 0) & (local_ids < n_valid)
+    return torch.where(owned, local_ids, torch.zeros_like(local_ids)), owned
+
+
+def _local_pass(
+    logits: Tensor, local_ids: Tensor, owned: Tensor, shard: VocabShard, *, k: int, with_entropy: bool, chunk_size: int
+) -> Tensor:
+    """This rank's statistics, packed for ONE all-gather: [T, 1 + E + M + 2 k_local] in the
+    accumulation dtype, columns (E = with_entropy, k_local = min(k, V_local)):
+
+        lse_local | sum_j p_j^local z_j (E) | z at the M owned ids (0 elsewhere) | top-k_local z | their global ids
+
+    A shard of padding only reports lse_local = -inf (no mass, no entropy term, no candidates).
+    Ids travel as floats: exact below 2^24 (float32).
+    """
+    acc = accumulation_dtype(logits.dtype)
+    num_tokens, width = logits.shape
+    n_valid = shard.num_valid(width)
+    local_k = min(k, width)
+    first_id = 2 if with_entropy else 1
+    packed = torch.zeros(num_tokens, first_id + local_ids.shape[1] + 2 * local_k, dtype=acc, device=logits.device)
+    top_values = packed[:, packed.shape[1] - 2 * local_k : packed.shape[1] - local_k]
+    top_ids = packed[:, packed.shape[1] - local_k :]
+    packed[:, 0] = float("-inf")
+    top_values.fill_(float("-inf"))  # a shard of padding only offers its own (padded, distinct) ids
+    top_ids.copy_(torch.arange(shard.vocab_start, shard.vocab_start + local_k, dtype=acc).expand_as(top_ids))
+    if n_valid:
+        scratch = torch.empty(min(chunk_size, num_tokens), width, dtype=acc, device=logits.device)
+        for s, e in chunk_ranges(num_tokens, chunk_size):
+            z = load_masked_(scratch[: e - s], logits[s:e], n_valid)  # [c, V_local]
+            if local_k:
+                values, ids = topk_value_then_id(z, local_k)
+                top_values[s:e], top_ids[s:e] = values, (ids + shard.vocab_start).to(acc)
+            packed[s:e, 0], mean_logit = logsumexp_(z, with_mean=with_entropy)  # z is overwritten
+            if with_entropy:
+                packed[s:e, 1] = mean_logit
+        del scratch
+    packed[:, first_id : first_id + local_ids.shape[1]] = torch.where(owned, logits.gather(-1, local_ids).to(acc), 0)
+    return packed
+
+
+def _reduce_pass(gathered: Tensor, *, num_ids: int, k: int, with_entropy: bool) -> TokenStats:
+    """[world, T, C] packed statistics of every rank (``_local_pass``) -> ``TokenStats``."""
+    first_id = 2 if with_entropy else 1
+    local_k = (gathered.shape[2] - first_id - num_ids) // 2
+    lse = torch.logsumexp(gathered[:, :, 0], dim=0)  # [T]; -inf for ranks without real columns
+    entropy = None
+    if with_entropy:
+        rank_mass = (gathered[:, :, 0] - lse).exp()  # [world, T] share of each rank's columns
+        entropy = lse - (rank_mass * gathered[:, :, 1]).sum(0)
+    logprobs = gathered[:, :, first_id : first_id + num_ids].sum(0) - lse[:, None]
+    num_tokens = gathered.shape[1]
+    candidates = gathered[:, :, first_id + num_ids :].permute(1, 0, 2)  # [T, world, 2 k_local]
+    cand_values = candidates[:, :, :local_k].reshape(num_tokens, -1)
+    cand_ids = candidates[:, :, local_k:].reshape(num_tokens, -1).to(torch.int64)
+    top_values, top_ids = rank_by_value_then_id(cand_values, cand_ids, k)
+    return TokenStats(logprobs, lse, entropy, top_values - lse[:, None], top_ids)
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
@@ -76,37 +151,17 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, shard: VocabShard, chunk_size: int, inplace_backward: bool, with_entropy: bool):
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no work for it
-        acc = accumulation_dtype(logits.dtype)
-        num_tokens, width = logits.shape
-        n_valid = shard.num_valid(width)
-        local_ids = ids - shard.vocab_start  # [T, M]
-        owned = (local_ids >= 0) & (local_ids < n_valid)
-        local_ids = torch.where(owned, local_ids, torch.zeros_like(local_ids))
-        first_id = 2 if with_entropy else 1  # packed columns: lse_local, [mean z_local], logits at ids
-        packed = torch.zeros(num_tokens, first_id + ids.shape[1], dtype=acc, device=logits.device)
-        packed[:, 0] = float("-inf")  # stays for a shard of padding only: no mass, no entropy term
-        if n_valid:
-            scratch = torch.empty(min(chunk_size, num_tokens), width, dtype=acc, device=logits.device)
-            for s, e in chunk_ranges(num_tokens, chunk_size):
-                lse_local, mean_logit = logsumexp_(
-                    load_masked_(scratch[: e - s], logits[s:e], n_valid), with_mean=with_entropy
-                )
-                packed[s:e, 0] = lse_local
-                if with_entropy:
-                    packed[s:e, 1] = mean_logit  # sum_j p_j^local z_j
-            del scratch
-        packed[:, first_id:] = torch.where(owned, logits.gather(-1, local_ids).to(acc), 0)
-        gathered = _all_gather(packed, shard.tp_group)  # [world, T, first_id + M]
-        lse = _combine_lse(gathered[:, :, 0])  # [T]
-        logprobs = gathered[:, :, first_id:].sum(0) - lse[:, None]
+        local_ids, owned = _owned_local_ids(ids, shard, shard.num_valid(logits.shape[1]))
+        packed = _local_pass(logits, local_ids, owned, shard, k=0, with_entropy=with_entropy, chunk_size=chunk_size)
+        stats = _reduce_pass(
+            _all_gather(packed, shard.tp_group), num_ids=ids.shape[1], k=0, with_entropy=with_entropy
+        )
         ctx.shard, ctx.chunk_size, ctx.inplace_backward = shard, chunk_size, inplace_backward
         if not with_entropy:
-            ctx.save_for_backward(logits, local_ids, owned, lse)
-            return logprobs
-        rank_mass = (gathered[:, :, 0] - lse).exp()  # [world, T] share of each rank's columns
-        entropy = lse - (rank_mass * gathered[:, :, 1]).sum(0)
-        ctx.save_for_backward(logits, local_ids, owned, lse, entropy)
-        return logprobs, entropy
+            ctx.save_for_backward(logits, local_ids, owned, stats.lse)
+            return stats.logprobs
+        ctx.save_for_backward(logits, local_ids, owned, stats.lse, stats.entropy)
+        return stats.logprobs, stats.entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy=None):
@@ -142,6 +197,13 @@ def _check(logits: Tensor, shard: VocabShard) -> None:
         raise ValueError(f"invalid vocab shard: vocab_start={shard.vocab_start}, vocab_size={shard.vocab_size}")
 
 
+def _check_ids(ids: Tensor, num_tokens: int, vocab_size: int, validate: bool) -> None:
+    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] != num_tokens:
+        raise ValueError(f"ids must be int64 [T, M] with T={num_tokens}, got {ids.dtype} {tuple(ids.shape)}")
+    if validate and ids.numel() and not bool(((ids >= 0) & (ids < vocab_size)).all()):
+        raise ValueError(f"ids must be in [0, vocab_size={vocab_size}); padded or negative ids have no log-prob")
+
+
 def vocab_parallel_logprobs(
     vocab_parallel_logits: Tensor,
     ids: Tensor,
@@ -174,15 +236,55 @@ def vocab_parallel_logprobs(
     """
     shard = VocabShard(vocab_start, vocab_size, tp_group)
     _check(vocab_parallel_logits, shard)
-    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] != vocab_parallel_logits.shape[0]:
-        raise ValueError(f"ids must be int64 [T, M] with T={vocab_parallel_logits.shape[0]}, got {ids.dtype} {tuple(ids.shape)}")
-    if validate and ids.numel() and not bool(((ids >= 0) & (ids < vocab_size)).all()):
-        raise ValueError(f"ids must be in [0, vocab_size={vocab_size}); padded or negative ids have no log-prob")
+    _check_ids(ids, vocab_parallel_logits.shape[0], vocab_size, validate)
     out = _VocabParallelLogprobs.apply(vocab_parallel_logits, ids, shard, chunk_size, inplace_backward, with_entropy)
     return out if with_entropy else (out, None)
 
 
 @torch.no_grad()
+def vocab_parallel_token_stats(
+    vocab_parallel_logits: Tensor,
+    ids: Tensor | None,
+    k: int,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None,
+    with_entropy: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    validate: bool = True,
+) -> TokenStats:
+    """Everything a forward-only pass needs, in one pass over the shard and ONE all-gather.
+
+    Log-probs at given global ids (the sampled token; for the anchor, also the policy's top-k),
+    logsumexp, entropy, and the global top-k: local top-k per shard (padding masked, ties to the
+    lower id) -> all-gather (values, global ids) -> re-rank the TP * k candidates by value, then id,
+    which equals ``core.logprob.topk_logprobs`` on the full vocabulary, ties included. No gradient.
+
+    Args:
+        vocab_parallel_logits: [T, V_local] (bf16 or fp32; accumulation in fp32).
+        ids: [T, M] int64 global ids in [0, vocab_size), or None (M = 0).
+        k: top-k size, 0 <= k <= vocab_size (0: no top-k).
+        Other arguments: as ``vocab_parallel_logprobs``.
+
+    Returns:
+        ``TokenStats``.
+    """
+    shard = VocabShard(vocab_start, vocab_size, tp_group)
+    _check(vocab_parallel_logits, shard)
+    num_tokens, width = vocab_parallel_logits.shape
+    if ids is None:
+        ids = torch.empty(num_tokens, 0, dtype=torch.int64, device=vocab_parallel_logits.device)
+    _check_ids(ids, num_tokens, vocab_size, validate)
+    if not 0 <= k <= vocab_size:
+        raise ValueError(f"k={k} must be in [0, vocab_size={vocab_size}]")
+    local_ids, owned = _owned_local_ids(ids, shard, shard.num_valid(width))
+    packed = _local_pass(
+        vocab_parallel_logits, local_ids, owned, shard, k=k, with_entropy=with_entropy, chunk_size=chunk_size
+    )
+    return _reduce_pass(_all_gather(packed, tp_group), num_ids=ids.shape[1], k=k, with_entropy=with_entropy)
+
+
 def vocab_parallel_topk(
     vocab_parallel_logits: Tensor,
     k: int,
@@ -192,39 +294,13 @@ def vocab_parallel_topk(
     tp_group: dist.ProcessGroup | None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[Tensor, Tensor]:
-    """Global top-k log-probs and ids without gathering the vocabulary (no gradient).
-
-    Local top-k per shard (padding masked, ties to the lower id) -> all-gather (values, global
-    ids) -> re-rank the TP * k candidates by value, then id. Equals ``core.logprob.topk_logprobs``
-    on the full vocabulary, ties included.
-
-    Returns:
-        (logprobs [T, k] descending, float32; ids [T, k] int64), identical on every rank.
-    """
-    shard = VocabShard(vocab_start, vocab_size, tp_group)
-    _check(vocab_parallel_logits, shard)
-    if not 0 <= k <= vocab_size:
-        raise ValueError(f"k={k} must be in [0, vocab_size={vocab_size}]")
-    num_tokens, width = vocab_parallel_logits.shape
-    acc = accumulation_dtype(vocab_parallel_logits.dtype)
-    n_valid = shard.num_valid(width)
-    local_k = min(k, width)
-    lse_local = torch.empty(num_tokens, 1, dtype=acc, device=vocab_parallel_logits.device)
-    values = torch.empty(num_tokens, local_k, dtype=acc, device=vocab_parallel_logits.device)
-    ids = torch.empty(num_tokens, local_k, dtype=torch.int64, device=vocab_parallel_logits.device)
-    scratch = torch.empty(min(chunk_size, num_tokens), width, dtype=acc, device=vocab_parallel_logits.device)
-    for s, e in chunk_ranges(num_tokens, chunk_size):
-        z = load_masked_(scratch[: e - s], vocab_parallel_logits[s:e], n_valid)
-        values[s:e], ids[s:e] = topk_value_then_id(z, local_k)
-        lse_local[s:e, 0] = logsumexp_(z)[0]
-    ids += vocab_start
-    packed = torch.cat([lse_local, values, ids.to(acc)], dim=-1)  # ids < 2^24 are exact in fp32
-    gathered = _all_gather(packed, shard.tp_group)  # [world, T, 1 + 2 local_k]
-    lse = _combine_lse(gathered[:, :, 0])  # [T]
-    cand_values = gathered[:, :, 1 : 1 + local_k].permute(1, 0, 2).reshape(num_tokens, -1)
-    cand_ids = gathered[:, :, 1 + local_k :].permute(1, 0, 2).reshape(num_tokens, -1).to(torch.int64)
-    top_values, top_ids = rank_by_value_then_id(cand_values, cand_ids, k)
-    return top_values - lse[:, None], top_ids
+    """Global top-k (logprobs [T, k] descending, float32; ids [T, k] int64), no gradient: the
+    top-k part of ``vocab_parallel_token_stats``."""
+    stats = vocab_parallel_token_stats(
+        vocab_parallel_logits, None, k, vocab_start=vocab_start, vocab_size=vocab_size, tp_group=tp_group,
+        with_entropy=False, chunk_size=chunk_size,
+    )  # fmt: skip
+    return stats.topk_logprobs, stats.topk_ids
 
 
 def vocab_parallel_topk_kl(

@@ -49,6 +49,7 @@ from megatron_empg.core.logprob import gather_logprobs, logsumexp_and_entropy, t
 from megatron_empg.core.topk_kl import topk_kl
 from megatron_empg.parallel.vocab_parallel import (
     vocab_parallel_logprobs,
+    vocab_parallel_token_stats,
     vocab_parallel_topk,
     vocab_parallel_topk_kl,
 )
@@ -185,6 +186,7 @@ def _logprobs_data(layout, logits32, logits, mask, g) -> dict:
         "core_entropy": logsumexp_and_entropy(logits[:, :v])[1],
         "oracle_logprobs": oracle_logprobs,
         "oracle_entropy": oracle_entropy,
+        "oracle_lse": torch.logsumexp(real32, dim=-1),
         "oracle_grad": _pad_columns(oracle_grad, layout),
         "oracle_grad_logprobs_only": _pad_columns(oracle_grad_logprobs_only, layout),
         "oracle_grad_entropy_only": _pad_columns(oracle_grad_entropy_only, layout),
@@ -419,8 +421,29 @@ def _check_topk_kl(out: list, d: dict, layout: Layout, tp_rank: int) -> None:
         _assert_zero(grad[~d["loss_mask"]], f"{name}: grad of masked tokens")
 
 
+def _run_token_stats(d: dict, layout: Layout, group, tp_rank: int) -> list:
+    shard = _columns(d["logits"], layout, tp_rank)
+    kw = _shard_kwargs(layout, group, tp_rank)
+    return [
+        vocab_parallel_token_stats(shard, d["ids"], e["k"], chunk_size=CHUNK if i % 2 else 1024, **kw)
+        for i, e in enumerate(d["topk"])
+    ]
+
+
+def _check_token_stats(out: list, d: dict, layout: Layout, tp_rank: int) -> None:
+    tol = d["tol"]["values"]
+    for stats, e in zip(out, d["topk"], strict=True):
+        k = e["k"]
+        _close(stats.logprobs, d["oracle_logprobs"], f"k={k}: logprobs vs log_softmax", tol)
+        _close(stats.lse, d["oracle_lse"], f"k={k}: lse vs torch.logsumexp", tol)
+        _close(stats.entropy, d["oracle_entropy"], f"k={k}: entropy vs log_softmax", tol)
+        assert torch.equal(stats.topk_ids, e["ids"]), f"k={k}: top-k ids differ from core.topk_logprobs"
+        _close(stats.topk_logprobs, e["values"], f"k={k}: top-k values vs core.topk_logprobs", tol)
+
+
 CHECKS = {
     "logprobs": (_run_logprobs, _check_logprobs),
+    "token_stats": (_run_token_stats, _check_token_stats),
     "topk": (_run_topk, _check_topk),
     "topk_kl": (_run_topk_kl, _check_topk_kl),
 }
@@ -566,6 +589,13 @@ def test_logprobs_and_entropy_match_log_softmax(rank_failures, case_id):
 @pytest.mark.parametrize("case_id", CASE_IDS)
 def test_topk_matches_core_topk_logprobs(rank_failures, case_id):
     failures = _failures_of(rank_failures, case_id, "topk")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_token_stats_match_log_softmax_and_core_topk(rank_failures, case_id):
+    failures = _failures_of(rank_failures, case_id, "token_stats")
     assert not failures, "\n".join(failures)
 
 
