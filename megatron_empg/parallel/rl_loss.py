@@ -1,0 +1,168 @@
+"""The update-pass objective from a vocab shard: policy-gradient loss + beta * KL - c * entropy.
+
+Everything per token is computed from this rank's logits shard [B, S, V_local] with one pass of
+``vocab_parallel_logprobs`` (log pi at the sampled token, and at the Top-k index set when the KL
+is Top-k; the entropy only when it has a coefficient or is logged), then the ``core`` losses:
+
+    loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(H)
+
+All three terms use the same aggregation mode, so they share one count, and the result is a
+``LossSum`` (sum, count): the caller divides once by the count summed over micro-batches and
+data-parallel ranks (Megatron's ``calculate_per_token_loss``). Metrics are token-mean
+``LossSum``\\ s of detached per-token values.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_empg.core.aggregation import LossSum, aggregate
+from megatron_empg.core.checks import check_choice
+from megatron_empg.core.kl import KL_ESTIMATORS, sampled_kl
+from megatron_empg.core.logprob import DEFAULT_CHUNK_SIZE
+from megatron_empg.core.policy_loss import POLICY_LOSSES
+from megatron_empg.core.rpg import RPG_POLICY_LOSSES
+from megatron_empg.core.topk_kl import topk_kl_from_gathered, topk_kl_ids
+from megatron_empg.parallel.vocab_parallel import vocab_parallel_logprobs
+
+ALL_POLICY_LOSSES = {**POLICY_LOSSES, **RPG_POLICY_LOSSES}
+KL_KINDS = (*KL_ESTIMATORS, "topk")
+
+
+class RLMicroBatch(NamedTuple):
+    """The per-token inputs of the update pass, aligned with the logits positions.
+
+    Attributes:
+        target_ids: [B, S] int64 token predicted at each position (the input shifted left).
+        loss_mask: [B, S] bool, True on response tokens that carry a loss.
+        advantages: [B, S] float32.
+        old_logprobs: [B, S] float32 log pi_old(target) from the old pass.
+        anchor_logprobs: [B, S] float32 log pi_ref(target) from the anchor pass, or None (no KL).
+        topk_ids: [B, S, K] int64 Top-k index set (reverse: top-k of pi_old, forward: of the
+            anchor), or None unless the KL is Top-k.
+        topk_anchor_logprobs: [B, S, K] float32 log pi_ref at ``topk_ids``, or None.
+    """
+
+    target_ids: Tensor
+    loss_mask: Tensor
+    advantages: Tensor
+    old_logprobs: Tensor
+    anchor_logprobs: Tensor | None = None
+    topk_ids: Tensor | None = None
+    topk_anchor_logprobs: Tensor | None = None
+
+
+class RLLoss(NamedTuple):
+    """``loss``: the objective as (sum, count); ``metrics``: name -> token-mean ``LossSum``."""
+
+    loss: LossSum
+    metrics: dict[str, LossSum]
+
+
+def check_rl_loss_options(policy_loss: str, kl: str | None, kl_coef: float, entropy_coef: float) -> None:
+    """Raise ValueError naming the option unless the combination is valid."""
+    check_choice("policy_loss", policy_loss, tuple(ALL_POLICY_LOSSES))
+    if kl is not None:
+        check_choice("kl", kl, KL_KINDS)
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef={kl_coef!r} must be >= 0")
+    if kl is None and kl_coef != 0:
+        raise ValueError(f"kl_coef={kl_coef!r} needs a kl estimator (kl is None)")
+    if entropy_coef < 0:
+        raise ValueError(f"entropy_coef={entropy_coef!r} must be >= 0 (it is a bonus: loss -= coef * H)")
+
+
+def rl_loss(
+    vocab_parallel_logits: Tensor,
+    batch: RLMicroBatch,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None,
+    policy_loss: str = "ppo_clip",
+    policy_loss_args: dict | None = None,
+    kl: str | None = None,
+    kl_coef: float = 0.0,
+    kl_args: dict | None = None,
+    entropy_coef: float = 0.0,
+    log_entropy: bool = True,
+    agg_mode: str = "token-mean",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    inplace_backward: bool = False,
+    validate: bool = True,
+) -> RLLoss:
+    """The update-pass objective of one micro-batch from this rank's vocab shard (module docstring).
+
+    Args:
+        vocab_parallel_logits: [B, S, V_local] (bf16 or fp32), this TP rank's columns.
+        batch: ``RLMicroBatch`` of [B, S] (and [B, S, K]) tensors.
+        vocab_start, vocab_size, tp_group: the vocab shard (see ``vocab_parallel_logprobs``).
+        policy_loss: a key of ``ALL_POLICY_LOSSES`` (``ppo_clip`` covers GRPO, DAPO, dual-clip;
+            ``rpg*`` the RPG surrogates); ``policy_loss_args``: its keyword arguments.
+        kl: None, a sampled estimator of ``core.kl`` (``k1`` .. ``k5``, ``k3pp``) on log pi(y) vs
+            log pi_ref(y), or ``topk``; ``kl_args``: keyword arguments of ``sampled_kl`` (``old_logprobs``
+            is passed when ``kl_args["importance_weight"]`` is true) or of ``topk_kl_from_logprobs``.
+        kl_coef: beta >= 0. entropy_coef: the entropy bonus c >= 0.
+        log_entropy: compute the entropy for the metrics even when ``entropy_coef`` is 0.
+        agg_mode: ``core.aggregation.AGG_MODES``.
+        inplace_backward: write the logits gradient into ``vocab_parallel_logits``.
+
+    Returns:
+        ``RLLoss``; ``loss.loss_sum`` carries the gradient.
+    """
+    check_rl_loss_options(policy_loss, kl, kl_coef, entropy_coef)
+    if vocab_parallel_logits.dim() != 3:
+        raise ValueError(f"vocab_parallel_logits must be [B, S, V_local], got {tuple(vocab_parallel_logits.shape)}")
+    lead = vocab_parallel_logits.shape[:2]
+    num_tokens = lead.numel()
+    kl_args = dict(kl_args or {})
+    use_iw = bool(kl_args.pop("importance_weight", False))
+    ids = batch.target_ids.reshape(num_tokens, 1)
+    if kl == "topk":
+        if batch.topk_ids is None or batch.topk_anchor_logprobs is None:
+            raise ValueError("kl='topk' needs batch.topk_ids and batch.topk_anchor_logprobs")
+        ids = topk_kl_ids(batch.topk_ids, batch.target_ids, lead_shape=lead, vocab_size=vocab_size)
+        ids = ids.reshape(num_tokens, -1)
+    if kl is not None and batch.anchor_logprobs is None:
+        raise ValueError(f"kl={kl!r} needs batch.anchor_logprobs")
+    with_entropy = entropy_coef > 0 or log_entropy
+    gathered, entropy = vocab_parallel_logprobs(
+        vocab_parallel_logits.reshape(num_tokens, -1), ids,
+        vocab_start=vocab_start, vocab_size=vocab_size, tp_group=tp_group, chunk_size=chunk_size,
+        inplace_backward=inplace_backward, with_entropy=with_entropy, validate=validate,
+    )  # fmt: skip
+    gathered = gathered.reshape(*lead, -1)
+    logprobs = gathered[..., -1]  # [B, S] log pi(target)
+    mask = batch.loss_mask
+    old = batch.old_logprobs
+
+    pg = ALL_POLICY_LOSSES[policy_loss](logprobs, old, batch.advantages, **(policy_loss_args or {}), validate=validate)
+    total = aggregate(pg.values, mask, agg_mode)
+    metrics = {"policy_loss": LossSum(total.loss_sum.detach(), total.count)}
+    for name, values in pg.metrics.items():
+        metrics[name] = aggregate(values, mask)
+    if kl is not None:
+        if kl == "topk":
+            kl_values = topk_kl_from_gathered(
+                gathered, batch.topk_ids, batch.target_ids, batch.topk_anchor_logprobs, batch.anchor_logprobs,
+                old_logprobs=old if use_iw else None, validate=validate, **kl_args,
+            ).values  # fmt: skip
+        else:
+            kl_values = sampled_kl(
+                logprobs, batch.anchor_logprobs, estimator=kl, old_logprobs=old if use_iw else None,
+                validate=validate, **kl_args,
+            )  # fmt: skip
+        kl_sum = aggregate(kl_values, mask, agg_mode)
+        total = LossSum(total.loss_sum + kl_coef * kl_sum.loss_sum, total.count)
+        metrics["kl"] = aggregate(kl_values.detach(), mask)
+    if entropy is not None:
+        entropy = entropy.reshape(lead)
+        if entropy_coef > 0:
+            total = LossSum(total.loss_sum - entropy_coef * aggregate(entropy, mask, agg_mode).loss_sum, total.count)
+        metrics["entropy"] = aggregate(entropy.detach(), mask)
+    metrics["loss"] = LossSum(total.loss_sum.detach(), total.count)
+    return RLLoss(total, metrics)
