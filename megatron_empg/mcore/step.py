@@ -1,0 +1,265 @@
+"""The passes of one RL step through Megatron's ``get_forward_backward_func`` (any TP / PP / VPP).
+
+    stats pass   forward only (the old pass on the policy, the anchor pass on the anchor): per
+                 token log pi at the targets (and at extra ids), logsumexp, entropy, top-k ids
+                 and log-probs, from ``parallel.vocab_parallel_token_stats``
+    update pass  forward + backward: ``parallel.rl_loss`` as a Megatron loss function returning
+                 (sum, count, metrics); the optimizer step and the LR schedule
+
+A micro-batch is a dict of [b, s] tensors aligned with the logits positions (``target_ids`` is
+the input shifted left; see ``parallel.rl_loss.RLMicroBatch`` for the update-pass fields). The
+logits never leave the loss function: only [b, s] and [b, s, k] tensors come out, and only on the
+last pipeline stage (``None`` on the others; use ``broadcast_from_last_stage`` where a value is
+needed everywhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_empg.core.aggregation import LossSum
+from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore.parallel_state import ParallelGroups
+from megatron_empg.parallel.rl_loss import RLMicroBatch, rl_loss
+from megatron_empg.parallel.vocab_parallel import vocab_parallel_token_stats
+
+cpu_shims.install_pre_import()
+
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+
+
+def causal_mask(seq_length: int, device: torch.device | None = None) -> Tensor:
+    """[1, 1, s, s] bool, True above the diagonal (masked), as Megatron's local attention expects.
+
+    Right-padded sequences need nothing more: padding comes after every real token, and its
+    positions carry no loss.
+    """
+    return torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device).triu_(1)
+
+
+def _model_forward(model, batch: dict) -> Tensor:
+    """[b, s] input_ids -> the model's output (logits [b, s, V_local] on the last stage)."""
+    input_ids = batch["input_ids"]
+    b, s = input_ids.shape
+    positions = torch.arange(s, device=input_ids.device).expand(b, s)
+    return model(input_ids, positions, causal_mask(s, input_ids.device))
+
+
+def _vocab_shard(logits: Tensor, groups: ParallelGroups) -> dict:
+    width = logits.shape[-1]
+    return {"vocab_start": groups.tp_rank * width, "tp_group": groups.tp_group}
+
+
+def _data_iterators(microbatches: Sequence[dict], num_chunks: int):
+    """One iterator per model chunk (interleaved schedules walk every chunk over all micro-batches)."""
+    if num_chunks == 1:
+        return iter(microbatches)
+    return [iter(microbatches) for _ in range(num_chunks)]
+
+
+def _run_schedule(models, microbatches: Sequence[dict], forward_step, *, forward_only: bool) -> list:
+    b, s = microbatches[0]["input_ids"].shape
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=_data_iterators(microbatches, len(models)),
+        model=list(models),
+        num_microbatches=len(microbatches),
+        seq_length=s,
+        micro_batch_size=b,
+        forward_only=forward_only,
+    )
+
+
+# ---------------------------------------------------------------- stats pass (forward only)
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """What a forward-only pass computes per token.
+
+    Attributes:
+        vocab_size: the real vocabulary (Megatron's padded columns are masked).
+        k: top-k size (0: none).
+        extra_ids_key: micro-batch key of [b, s, M] global ids whose log-probs are wanted besides
+            the target's (the anchor pass of a reverse Top-k KL: the policy's top-k), or None.
+        with_entropy: compute the entropy.
+    """
+
+    vocab_size: int
+    k: int = 0
+    extra_ids_key: str | None = None
+    with_entropy: bool = True
+    chunk_size: int | None = None
+
+
+def _stats_loss(batch: dict, request: StatsRequest, groups: ParallelGroups, logits: Tensor):
+    b, s, width = logits.shape
+    ids = batch["target_ids"].reshape(b * s, 1)
+    if request.extra_ids_key is not None:
+        extra = batch[request.extra_ids_key]
+        ids = torch.cat([ids, extra.reshape(b * s, -1)], dim=-1)
+    kwargs = {"chunk_size": request.chunk_size} if request.chunk_size else {}
+    stats = vocab_parallel_token_stats(
+        logits.reshape(b * s, width), ids, request.k, vocab_size=request.vocab_size,
+        with_entropy=request.with_entropy, **_vocab_shard(logits, groups), **kwargs,
+    )  # fmt: skip
+    out = {
+        "logprobs": stats.logprobs[:, 0].reshape(b, s),
+        "lse": stats.lse.reshape(b, s),
+        "topk_logprobs": stats.topk_logprobs.reshape(b, s, -1),
+        "topk_ids": stats.topk_ids.reshape(b, s, -1),
+    }
+    if request.extra_ids_key is not None:
+        out["extra_logprobs"] = stats.logprobs[:, 1:].reshape(b, s, -1)
+    if stats.entropy is not None:
+        out["entropy"] = stats.entropy.reshape(b, s)
+    zero = logits.new_zeros(())
+    return zero, torch.zeros((), dtype=torch.int), out
+
+
+def forward_stats(
+    models, microbatches: Sequence[dict], request: StatsRequest, groups: ParallelGroups
+) -> list[dict[str, Tensor]] | None:
+    """Forward-only pass: per micro-batch a dict of [b, s] / [b, s, k] float32 / int64 tensors
+    (``logprobs``, ``lse``, ``entropy``, ``topk_logprobs``, ``topk_ids``, ``extra_logprobs``) on
+    the last pipeline stage, None on the others. TokenStats semantics (``vocab_parallel_token_stats``).
+    """
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return _model_forward(model, batch), partial(_stats_loss, batch, request, groups)
+
+    for model in models:
+        model.eval()
+    with torch.no_grad():
+        outputs = _run_schedule(models, microbatches, forward_step, forward_only=True)
+    return outputs if groups.is_last_stage else None
+
+
+# ---------------------------------------------------------------- update pass
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Keyword arguments of ``parallel.rl_loss.rl_loss`` (see there), fixed for a run."""
+
+    policy_loss: str = "ppo_clip"
+    policy_loss_args: dict = field(default_factory=dict)
+    kl: str | None = None
+    kl_coef: float = 0.0
+    kl_args: dict = field(default_factory=dict)
+    entropy_coef: float = 0.0
+    log_entropy: bool = True
+    agg_mode: str = "token-mean"
+    chunk_size: int | None = None
+    inplace_backward: bool = True  # the logits are Megatron's output buffer, read by nothing else
+
+
+def _update_loss(batch: dict, settings: LossSettings, vocab_size: int, groups: ParallelGroups, logits: Tensor):
+    micro = RLMicroBatch(**{name: batch.get(name) for name in RLMicroBatch._fields})
+    kwargs = {"chunk_size": settings.chunk_size} if settings.chunk_size else {}
+    out = rl_loss(
+        logits, micro, vocab_size=vocab_size, policy_loss=settings.policy_loss,
+        policy_loss_args=settings.policy_loss_args, kl=settings.kl, kl_coef=settings.kl_coef,
+        kl_args=settings.kl_args, entropy_coef=settings.entropy_coef, log_entropy=settings.log_entropy,
+        agg_mode=settings.agg_mode, inplace_backward=settings.inplace_backward,
+        **_vocab_shard(logits, groups), **kwargs,
+    )  # fmt: skip
+    # Megatron accumulates the count in an int32 tensor and, with calculate_per_token_loss, divides
+    # the gradients once by its global sum (finalize_model_grads).
+    return out.loss.loss_sum, out.loss.count.to(torch.int), out.metrics
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports, identical on every rank.
+
+    Attributes:
+        metrics: name -> global mean (``loss`` and ``policy_loss`` over the aggregation's units,
+            the others token means), reduced over micro-batches and DP.
+        grad_norm: the global gradient norm before clipping.
+        lr: the learning rate used by this step.
+        update_successful: False if the optimizer skipped the step (non-finite gradients).
+    """
+
+    metrics: dict[str, float]
+    grad_norm: float
+    lr: float
+    update_successful: bool
+
+
+def reduce_metrics(per_microbatch: list[dict[str, LossSum]] | None, groups: ParallelGroups) -> dict[str, float]:
+    """Sum (sum, count) pairs over micro-batches and DP ranks, divide once, and share the result
+    from the last pipeline stage with every rank. One all-reduce and one broadcast."""
+    names = sorted(per_microbatch[0]) if per_microbatch else []
+    names = broadcast_object_from_last_stage(names, groups)
+    sums = torch.zeros(2 * len(names), dtype=torch.float64)
+    for metrics in per_microbatch or []:
+        for i, name in enumerate(names):
+            sums[2 * i] += metrics[name].loss_sum.double()
+            sums[2 * i + 1] += metrics[name].count.double()
+    if groups.is_last_stage and groups.dp_size > 1:
+        dist.all_reduce(sums, group=groups.dp_group)
+    sums = broadcast_from_last_stage(sums, groups)
+    return {name: (sums[2 * i] / sums[2 * i + 1].clamp(min=1)).item() for i, name in enumerate(names)}
+
+
+def broadcast_from_last_stage(tensor: Tensor, groups: ParallelGroups) -> Tensor:
+    """The last pipeline stage's ``tensor`` on every stage (in place; same shape and dtype everywhere)."""
+    if groups.pp_size > 1:
+        dist.broadcast(tensor, src=dist.get_global_rank(groups.pp_group, groups.pp_size - 1), group=groups.pp_group)
+    return tensor
+
+
+def broadcast_object_from_last_stage(obj, groups: ParallelGroups):
+    """A picklable object from the last pipeline stage, on every stage."""
+    if groups.pp_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp_group, groups.pp_size - 1), group=groups.pp_group)
+    return box[0]
+
+
+def train_step(
+    ddp_models,
+    optimizer,
+    scheduler,
+    microbatches: Sequence[dict],
+    settings: LossSettings,
+    *,
+    vocab_size: int,
+    groups: ParallelGroups,
+) -> StepResult:
+    """One policy update: forward+backward over this DP rank's micro-batches, then the optimizer.
+
+    Args:
+        ddp_models: the policy's model chunks wrapped by ``optimizer.wrap_with_ddp``.
+        microbatches: this DP rank's micro-batches (dicts of ``input_ids`` and the
+            ``RLMicroBatch`` fields, [b, s] / [b, s, K]).
+        vocab_size: the real vocabulary size.
+    """
+    for model in ddp_models:
+        model.train()
+        model.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return _model_forward(model, batch), partial(_update_loss, batch, settings, vocab_size, groups)
+
+    outputs = _run_schedule(ddp_models, microbatches, forward_step, forward_only=False)
+    lr = optimizer.param_groups[0]["lr"]
+    update_successful, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    return StepResult(
+        metrics=reduce_metrics(outputs if groups.is_last_stage else None, groups),
+        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+        lr=lr,
+        update_successful=bool(update_successful),
+    )

@@ -1,0 +1,188 @@
+"""Three RL steps (old pass, update with PPO + Top-k KL + entropy, Adam, warmup) give the same losses,
+grad norms and parameters at every parallel layout as at TP1, and do not depend on the number of
+micro-batches.
+
+The reference runs TP1/PP1/DP1 in a one-rank process and returns its initial full state dict.
+Each layout loads its slice of it (``mcore.model.load_full_state_dict``), splits the global batch
+over its DP ranks and micro-batches, and runs the same three steps: the old pass
+(``forward_stats``: log pi_old at the targets and the top-k of pi_old), a synthetic anchor (the old
+log-probs plus fixed noise, so that the KL has a gradient), and ``train_step``. The parent compares
+each rank's parameter shards with the same slice of the reference parameters (fp32, 1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_empg.config import ParallelConfig, load_model_config
+from megatron_empg.mcore.step import LossSettings
+from megatron_empg.mcore.optimizer import OptimizerSettings
+from tests.dist import run_distributed
+
+pytestmark = [pytest.mark.dist, pytest.mark.megatron]
+
+MODEL = "tiny-qwen2"
+N, S, K, STEPS = 8, 16, 4, 3  # sequences per global batch, sequence length, top-k, optimizer steps
+SETTINGS = LossSettings(
+    policy_loss="ppo_clip",
+    policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28},
+    kl="topk",
+    kl_coef=0.1,
+    kl_args={"direction": "reverse", "tail_grad": "unbiased", "importance_weight": True},
+    entropy_coef=0.01,
+    chunk_size=8,
+)
+OPTIM = dict(lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10, lr_decay_style="cosine", min_lr=1e-4, clip_grad=1.0)
+# fp32: layouts regroup matmuls and all-reduces; observed differences are ~1e-7
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+# (name, world size, TP, PP, distributed optimizer)
+LAYOUTS_2 = [("tp2", 2, 2, 1, False), ("pp2", 2, 1, 2, False), ("dp2_distopt", 2, 1, 1, True)]
+LAYOUTS_4 = [("tp2xpp2", 4, 2, 2, False), ("tp2xdp2_distopt", 4, 2, 1, True)]
+
+
+def _global_batches(vocab_size: int) -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, vocab_size, (N, S + 1), generator=g)
+        loss_mask = torch.zeros(N, S, dtype=torch.bool)
+        for i in range(N):  # prompt of 4..7 tokens, response to a random end (right padding after)
+            start, end = 4 + i % 4, S - (i % 3)
+            loss_mask[i, start:end] = True
+        batches.append(
+            {
+                "input_ids": tokens[:, :S],
+                "target_ids": tokens[:, 1:],
+                "loss_mask": loss_mask,
+                "advantages": torch.randn(N, 1, generator=g).expand(N, S).clone(),
+                "anchor_noise": 0.3 * torch.randn(N, S, generator=g),
+                "topk_anchor_noise": 0.3 * torch.randn(N, S, K, generator=g),
+            }
+        )
+    return batches
+
+
+def _split(batch: dict, dp_rank: int, dp_size: int, num_microbatches: int) -> list[dict]:
+    rows = N // dp_size
+    mine = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
+    size = rows // num_microbatches
+    return [{k: v[i * size : (i + 1) * size] for k, v in mine.items()} for i in range(num_microbatches)]
+
+
+def _train(tp: int, pp: int, distopt: bool, full_state_dict: dict | None, num_microbatches: int) -> dict:
+    """Build the layout, load the weights, run STEPS RL steps; returns metrics and parameter shards."""
+    from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
+    from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
+
+    model_cfg = load_model_config(MODEL)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    groups = initialize_model_parallel(parallel, seed=1234)
+    try:
+        chunks = mcore_model.build_gpt_model(model_cfg, parallel)
+        initial = None
+        if full_state_dict is None:  # the reference: its own random init is everybody's
+            initial = {k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
+        else:
+            mcore_model.load_full_state_dict(chunks, full_state_dict)
+        settings = OptimizerSettings(**OPTIM, use_distributed_optimizer=distopt)
+        ddp = wrap_with_ddp(chunks, settings)
+        optimizer = build_optimizer(ddp, settings)
+        scheduler = build_scheduler(optimizer, settings)
+        history = []
+        for batch in _global_batches(model_cfg.vocab_size):
+            mbs = _split(batch, groups.dp_rank, groups.dp_size, num_microbatches)
+            old = forward_stats(ddp, mbs, StatsRequest(vocab_size=model_cfg.vocab_size, k=K), groups)
+            if old is not None:  # last stage: the loss inputs
+                for mb, stats in zip(mbs, old, strict=True):
+                    mb["old_logprobs"] = stats["logprobs"]
+                    mb["topk_ids"] = stats["topk_ids"]
+                    mb["anchor_logprobs"] = stats["logprobs"] + mb["anchor_noise"]
+                    mb["topk_anchor_logprobs"] = stats["topk_logprobs"] + mb["topk_anchor_noise"]
+            result = train_step(ddp, optimizer, scheduler, mbs, SETTINGS, vocab_size=model_cfg.vocab_size, groups=groups)
+            history.append({"metrics": result.metrics, "grad_norm": result.grad_norm, "lr": result.lr})
+        params = {}
+        for chunk in chunks:
+            names = mcore_model.global_names(chunk)
+            for name, p in chunk.named_parameters():
+                params[names[name]] = (p.detach().clone(), mcore_model.tp_partition(p))
+        return {"initial": initial, "history": history, "params": params, "tp_rank": groups.tp_rank, "tp": tp}
+    finally:
+        destroy_model_parallel()
+
+
+def _reference_worker(rank: int, world_size: int) -> dict:
+    out = _train(1, 1, False, None, num_microbatches=2)
+    full = out["initial"]
+    again = _train(1, 1, False, full, num_microbatches=4)  # micro-batch count invariance
+    eight = _train(1, 1, False, full, num_microbatches=8)
+    return {"main": out, "mb4": again, "mb8": eight}
+
+
+def _layouts_worker(rank: int, world_size: int, layouts: list, full_state_dict: dict) -> dict:
+    results = {}
+    for name, _, tp, pp, distopt in layouts:
+        results[name] = _train(tp, pp, distopt, full_state_dict, num_microbatches=2)
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return run_distributed(_reference_worker, 1, timeout=240)[0]
+
+
+@pytest.fixture(scope="module")
+def layouts(reference) -> dict:
+    full = reference["main"]["initial"]
+    per_rank = run_distributed(_layouts_worker, 2, LAYOUTS_2, full, timeout=300)
+    per_rank_4 = run_distributed(_layouts_worker, 4, LAYOUTS_4, full, timeout=300)
+    out = {}
+    for layouts, ranks in ((LAYOUTS_2, per_rank), (LAYOUTS_4, per_rank_4)):
+        for layout in layouts:
+            out[layout[0]] = [r[layout[0]] for r in ranks]
+    return out
+
+
+def _assert_same_history(actual: list, expected: list, what: str) -> None:
+    for step, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        torch.testing.assert_close(a["grad_norm"], e["grad_norm"], **TOL, msg=lambda m: f"{what} step {step} grad norm: {m}")
+        assert a["lr"] == pytest.approx(e["lr"], rel=1e-12)
+        assert a["metrics"].keys() == e["metrics"].keys()
+        for key, value in e["metrics"].items():
+            torch.testing.assert_close(a["metrics"][key], value, **TOL, msg=lambda m: f"{what} step {step} {key}: {m}")
+
+
+def _assert_same_params(rank_result: dict, reference_params: dict, what: str) -> None:
+    from megatron_empg.mcore.model import tp_slice
+
+    for name, (shard, partition) in rank_result["params"].items():
+        full, _ = reference_params[name]
+        expected = tp_slice(full, partition, rank_result["tp_rank"], rank_result["tp"])
+        torch.testing.assert_close(shard, expected, **TOL, msg=lambda m: f"{what} {name}: {m}")
+
+
+def test_reference_trains_and_reports(reference):
+    history = reference["main"]["history"]
+    assert [h["lr"] for h in history][:2] == pytest.approx([0.0, 5e-4])  # linear warmup from 0 over 2 steps
+    assert all(h["grad_norm"] > 0 for h in history)
+    assert {"loss", "policy_loss", "kl", "entropy", "ratio", "clipped_high", "clipped_low"} <= history[0]["metrics"].keys()
+    initial = reference["main"]["initial"]
+    moved = [n for n, (p, _) in reference["main"]["params"].items() if not torch.equal(p, initial[n])]
+    assert moved, "three optimizer steps changed no parameter"
+
+
+@pytest.mark.parametrize("count", ["mb4", "mb8"])
+def test_microbatch_count_does_not_change_the_result(reference, count):
+    _assert_same_history(reference[count]["history"], reference["main"]["history"], count)
+    _assert_same_params(reference[count], reference["main"]["params"], count)
+
+
+@pytest.mark.parametrize("name", [layout[0] for layout in LAYOUTS_2 + LAYOUTS_4])
+def test_layout_equals_tp1(reference, layouts, name):
+    ref = reference["main"]
+    for rank, result in enumerate(layouts[name]):
+        _assert_same_history(result["history"], ref["history"], f"{name} rank {rank}")
+        _assert_same_params(result, ref["params"], f"{name} rank {rank}")
