@@ -1,0 +1,622 @@
+"""The run's configuration: typed dataclasses, built from YAML or dicts, with dotted CLI overrides.
+
+Pure Python and ``yaml``: nothing here imports torch or megatron, so any layer may import it.
+
+The machinery is generic and works for any (nested) dataclass::
+
+    cfg = load_config(ModelConfig, "model_configs/qwen2.5-7b.yaml", ["rope_theta=5e5"])
+    cfg = from_dict(ModelConfig, {...})           # type-checked, unknown keys rejected
+    data = to_dict(cfg)                           # from_dict(ModelConfig, data) == cfg
+
+* ``from_dict`` checks every value against the field's type hint (``int``, ``float`` (an int is
+  accepted), ``bool`` (only a real bool), ``str``, ``X | None``, unions, ``Literal[...]``,
+  ``list[X]``, ``tuple[X, ...]``, ``dict``, nested dataclasses), rejects unknown keys (listing the
+  allowed ones) and missing required fields, and then calls ``validate()`` on every dataclass in the
+  tree that has one, innermost first. Every error is a ``ConfigError`` whose message starts with the
+  dotted path of the field, e.g. ``model.num_query_groups: expected int, got 'two'``.
+* ``apply_overrides`` applies ``a.b.c=value`` strings to a dict; values are parsed as YAML (``1e-6``,
+  ``true``, ``[1, 2]``, ``null``, ``{a: 1}``). A key that does not exist is an error, except under a
+  free-form ``dict`` field.
+
+Cross-field checks live on the dataclasses as ``validate()`` methods that raise
+``ConfigError(field, reason)`` with the field name relative to the dataclass; the caller adds the
+dataclass's own path.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+MODEL_CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. ``field`` is its dotted path ('' for the whole config)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field, self.reason = field, reason
+        super().__init__(f"{field}: {reason}" if field else reason)
+
+
+# --------------------------------------------------------------------------------------------
+# YAML: PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string; accept it as a float.
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that also reads ``1e-6`` as a float."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    data = parse_yaml(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path}: expected a mapping at the top level, got {_describe(data)}")
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# Building dataclasses from dicts.
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return f"a list ({_short_repr(value)})"
+    return _short_repr(value)
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "None"
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    if origin is not None:
+        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        return f"{origin.__name__}[{inner}]" if args else origin.__name__
+    return getattr(tp, "__name__", repr(tp))
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _init_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _is_required(field: dataclasses.Field) -> bool:
+    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """``value`` checked against (and where lossless converted to) type ``tp``."""
+    if tp is Any or tp is object:
+        return copy.deepcopy(value)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(path, f"expected {_type_name(tp)}, got None")
+        candidates = [a for a in args if a is not type(None)]
+        errors = []
+        for candidate in candidates:
+            try:
+                return _coerce(candidate, value, path)
+            except ConfigError as e:
+                errors.append(e)
+        if len(candidates) == 1:  # `X | None`: X's own error is the most precise
+            raise errors[0]
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+    if origin is Literal:
+        for option in args:
+            if value == option and type(value) is type(option):
+                return option
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+        return _build(tp, value, path)
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(path, f"expected None, got {_describe(value)}")
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected bool (true/false), got {_describe(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected int, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected float, got {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected str, got {_describe(value)}")
+        return value
+    if tp in (list, tuple) or origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+        if (tp is tuple or origin is tuple) and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(path, f"expected {_type_name(tp)} ({len(args)} items), got {len(value)} items")
+            items = [_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
+        else:
+            item_type = args[0] if args else Any
+            items = [_coerce(item_type, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (tp is tuple or origin is tuple) else items
+    if tp is dict or origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+        key_type, value_type = args if args else (Any, Any)
+        return {
+            _coerce(key_type, k, _join(path, k)): _coerce(value_type, v, _join(path, k)) for k, v in value.items()
+        }
+    raise TypeError(f"{path}: field type {tp!r} is not supported by megatron_empg.config")
+
+
+def _build(cls: type[T], data: Mapping, path: str) -> T:
+    fields = _init_fields(cls)
+    allowed = ", ".join(fields)
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(path, f"keys must be strings, got {bad!r}; allowed keys: {allowed}")
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        what = "unknown key" if len(unknown) == 1 else "unknown keys"
+        raise ConfigError(", ".join(_join(path, k) for k in unknown), f"{what}; allowed keys: {allowed}")
+    missing = [name for name, f in fields.items() if _is_required(f) and name not in data]
+    if missing:
+        what = "missing required field" if len(missing) == 1 else "missing required fields"
+        raise ConfigError(", ".join(_join(path, k) for k in missing), what)
+    hints = _hints(cls)
+    return cls(**{name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()})
+
+
+def _children(obj: Any, path: str) -> Iterable[tuple[Any, str]]:
+    """The dataclass instances directly inside ``obj`` (fields, list items, dict values)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        where = _join(path, f.name)
+        if isinstance(value, (list, tuple)):
+            yield from ((v, f"{where}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            yield from ((v, _join(where, k)) for k, v in value.items())
+        else:
+            yield value, where
+
+
+def validate_tree(obj: Any, path: str = "") -> None:
+    """Call ``validate()`` on ``obj`` and every dataclass inside it, innermost first.
+
+    A ``ConfigError`` raised by a nested ``validate()`` gets the nested dataclass's path prefixed.
+    """
+    for child, where in _children(obj, path):
+        if dataclasses.is_dataclass(child) and not isinstance(child, type):
+            validate_tree(child, where)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError as e:
+            raise ConfigError(_join(path, e.field) if e.field else path, e.reason) from None
+
+
+def from_dict(cls: type[T], data: Mapping, *, path: str = "") -> T:
+    """Build dataclass ``cls`` from ``data`` (type-checked), then run ``validate_tree`` on it."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"expected a mapping ({cls.__name__}), got {_describe(data)}")
+    obj = _build(cls, data, path)
+    validate_tree(obj, path)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain YAML-friendly data (dicts, lists, scalars) of a dataclass tree; ``from_dict`` inverts it."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return copy.deepcopy(obj)
+
+
+def to_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=None)
+
+
+# --------------------------------------------------------------------------------------------
+# Dotted overrides.
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _is_free_form(tp: Any) -> bool:
+    """A field whose keys are not fixed by the schema (``dict``, ``dict[K, V]``, ``Any``)."""
+    tp = _unwrap_optional(tp)
+    return tp is dict or typing.get_origin(tp) is dict or tp is Any
+
+
+def parse_override(override: str) -> tuple[list[str], Any]:
+    """``"a.b.c=value"`` -> (["a", "b", "c"], YAML-parsed value)."""
+    if not isinstance(override, str) or "=" not in override:
+        raise ConfigError("", f"override {override!r} is not of the form dotted.key=value")
+    key, _, text = override.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError("", f"override {override!r}: empty key component in {key!r}")
+    try:
+        value = parse_yaml(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(key.strip(), f"cannot parse override value {text!r} as YAML: {e}") from None
+    return parts, value
+
+
+def apply_overrides(data: Mapping, overrides: Iterable[str], *, cls: type | None = None) -> dict:
+    """A copy of ``data`` with each ``dotted.key=value`` override applied, in order.
+
+    With ``cls`` (the dataclass ``data`` describes), a key exists if the schema has it, so fields
+    left at their defaults can be overridden; without it, a key exists if ``data`` has it. Under a
+    free-form dict field any key may be set (missing intermediate mappings are created).
+    """
+    result = copy.deepcopy(dict(data))
+    for override in overrides:
+        parts, value = parse_override(override)
+        node: dict = result
+        tp: Any = cls
+        for depth, part in enumerate(parts):
+            where = ".".join(parts[: depth + 1])
+            last = depth == len(parts) - 1
+            free = tp is None and cls is not None  # inside a free-form dict field
+            if cls is not None and not free:
+                fields = _init_fields(tp)
+                if part not in fields:
+                    raise ConfigError(where, f"unknown key in override {override!r}; allowed keys: {', '.join(fields)}")
+                tp = _hints(tp)[part]
+            elif cls is None and part not in node:
+                allowed = ", ".join(map(str, node)) or "(none)"
+                raise ConfigError(where, f"unknown key in override {override!r}; existing keys: {allowed}")
+            if last:
+                node[part] = value
+                break
+            if cls is not None and not free:
+                inner = _unwrap_optional(tp)
+                if _is_free_form(tp):
+                    tp = None  # everything below is free-form
+                elif dataclasses.is_dataclass(inner):
+                    tp = inner
+                else:
+                    raise ConfigError(where, f"is {_type_name(tp)}, not a mapping; cannot set {'.'.join(parts)}")
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(where, f"is {_describe(child)}, not a mapping; cannot set {'.'.join(parts)}")
+            node = child
+    return result
+
+
+def load_config(cls: type[T], path_or_dict: str | os.PathLike | Mapping, overrides: Iterable[str] = ()) -> T:
+    """Read a YAML file (or take a dict), apply the dotted overrides, build and validate ``cls``."""
+    data = path_or_dict if isinstance(path_or_dict, Mapping) else read_yaml(path_or_dict)
+    return from_dict(cls, apply_overrides(data, overrides, cls=cls))
+
+
+# --------------------------------------------------------------------------------------------
+# Model and parallelism.
+
+Family = Literal["qwen2", "llama", "qwen3"]
+
+_HF_ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# What each family's HF implementation hard-codes, as (field, required value).
+_FAMILY_FLAGS: dict[str, dict[str, bool]] = {
+    "qwen2": {"add_qkv_bias": True, "qk_layernorm": False},
+    "llama": {"add_qkv_bias": False, "qk_layernorm": False},
+    "qwen3": {"add_qkv_bias": False, "qk_layernorm": True},
+}
+# The rope scalings the Megatron build and the HF config both support, with their required keys.
+_ROPE_SCALING_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only model (Qwen2/2.5, Llama-3.x, Qwen3 dense): RMSNorm, SwiGLU, RoPE, GQA.
+
+    Sizes use Megatron's names; ``to_hf_config()`` gives the Hugging Face spelling. ``vocab_size`` is
+    the HF vocabulary (rows of the HF embedding); Megatron pads it, see ``padded_vocab_size``.
+    """
+
+    name: str
+    family: Family
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int  # key/value heads (GQA); = num_attention_heads for MHA
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    norm_epsilon: float
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    tie_word_embeddings: bool
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads (Qwen3 sets it)
+    rope_scaling: dict[str, Any] | None = None  # HF spelling, e.g. Llama-3.1's {rope_type: llama3, ...}
+    hidden_act: Literal["silu"] = "silu"
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # of the published weights
+    hf_model_id: str | None = None  # Hugging Face Hub id of the published checkpoint
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head dimension (Megatron's ``kv_channels``, HF's ``head_dim``)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    def validate(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "vocab_size", "max_position_embeddings"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ConfigError("head_dim", f"must be positive or null, got {self.head_dim}")
+        for name in ("rope_theta", "norm_epsilon", "initializer_range"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(name, f"must be a positive finite number, got {value}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "num_attention_heads",
+                f"num_attention_heads={self.num_attention_heads} does not divide hidden_size={self.hidden_size} "
+                "(set head_dim to use heads of another size)",
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                "num_query_groups",
+                f"num_query_groups={self.num_query_groups} does not divide "
+                f"num_attention_heads={self.num_attention_heads}",
+            )
+        if self.kv_channels % 2:
+            raise ConfigError("head_dim", f"the head dimension must be even for RoPE, got {self.kv_channels}")
+        for flag, required in _FAMILY_FLAGS[self.family].items():
+            if getattr(self, flag) != required:
+                raise ConfigError(flag, f"family {self.family!r} requires {flag}: {str(required).lower()}")
+        if self.family in ("qwen2", "llama") and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "num_attention_heads",
+                f"family {self.family!r} (Hugging Face) needs num_attention_heads={self.num_attention_heads} "
+                f"to divide hidden_size={self.hidden_size}",
+            )
+        if self.family == "qwen2" and self.head_dim not in (None, self.hidden_size // self.num_attention_heads):
+            raise ConfigError("head_dim", "family 'qwen2' has no head_dim: leave it null (= hidden_size // heads)")
+        self._validate_rope_scaling()
+        for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            for token in value if isinstance(value, list) else [value]:
+                if token is not None and not 0 <= token < self.vocab_size:
+                    raise ConfigError(name, f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _validate_rope_scaling(self) -> None:
+        if self.rope_scaling is None:
+            return
+        rope_type = self.rope_scaling.get("rope_type")
+        if rope_type not in _ROPE_SCALING_KEYS:
+            raise ConfigError(
+                "rope_scaling.rope_type",
+                f"supported rope scalings are {sorted(_ROPE_SCALING_KEYS)} (or rope_scaling: null), got {rope_type!r}",
+            )
+        required = _ROPE_SCALING_KEYS[rope_type]
+        allowed = ("rope_type", *required)
+        for key in self.rope_scaling:
+            if key not in allowed:
+                raise ConfigError(f"rope_scaling.{key}", f"unknown key for rope_type {rope_type!r}; allowed: {allowed}")
+        for key in required:
+            value = self.rope_scaling.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(
+                    f"rope_scaling.{key}", f"rope_type {rope_type!r} needs a positive number, got {value!r}"
+                )
+        if rope_type == "llama3" and not self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"]:
+            raise ConfigError("rope_scaling.high_freq_factor", "must be greater than low_freq_factor")
+
+    def num_parameters(self, *, padded_vocab_size: int | None = None) -> int:
+        """Number of weights of the model (embedding rows = ``padded_vocab_size`` or ``vocab_size``)."""
+        h, d = self.hidden_size, self.kv_channels
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
+        if self.add_qkv_bias:
+            attention += q + 2 * kv
+        if self.qk_layernorm:
+            attention += 2 * d
+        mlp = 3 * h * self.ffn_hidden_size  # gate, up, down
+        layer = attention + mlp + 2 * h  # + input and pre-MLP RMSNorm
+        embedding = (padded_vocab_size or self.vocab_size) * h
+        return self.num_layers * layer + h + embedding * (1 if self.tie_word_embeddings else 2)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.AutoConfig.for_model`` (transformers >= 5 spelling:
+        ``rope_parameters`` holds ``rope_theta`` and the scaling; ``dtype`` not ``torch_dtype``)."""
+        rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
+        rope["rope_theta"] = self.rope_theta
+        hf: dict[str, Any] = {
+            "model_type": self.family,
+            "architectures": [_HF_ARCHITECTURE[self.family]],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.ffn_hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_query_groups,
+            "hidden_act": self.hidden_act,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.norm_epsilon,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": copy.copy(self.eos_token_id),
+            "pad_token_id": self.pad_token_id,
+            "dtype": self.dtype,
+        }
+        if self.family in ("llama", "qwen3"):
+            hf.update(head_dim=self.kv_channels, attention_bias=False)
+        if self.family == "llama":
+            hf.update(mlp_bias=False)
+        if self.family in ("qwen2", "qwen3"):
+            hf.update(use_sliding_window=False)
+        return hf
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``make_vocab_size_divisible_by * TP``."""
+    for name, value in (("vocab_size", vocab_size), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
+                        ("tensor_model_parallel_size", tensor_model_parallel_size)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(name, f"must be a positive int, got {value!r}")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Model parallelism; the data-parallel size is what the world size leaves over."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None  # model chunks per pipeline rank
+    sequence_parallel: bool = False
+    make_vocab_size_divisible_by: int = 128
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def validate(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            if vpp < 2:
+                raise ConfigError("virtual_pipeline_model_parallel_size", f"must be >= 2 or null, got {vpp}")
+            if self.pipeline_model_parallel_size < 2:
+                raise ConfigError(
+                    "virtual_pipeline_model_parallel_size",
+                    "needs pipeline_model_parallel_size >= 2 (interleaving splits each pipeline rank's layers)",
+                )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("sequence_parallel", "needs tensor_model_parallel_size > 1")
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        return padded_vocab_size(vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
+
+    def validate_world_size(self, world_size: int) -> None:
+        if world_size < 1 or world_size % self.model_parallel_size:
+            raise ConfigError(
+                "tensor_model_parallel_size",
+                f"world size {world_size} is not divisible by tensor_model_parallel_size x "
+                f"pipeline_model_parallel_size = {self.tensor_model_parallel_size} x "
+                f"{self.pipeline_model_parallel_size}",
+            )
+
+    def validate_for(self, model: ModelConfig, world_size: int | None = None) -> None:
+        """Check that ``model`` can be split this way (and, if given, over ``world_size`` ranks)."""
+        self.validate()
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        for field in ("num_attention_heads", "num_query_groups"):
+            if getattr(model, field) % tp:
+                raise ConfigError(
+                    "tensor_model_parallel_size",
+                    f"tensor_model_parallel_size={tp} does not divide model.{field}={getattr(model, field)}",
+                )
+        if model.num_layers % pp:
+            raise ConfigError(
+                "pipeline_model_parallel_size",
+                f"pipeline_model_parallel_size={pp} does not divide model.num_layers={model.num_layers}",
+            )
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and model.num_layers % (pp * vpp):
+            raise ConfigError(
+                "virtual_pipeline_model_parallel_size",
+                f"model.num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size x "
+                f"virtual_pipeline_model_parallel_size = {pp} x {vpp}",
+            )
+        if world_size is not None:
+            self.validate_world_size(world_size)
+
+
+def model_config_path(name: str) -> Path:
+    """``model_configs/<name>.yaml``; a ``ConfigError`` lists the known names if there is none."""
+    path = MODEL_CONFIG_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError("model", f"no model config named {name!r} in {MODEL_CONFIG_DIR}; known: {known}")
+    return path
+
+
+def load_model_config(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) -> ModelConfig:
+    """A ``ModelConfig`` from a YAML path, or from a name in ``model_configs/`` ("qwen2.5-7b")."""
+    path = Path(name_or_path)
+    if not path.is_file() and len(path.parts) == 1 and path.suffix not in (".yaml", ".yml"):
+        path = model_config_path(str(name_or_path))
+    return load_config(ModelConfig, path, overrides)
