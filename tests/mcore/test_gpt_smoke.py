@@ -13,13 +13,12 @@ gradient, and checks that the layout's shards cover every parameter of the model
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore.model import global_name, layer_offset, load_full_state_dict, tp_partition, tp_slice
 from tests.dist import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
@@ -63,45 +62,6 @@ def _build_model(tp: int, pp: int):
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )  # fmt: skip
-
-
-def _global_name(local_name: str, layer_offset: int) -> str:
-    """``decoder.layers.<i>.`` is numbered per pipeline stage; shift it to the full model's index."""
-    shift = lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}."  # noqa: E731
-    return re.sub(r"^decoder\.layers\.(\d+)\.", shift, local_name)
-
-
-def _partition(param) -> tuple[int, int] | None:
-    """(partition_dim, partition_stride) of a TP-sharded parameter; None if replicated over TP."""
-    if getattr(param, "tensor_model_parallel", False):
-        return param.partition_dim, param.partition_stride
-    return None
-
-
-def _tp_slice(full: torch.Tensor, partition: tuple[int, int] | None, tp_rank: int, tp_size: int):
-    """This TP rank's part of a full tensor that Megatron shards as ``partition`` (see above).
-
-    A stride > 1 (SwiGLU's fc1 stacks [gate; up] rows: stride 2) means each rank owns every
-    ``tp_size``-th of ``tp_size * stride`` equal chunks.
-    """
-    if partition is None or tp_size == 1:
-        return full
-    dim, stride = partition
-    chunks = torch.split(full, full.size(dim) // (tp_size * stride), dim=dim)
-    return torch.cat(chunks[tp_rank::tp_size], dim=dim)
-
-
-def shard_full_state_dict(model, full_state_dict: dict, tp_rank: int, tp_size: int, layer_offset: int):
-    """Load this rank's TP/PP slice of a TP=1/PP=1 state dict into ``model``."""
-    params = dict(model.named_parameters())
-    sharded = {}
-    for name, local in model.state_dict().items():
-        full = full_state_dict.get(_global_name(name, layer_offset))
-        if torch.is_tensor(full):
-            sharded[name] = _tp_slice(full, _partition(params.get(name)), tp_rank, tp_size).clone()
-        else:  # `_extra_state` entries: keep the model's own
-            sharded[name] = local
-    model.load_state_dict(sharded, strict=True)
 
 
 def _forward_step(data_iterator, model):
@@ -159,9 +119,10 @@ def _run_layouts(rank: int, world_size: int, full_state_dict: dict, batches: lis
         _setup(tp, pp)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        layer_offset = pp_rank * NUM_LAYERS // pp
         model = _build_model(tp, pp)
-        shard_full_state_dict(model, full_state_dict, tp_rank, tp, layer_offset)
+        offset = layer_offset(model)
+        assert offset == pp_rank * NUM_LAYERS // pp
+        load_full_state_dict([model], full_state_dict)
         outputs, grads = _forward_backward(model, batches)
         params = dict(model.named_parameters())
         results[tp, pp] = {
@@ -169,7 +130,7 @@ def _run_layouts(rank: int, world_size: int, full_state_dict: dict, batches: lis
             "pp_rank": pp_rank,
             "last_stage": parallel_state.is_pipeline_last_stage(),
             "outputs": outputs,
-            "grads": {_global_name(n, layer_offset): (g, _partition(params[n])) for n, g in grads.items()},
+            "grads": {global_name(n, offset): (g, tp_partition(params[n])) for n, g in grads.items()},
         }
         parallel_state.destroy_model_parallel()
     return results
@@ -223,7 +184,7 @@ def test_grads_match_tp1(reference, layouts, layout):
     for rank, result in enumerate(layouts):
         r = result[layout]
         for name, (actual, partition) in r["grads"].items():
-            expected = _tp_slice(expected_grads[name], partition, r["tp_rank"], tp_size)
+            expected = tp_slice(expected_grads[name], partition, r["tp_rank"], tp_size)
             torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"rank {rank}, {name}: {m}")
             covered.add(name)
     assert covered == set(expected_grads)

@@ -1,0 +1,128 @@
+"""Megatron's model-parallel process groups, set up once and read from one place.
+
+``initialize_model_parallel(parallel, seed)`` (in every rank, after
+``torch.distributed.init_process_group``) installs the CPU shims, creates Megatron's groups for
+``parallel`` (TP, PP, VPP; the rest of the world is data parallel), seeds the RNGs and returns a
+frozen ``ParallelGroups``. Code below mcore gets its groups from that object (or
+``current_groups()``), never from ``megatron.core.parallel_state`` directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_empg.config import ParallelConfig
+from megatron_empg.mcore import cpu_shims
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+def _megatron_parallel_state():
+    cpu_shims.install_pre_import()
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's place in the TP x PP x DP grid and the groups for each dimension."""
+
+    tp_group: ProcessGroup
+    pp_group: ProcessGroup
+    dp_group: ProcessGroup
+    mp_group: ProcessGroup  # TP x PP: all ranks holding one replica of the model
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    vpp_size: int | None  # model chunks per pipeline rank (None: no interleaving)
+    rank: int
+    world_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        """First pipeline stage (holds the embedding; with VPP, in its first model chunk)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Last pipeline stage (holds the output layer; with VPP, in its last model chunk)."""
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def num_model_chunks(self) -> int:
+        return self.vpp_size or 1
+
+
+def current_groups() -> ParallelGroups:
+    """The groups of the model parallelism currently initialized in Megatron."""
+    ps = _megatron_parallel_state()
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("model parallelism is not initialized; call initialize_model_parallel first")
+    return ParallelGroups(
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        mp_group=ps.get_model_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+    )
+
+
+def seed_everything(seed: int, pp_rank: int = 0) -> None:
+    """Megatron-LM's seeding: ``seed + 100 * pp_rank`` for python/torch (the CPU generator builds the
+    weights under ``use_cpu_initialization``, the same on every TP rank of a stage), then Megatron's
+    tracked model-parallel RNG states."""
+    cpu_shims.install_pre_import()
+    from megatron.core import tensor_parallel
+
+    stage_seed = seed + 100 * pp_rank
+    random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, **megatron_kwargs: Any) -> ParallelGroups:
+    """Create Megatron's groups for ``parallel`` over the current world and seed the RNGs.
+
+    ``torch.distributed`` must be initialized. ``megatron_kwargs`` go to Megatron's
+    ``parallel_state.initialize_model_parallel`` (e.g. ``create_gloo_process_groups``).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+    parallel.validate()
+    parallel.validate_world_size(dist.get_world_size())
+    ps = _megatron_parallel_state()
+    cpu_shims.install_post_import()
+    if ps.model_parallel_is_initialized():
+        raise RuntimeError("model parallelism is already initialized; call destroy_model_parallel first")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        **megatron_kwargs,
+    )
+    groups = current_groups()
+    seed_everything(seed, groups.pp_rank)
+    return groups
+
+
+def destroy_model_parallel() -> None:
+    """Tear down Megatron's groups (the default process group stays)."""
+    _megatron_parallel_state().destroy_model_parallel()
