@@ -1,0 +1,801 @@
+"""Distributed checkpoints of an RL run: policy, optimizer, LR schedule, EMA anchor master, RNG
+states and the loop's own counters, through Megatron's ``dist_checkpointing`` (torch_dist).
+
+Every rank of the default process group calls ``save_checkpoint`` and ``load_checkpoint``
+together::
+
+    path = save_checkpoint(root, step, models=ddp_chunks, optimizer=opt, scheduler=sched,
+                           anchor=anchor, extra_state={"data_cursor": c}, groups=groups)
+    found = find_latest_checkpoint(root)             # pure filesystem; no collectives
+    if found is not None:
+        extra = load_checkpoint(found.path, models=..., optimizer=..., scheduler=...,
+                                anchor=..., groups=groups)    # extra["step"], extra["data_cursor"]
+
+On disk (``root`` is any directory on a filesystem all ranks share)::
+
+    root/
+      latest                      one line, the name of the newest committed checkpoint
+      step_00000004/              a committed checkpoint (name: the step, 8+ digits)
+        empg_checkpoint.json      ours, written last: {"complete": true, format, step, layout, ...}
+        metadata.json             dist_checkpointing's (backend, version)
+        .metadata, __<r>_<i>.distcp, ...   the torch_dist shards (and the common state)
+      step_00000006.tmp-1f2e3d4c/ a save in progress, or one that crashed: never loaded
+      step_00000002.trash-.../    a checkpoint being deleted (retention or a re-save): never loaded
+
+Atomicity. A save writes everything into ``step_N.tmp-<nonce>``; then rank 0 writes
+``empg_checkpoint.json`` (temp file, fsync, rename), renames the directory to ``step_N``
+(``os.replace``: atomic on one filesystem) and only then rewrites ``latest`` the same way. A crash
+at any point leaves either the previous checkpoints untouched plus a ``*.tmp-*`` directory that
+nothing loads, or a committed ``step_N`` that ``find_latest_checkpoint`` finds even if ``latest``
+was not yet updated. Deletion renames a directory out of the ``step_N`` namespace before removing
+its files, so a half-deleted checkpoint is never mistaken for a complete one.
+
+Resharding. Tensors are saved under global keys (Megatron's ``sharded_state_dict``: layers by
+their global index, TP shards by their offset), so a checkpoint loads at another TP/PP/DP layout
+(tested: TP2, PP2 and DP2 with the distributed optimizer, each loaded at TP1/PP1/DP1; VPP is not
+tested). The distributed optimizer is saved as ``fully_reshardable`` by default (per-parameter
+tensors in model space, reshardable in TP, PP and DP; see ``OPTIMIZER_FORMATS``). RNG states are
+per rank and are restored only at the layout they were saved at.
+
+Anchor. ``anchor`` is any object with ``models`` (its model chunks, whose parameters have the
+policy's names and local shapes), ``full_master_state() -> {"<chunk>.<param name>": fp32 tensor}``
+(a collective over DP; every rank returns its TP/PP part) and ``load_full_master_state(state)``.
+The fp32 master is saved as ShardedTensors with the sharding metadata of the anchor's own
+``sharded_state_dict(prefix="anchor_master.")``, so it reshards exactly like the model. The
+prefix carries no chunk index: the keys are global already, and a chunk index would tie the
+checkpoint to one VPP layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore.parallel_state import ParallelGroups
+
+if TYPE_CHECKING:
+    import torch.nn
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "megatron_empg.checkpoint"
+FORMAT_VERSION = 1
+INFO_FILE = "empg_checkpoint.json"  # ours; dist_checkpointing writes its own metadata.json
+DIST_CKPT_FILES = ("metadata.json", ".metadata")  # written by dist_checkpointing.save (torch_dist)
+LATEST_FILE = "latest"
+TMP_MARK = ".tmp-"
+TRASH_MARK = ".trash-"
+ANCHOR_PREFIX = "anchor_master."
+# Distributed-optimizer checkpoint formats of megatron-core (``DistributedOptimizer.sharded_state_dict``)
+# that this module writes. "fully_reshardable": per-parameter tensors in model space, loadable at any
+# TP/PP/DP; the save all-gathers each model-parallel shard's optimizer state over DP.
+# "dp_reshardable": each rank writes its own flat buffer, no exchange; loadable at another DP size
+# only. ("fully_sharded_model_space", the no-exchange reshardable format, fails in 0.19.2:
+# "ShardedTensor.flattened_range is not supported".) The non-distributed optimizer ignores this.
+OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
+DEFAULT_OPTIMIZER_FORMAT = "fully_reshardable"
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model it is loaded into."""
+
+
+class FoundCheckpoint(NamedTuple):
+    """What ``find_latest_checkpoint`` picked: the directory, its step, and why this one."""
+
+    path: Path
+    step: int
+    reason: str
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# --------------------------------------------------------------------------------------------
+# Filesystem: completeness, atomic writes, discovery.
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a complete checkpoint of this format, or None if it is one."""
+    path = Path(path)
+    if not path.exists():
+        return f"{path} does not exist"
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    info_path = path / INFO_FILE
+    if not info_path.is_file():
+        return f"{path} has no {INFO_FILE} (the completion marker written last by save_checkpoint): incomplete"
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError) as e:
+        return f"{info_path} is unreadable ({e})"
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        return f"{info_path} is not a {FORMAT} file"
+    if info.get("complete") is not True:
+        return f"{info_path} does not say complete: true"
+    if info.get("format_version") != FORMAT_VERSION:
+        return f"{info_path} has format_version {info.get('format_version')!r}; this code reads {FORMAT_VERSION}"
+    missing = [name for name in DIST_CKPT_FILES if not (path / name).is_file()]
+    if missing:
+        return f"{path} lacks dist_checkpointing's {', '.join(missing)}"
+    return None
+
+
+def read_checkpoint_info(path: str | os.PathLike) -> dict:
+    """The ``empg_checkpoint.json`` of a complete checkpoint; ``CheckpointError`` naming what is wrong
+    otherwise."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"not a loadable checkpoint: {problem}")
+    return json.loads((Path(path) / INFO_FILE).read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file, fsync and ``os.replace`` (then fsync the dir)."""
+    tmp = path.with_name(f"{path.name}{TMP_MARK}{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``step_N`` directories under ``root`` (temp and trash directories excluded), newest first."""
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found, key=lambda item: item[0], reverse=True)
+
+
+def _read_latest(root: Path) -> tuple[Path | None, str]:
+    """(the directory ``latest`` names, or None; what was wrong with it)."""
+    latest = root / LATEST_FILE
+    if not latest.is_file():
+        return None, f"{latest} does not exist"
+    try:
+        name = latest.read_text().strip()
+    except OSError as e:
+        return None, f"{latest} is unreadable ({e})"
+    if not _STEP_DIR.match(name):
+        return None, f"{latest} holds {name[:80]!r}, not a step_N directory name"
+    return root / name, ""
+
+
+def find_latest_checkpoint(root_dir: str | os.PathLike) -> FoundCheckpoint | None:
+    """The checkpoint a resume should load, or None for a fresh run; reads files only.
+
+    ``latest`` is followed when it names a complete checkpoint; otherwise (missing, unreadable,
+    pointing to a deleted or incomplete directory) the newest complete ``step_N`` is used and the
+    reason says why. Temp (``*.tmp-*``) and trash directories are never considered.
+
+    Returns None (with a warning if ``root_dir`` holds leftovers) when ``root_dir`` does not exist
+    or holds no complete checkpoint and no ``latest``: a crash during the first save. Raises
+    ``CheckpointError`` when ``latest`` exists but no complete checkpoint does: a checkpoint was
+    committed once and is gone, and silently starting from scratch would discard the run.
+    """
+    root = Path(root_dir)
+    if not root.exists():
+        logger.info("no checkpoint directory at %s: fresh start", root)
+        return None
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint root {root} is not a directory")
+    target, why = _read_latest(root)
+    if target is not None:
+        problem = checkpoint_problem(target)
+        if problem is None:
+            step = int(_STEP_DIR.match(target.name).group(1))
+            found = FoundCheckpoint(target, step, f"{root / LATEST_FILE} points to it")
+            logger.info("resuming from %s (step %d): %s", found.path, found.step, found.reason)
+            return found
+        why = f"{root / LATEST_FILE} points to {target.name}, which is not usable: {problem}"
+    skipped = []
+    for step, path in _step_dirs(root):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            reason = f"{why}; using the newest complete checkpoint"
+            if skipped:
+                reason += f" (skipped newer incomplete: {'; '.join(skipped)})"
+            found = FoundCheckpoint(path, step, reason)
+            logger.warning("resuming from %s (step %d): %s", found.path, found.step, found.reason)
+            return found
+        skipped.append(problem)
+    leftovers = sorted(p.name for p in root.iterdir() if TMP_MARK in p.name or _STEP_DIR.match(p.name))
+    if (root / LATEST_FILE).exists():
+        raise CheckpointError(
+            f"{root} has a {LATEST_FILE} file but no complete checkpoint ({why}; "
+            f"step directories: {leftovers or 'none'}). Refusing to start from scratch: restore the "
+            f"checkpoint or remove {root / LATEST_FILE} to start a new run."
+        )
+    if leftovers:
+        logger.warning("no complete checkpoint in %s (only incomplete: %s): fresh start", root, leftovers)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Collectives (on the default group: every rank takes part in a save and a load).
+
+
+def _rank0_then_share(fn: Callable[[], Any], what: str) -> Any:
+    """Run ``fn`` on rank 0 and give its result to every rank; if it raised, raise on every rank
+    (so no rank waits forever in a later collective)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
+            box[0] = ("error", f"{what} failed on rank 0: {type(e).__name__}: {e}")
+            logger.exception("%s failed on rank 0", what)
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status != "ok":
+        raise CheckpointError(value)
+    return value
+
+
+def _check_same_on_all_ranks(obj: Any, what: str) -> None:
+    digest = hashlib.sha256(pickle.dumps(obj)).hexdigest()
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) > 1:
+        ranks = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise CheckpointError(
+            f"{what} differs between ranks (rank(s) {ranks} differ from rank 0); it is saved once, "
+            "so it must be identical on every rank (gather per-rank values into one object first)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The state dict.
+
+
+def _import_megatron() -> None:
+    cpu_shims.install_pre_import()
+    import megatron.core  # noqa: F401
+
+
+def _unwrap(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Model chunks without their DDP / Float16Module wrappers (checkpoint keys without ``module.``)."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(models))
+
+
+def _layout(groups: ParallelGroups) -> dict[str, int | None]:
+    return {
+        "tp": groups.tp_size,
+        "pp": groups.pp_size,
+        "vpp": groups.vpp_size,
+        "dp": groups.dp_size,
+        "world_size": groups.world_size,
+    }
+
+
+def _optimizer_has_state(optimizer) -> bool:
+    """Whether any rank's optimizer holds state (has stepped). Collective."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    local = any(len(getattr(getattr(o, "optimizer", None), "state", None) or {}) > 0 for o in inner)
+    flag = torch.tensor([int(local)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _is_distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(isinstance(o, DistributedOptimizer) for o in inner)
+
+
+def _init_fresh_torch_adam_state(optimizer) -> None:
+    """Give a never-stepped distributed optimizer on torch Adam the state of step 0.
+
+    megatron-core 0.19.2's ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` calls
+    ``state_dict()``, which without TE/apex (torch Adam: the CPU path) asserts that the inner
+    optimizer's per-parameter ``step`` values form one value; a fresh optimizer has none. Zero
+    moments and ``step`` 0 are what torch Adam would hold before its first update; the load then
+    overwrites them. With TE/apex FusedAdam (``step`` in the param groups) nothing is done.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if not isinstance(inner, distrib_optimizer.DistributedOptimizer) or len(inner.optimizer.state) > 0:
+            continue
+        if inner.init_state_fn is None:
+            raise CheckpointError(f"cannot initialize the state of {type(inner.optimizer).__name__} for loading")
+        inner.init_state_fn(inner.optimizer, inner.config)
+        for state in inner.optimizer.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
+def _load_optimizer_state(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, working around two megatron-core 0.19.2 bugs of the
+    distributed optimizer on torch Adam (no TE/apex: the CPU path; nothing is changed with TE/apex).
+
+    1. ``_set_main_param_and_optimizer_states`` (reached from
+       ``load_parameter_state_from_fully_reshardable``) looks up every tensor of the inner
+       optimizer's state, torch Adam's ``step`` included, in the loaded tensors, which never hold
+       ``step`` (it comes from the param groups): ``KeyError: 'step'``. A ``None`` entry makes it
+       skip ``step``, as it already skips non-tensor entries. Scoped to this call.
+    2. ``DistributedOptimizer.load_state_dict`` gives every parameter the same ``step`` tensor
+       object and torch's ``Optimizer.load_state_dict`` keeps it shared; torch Adam increments
+       each parameter's ``step`` in place, so one update would add the parameter count to all of
+       them (wrong bias correction from the first step after a resume). Each parameter gets its
+       own copy afterwards.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    patched = []
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            if isinstance(inner, distrib_optimizer.DistributedOptimizer):
+                original = inner._set_main_param_and_optimizer_states
+                inner._set_main_param_and_optimizer_states = (
+                    lambda model_param, tensors, original=original: original(model_param, {"step": None, **tensors})
+                )
+                patched.append(inner)
+    try:
+        with torch.no_grad():  # load_parameter_state_from_dp_reshardable copies into views of the params
+            optimizer.load_state_dict(state)
+    finally:
+        for inner in patched:
+            del inner._set_main_param_and_optimizer_states  # back to the class's method
+    for inner in patched:
+        for param_state in inner.optimizer.state.values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"] = param_state["step"].clone()
+
+
+def _optimizer_metadata(kind: str | None) -> dict:
+    """The ``metadata`` for ``optimizer.sharded_state_dict`` (also saved as content metadata)."""
+    if kind in (None, "per_parameter"):
+        return {}
+    return {"distrib_optim_sharding_type": kind, "chained_optim_avoid_prefix": True}
+
+
+def _model_parallel(layout: Mapping[str, Any]) -> tuple:
+    return layout["tp"], layout["pp"], layout["vpp"]
+
+
+def _with_data(sharded, data: torch.Tensor):
+    """A copy of a ShardedTensor / ShardedTensorFactory that holds ``data`` (same local shape)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(sharded, ShardedTensor):
+        if tuple(sharded.local_shape) != tuple(data.shape) and sharded.flattened_range is None:
+            raise CheckpointError(f"{sharded.key}: local shape {tuple(sharded.local_shape)} != {tuple(data.shape)}")
+        return dataclasses.replace(sharded, data=data, dtype=data.dtype)
+    if isinstance(sharded, ShardedTensorFactory):
+        return dataclasses.replace(sharded, data=data)
+    raise CheckpointError(f"unexpected sharded entry {type(sharded).__name__} for {getattr(sharded, 'key', '?')}")
+
+
+def _anchor_sharded_state(anchor, master: Mapping[str, torch.Tensor] | None) -> dict:
+    """``{"anchor_master<i>": {key: ShardedTensor of the fp32 master}}``. With ``master`` None
+    (loading) the tensors are fresh fp32 buffers of the parameters' local shapes."""
+    master = dict(master) if master is not None else None
+    out = {}
+    for i, chunk in enumerate(_unwrap(anchor.models)):
+        params = dict(chunk.named_parameters())
+        part = {}
+        for key, sharded in chunk.sharded_state_dict(prefix=ANCHOR_PREFIX).items():
+            name = key[len(ANCHOR_PREFIX) :]
+            if name not in params:  # _extra_state and buffers: not part of the master
+                continue
+            param = params[name]
+            if master is None:
+                tensor = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            else:
+                tensor = master.pop(f"{i}.{name}", None)
+                if tensor is None:
+                    raise CheckpointError(f"anchor.full_master_state() lacks {i}.{name} (anchor chunk {i} has it)")
+                if tuple(tensor.shape) != tuple(param.shape) or tensor.dtype != torch.float32:
+                    raise CheckpointError(
+                        f"anchor master {i}.{name}: {tensor.dtype} {tuple(tensor.shape)}, expected float32 "
+                        f"{tuple(param.shape)} (the parameter's local shape)"
+                    )
+            part[key] = _with_data(sharded, tensor)
+        out[f"anchor_master{i}"] = part
+    if master:
+        raise CheckpointError(f"anchor.full_master_state() has entries the anchor models lack: {sorted(master)[:8]}")
+    return out
+
+
+def _rng_sharded_object(groups: ParallelGroups, state: Any):
+    """Per-rank RNG states as one ShardedObject over the (PP, TP, DP) grid (as Megatron-LM's
+    ``rng_state``, with DP added: every rank's own state is kept)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(
+        "rng_state",
+        state,
+        (groups.pp_size, groups.tp_size, groups.dp_size),
+        (groups.pp_rank, groups.tp_rank, groups.dp_rank),
+        replica_id=0,
+    )
+
+
+def _get_rng_state() -> dict:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _model_sharded_state(chunks: Sequence[torch.nn.Module]) -> dict:
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+# --------------------------------------------------------------------------------------------
+# Save.
+
+
+def _before_commit(tmp_dir: Path) -> None:
+    """Called on every rank after the shards are written and before the checkpoint is committed.
+    A no-op; tests replace it to simulate a crash at that point."""
+
+
+def _commit(root: Path, tmp: Path, final: Path, info: dict, keep_last: int | None, nonce: str) -> list[str]:
+    """Rank 0: completion marker, rename, ``latest``, retention. Returns the names removed."""
+    for name in DIST_CKPT_FILES:  # dist_checkpointing fsyncs its shards and .metadata, not metadata.json
+        if (tmp / name).is_file():
+            _fsync_file(tmp / name)
+    _write_atomic(tmp / INFO_FILE, json.dumps(info, indent=1, sort_keys=True) + "\n")
+    trash = None
+    if final.exists():  # a re-save of this step: move the old one out of the step_N namespace first
+        trash = final.with_name(f"{final.name}{TRASH_MARK}{nonce}")
+        logger.warning("replacing the existing checkpoint %s", final)
+        os.replace(final, trash)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(root / LATEST_FILE, final.name + "\n")
+    removed = []
+    if trash is not None:
+        shutil.rmtree(trash)
+    if keep_last is not None:
+        removed = _apply_retention(root, final, keep_last, nonce)
+    return removed
+
+
+def _apply_retention(root: Path, newest: Path, keep_last: int, nonce: str) -> list[str]:
+    """Delete all but the ``keep_last`` newest complete checkpoints (never ``newest``, the one
+    ``latest`` names), and the leftovers of crashed saves and deletions."""
+    removed = []
+    complete = [path for _, path in _step_dirs(root) if checkpoint_problem(path) is None]
+    for path in complete[keep_last:]:
+        if path == newest:
+            continue
+        trash = path.with_name(f"{path.name}{TRASH_MARK}{nonce}")
+        os.replace(path, trash)  # out of the step_N namespace first: a half-deleted dir is never loaded
+        shutil.rmtree(trash)
+        removed.append(path.name)
+    for entry in root.iterdir():
+        if entry.is_dir() and (TMP_MARK in entry.name or TRASH_MARK in entry.name) and nonce not in entry.name:
+            logger.warning("removing %s, left by an interrupted save or deletion", entry)
+            shutil.rmtree(entry)
+            removed.append(entry.name)
+    if removed:
+        logger.info("checkpoint retention (keep_last=%d) removed %s", keep_last, removed)
+    return removed
+
+
+def save_checkpoint(
+    root_dir: str | os.PathLike,
+    step: int,
+    *,
+    models: Sequence[torch.nn.Module],
+    optimizer=None,
+    scheduler=None,
+    anchor=None,
+    extra_state: Mapping[str, Any] | None = None,
+    groups: ParallelGroups,
+    keep_last: int | None = None,
+    model_name: str | None = None,
+    optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT,
+) -> Path:
+    """Save a checkpoint of ``step`` under ``root_dir`` atomically; every rank calls it. Returns
+    the committed directory ``root_dir/step_<step>``.
+
+    Args:
+        models: the policy's model chunks (Megatron DDP-wrapped or not).
+        optimizer: the Megatron optimizer (``get_megatron_optimizer``), or None. One that has
+            never stepped has no state; it is recorded as fresh and not saved.
+        scheduler: the ``OptimizerParamScheduler``, or None.
+        anchor: the EMA anchor (see the module docstring), or None.
+        extra_state: small picklable loop state (step counters, data cursor), identical on every
+            rank; ``load_checkpoint`` returns it with ``"step"`` added.
+        keep_last: keep only this many newest complete checkpoints (the new one always stays);
+            also removes ``*.tmp-*``/``*.trash-*`` leftovers of interrupted saves. None keeps all.
+        model_name: recorded in ``empg_checkpoint.json`` and checked by ``load_checkpoint``.
+        optimizer_format: the distributed optimizer's format, one of ``OPTIMIZER_FORMATS``.
+    """
+    _import_megatron()
+    from megatron.core import dist_checkpointing
+
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step={step!r} must be an int >= 0")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r} must be None or an int >= 1")
+    if optimizer_format not in OPTIMIZER_FORMATS:
+        raise ValueError(f"optimizer_format={optimizer_format!r}: expected one of {OPTIMIZER_FORMATS}")
+    extra = dict(extra_state or {})
+    if extra.get("step", step) != step:
+        raise ValueError(f"extra_state['step']={extra['step']!r} differs from step={step}")
+    extra["step"] = step
+    _check_same_on_all_ranks(extra, "extra_state")
+
+    root = Path(root_dir)
+    final = root / step_dir_name(step)
+
+    def make_tmp() -> str:
+        root.mkdir(parents=True, exist_ok=True)
+        nonce = secrets.token_hex(4)
+        (root / f"{final.name}{TMP_MARK}{nonce}").mkdir()
+        return nonce
+
+    nonce = _rank0_then_share(make_tmp, f"creating a temp checkpoint directory in {root}")
+    tmp = root / f"{final.name}{TMP_MARK}{nonce}"
+
+    chunks = _unwrap(models)
+    state = _model_sharded_state(chunks)
+    optimizer_status = optimizer_kind = None
+    if optimizer is not None:
+        optimizer_kind = optimizer_format if _is_distributed(optimizer) else "per_parameter"
+        if _optimizer_has_state(optimizer):
+            metadata = _optimizer_metadata(optimizer_kind)
+            state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=False, metadata=metadata)
+            optimizer_status = "saved"
+        else:
+            optimizer_status = "fresh"
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if anchor is not None:
+        state.update(_anchor_sharded_state(anchor, anchor.full_master_state()))
+    state["rng_state"] = _rng_sharded_object(groups, _get_rng_state())
+    state["extra_state"] = extra
+
+    layout = _layout(groups)
+    content = {"format": FORMAT, "format_version": FORMAT_VERSION, **_optimizer_metadata(optimizer_kind)}
+    dist_checkpointing.save(state, str(tmp), content_metadata=content)
+    _before_commit(tmp)
+
+    info = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "model_name": model_name,
+        "layout": layout,
+        "model_chunks": len(chunks),
+        "parts": {
+            "model": True,
+            "optimizer": optimizer_status,
+            "optimizer_format": optimizer_kind,  # "per_parameter" (non-distributed) or OPTIMIZER_FORMATS
+            "scheduler": scheduler is not None,
+            "anchor": anchor is not None,
+            "rng": True,
+        },
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "megatron_core": _megatron_version(),
+        "complete": True,
+    }
+    removed = _rank0_then_share(lambda: _commit(root, tmp, final, info, keep_last, nonce), f"committing {final}")
+    if dist.get_rank() == 0:
+        logger.info("saved checkpoint %s (step %d)%s", final, step, f"; removed {removed}" if removed else "")
+    return final
+
+
+def _megatron_version() -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Load.
+
+
+def _part_of(key: str) -> str:
+    """Which part of a checkpoint a sharded key belongs to (for error messages)."""
+    if key.startswith("optimizer."):
+        return "optimizer"
+    if key.startswith(ANCHOR_PREFIX):
+        return "anchor"
+    if key.startswith("rng_state"):
+        return "rng"
+    if key.startswith("common_state"):
+        return "common"
+    return "model"
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    models: Sequence[torch.nn.Module],
+    optimizer=None,
+    scheduler=None,
+    anchor=None,
+    groups: ParallelGroups,
+    strict: bool = True,
+    model_name: str | None = None,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` (a ``step_N`` directory) into this rank's objects, at any
+    TP/PP/VPP/DP layout; every rank calls it. Returns the saved ``extra_state`` with ``"step"``.
+
+    ``path`` must be a complete checkpoint (``CheckpointError`` naming the missing marker or file
+    otherwise). A part that is asked for (``optimizer``, ``scheduler``, ``anchor``) but absent from
+    the checkpoint is an error. With ``strict`` a part that the checkpoint holds but is not asked
+    for is an error too, and the model's keys must match exactly; ``strict=False`` skips such
+    parts with a warning. RNG states are restored only at the layout they were saved at (a note is
+    logged otherwise). A checkpoint saved before the optimizer's first update loads only into an
+    optimizer that has not stepped either (its main params are refreshed from the loaded weights).
+    Loading the model without its optimizer (``optimizer=None``, ``strict=False``) leaves any
+    optimizer's main params stale: call its ``reload_model_params()``.
+    """
+    path = Path(path)
+    info = read_checkpoint_info(path)  # before any import or collective: a bad path fails fast everywhere
+    _import_megatron()
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    parts = info["parts"]
+    rank0 = dist.get_rank() == 0
+    where = f"checkpoint {path} (step {info['step']}, saved at {info['layout']})"
+    if model_name is not None and info.get("model_name") not in (None, model_name):
+        raise CheckpointError(f"{where} holds model {info['model_name']!r}, expected {model_name!r}")
+
+    asked = {"optimizer": optimizer is not None, "scheduler": scheduler is not None, "anchor": anchor is not None}
+    held = {"optimizer": parts["optimizer"] is not None, "scheduler": parts["scheduler"], "anchor": parts["anchor"]}
+    for part in asked:
+        if asked[part] and not held[part]:
+            raise CheckpointError(f"{where} has no {part} state, but a {part} was given to load into")
+        if held[part] and not asked[part]:
+            message = f"{where} holds {part} state that is not loaded (no {part} given)"
+            if strict:
+                raise CheckpointError(f"{message}; pass strict=False to skip it")
+            if rank0:
+                logger.warning(message)
+
+    layout = _layout(groups)
+    same_layout = layout == info["layout"]
+    chunks = _unwrap(models)
+    state = _model_sharded_state(chunks)
+    load_optimizer = optimizer is not None and parts["optimizer"] == "saved"
+    if load_optimizer:
+        kind = parts["optimizer_format"]
+        if (kind == "per_parameter") == _is_distributed(optimizer):
+            raise CheckpointError(
+                f"{where} holds the state of a {'non-' if kind == 'per_parameter' else ''}distributed optimizer "
+                f"(format {kind}); this run's optimizer is {'' if _is_distributed(optimizer) else 'not '}distributed. "
+                "Switching between them on load is not supported: set use_distributed_optimizer as at save time"
+            )
+        if kind == "dp_reshardable" and _model_parallel(layout) != _model_parallel(info["layout"]):
+            raise CheckpointError(
+                f"{where} saved the distributed optimizer as dp_reshardable, which loads only at the same "
+                f"TP/PP/VPP ({_model_parallel(info['layout'])}), not at {_model_parallel(layout)}"
+            )
+        _init_fresh_torch_adam_state(optimizer)
+        metadata = _optimizer_metadata(kind)
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=True, metadata=metadata)
+    elif optimizer is not None:  # saved before the first update: the optimizer must be fresh too
+        if _optimizer_has_state(optimizer):
+            raise CheckpointError(
+                f"{where} was saved before the optimizer's first update, but this optimizer has state; "
+                "load it into a freshly built optimizer"
+            )
+        if rank0:
+            logger.info("%s saved a fresh (never stepped) optimizer; this one is fresh as well", where)
+    if anchor is not None:
+        state.update(_anchor_sharded_state(anchor, None))
+    if same_layout:
+        state["rng_state"] = _rng_sharded_object(groups, None)
+    elif rank0:
+        logger.info("%s: layout differs from this run's %s; RNG states are not restored", where, layout)
+
+    try:
+        loaded, missing, unexpected = dist_checkpointing.load(state, str(path), strict=StrictHandling.RETURN_ALL)
+    except CheckpointError:
+        raise
+    except Exception as e:  # dist_checkpointing raises CheckpointingException, torch errors, ...
+        raise CheckpointError(f"{where} cannot be loaded into this model at {layout}: {type(e).__name__}: {e}") from e
+    # dist_checkpointing's words: "unexpected" = asked for but not in the checkpoint,
+    # "missing" = in the checkpoint but not asked for.
+    if unexpected:
+        by_part: dict[str, list[str]] = {}
+        for key in sorted(unexpected):
+            by_part.setdefault(_part_of(key), []).append(key)
+        detail = "; ".join(f"{part}: {keys[:5]}{' ...' if len(keys) > 5 else ''}" for part, keys in by_part.items())
+        raise CheckpointError(f"{where} lacks entries this run needs at {layout} ({detail})")
+    not_loaded = {k for k in missing if _part_of(k) == "model"}  # the other parts were checked above
+    if not_loaded:
+        message = f"{where} holds model entries this model does not have: {sorted(not_loaded)[:8]}"
+        if strict:
+            raise CheckpointError(message)
+        if rank0:
+            logger.warning(message)
+
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[f"model{i}"], strict=strict)
+    if load_optimizer:
+        _load_optimizer_state(optimizer, loaded["optimizer"])
+    elif optimizer is not None:  # fresh: its float32 main params (bf16/fp16 models) follow the loaded weights
+        with torch.no_grad():
+            optimizer.reload_model_params()
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if anchor is not None:
+        master = {}
+        for i in range(len(anchor.models)):
+            for key, tensor in loaded[f"anchor_master{i}"].items():
+                master[f"{i}.{key[len(ANCHOR_PREFIX):]}"] = tensor
+        anchor.load_full_master_state(master)
+    if same_layout:
+        _set_rng_state(loaded["rng_state"])
+
+    extra = dict(loaded.get("extra_state") or {})
+    extra["step"] = info["step"]
+    if rank0:
+        optimizer_note = "loaded" if load_optimizer else ("fresh" if optimizer is not None else "not asked")
+        rng_note = "restored" if same_layout else "not restored (layout differs)"
+        anchor_note = "loaded" if anchor is not None else "not asked"
+        logger.info(
+            "loaded %s at %s (optimizer: %s, anchor: %s, RNG: %s)", where, layout, optimizer_note, anchor_note, rng_note
+        )
+    return extra
