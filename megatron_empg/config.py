@@ -605,6 +605,89 @@ class ParallelConfig:
             self.validate_world_size(world_size)
 
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # = core.aggregation.AGG_MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Adam with grad clipping and a linear warmup + decay LR schedule (Megatron's argument names).
+
+    ``lr_decay_steps`` null: no decay after the warmup (constant at ``lr``). ``clip_grad`` 0: off.
+    """
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int | None = None
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "constant"
+    use_distributed_optimizer: bool = False
+    bucket_size: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError("lr", f"must be > 0, got {self.lr!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError("min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr!r}")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError("lr_warmup_steps", f"must be >= 0, got {self.lr_warmup_steps!r}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ConfigError("lr_decay_style", f"expected one of {LR_DECAY_STYLES}, got {self.lr_decay_style!r}")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            raise ConfigError(
+                "lr_decay_steps", f"must exceed lr_warmup_steps={self.lr_warmup_steps}, got {self.lr_decay_steps!r}"
+            )
+        if self.clip_grad < 0:
+            raise ConfigError("clip_grad", f"must be >= 0 (0 disables clipping), got {self.clip_grad!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The update-pass objective: arguments of ``parallel.rl_loss.rl_loss`` (see there).
+
+    loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(entropy). ``policy_loss`` is
+    a key of ``parallel.rl_loss.ALL_POLICY_LOSSES`` (``ppo_clip``: GRPO / DAPO / dual-clip;
+    ``rpg``, ``rpg_reinforce*``, ``rpg_dual_clip``) with ``policy_loss_args`` its keyword arguments;
+    ``kl`` is null, a sampled estimator (``k1`` .. ``k5``, ``k3pp``) or ``topk``, with ``kl_args``
+    (``importance_weight``, ``iw_clip``; for ``topk`` also ``direction``, ``tail``, ``tail_grad``).
+    The names are checked against the loss registries when the loss is first built.
+    """
+
+    policy_loss: str = "ppo_clip"
+    policy_loss_args: dict = dataclasses.field(default_factory=dict)
+    kl: str | None = None
+    kl_coef: float = 0.0
+    kl_args: dict = dataclasses.field(default_factory=dict)
+    entropy_coef: float = 0.0
+    log_entropy: bool = True
+    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    chunk_size: int | None = None
+    inplace_backward: bool = True  # the logits are Megatron's output buffer, read by nothing else
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.kl_coef < 0:
+            raise ConfigError("kl_coef", f"must be >= 0, got {self.kl_coef!r}")
+        if self.kl is None and self.kl_coef != 0:
+            raise ConfigError("kl_coef", f"is {self.kl_coef!r} but kl is null (no estimator)")
+        if self.entropy_coef < 0:
+            raise ConfigError("entropy_coef", f"must be >= 0 (a bonus: loss -= coef * H), got {self.entropy_coef!r}")
+        if self.agg_mode not in AGG_MODES:
+            raise ConfigError("agg_mode", f"expected one of {AGG_MODES}, got {self.agg_mode!r}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ConfigError("chunk_size", f"must be >= 1 or null, got {self.chunk_size!r}")
+
+
 def model_config_path(name: str) -> Path:
     """``model_configs/<name>.yaml``; a ``ConfigError`` lists the known names if there is none."""
     path = MODEL_CONFIG_DIR / f"{name}.yaml"

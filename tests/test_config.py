@@ -338,3 +338,28 @@ def test_to_hf_config_spells_rope_and_family_fields_for_transformers_5():
     qwen2 = load_model_config("qwen2.5-7b").to_hf_config()
     assert "head_dim" not in qwen2 and qwen2["num_key_value_heads"] == 4 and qwen2["dtype"] == "bfloat16"
     assert not re.search("torch_dtype|rope_theta|rope_scaling", " ".join(qwen2))
+
+
+# ---------------------------------------------------------------- optimizer and loss sections
+
+
+def test_optimizer_and_loss_config_load_and_name_bad_fields():
+    from megatron_empg.config import LossConfig, OptimizerConfig
+
+    cfg = load_config(LossConfig, {"kl": "topk", "kl_coef": 0.1, "kl_args": {"direction": "forward"}})
+    assert cfg.kl_args == {"direction": "forward"} and cfg.agg_mode == "token-mean"
+    with pytest.raises(ConfigError, match=r"^kl_coef: is 0.1 but kl is null"):
+        load_config(LossConfig, {"kl_coef": 0.1})
+    with pytest.raises(ConfigError, match=r"^agg_mode: "):
+        load_config(LossConfig, {"agg_mode": "token-sum"})
+    with pytest.raises(ConfigError, match=r"^lr_decay_steps: must exceed lr_warmup_steps=10"):
+        load_config(OptimizerConfig, {"lr_warmup_steps": 10, "lr_decay_steps": 5})
+    with pytest.raises(ConfigError, match=r"^min_lr: must be in \[0, lr=1e-06\]"):
+        OptimizerConfig(min_lr=1.0)
+
+
+def test_config_choices_equal_the_registries_they_name():
+    from megatron_empg.config import AGG_MODES
+    from megatron_empg.core.aggregation import AGG_MODES as CORE_AGG_MODES
+
+    assert AGG_MODES == CORE_AGG_MODES

@@ -9,10 +9,9 @@ gradient by 1 / global count: the single division of the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from megatron_empg.config import OptimizerConfig
 from megatron_empg.mcore import cpu_shims
 
 cpu_shims.install_pre_import()
@@ -25,47 +24,7 @@ from megatron.core.distributed import (  # noqa: E402  (after the pre-import shi
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """Adam with grad clipping and a warmup + decay LR schedule (the names of Megatron's args).
-
-    ``lr_decay_steps`` None: no decay after the warmup (constant at ``lr``).
-    """
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int | None = None
-    lr_decay_style: str = "constant"
-    use_distributed_optimizer: bool = False
-    bucket_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"optimizer.lr={self.lr!r} must be > 0")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optimizer.min_lr={self.min_lr!r} must be in [0, lr={self.lr}]")
-        if self.lr_warmup_steps < 0:
-            raise ValueError(f"optimizer.lr_warmup_steps={self.lr_warmup_steps!r} must be >= 0")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"optimizer.lr_decay_style={self.lr_decay_style!r}: expected one of {LR_DECAY_STYLES}")
-        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
-            raise ValueError(
-                f"optimizer.lr_decay_steps={self.lr_decay_steps!r} must exceed lr_warmup_steps={self.lr_warmup_steps}"
-            )
-        if self.clip_grad < 0:
-            raise ValueError(f"optimizer.clip_grad={self.clip_grad!r} must be >= 0 (0 disables clipping)")
-
-
-def wrap_with_ddp(models: list[torch.nn.Module], settings: OptimizerSettings) -> list[DistributedDataParallel]:
+def wrap_with_ddp(models: list[torch.nn.Module], settings: OptimizerConfig) -> list[DistributedDataParallel]:
     """Wrap each model chunk in Megatron DDP (fp32 grad buffers) and set the per-token-loss contract.
 
     Every chunk shares one ``TransformerConfig``; this sets on it ``calculate_per_token_loss``,
@@ -88,7 +47,7 @@ def wrap_with_ddp(models: list[torch.nn.Module], settings: OptimizerSettings) ->
     return wrapped
 
 
-def build_optimizer(ddp_models: list[DistributedDataParallel], settings: OptimizerSettings):
+def build_optimizer(ddp_models: list[DistributedDataParallel], settings: OptimizerConfig):
     """``get_megatron_optimizer`` for Adam with the model's precision (bf16 params: fp32 main params)."""
     model_config = ddp_models[0].config
     config = OptimizerConfig(
@@ -107,7 +66,7 @@ def build_optimizer(ddp_models: list[DistributedDataParallel], settings: Optimiz
     return get_megatron_optimizer(config, ddp_models)
 
 
-def build_scheduler(optimizer, settings: OptimizerSettings) -> OptimizerParamScheduler:
+def build_scheduler(optimizer, settings: OptimizerConfig) -> OptimizerParamScheduler:
     """Linear warmup from 0 to ``lr`` over ``lr_warmup_steps``, then ``lr_decay_style`` to ``min_lr``."""
     decay_steps = settings.lr_decay_steps if settings.lr_decay_steps is not None else settings.lr_warmup_steps + 1
     return OptimizerParamScheduler(

@@ -16,13 +16,14 @@ needed everywhere).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_empg.config import LossConfig
 from megatron_empg.core.aggregation import LossSum
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
@@ -145,23 +146,7 @@ def forward_stats(
 # ---------------------------------------------------------------- update pass
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """Keyword arguments of ``parallel.rl_loss.rl_loss`` (see there), fixed for a run."""
-
-    policy_loss: str = "ppo_clip"
-    policy_loss_args: dict = field(default_factory=dict)
-    kl: str | None = None
-    kl_coef: float = 0.0
-    kl_args: dict = field(default_factory=dict)
-    entropy_coef: float = 0.0
-    log_entropy: bool = True
-    agg_mode: str = "token-mean"
-    chunk_size: int | None = None
-    inplace_backward: bool = True  # the logits are Megatron's output buffer, read by nothing else
-
-
-def _update_loss(batch: dict, settings: LossSettings, vocab_size: int, groups: ParallelGroups, logits: Tensor):
+def _update_loss(batch: dict, settings: LossConfig, vocab_size: int, groups: ParallelGroups, logits: Tensor):
     micro = RLMicroBatch(**{name: batch.get(name) for name in RLMicroBatch._fields})
     kwargs = {"chunk_size": settings.chunk_size} if settings.chunk_size else {}
     out = rl_loss(
@@ -231,7 +216,7 @@ def train_step(
     optimizer,
     scheduler,
     microbatches: Sequence[dict],
-    settings: LossSettings,
+    settings: LossConfig,
     *,
     vocab_size: int,
     groups: ParallelGroups,

@@ -223,9 +223,11 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
 
     from megatron_empg.mcore import model as mcore_model
     from megatron_empg.mcore.anchor import EmaAnchor
-    from megatron_empg.mcore.optimizer import OptimizerSettings, build_optimizer, build_scheduler, wrap_with_ddp
+    from megatron_empg.config import OptimizerConfig
+    from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from megatron_empg.mcore.step import LossSettings, StatsRequest, forward_stats, train_step
+    from megatron_empg.config import LossConfig
+    from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
 
     model_cfg = load_model_config(MODEL)
     vpp = 2 if name.endswith("vpp2") else None
@@ -237,7 +239,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
     try:
         chunks = mcore_model.build_gpt_model(model_cfg, parallel, params_dtype=dtype)
         mcore_model.load_full_state_dict(chunks, full_state_dict)
-        settings = OptimizerSettings(lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distopt)
+        settings = OptimizerConfig(lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distopt)
         ddp = wrap_with_ddp(chunks, settings)
         optimizer = build_optimizer(ddp, settings)
         scheduler = build_scheduler(optimizer, settings)
@@ -272,7 +274,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
         fp8_scales = [_compute_vs_master(anchors["fp8"])["scales"]]
 
         ema64 = {k: {key: ref.clone() for key, (ref, _) in initial.items()} for k in ("ema_p1", "ema_p2")}
-        loss = LossSettings(policy_loss="ppo_clip", kl="k3", kl_coef=0.1, entropy_coef=0.01)
+        loss = LossConfig(policy_loss="ppo_clip", kl="k3", kl_coef=0.1, entropy_coef=0.01)
         request = StatsRequest(vocab_size=model_cfg.vocab_size)
         batches = _batches(model_cfg.vocab_size)
         rows = N // groups.dp_size
@@ -367,7 +369,8 @@ def _buckets_layout(full_state_dict: dict) -> dict:
 
     from megatron_empg.mcore import model as mcore_model
     from megatron_empg.mcore.anchor import EmaAnchor
-    from megatron_empg.mcore.optimizer import OptimizerSettings, build_optimizer
+    from megatron_empg.config import OptimizerConfig
+    from megatron_empg.mcore.optimizer import build_optimizer
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
 
     model_cfg = load_model_config(MODEL)
@@ -380,7 +383,7 @@ def _buckets_layout(full_state_dict: dict) -> dict:
             grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=40000
         )
         ddp = [DistributedDataParallel(config=chunks[0].config, ddp_config=ddp_config, module=chunks[0])]
-        optimizer = build_optimizer(ddp, OptimizerSettings(use_distributed_optimizer=True))
+        optimizer = build_optimizer(ddp, OptimizerConfig(use_distributed_optimizer=True))
         anchor = EmaAnchor.from_configs(model_cfg, parallel, ddp, optimizer, tau=0.8, period=1, compute_dtype=BF16)
         fp8 = EmaAnchor.from_configs(model_cfg, parallel, ddp, optimizer, tau=0.8, period=1, compute_dtype=FP8)
         ema64 = {k: v for k, (v, _) in _main_snapshot(ddp).items()}

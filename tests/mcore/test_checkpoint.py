@@ -27,17 +27,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_empg.config import ParallelConfig, load_model_config
+from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
 from megatron_empg.mcore import checkpoint as ckpt
-from megatron_empg.mcore.optimizer import OptimizerSettings
-from megatron_empg.mcore.step import LossSettings
 from tests.dist import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
 
 MODEL = "tiny-qwen2"
 N, S, K, STEPS = 8, 16, 4, 4
-SETTINGS = LossSettings(
+SETTINGS = LossConfig(
     policy_loss="ppo_clip",
     policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28},
     kl="topk",
@@ -92,7 +90,7 @@ class _Run:
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         self.groups = initialize_model_parallel(parallel, seed=1234)
         self.chunks = mcore_model.build_gpt_model(self.cfg, parallel, params_dtype=dtype)
-        settings = OptimizerSettings(**OPTIM, use_distributed_optimizer=distopt)
+        settings = OptimizerConfig(**OPTIM, use_distributed_optimizer=distopt)
         self.ddp = wrap_with_ddp(self.chunks, settings)
         self.optimizer = build_optimizer(self.ddp, settings)
         self.scheduler = build_scheduler(self.optimizer, settings)

@@ -15,16 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_empg.config import ParallelConfig, load_model_config
-from megatron_empg.mcore.step import LossSettings
-from megatron_empg.mcore.optimizer import OptimizerSettings
+from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
 from tests.dist import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
 
 MODEL = "tiny-qwen2"
 N, S, K, STEPS = 8, 16, 4, 3  # sequences per global batch, sequence length, top-k, optimizer steps
-SETTINGS = LossSettings(
+SETTINGS = LossConfig(
     policy_loss="ppo_clip",
     policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28},
     kl="topk",
@@ -88,7 +86,7 @@ def _train(tp: int, pp: int, distopt: bool, full_state_dict: dict | None, num_mi
             initial = {k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
         else:
             mcore_model.load_full_state_dict(chunks, full_state_dict)
-        settings = OptimizerSettings(**OPTIM, use_distributed_optimizer=distopt)
+        settings = OptimizerConfig(**OPTIM, use_distributed_optimizer=distopt)
         ddp = wrap_with_ddp(chunks, settings)
         optimizer = build_optimizer(ddp, settings)
         scheduler = build_scheduler(optimizer, settings)
