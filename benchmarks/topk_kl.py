@@ -773,7 +773,8 @@ def child_tp(spec: dict) -> dict:
         "tokens": spec["tokens"],
         "v_local": r0["v_local"],
         "expected_bytes_per_token": {
-            "update_pass_packed_fp32_(2+K+1)": (2 + K + 1) * 4,
+            "update_pass_packed_fp32_(1+K+1)": (1 + K + 1) * 4,  # lse, logits at q and y (no entropy)
+            "anchor_pass_packed_fp32_(2+K+1)": (2 + K + 1) * 4,  # + the entropy term
             "topk_packed_fp32_(1+2k)": (1 + 2 * K) * 4,
             "full_vocab_fp32_V*4": V * 4,
             "note": "per rank sent; the gathered result per token is world times that (full vocab: world*v_local*4 incl. padding)",
