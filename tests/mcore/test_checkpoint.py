@@ -27,24 +27,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
+from megatron_empg.config import OptimizerConfig, ParallelConfig, load_model_config
 from megatron_empg.mcore import checkpoint as ckpt
 from tests.dist import run_distributed
+from tests.mcore.test_train_step import MODEL, OPTIM, SETTINGS, K, N, S
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
 
-MODEL = "tiny-qwen2"
-N, S, K, STEPS = 8, 16, 4, 4
-SETTINGS = LossConfig(
-    policy_loss="ppo_clip",
-    policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28},
-    kl="topk",
-    kl_coef=0.1,
-    kl_args={"direction": "reverse", "tail_grad": "unbiased", "importance_weight": True},
-    entropy_coef=0.01,
-    chunk_size=8,
-)
-OPTIM = dict(lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10, lr_decay_style="cosine", min_lr=1e-4, clip_grad=1.0)
+STEPS = 4  # the RL step of test_train_step (model, batch shape, loss and optimizer settings)
 TAU = 0.5  # anchor EMA factor
 EXACT = dict(rtol=0.0, atol=0.0)  # resume at the same layout: the same float ops in the same order
 TOL = dict(rtol=1e-5, atol=1e-5)  # across layouts (TP regroups matmuls and reductions)
