@@ -216,7 +216,11 @@ def _build(cls: type[T], data: Mapping, path: str) -> T:
         what = "missing required field" if len(missing) == 1 else "missing required fields"
         raise ConfigError(", ".join(_join(path, k) for k in missing), what)
     hints = _hints(cls)
-    return cls(**{name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()})
+    values = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
+    try:
+        return cls(**values)
+    except ConfigError as e:  # a `__post_init__` validation: give it the field's full path
+        raise ConfigError(_join(path, e.field) if e.field else path, e.reason) from None
 
 
 def _children(obj: Any, path: str) -> Iterable[tuple[Any, str]]:
@@ -686,6 +690,112 @@ class LossConfig:
             raise ConfigError("agg_mode", f"expected one of {AGG_MODES}, got {self.agg_mode!r}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError("chunk_size", f"must be >= 1 or null, got {self.chunk_size!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the rollout engine samples responses (vLLM's ``SamplingParams`` names).
+
+    ``top_k`` null and ``top_p`` 1.0 sample from the whole distribution. ``seed`` null draws a
+    fresh seed per request; an int makes the rollouts of a step reproducible.
+    """
+
+    n: int = 8  # responses per prompt (the GRPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_tokens: int = 512
+    min_tokens: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise ConfigError("n", f"must be >= 1, got {self.n!r}")
+        if not self.temperature >= 0:
+            raise ConfigError("temperature", f"must be >= 0 (0: greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError("top_k", f"must be >= 1 or null (off), got {self.top_k!r}")
+        if self.max_tokens < 1:
+            raise ConfigError("max_tokens", f"must be >= 1, got {self.max_tokens!r}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout engine (vLLM): sampling, and how the engine is run.
+
+    ``in_process``: the engine core runs in the trainer's process (vLLM's
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weight updates pass tensors by reference; otherwise
+    it is a child process and updates go through a shared-memory file. ``kv_cache_gib`` sizes the
+    KV cache on CPU (``VLLM_CPU_KVCACHE_SPACE``); on GPU ``gpu_memory_utilization`` does.
+    ``sleep_while_training`` (GPU, colocated) releases the KV cache and weights between rollouts.
+    """
+
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: int | None = None  # null: the model's max_position_embeddings
+    enforce_eager: bool = False
+    in_process: bool = True
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: int = 1
+    sleep_while_training: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len", f"must be >= 2 or null, got {self.max_model_len!r}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.kv_cache_gib < 1:
+            raise ConfigError("kv_cache_gib", f"must be >= 1 (whole GiB), got {self.kv_cache_gib!r}")
+
+
+WEIGHT_TRANSPORTS = ("in_process", "shm_file", "nccl")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSyncConfig:
+    """Pushing the policy's weights into the rollout engine, and the consistency gate after it.
+
+    ``transport``: ``in_process`` (tensors by reference: an in-process engine, CPU or colocated
+    GPU), ``shm_file`` (a safetensors file per bucket in ``shm_dir``: an engine in another
+    process), ``nccl`` (broadcast to a disaggregated GPU engine). ``gate_tolerance``: the largest
+    allowed |log-prob difference| between trainer and engine on the probe batch (null: no gate).
+    """
+
+    transport: Literal["in_process", "shm_file", "nccl"] = "in_process"
+    bucket_size_mb: float = 512.0
+    shm_dir: str = "/dev/shm"
+    gate_tolerance: float | None = 1e-4
+    probe_num_sequences: int = 2
+    probe_length: int = 160  # > one KV-cache block (128 on CPU), so a stale prefix cache shows
+    probe_seed: int = 0
+
+    def validate(self) -> None:
+        if self.transport not in WEIGHT_TRANSPORTS:
+            raise ConfigError("transport", f"expected one of {WEIGHT_TRANSPORTS}, got {self.transport!r}")
+        if not self.bucket_size_mb > 0:
+            raise ConfigError("bucket_size_mb", f"must be > 0, got {self.bucket_size_mb!r}")
+        if self.gate_tolerance is not None and not self.gate_tolerance > 0:
+            raise ConfigError("gate_tolerance", f"must be > 0 or null (no gate), got {self.gate_tolerance!r}")
+        if self.probe_num_sequences < 1:
+            raise ConfigError("probe_num_sequences", f"must be >= 1, got {self.probe_num_sequences!r}")
+        if self.probe_length < 2:
+            raise ConfigError("probe_length", f"must be >= 2, got {self.probe_length!r}")
 
 
 def model_config_path(name: str) -> Path:

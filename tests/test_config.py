@@ -363,3 +363,39 @@ def test_config_choices_equal_the_registries_they_name():
     from megatron_empg.core.aggregation import AGG_MODES as CORE_AGG_MODES
 
     assert AGG_MODES == CORE_AGG_MODES
+
+
+# --------------------------------------------------------------------------------------------
+# Rollout and weight-sync sections.
+
+
+def test_rollout_config_nested_errors_name_the_dotted_field():
+    from megatron_empg.config import RolloutConfig
+
+    cfg = from_dict(RolloutConfig, {"sampling": {"n": 4, "stop": ["</answer>"]}, "dtype": "float32"})
+    assert cfg.sampling.n == 4 and cfg.sampling.stop == ["</answer>"] and cfg.dtype == "float32"
+    for data, field in [
+        ({"sampling": {"top_p": 2.0}}, "sampling.top_p"),
+        ({"sampling": {"min_tokens": 9, "max_tokens": 8}}, "sampling.min_tokens"),
+        ({"sampling": {"nn": 1}}, "sampling.nn"),
+        ({"kv_cache_gib": 0}, "kv_cache_gib"),
+        ({"dtype": "fp8"}, "dtype"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            from_dict(RolloutConfig, data)
+        assert e.value.field == field, (data, e.value)
+
+
+def test_weight_sync_config_validation():
+    from megatron_empg.config import WeightSyncConfig
+
+    assert from_dict(WeightSyncConfig, {"gate_tolerance": None}).gate_tolerance is None
+    for data, field in [
+        ({"transport": "ray"}, "transport"),
+        ({"bucket_size_mb": 0}, "bucket_size_mb"),
+        ({"gate_tolerance": 0.0}, "gate_tolerance"),
+        ({"probe_length": 1}, "probe_length"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            from_dict(WeightSyncConfig, data)
+        assert e.value.field == field, (data, e.value)
