@@ -13,6 +13,7 @@ pure-torch helpers (``tp_slice``, ``global_name``) work without megatron.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -168,6 +169,7 @@ def build_gpt_model(
     use_te: bool | None = None,
     use_cpu_initialization: bool | None = None,
     fp8: str | None = None,
+    meta_device: bool = False,
     **config_overrides: Any,
 ) -> list[GPTModel]:
     """This rank's model chunks: one ``GPTModel`` per virtual pipeline stage (one without VPP).
@@ -177,7 +179,9 @@ def build_gpt_model(
     vocabulary is padded (``ParallelConfig.padded_vocab_size``); logits are vocab-sharded over TP
     (``parallel_output``). Parameters are in ``params_dtype`` (norms included); on a CUDA machine
     the chunks are moved to the current device. ``use_te=None`` picks the TE spec when Transformer
-    Engine is importable. ``use_cpu_initialization=None`` means: on CPU builds. ``config_overrides``
+    Engine is importable. ``use_cpu_initialization=None`` means: on CPU builds. ``meta_device``
+    builds the chunks on the meta device (no memory, no initialization: shapes, names and
+    ``sharded_state_dict`` only; implies CPU initialization, stays off CUDA). ``config_overrides``
     go to ``transformer_config``.
     """
     _import_megatron()
@@ -205,7 +209,9 @@ def build_gpt_model(
         )
     te = _resolve_use_te(use_te)
     on_cuda = torch.cuda.is_available()
-    if use_cpu_initialization is None:
+    if meta_device:  # Megatron's GPU initialization names the CUDA device explicitly
+        use_cpu_initialization = True
+    elif use_cpu_initialization is None:
         use_cpu_initialization = not on_cuda
     config = transformer_config(
         model, parallel, params_dtype=params_dtype, use_cpu_initialization=use_cpu_initialization, fp8=fp8,
@@ -218,7 +224,27 @@ def build_gpt_model(
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp is not None else None
-        chunk = GPTModel(
+        with torch.device("meta") if meta_device else contextlib.nullcontext():
+            chunk = _gpt_model(GPTModel, config, spec, vocab_size, model, stage)
+        _apply_rope_scaling(chunk, model)
+        for param in chunk.parameters():  # as Megatron-LM's get_model: TP attributes on every param
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        chunk.to(dtype=params_dtype)  # local-spec norms are created in float32
+        if on_cuda and not meta_device:
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    return chunks
+
+
+def _gpt_model(
+    gpt_model: type[GPTModel], config: TransformerConfig, spec: ModuleSpec, vocab_size: int, model: ModelConfig,
+    stage: int | None,
+) -> GPTModel:
+    """One ``GPTModel`` chunk (virtual pipeline stage ``stage``) of ``build_gpt_model``."""
+    from megatron.core import parallel_state as ps
+
+    scaling = model.rope_scaling
+    return gpt_model(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=vocab_size,
@@ -233,14 +259,6 @@ def build_gpt_model(
             rope_scaling_factor=float(scaling["factor"]) if scaling is not None else 8.0,
             vp_stage=stage,
         )
-        _apply_rope_scaling(chunk, model)
-        for param in chunk.parameters():  # as Megatron-LM's get_model: TP attributes on every param
-            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-        chunk.to(dtype=params_dtype)  # local-spec norms are created in float32
-        if on_cuda:
-            chunk.cuda(torch.cuda.current_device())
-        chunks.append(chunk)
-    return chunks
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,6 +401,21 @@ def load_full_state_dict(
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for chunk in chunks:
         shard_full_state_dict(chunk, full_state_dict, tp_rank, tp_size, layer_offset(chunk), vocab_size=vocab_size)
+
+
+def named_weight_shards(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:
+    """This rank's parameters as (global name, local tensor, TP partition) for a weight sync.
+
+    ``chunks`` may be DDP-wrapped. The partition is ``tp_partition``'s (None: replicated over TP);
+    the tensors are the parameters themselves (no copy).
+    """
+    out = []
+    for chunk in chunks:
+        module = getattr(chunk, "module", chunk)
+        offset = layer_offset(module)
+        for name, param in module.named_parameters():
+            out.append((global_name(name, offset), param, tp_partition(param)))
+    return out
 
 
 def gather_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

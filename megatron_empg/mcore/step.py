@@ -143,6 +143,25 @@ def forward_stats(
     return outputs if groups.is_last_stage else None
 
 
+
+def score_sequences(
+    models, sequences: Sequence[Sequence[int]], vocab_size: int, groups: ParallelGroups
+) -> Tensor:
+    """[N, L-1] float32 log p(x_t | x_<t) of N equal-length token sequences under the policy, on
+    every pipeline stage (one micro-batch per sequence). The trainer's side of the consistency gate."""
+    lengths = {len(seq) for seq in sequences}
+    if len(lengths) != 1 or min(lengths) < 2:
+        raise ValueError(f"sequences must all have the same length >= 2, got lengths {sorted(lengths)}")
+    device = next(models[0].parameters()).device
+    ids = torch.tensor(list(sequences), dtype=torch.long, device=device)
+    targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # the last position is dropped
+    microbatches = [{"input_ids": ids[i : i + 1], "target_ids": targets[i : i + 1]} for i in range(len(ids))]
+    outputs = forward_stats(models, microbatches, StatsRequest(vocab_size=vocab_size, with_entropy=False), groups)
+    logprobs = torch.empty(ids.shape, dtype=torch.float32, device=device)
+    if outputs is not None:
+        logprobs.copy_(torch.cat([out["logprobs"] for out in outputs]))
+    return broadcast_from_last_stage(logprobs, groups)[:, :-1]
+
 # ---------------------------------------------------------------- update pass
 
 

@@ -1,0 +1,266 @@
+"""Streaming the policy's weights from Megatron ranks into a rollout engine, in HF names.
+
+Every rank of the job calls ``sync_weights`` together. Per pipeline stage, the *stage leader*
+(TP rank 0 of data-parallel replica 0) gathers each TP-sharded tensor from its TP group (one
+``gather`` per tensor: the full tensor exists on one rank, one tensor at a time), converts it to
+HF names and layouts (``mapping.to_hf``) and puts it into a bucket of ``bucket_bytes``. Stage 0's
+leader holds the engine (and the transport); the other stage leaders send their buckets to it
+over the pipeline group (a header object, then one flat byte buffer per bucket), stage by stage.
+The other data-parallel replicas only wait. Afterwards every rank returns the same ``SyncReport``.
+
+The ``Transport`` (``weight_sync.transport``) says how a bucket reaches the engine; the engine
+drops its prefix cache when the update finishes, and serves ``version`` from then on.
+
+Each converted tensor is also converted back (``mapping.to_megatron``) and compared with the
+Megatron tensor: a layout bug shows up per tensor family in ``SyncReport.round_trip_error``,
+which the consistency gate names when the log-probs disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Iterable, Iterator, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_empg.config import ModelConfig
+from megatron_empg.weight_sync import mapping
+from megatron_empg.weight_sync.transport import NamedTensors, Transport
+
+
+class WeightShard(NamedTuple):
+    """One of this rank's parameters: its global Megatron name, this rank's TP shard, and
+    Megatron's (partition_dim, partition_stride) for TP-sharded ones (None: replicated)."""
+
+    name: str
+    tensor: Tensor
+    partition: tuple[int, int] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncGroups:
+    """The process groups of the sync: TP and PP groups of this rank, and whether it belongs to
+    the data-parallel replica that sends (replica 0; the others wait)."""
+
+    tp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
+    is_sending_replica: bool
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+
+    @property
+    def tp_size(self) -> int:
+        return dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.pp_group) if self.pp_group is not None else 0
+
+    @property
+    def pp_size(self) -> int:
+        return dist.get_world_size(self.pp_group) if self.pp_group is not None else 1
+
+    @property
+    def is_stage_leader(self) -> bool:
+        return self.is_sending_replica and self.tp_rank == 0
+
+    @property
+    def is_engine_rank(self) -> bool:
+        """Holds the engine: the leader of pipeline stage 0."""
+        return self.is_stage_leader and self.pp_rank == 0
+
+    def engine_global_rank(self) -> int:
+        """Global rank of the engine holder, as seen from this rank's replica (stage leaders only)."""
+        return dist.get_global_rank(self.pp_group, 0) if self.pp_group is not None else dist.get_rank()
+
+
+@dataclasses.dataclass
+class SyncReport:
+    """What one sync did (identical on every rank)."""
+
+    version: str
+    num_tensors: int = 0  # HF tensors sent
+    num_buckets: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0  # wall time of the whole sync on the engine rank
+    transport_seconds: float = 0.0  # of which inside the transport (engine loading included)
+    round_trip_error: dict[str, float] = dataclasses.field(default_factory=dict)  # family -> max |error|
+
+    @property
+    def gbytes_per_second(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else math.inf
+
+
+# --------------------------------------------------------------------------------------------
+# Stage side: gather, convert, bucket.
+
+
+def _gather_full(shard: WeightShard, groups: SyncGroups) -> Tensor | None:
+    """The full tensor on TP rank 0 (None on the other TP ranks)."""
+    if shard.partition is None or groups.tp_size == 1:
+        return shard.tensor.detach()
+    local = shard.tensor.detach().contiguous()
+    leader = dist.get_global_rank(groups.tp_group, 0)
+    pieces = [torch.empty_like(local) for _ in range(groups.tp_size)] if groups.tp_rank == 0 else None
+    dist.gather(local, pieces, dst=leader, group=groups.tp_group)
+    return mapping.tp_merge(pieces, shard.partition) if pieces is not None else None
+
+
+def _round_trip_error(name: str, full: Tensor, converted: list[tuple[str, Tensor]], model: ModelConfig) -> float:
+    if not converted:
+        return 0.0
+    back = mapping.to_megatron(name, dict(converted), model, full.size(0))
+    if back.shape != full.shape:
+        return math.inf
+    return (back.float() - full.float()).abs().max().item() if full.numel() else 0.0
+
+
+def stage_hf_tensors(
+    shards: Iterable[WeightShard], model: ModelConfig, groups: SyncGroups, errors: dict[str, float]
+) -> Iterator[tuple[str, Tensor]]:
+    """This stage's tensors in HF names and layouts, yielded on the stage leader only (the other TP
+    ranks of the replica take part in the gathers and yield nothing). ``errors`` collects the
+    round-trip error per tensor family."""
+    for shard in shards:
+        full = _gather_full(shard, groups)
+        if full is None:
+            continue
+        converted = mapping.to_hf(shard.name, full, model)
+        family = mapping.tensor_family(shard.name, model)
+        errors[family] = max(errors.get(family, 0.0), _round_trip_error(shard.name, full, converted, model))
+        yield from converted
+
+
+def buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Consecutive groups of tensors of at most ``bucket_bytes`` (a larger tensor is a bucket alone)."""
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline stages -> engine rank.
+
+
+def _pack(bucket: NamedTensors) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], Tensor]:
+    header = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
+    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+    return header, flat
+
+
+def _unpack(header: list[tuple[str, torch.dtype, tuple[int, ...]]], flat: Tensor) -> list[tuple[str, Tensor]]:
+    out, offset = [], 0
+    for name, dtype, shape in header:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append((name, flat[offset : offset + nbytes].view(dtype).reshape(shape)))
+        offset += nbytes
+    return out
+
+
+def _send_stage(bucket_iter: Iterable[list[tuple[str, Tensor]]], groups: SyncGroups) -> None:
+    dst = groups.engine_global_rank()
+    for bucket in bucket_iter:
+        header, flat = _pack(bucket)
+        dist.send_object_list([header, flat.numel()], dst=dst, group=groups.pp_group)
+        dist.send(flat, dst=dst, group=groups.pp_group)
+    dist.send_object_list([None, 0], dst=dst, group=groups.pp_group)
+
+
+def _receive_stage(stage: int, groups: SyncGroups, device: torch.device) -> Iterator[list[tuple[str, Tensor]]]:
+    src = dist.get_global_rank(groups.pp_group, stage)
+    while True:
+        box: list = [None, 0]
+        dist.recv_object_list(box, src=src, group=groups.pp_group)
+        header, numel = box
+        if header is None:
+            return
+        flat = torch.empty(numel, dtype=torch.uint8, device=device)
+        dist.recv(flat, src=src, group=groups.pp_group)
+        yield _unpack(header, flat)
+
+
+# --------------------------------------------------------------------------------------------
+# The sync.
+
+
+def sync_weights(
+    shards: Sequence[WeightShard],
+    model: ModelConfig,
+    groups: SyncGroups,
+    transport: Transport | None,
+    version: str,
+    *,
+    bucket_bytes: int,
+    engine_rank: int = 0,
+) -> SyncReport:
+    """Push this rank's weights into the engine as ``version``; every rank calls it.
+
+    ``transport`` is given on the engine rank (``groups.is_engine_rank``, global rank
+    ``engine_rank``: TP 0, PP 0 of DP replica 0, rank 0 in Megatron's rank order) and None
+    elsewhere. The engine rank broadcasts the report, so every rank returns the same one.
+    """
+    shards = [WeightShard(*shard) for shard in shards]  # plain (name, tensor, partition) tuples work too
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+    if groups.is_engine_rank != (transport is not None) or groups.is_engine_rank != (dist.get_rank() == engine_rank):
+        raise ValueError(
+            f"rank {dist.get_rank()}: the engine rank {engine_rank} (TP 0, PP 0 of DP replica 0), and only it, "
+            "needs a transport"
+        )
+    report = SyncReport(version=version)
+    errors: dict[str, float] = {}
+    start = time.perf_counter()
+    if groups.is_sending_replica:
+        local = stage_hf_tensors(shards, model, groups, errors)
+        if not groups.is_stage_leader:
+            for _ in local:  # take part in the TP gathers
+                pass
+        elif not groups.is_engine_rank:
+            _send_stage(buckets(local, bucket_bytes), groups)
+            errors_box = [errors]
+            dist.send_object_list(errors_box, dst=groups.engine_global_rank(), group=groups.pp_group)
+        else:
+            device = shards[0].tensor.device if shards else torch.device("cpu")
+            transport.begin()
+            for stage in range(groups.pp_size):
+                stage_buckets = buckets(local, bucket_bytes) if stage == 0 else _receive_stage(stage, groups, device)
+                for bucket in stage_buckets:
+                    sent = time.perf_counter()
+                    transport.send(bucket)
+                    report.transport_seconds += time.perf_counter() - sent
+                    report.num_buckets += 1
+                    report.num_tensors += len(bucket)
+                    report.num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                if stage > 0:
+                    box: list = [None]
+                    dist.recv_object_list(box, src=dist.get_global_rank(groups.pp_group, stage), group=groups.pp_group)
+                    for family, error in box[0].items():
+                        errors[family] = max(errors.get(family, 0.0), error)
+            finished = time.perf_counter()
+            transport.finish(version)
+            report.transport_seconds += time.perf_counter() - finished
+            report.seconds = time.perf_counter() - start
+            report.round_trip_error = errors
+    return _share_report(report, engine_rank)
+
+
+def _share_report(report: SyncReport, engine_rank: int) -> SyncReport:
+    if dist.get_world_size() == 1:
+        return report
+    box = [report if dist.get_rank() == engine_rank else None]
+    dist.broadcast_object_list(box, src=engine_rank)
+    return box[0]
