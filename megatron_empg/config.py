@@ -783,6 +783,7 @@ class WeightSyncConfig:
     gate_tolerance: float | None = 1e-4
     probe_num_sequences: int = 2
     probe_length: int = 160  # > one KV-cache block (128 on CPU), so a stale prefix cache shows
+    probe_continuation: int = 8  # tokens sampled after the probe: checks the generation path too
     probe_seed: int = 0
 
     def validate(self) -> None:
@@ -796,6 +797,8 @@ class WeightSyncConfig:
             raise ConfigError("probe_num_sequences", f"must be >= 1, got {self.probe_num_sequences!r}")
         if self.probe_length < 2:
             raise ConfigError("probe_length", f"must be >= 2, got {self.probe_length!r}")
+        if self.probe_continuation < 0:
+            raise ConfigError("probe_continuation", f"must be >= 0, got {self.probe_continuation!r}")
 
 
 def model_config_path(name: str) -> Path:

@@ -112,12 +112,18 @@ def _gather_full(shard: WeightShard, groups: SyncGroups) -> Tensor | None:
     return mapping.tp_merge(pieces, shard.partition) if pieces is not None else None
 
 
-def _round_trip_error(name: str, full: Tensor, converted: list[tuple[str, Tensor]], model: ModelConfig) -> float:
+def _round_trip_error(
+    name: str, full: Tensor, converted: list[tuple[str, Tensor]], rule: mapping.TensorRule, model: ModelConfig
+) -> float:
+    """Max |Megatron -> HF -> Megatron - Megatron| of one tensor (padded vocabulary rows, which
+    carry no meaning, excluded)."""
     if not converted:
         return 0.0
     back = mapping.to_megatron(name, dict(converted), model, full.size(0))
     if back.shape != full.shape:
         return math.inf
+    if rule.layout == "vocab":
+        back, full = back[: model.vocab_size], full[: model.vocab_size]
     return (back.float() - full.float()).abs().max().item() if full.numel() else 0.0
 
 
@@ -132,8 +138,9 @@ def stage_hf_tensors(
         if full is None:
             continue
         converted = mapping.to_hf(shard.name, full, model)
-        family = mapping.tensor_family(shard.name, model)
-        errors[family] = max(errors.get(family, 0.0), _round_trip_error(shard.name, full, converted, model))
+        rule = mapping.tensor_rule(shard.name, model)
+        error = _round_trip_error(shard.name, full, converted, rule, model)
+        errors[rule.family] = max(errors.get(rule.family, 0.0), error)
         yield from converted
 
 

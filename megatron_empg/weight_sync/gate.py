@@ -10,10 +10,21 @@ so: then the engine's loading, its numerics or its cache are the suspects.
 
 from __future__ import annotations
 
+from typing import Protocol, Sequence
+
 import torch
 from torch import Tensor
 
+from megatron_empg.config import SamplingConfig
 from megatron_empg.weight_sync.bridge import SyncReport
+
+
+class ProbeEngine(Protocol):
+    """What the gate needs from a rollout engine (``rollout.engine.RolloutEngine`` has it)."""
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]: ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list]: ...
 
 
 class ConsistencyError(RuntimeError):
@@ -28,6 +39,31 @@ def probe_batch(num_sequences: int, length: int, vocab_size: int, seed: int) -> 
     """
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (num_sequences, length), generator=generator).tolist()
+
+
+def engine_probe(engine: ProbeEngine, probe: Sequence[Sequence[int]], continuation: int, seed: int):
+    """The engine's side of the gate, through both of its paths.
+
+    Scores the probe by teacher forcing, and samples ``continuation`` tokens after each probe
+    sequence (temperature 1, fixed seed) with the sampler's log-probs: generation reads the prefix
+    cache, so KV left from the old weights shows here even where scoring recomputes everything.
+
+    Returns (sequences, logprobs): each probe sequence followed by its sampled tokens ``[N][L+C]``,
+    and the engine's ``[N, L+C-1]`` float64 log-probs of tokens 1 .. L+C-1 (what the trainer's
+    ``score_sequences`` of the same sequences must give).
+    """
+    scored = engine.score(probe)
+    if continuation == 0:
+        return [list(seq) for seq in probe], torch.tensor(scored, dtype=torch.float64)
+    # ignore_eos and no min_tokens: min_tokens would mask eos and so change the sampler's log-probs.
+    sampling = SamplingConfig(n=1, temperature=1.0, max_tokens=continuation, ignore_eos=True, seed=seed)
+    completions = [group[0] for group in engine.generate(probe, sampling)]
+    short = [len(c.token_ids) for c in completions if len(c.token_ids) != continuation]
+    if short:
+        raise ValueError(f"the engine sampled {short} tokens instead of {continuation}: is the probe too long?")
+    sequences = [list(seq) + list(c.token_ids) for seq, c in zip(probe, completions)]
+    logprobs = [s + list(c.logprobs) for s, c in zip(scored, completions)]
+    return sequences, torch.tensor(logprobs, dtype=torch.float64)
 
 
 def check_consistency(

@@ -154,9 +154,10 @@ def hf_names_of(megatron_name: str, model: ModelConfig) -> tuple[str, ...]:
     return tuple(t.format(i=layer) for t in rule.hf)
 
 
-def tensor_family(megatron_name: str, model: ModelConfig) -> str:
-    """The family a tensor belongs to (``attention.qkv``, ``mlp.gate_up``, ``norm``, ...)."""
-    return _find_rule(megatron_name, model)[0].family
+def tensor_rule(megatron_name: str, model: ModelConfig) -> TensorRule:
+    """The rule of a Megatron tensor: its HF names, ``layout`` and ``family`` (``attention.qkv``,
+    ``mlp.gate_up``, ``norm``, ...)."""
+    return _find_rule(megatron_name, model)[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_tied_output_layer_and_te_names():
     assert mapping.hf_names_of("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", llama) == (
         "model.layers.0.post_attention_layernorm.weight",
     )
-    assert mapping.tensor_family("decoder.layers.0.self_attention.linear_qkv.weight", llama) == "attention.qkv"
+    assert mapping.tensor_rule("decoder.layers.0.self_attention.linear_qkv.weight", llama).family == "attention.qkv"
 
 
 @pytest.mark.parametrize("tp,stride", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)])
