@@ -10,9 +10,10 @@ so: then the engine's loading, its numerics or its cache are the suspects.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.config import SamplingConfig
@@ -101,3 +102,41 @@ def check_consistency(
             f"(tolerance {tolerance:g}) at probe sequence {seq}, token {pos + 1}; {suspect}"
         )
     return worst
+
+
+def verify_sync(
+    engine: ProbeEngine | None,
+    probe: Sequence[Sequence[int]],
+    trainer_score: Callable[[list[list[int]]], Tensor],
+    report: SyncReport,
+    *,
+    tolerance: float,
+    continuation: int,
+    seed: int,
+    engine_rank: int = 0,
+) -> float:
+    """The gate across all ranks; every rank calls it after ``sync_weights``.
+
+    The engine rank (``engine`` given there, None elsewhere) runs ``engine_probe`` and shares the
+    sequences; every rank runs ``trainer_score(sequences)`` (a collective forward pass giving the
+    [N, L+C-1] log-probs on every rank, e.g. ``mcore.step.score_sequences``); the engine rank
+    compares and shares the verdict. Returns the max difference; every rank raises the same
+    ``ConsistencyError`` when it exceeds ``tolerance``.
+    """
+    is_engine_rank = dist.get_rank() == engine_rank
+    if is_engine_rank != (engine is not None):
+        raise ValueError(f"rank {dist.get_rank()}: the engine rank {engine_rank}, and only it, passes the engine")
+    sequences, engine_logprobs = engine_probe(engine, probe, continuation, seed) if is_engine_rank else (None, None)
+    box: list = [sequences]
+    dist.broadcast_object_list(box, src=engine_rank)
+    trainer_logprobs = trainer_score(box[0])
+    verdict: list = [None]
+    if is_engine_rank:
+        try:
+            verdict[0] = check_consistency(trainer_logprobs.cpu(), engine_logprobs, tolerance, report)
+        except ConsistencyError as error:
+            verdict[0] = error
+    dist.broadcast_object_list(verdict, src=engine_rank)
+    if isinstance(verdict[0], ConsistencyError):
+        raise verdict[0]
+    return verdict[0]
