@@ -1,0 +1,7 @@
+"""Rollout engines: sampling responses and scoring sequences with the policy's current weights.
+
+``engine`` holds the engine protocol (``RolloutEngine``) and its result type (``Completion``);
+``vllm_engine.VllmEngine`` implements it with vLLM's offline ``LLM``, and
+``vllm_weight_transfer`` is the weight-transfer backend that engine registers inside vLLM.
+Importing this package imports no engine: vLLM is imported only when an engine is built.
+"""
