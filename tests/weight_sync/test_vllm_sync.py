@@ -44,7 +44,8 @@ def _engine(model_dir: str, in_process: bool):
 
 
 def _sgd_step(chunks, probe, groups, model) -> None:
-    """One real optimizer step on the probe's negative log-likelihood (TP1/PP1 only)."""
+    """One real optimizer step on the probe's negative log-likelihood (PP1; at TP2 every rank
+    steps its shard, and the replicated norms get the same gradient on both ranks)."""
     from megatron_empg.mcore.step import causal_mask
     from megatron_empg.mcore.model import gather_logits
 
@@ -171,6 +172,9 @@ def _two_ranks_shm(rank: int, world_size: int, model_dir: str, hf_state: dict, l
         state = {k: v * (1 + 0.1 * i) for k, v in hf_state.items()}  # each layout brings new weights
         load_full_state_dict(chunks, megatron_state_from_hf(model, state, parallel.padded_vocab_size(model.vocab_size)))
         results.append(_sync_and_check(chunks, model, groups, engine, transport, f"layout-{i}", probe))
+        if parallel.pipeline_model_parallel_size == 1:  # TP2: one optimizer step, then the same again
+            _sgd_step(chunks, probe, groups, model)
+            results.append(_sync_and_check(chunks, model, groups, engine, transport, f"layout-{i}-step", probe))
         parallel_state.destroy_model_parallel()
     if engine is not None:
         engine.shutdown()
@@ -192,7 +196,8 @@ def test_tp2_and_pp2_sync_through_shared_memory_into_an_engine_process(llama_dir
     hf_state.pop("lm_head.weight")
     layouts = [ParallelConfig(tensor_model_parallel_size=2), ParallelConfig(pipeline_model_parallel_size=2)]
     results = run_distributed(_two_ranks_shm, 2, llama_dir, hf_state, layouts, timeout=300)[0]
-    for i, result in enumerate(results):
+    assert [r["version"] for r in results] == ["layout-0", "layout-0-step", "layout-1"]
+    for result in results:
         assert "error" not in result, result.get("error")
-        assert result["after"] <= TOLERANCE and result["before"] > 0.1, (layouts[i], result)
-        assert result["version"] == f"layout-{i}" and result["report"].num_buckets > 1
+        assert result["after"] <= TOLERANCE and result["before"] > 0.1, result
+        assert result["report"].num_buckets > 1
