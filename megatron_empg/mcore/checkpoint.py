@@ -19,6 +19,8 @@ On disk (``root`` is any directory on a filesystem all ranks share)::
         empg_checkpoint.json      ours, written last: {"complete": true, format, step, layout, ...}
         metadata.json             dist_checkpointing's (backend, version)
         .metadata, __<r>_<i>.distcp, ...   the torch_dist shards (and the common state)
+        model_config.yaml         the ModelConfig (with save_checkpoint(model_config=...))
+        hf/                       the HF config and tokenizer files (with hf_assets=...)
       step_00000006.tmp-1f2e3d4c/ a save in progress, or one that crashed: never loaded
       step_00000002.trash-.../    a checkpoint being deleted (retention or a re-save): never loaded
 
@@ -44,6 +46,11 @@ The fp32 master is saved as ShardedTensors with the sharding metadata of the anc
 ``sharded_state_dict(prefix="anchor_master.")``, so it reshards exactly like the model. The
 prefix carries no chunk index: the keys are global already, and a chunk index would tie the
 checkpoint to one VPP layout.
+
+Model-only checkpoints. ``mcore.convert.write_model_checkpoint`` (tools/convert_hf_to_megatron.py)
+writes the same format with the model part only (``parts``: no optimizer, scheduler, anchor or
+RNG; step 0); ``load_checkpoint`` loads it at any layout. ``model_config.yaml`` and ``hf/`` let
+tools/convert_megatron_to_hf.py work from a checkpoint alone.
 """
 
 from __future__ import annotations
@@ -60,11 +67,12 @@ import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_empg.config import ModelConfig, load_model_config, to_yaml
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
 
@@ -77,6 +85,10 @@ FORMAT = "megatron_empg.checkpoint"
 FORMAT_VERSION = 1
 INFO_FILE = "empg_checkpoint.json"  # ours; dist_checkpointing writes its own metadata.json
 DIST_CKPT_FILES = ("metadata.json", ".metadata")  # written by dist_checkpointing.save (torch_dist)
+MODEL_CONFIG_FILE = "model_config.yaml"  # the ModelConfig (config.to_yaml)
+HF_ASSETS_DIR = "hf"  # copies of the HF config and tokenizer files
+# Files of a HF model directory that are weights (the checkpoint holds those itself): never copied.
+HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
 LATEST_FILE = "latest"
 TMP_MARK = ".tmp-"
 TRASH_MARK = ".trash-"
@@ -146,6 +158,36 @@ def read_checkpoint_info(path: str | os.PathLike) -> dict:
     if problem is not None:
         raise CheckpointError(f"not a loadable checkpoint: {problem}")
     return json.loads((Path(path) / INFO_FILE).read_text())
+
+
+def read_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The ``ModelConfig`` stored in the checkpoint at ``path``; ``CheckpointError`` if it has none."""
+    config_path = Path(path) / MODEL_CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{path} has no {MODEL_CONFIG_FILE}: it was saved without model_config "
+            "(save_checkpoint(..., model_config=...)); give the model config another way"
+        )
+    return load_model_config(config_path)
+
+
+def copy_hf_assets(src: str | os.PathLike, dst: str | os.PathLike, *, exclude: Collection[str] = ()) -> list[str]:
+    """Copy the files of the HF model directory ``src`` that are not weights (config.json,
+    generation_config.json, tokenizer files, chat template, ...) into ``dst`` (created). Top-level
+    regular files only; hidden files, ``HF_WEIGHT_SUFFIXES`` and the names in ``exclude`` are
+    skipped. Returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise CheckpointError(f"HF assets directory {src} is not a directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for entry in sorted(src.iterdir()):
+        if (not entry.is_file() or entry.name.startswith(".") or entry.name.endswith(HF_WEIGHT_SUFFIXES)
+                or entry.name in exclude):  # fmt: skip
+            continue
+        shutil.copyfile(entry, dst / entry.name)
+        copied.append(entry.name)
+    return copied
 
 
 def _fsync_dir(path: Path) -> None:
@@ -489,12 +531,54 @@ def _before_commit(tmp_dir: Path) -> None:
     A no-op; tests replace it to simulate a crash at that point."""
 
 
-def _commit(root: Path, tmp: Path, final: Path, info: dict, keep_last: int | None, nonce: str) -> list[str]:
-    """Rank 0: completion marker, rename, ``latest``, retention. Returns the names removed."""
+def checkpoint_info(
+    *, step: int, model_name: str | None, layout: Mapping[str, int | None], model_chunks: int, parts: Mapping[str, Any],
+    **extra: Any,
+) -> dict:
+    """The ``empg_checkpoint.json`` of a checkpoint (``extra``: more top-level entries)."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "model_name": model_name,
+        "layout": dict(layout),
+        "model_chunks": model_chunks,
+        "parts": dict(parts),
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "megatron_core": _megatron_version(),
+        **extra,
+        "complete": True,
+    }
+
+
+def finish_checkpoint_dir(
+    directory: Path, info: Mapping[str, Any], *, model_config: ModelConfig | None = None,
+    hf_assets: str | os.PathLike | None = None,
+) -> None:  # fmt: skip
+    """Complete a checkpoint whose shards ``directory`` holds: write ``model_config.yaml``, copy
+    the HF assets into ``hf/``, fsync, and write the completion marker last (atomically). One
+    process calls it; the directory is renamed into place afterwards."""
+    if model_config is not None:
+        _write_atomic(directory / MODEL_CONFIG_FILE, to_yaml(model_config))
+    if hf_assets is not None:
+        assets = directory / HF_ASSETS_DIR
+        for name in copy_hf_assets(hf_assets, assets):
+            _fsync_file(assets / name)
+        _fsync_dir(assets)
     for name in DIST_CKPT_FILES:  # dist_checkpointing fsyncs its shards and .metadata, not metadata.json
-        if (tmp / name).is_file():
-            _fsync_file(tmp / name)
-    _write_atomic(tmp / INFO_FILE, json.dumps(info, indent=1, sort_keys=True) + "\n")
+        if (directory / name).is_file():
+            _fsync_file(directory / name)
+    _write_atomic(directory / INFO_FILE, json.dumps(info, indent=1, sort_keys=True) + "\n")
+
+
+def _commit(
+    root: Path, tmp: Path, final: Path, info: dict, keep_last: int | None, nonce: str,
+    model_config: ModelConfig | None, hf_assets: str | os.PathLike | None,
+) -> list[str]:  # fmt: skip
+    """Rank 0: model config and HF assets, completion marker, rename, ``latest``, retention.
+    Returns the names removed."""
+    finish_checkpoint_dir(tmp, info, model_config=model_config, hf_assets=hf_assets)
     trash = None
     if final.exists():  # a re-save of this step: move the old one out of the step_N namespace first
         trash = final.with_name(f"{final.name}{TRASH_MARK}{nonce}")
@@ -546,6 +630,8 @@ def save_checkpoint(
     keep_last: int | None = None,
     model_name: str | None = None,
     optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT,
+    model_config: ModelConfig | None = None,
+    hf_assets: str | os.PathLike | None = None,
 ) -> Path:
     """Save a checkpoint of ``step`` under ``root_dir`` atomically; every rank calls it. Returns
     the committed directory ``root_dir/step_<step>``.
@@ -560,8 +646,13 @@ def save_checkpoint(
             rank; ``load_checkpoint`` returns it with ``"step"`` added.
         keep_last: keep only this many newest complete checkpoints (the new one always stays);
             also removes ``*.tmp-*``/``*.trash-*`` leftovers of interrupted saves. None keeps all.
-        model_name: recorded in ``empg_checkpoint.json`` and checked by ``load_checkpoint``.
+        model_name: recorded in ``empg_checkpoint.json`` and checked by ``load_checkpoint``
+            (default: ``model_config.name``).
         optimizer_format: the distributed optimizer's format, one of ``OPTIMIZER_FORMATS``.
+        model_config: stored as ``model_config.yaml`` (``read_model_config``), so that
+            tools/convert_megatron_to_hf.py can convert the checkpoint on its own.
+        hf_assets: a HF model directory whose config and tokenizer files (no weights) are copied
+            into ``hf/`` (see ``copy_hf_assets``).
     """
     _import_megatron()
     from megatron.core import dist_checkpointing
@@ -572,6 +663,10 @@ def save_checkpoint(
         raise ValueError(f"keep_last={keep_last!r} must be None or an int >= 1")
     if optimizer_format not in OPTIMIZER_FORMATS:
         raise ValueError(f"optimizer_format={optimizer_format!r}: expected one of {OPTIMIZER_FORMATS}")
+    if hf_assets is not None and not Path(hf_assets).is_dir():
+        raise ValueError(f"hf_assets={str(hf_assets)!r} is not a directory")
+    if model_name is None and model_config is not None:
+        model_name = model_config.name
     extra = dict(extra_state or {})
     if extra.get("step", step) != step:
         raise ValueError(f"extra_state['step']={extra['step']!r} differs from step={step}")
@@ -613,27 +708,20 @@ def save_checkpoint(
     dist_checkpointing.save(state, str(tmp), content_metadata=content)
     _before_commit(tmp)
 
-    info = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "model_name": model_name,
-        "layout": layout,
-        "model_chunks": len(chunks),
-        "parts": {
-            "model": True,
-            "optimizer": optimizer_status,
-            "optimizer_format": optimizer_kind,  # "per_parameter" (non-distributed) or OPTIMIZER_FORMATS
-            "scheduler": scheduler is not None,
-            "anchor": anchor is not None,
-            "rng": True,
-        },
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "megatron_core": _megatron_version(),
-        "complete": True,
+    parts = {
+        "model": True,
+        "optimizer": optimizer_status,
+        "optimizer_format": optimizer_kind,  # "per_parameter" (non-distributed) or OPTIMIZER_FORMATS
+        "scheduler": scheduler is not None,
+        "anchor": anchor is not None,
+        "rng": True,
+        "model_config": model_config is not None,
+        "hf_assets": hf_assets is not None,
     }
-    removed = _rank0_then_share(lambda: _commit(root, tmp, final, info, keep_last, nonce), f"committing {final}")
+    info = checkpoint_info(step=step, model_name=model_name, layout=layout, model_chunks=len(chunks), parts=parts)
+    removed = _rank0_then_share(
+        lambda: _commit(root, tmp, final, info, keep_last, nonce, model_config, hf_assets), f"committing {final}"
+    )
     if dist.get_rank() == 0:
         logger.info("saved checkpoint %s (step %d)%s", final, step, f"; removed {removed}" if removed else "")
     return final
@@ -687,7 +775,8 @@ def load_checkpoint(
     logged otherwise). A checkpoint saved before the optimizer's first update loads only into an
     optimizer that has not stepped either (its main params are refreshed from the loaded weights).
     Loading the model without its optimizer (``optimizer=None``, ``strict=False``) leaves any
-    optimizer's main params stale: call its ``reload_model_params()``.
+    optimizer's main params stale: call its ``reload_model_params()``. A model-only checkpoint
+    (``mcore.convert``) has no RNG states: the run keeps its own.
     """
     path = Path(path)
     info = read_checkpoint_info(path)  # before any import or collective: a bad path fails fast everywhere
@@ -715,6 +804,7 @@ def load_checkpoint(
 
     layout = _layout(groups)
     same_layout = layout == info["layout"]
+    restore_rng = same_layout and parts.get("rng", True)
     chunks = _unwrap(models)
     state = _model_sharded_state(chunks)
     load_optimizer = optimizer is not None and parts["optimizer"] == "saved"
@@ -744,9 +834,9 @@ def load_checkpoint(
             logger.info("%s saved a fresh (never stepped) optimizer; this one is fresh as well", where)
     if anchor is not None:
         state.update(_anchor_sharded_state(anchor, None))
-    if same_layout:
+    if restore_rng:
         state["rng_state"] = _rng_sharded_object(groups, None)
-    elif rank0:
+    elif rank0 and parts.get("rng", True):
         logger.info("%s: layout differs from this run's %s; RNG states are not restored", where, layout)
 
     try:
@@ -786,14 +876,14 @@ def load_checkpoint(
             for key, tensor in loaded[f"anchor_master{i}"].items():
                 master[f"{i}.{key[len(ANCHOR_PREFIX):]}"] = tensor
         anchor.load_full_master_state(master)
-    if same_layout:
+    if restore_rng:
         _set_rng_state(loaded["rng_state"])
 
     extra = dict(loaded.get("extra_state") or {})
     extra["step"] = info["step"]
     if rank0:
         optimizer_note = "loaded" if load_optimizer else ("fresh" if optimizer is not None else "not asked")
-        rng_note = "restored" if same_layout else "not restored (layout differs)"
+        rng_note = "restored" if restore_rng else ("not restored (layout differs)" if parts.get("rng", True) else "none saved")
         anchor_note = "loaded" if anchor is not None else "not asked"
         logger.info(
             "loaded %s at %s (optimizer: %s, anchor: %s, RNG: %s)", where, layout, optimizer_note, anchor_note, rng_note

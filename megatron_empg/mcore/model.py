@@ -225,7 +225,21 @@ def build_gpt_model(
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp is not None else None
         with torch.device("meta") if meta_device else contextlib.nullcontext():
-            chunk = _gpt_model(GPTModel, config, spec, vocab_size, model, stage)
+            chunk = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=vocab_size,
+                max_sequence_length=model.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                share_embeddings_and_output_weights=model.tie_word_embeddings,
+                position_embedding_type="rope",
+                rotary_percent=1.0,
+                rotary_base=_rotary_base(model.rope_theta),
+                rope_scaling=scaling is not None,
+                rope_scaling_factor=float(scaling["factor"]) if scaling is not None else 8.0,
+                vp_stage=stage,
+            )
         _apply_rope_scaling(chunk, model)
         for param in chunk.parameters():  # as Megatron-LM's get_model: TP attributes on every param
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -234,31 +248,6 @@ def build_gpt_model(
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
     return chunks
-
-
-def _gpt_model(
-    gpt_model: type[GPTModel], config: TransformerConfig, spec: ModuleSpec, vocab_size: int, model: ModelConfig,
-    stage: int | None,
-) -> GPTModel:
-    """One ``GPTModel`` chunk (virtual pipeline stage ``stage``) of ``build_gpt_model``."""
-    from megatron.core import parallel_state as ps
-
-    scaling = model.rope_scaling
-    return gpt_model(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=vocab_size,
-            max_sequence_length=model.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=model.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_percent=1.0,
-            rotary_base=_rotary_base(model.rope_theta),
-            rope_scaling=scaling is not None,
-            rope_scaling_factor=float(scaling["factor"]) if scaling is not None else 8.0,
-            vp_stage=stage,
-        )
 
 
 # --------------------------------------------------------------------------------------------
