@@ -21,7 +21,8 @@ ones; best and median are reported (the machine may be shared: the best is the c
                       copies; the rest by reference), the per-tensor round-trip check, bucketing;
                       one entry per ``--bucket-mb``
     bridge_parts      the pieces of ``bridge`` run alone over all tensors: ``mapping.to_hf`` only,
-                      and ``to_hf`` + the bridge's round-trip check (``bridge._round_trip_error``)
+                      and ``to_hf`` + the bridge's round-trip check (``bridge._round_trip_error``);
+                      per tensor family; and ``bridge`` with the check patched out (diagnostic)
     shm_write         ``sync_weights`` with ``SharedMemoryFileTransport`` (/dev/shm) into a discarding
                       receiver: ``bridge`` + writing each bucket as a safetensors file (and deleting it)
     vllm_in_process   ``sync_weights`` with ``InProcessTransport`` into a real ``VllmEngine``
@@ -52,6 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
+from unittest import mock
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -107,6 +109,18 @@ def _cpu_model() -> str | None:
     except OSError:
         pass
     return platform.processor() or None
+
+
+def _cpu_flags() -> list[str]:
+    """The CPU's vector/matrix extensions that matter for bf16 on CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags)
+    except OSError:
+        pass
+    return []
 
 
 def _mem_total_gib() -> float | None:
@@ -332,6 +346,13 @@ def child_run(spec: dict) -> dict:
             seconds, _ = _repeat(fn, warmup, repeats)
             parts[label] = ratio(_summary(seconds, hf_bytes))
         parts["round_trip_by_family"] = _round_trip_by_family(shards, model, warmup, repeats)
+        # What the round-trip check costs: the same sync with it replaced by a constant (a diagnostic
+        # only; the bridge always runs the check).
+        with mock.patch.object(bridge, "_round_trip_error", lambda *args: 0.0):
+            parts["sync_without_round_trip_check"] = ratio(_sync_measurement(
+                shards, model, sgroups, lambda: InProcessTransport(DiscardingReceiver()), max(bucket_sizes),
+                warmup, repeats,
+            ))  # fmt: skip
         m["bridge_parts"] = parts
 
         # 3a. the shared-memory file transport without an engine: bridge + file writes
@@ -450,6 +471,7 @@ def machine_info() -> dict:
     return {
         "device": torch.cuda.get_device_name() if cuda else f"cpu: {_cpu_model()}",
         "cpu_model": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
         "cpu_count": os.cpu_count(),
         "mem_total_gib": _mem_total_gib(),
         "platform": platform.platform(),

@@ -36,7 +36,8 @@ def _run(tmp_path: Path, *args: str) -> dict:
 def _check_common(report: dict, dtypes: list[str]) -> None:
     assert report["benchmark"] == "weight_sync" and report["params"]["smoke"] is True
     machine = report["machine"]
-    assert machine["device"].startswith("cpu") and "cpu_model" in machine and "OMP_NUM_THREADS" in machine
+    assert machine["device"].startswith("cpu") and "cpu_model" in machine and "cpu_flags" in machine
+    assert "OMP_NUM_THREADS" in machine
     assert report["versions"]["torch"] and "vllm" in report["versions"]
     assert [r["dtype"] for r in report["results"]] == dtypes
     buckets = report["params"]["bucket_mb"]
@@ -63,6 +64,7 @@ def _check_common(report: dict, dtypes: list[str]) -> None:
         assert m["bridge"][0]["num_buckets"] > m["bridge"][-1]["num_buckets"]  # smaller buckets: more of them
         parts = m["bridge_parts"]
         assert parts["to_hf"]["bytes"] == hf_bytes and parts["to_hf_and_round_trip_check"]["bytes"] == hf_bytes
+        assert parts["sync_without_round_trip_check"]["bytes"] == hf_bytes
         families = parts["round_trip_by_family"]
         assert {"embedding", "attention.qkv", "mlp.gate_up"} <= set(families)
         assert sum(f["bytes"] for f in families.values()) == model["parameter_bytes_megatron"]
