@@ -32,6 +32,7 @@ from the real tensor. Only the current full tensor is cached. The common state a
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -229,7 +230,7 @@ def _chunks(chunk: GPTModel) -> dict[str, list[_Chunk]]:
 
 class _FullTensorCache:
     """``full_tensor(name)`` checked against the model's shape and cast to the checkpoint dtype,
-    keeping only the latest one; ``progress(name)`` after each new one."""
+    keeping only the latest one (until ``release``); ``progress(name)`` after each new one."""
 
     def __init__(
         self, full_tensor: Callable[[str], torch.Tensor], shapes: Mapping[str, torch.Size], dtype: torch.dtype,
@@ -262,6 +263,10 @@ class _FullTensorCache:
                     self._progress(name)
         return self._tensor
 
+    def release(self) -> None:
+        """Drop the cached tensor (all its chunks have been copied)."""
+        self._name, self._tensor = None, None
+
 
 def _streaming_planner(sources: Mapping[tuple[str, tuple[int, ...]], _Chunk], cache: _FullTensorCache):
     """Megatron's save planner, with each tensor chunk made on demand from ``cache``.
@@ -269,10 +274,13 @@ def _streaming_planner(sources: Mapping[tuple[str, tuple[int, ...]], _Chunk], ca
     torch's ``FileSystemWriter`` keeps a reference to every tensor it has written (a dict used only
     by its safetensors format), so each chunk is handed out as a copy whose memory is released
     when the next tensor is asked for: by then the writer (serial loader: ``per_thread_copy_ahead=0``)
-    has written it.
+    has written it. The full tensor is released once its last chunk is copied, before that chunk
+    is written (the chunks of a tensor come one after the other; if not, it would be made again).
     """
     from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
+
+    chunks_left = collections.Counter(source.name for source in sources.values())
 
     class StreamingSavePlanner(MCoreSavePlanner):
         written: torch.Tensor | None = None  # the chunk handed out last
@@ -284,6 +292,9 @@ def _streaming_planner(sources: Mapping[tuple[str, tuple[int, ...]], _Chunk], ca
                 self.written.untyped_storage().resize_(0)
             source = sources[(write_item.index.fqn, tuple(write_item.index.offset))]
             self.written = source.of(cache.get(source.name)).clone()
+            chunks_left[source.name] -= 1
+            if chunks_left[source.name] == 0:
+                cache.release()
             return self.written
 
     # as TorchDistSaveShardedStrategy: megatron deduplicates by replica id, the state is flat
