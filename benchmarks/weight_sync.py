@@ -14,7 +14,8 @@ Megatron TP1/PP1 (``build_gpt_model``), the sync through ``weight_sync.bridge.sy
 ones; best and median are reported (the machine may be shared: the best is the cleaner number).
 
     memcpy            ``dst.copy_(src)`` of one flat uint8 buffer of the HF model's bytes into a
-                      preallocated one (both touched before): the reference bandwidth
+                      preallocated one (both touched before): the reference bandwidth; measured
+                      first and again last (``--repeats`` each), best / median over both
     param_copy        every Megatron parameter ``copy_`` into its slice of a preallocated flat buffer
     bridge            ``sync_weights`` with ``InProcessTransport`` into a receiver that discards the
                       buckets: TP gather (a no-op at TP1), HF conversion (QKV split, gate/up split:
@@ -288,14 +289,15 @@ def child_run(spec: dict) -> dict:
         m: dict = {}
         result["measurements"] = m
 
-        # memcpy of the same bytes, and of the parameters one by one
-        src = torch.empty(hf_bytes, dtype=torch.uint8).fill_(1)
-        dst = torch.empty(hf_bytes, dtype=torch.uint8).fill_(0)
-        seconds, _ = _repeat(lambda: dst.copy_(src), warmup, repeats)
-        m["memcpy"] = _summary(seconds, hf_bytes)
-        del src
-        if megatron_bytes > hf_bytes:  # padded vocabulary rows
-            dst = torch.empty(megatron_bytes, dtype=torch.uint8).fill_(0)
+        # memcpy of the same bytes (now and again at the end: the machine's load varies), and of
+        # the parameters one by one
+        def memcpy_seconds(dst=None) -> list[float]:
+            src = torch.empty(hf_bytes, dtype=torch.uint8).fill_(1)
+            dst = torch.empty(hf_bytes, dtype=torch.uint8).fill_(0) if dst is None else dst
+            return _repeat(lambda: dst.copy_(src), warmup, repeats)[0]
+
+        dst = torch.empty(max(hf_bytes, megatron_bytes), dtype=torch.uint8).fill_(0)
+        memcpy_start = memcpy_seconds(dst[:hf_bytes])
         views, offset = [], 0
         for _, tensor, _ in shards:
             n = tensor.numel() * tensor.element_size()
@@ -310,14 +312,10 @@ def child_run(spec: dict) -> dict:
         seconds, _ = _repeat(param_copy, warmup, repeats)
         m["param_copy"] = _summary(seconds, megatron_bytes)
         del views
-        memcpy = m["memcpy"]
+        with_ratio: list[dict] = []
 
         def ratio(entry: dict) -> dict:
-            entry["ratio_to_memcpy_best"] = memcpy["seconds_best"] / entry["seconds_best"]
-            entry["ratio_to_memcpy_median"] = memcpy["seconds_median"] / entry["seconds_median"]
-            if "rest_seconds_best" in entry:
-                entry["rest_ratio_to_memcpy_best"] = memcpy["seconds_best"] / entry["rest_seconds_best"]
-                entry["rest_ratio_to_memcpy_median"] = memcpy["seconds_median"] / entry["rest_seconds_median"]
+            with_ratio.append(entry)  # the ratios are filled in at the end, with all memcpy timings
             return entry
 
         ratio(m["param_copy"])
@@ -366,6 +364,16 @@ def child_run(spec: dict) -> dict:
         # 2 + 3. into a real vLLM engine
         if spec["vllm"]:
             m.update(_vllm_part(spec, model, chunks, shards, sgroups, groups, bucket_sizes, ratio))
+        memcpy_end = memcpy_seconds()
+        m["memcpy"] = _summary(memcpy_start + memcpy_end, hf_bytes)
+        m["memcpy"].update(seconds_best_at_start=min(memcpy_start), seconds_best_at_end=min(memcpy_end))
+        memcpy = m["memcpy"]
+        for entry in with_ratio:
+            entry["ratio_to_memcpy_best"] = memcpy["seconds_best"] / entry["seconds_best"]
+            entry["ratio_to_memcpy_median"] = memcpy["seconds_median"] / entry["seconds_median"]
+            if "rest_seconds_best" in entry:
+                entry["rest_ratio_to_memcpy_best"] = memcpy["seconds_best"] / entry["rest_seconds_best"]
+                entry["rest_ratio_to_memcpy_median"] = memcpy["seconds_median"] / entry["rest_seconds_median"]
         result["vm_hwm_gib"] = _vm_hwm_gib()
     finally:
         parallel_state.destroy_model_parallel()
