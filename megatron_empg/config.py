@@ -801,6 +801,85 @@ class WeightSyncConfig:
             raise ConfigError("probe_continuation", f"must be >= 0, got {self.probe_continuation!r}")
 
 
+DATA_SOURCES = ("files", "arithmetic")
+REWARD_NAMES = ("math", "qa_em", "qa_f1", "arithmetic")  # = rollout.rewards.REWARDS
+DATA_FILE_SUFFIXES = (".parquet", ".jsonl")
+ARITHMETIC_OPS = ("+", "-", "*")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Training prompts and the reward that scores their responses (``rollout.data``, ``rollout.tasks``).
+
+    ``source``: ``files`` reads ``train_files`` (parquet or JSONL, one record per row);
+    ``arithmetic`` generates small arithmetic problems ("12+7=") from ``seed`` on the fly, with
+    operands of up to ``arithmetic_digits`` digits and the operators ``arithmetic_ops``. ``reward``
+    is a key of ``rollout.rewards.REWARDS``.
+
+    A record's ``prompt_key`` holds a string or a list of chat messages (``{role, content}``), its
+    ``answer_key`` a string, an int or a list of strings (several gold answers); a dotted key
+    (``reward_model.ground_truth``) reaches into nested records. With ``apply_chat_template`` and a
+    tokenizer that has a chat template, prompts are rendered by it with the generation prompt
+    (``system_prompt`` as a first system message), else as plain text. A prompt longer than
+    ``max_prompt_tokens`` is an error, or with ``drop_long_prompts`` dropped and counted.
+    ``shuffle``: each epoch's order is a permutation drawn from (``seed``, epoch).
+    """
+
+    source: Literal["files", "arithmetic"] = "arithmetic"
+    reward: Literal["math", "qa_em", "qa_f1", "arithmetic"] = "arithmetic"
+    train_files: list[str] = dataclasses.field(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    system_prompt: str | None = None
+    apply_chat_template: bool = True
+    max_prompt_tokens: int = 1024
+    drop_long_prompts: bool = False
+    shuffle: bool = True
+    seed: int = 0
+    arithmetic_digits: int = 2
+    arithmetic_ops: list[Literal["+", "-", "*"]] = dataclasses.field(default_factory=lambda: ["+", "-"])
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.source not in DATA_SOURCES:
+            raise ConfigError("source", f"expected one of {DATA_SOURCES}, got {self.source!r}")
+        if self.reward not in REWARD_NAMES:
+            raise ConfigError("reward", f"expected one of {REWARD_NAMES}, got {self.reward!r}")
+        if self.source == "files":
+            if not self.train_files:
+                raise ConfigError("train_files", "source 'files' needs at least one .parquet or .jsonl file")
+            for i, path in enumerate(self.train_files):
+                if not path.endswith(DATA_FILE_SUFFIXES):
+                    raise ConfigError(
+                        f"train_files[{i}]", f"expected a {' or '.join(DATA_FILE_SUFFIXES)} file, got {path!r}"
+                    )
+        else:
+            if self.train_files:
+                raise ConfigError("train_files", "source 'arithmetic' generates its prompts: leave train_files empty")
+            if self.reward != "arithmetic":
+                raise ConfigError("reward", f"source 'arithmetic' needs reward 'arithmetic', got {self.reward!r}")
+        for name in ("prompt_key", "answer_key"):
+            if not getattr(self, name):
+                raise ConfigError(name, "must be a non-empty key")
+        if self.system_prompt is not None and not self.system_prompt.strip():
+            raise ConfigError("system_prompt", "must be null or non-empty text")
+        if self.max_prompt_tokens < 1:
+            raise ConfigError("max_prompt_tokens", f"must be >= 1, got {self.max_prompt_tokens!r}")
+        if self.seed < 0:
+            raise ConfigError("seed", f"must be >= 0, got {self.seed!r}")
+        if not 1 <= self.arithmetic_digits <= 9:
+            raise ConfigError("arithmetic_digits", f"must be in [1, 9], got {self.arithmetic_digits!r}")
+        if not self.arithmetic_ops or len(set(self.arithmetic_ops)) != len(self.arithmetic_ops):
+            raise ConfigError(
+                "arithmetic_ops", f"expected distinct operators from {ARITHMETIC_OPS}, got {self.arithmetic_ops!r}"
+            )
+        for i, op in enumerate(self.arithmetic_ops):
+            if op not in ARITHMETIC_OPS:
+                raise ConfigError(f"arithmetic_ops[{i}]", f"expected one of {ARITHMETIC_OPS}, got {op!r}")
+
+
 def model_config_path(name: str) -> Path:
     """``model_configs/<name>.yaml``; a ``ConfigError`` lists the known names if there is none."""
     path = MODEL_CONFIG_DIR / f"{name}.yaml"

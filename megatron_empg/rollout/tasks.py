@@ -1,0 +1,94 @@
+"""A synthetic verifiable task for the CPU demo: small arithmetic problems ("12+7=" -> "19").
+
+Problem ``index`` of seed ``s`` is drawn from its own ``random.Random(f"arithmetic:{s}:{index}")``,
+so any problem is regenerated from (seed, index) alone, in any order and on any rank: the stream is
+infinite, global batch ``step`` holds problems ``[step * B, (step + 1) * B)``, and
+``rollout.data.PromptBatches`` serves it with the same cursor as a file dataset. Each operand is
+uniform in ``[0, 10**digits)``; the operator is uniform over ``ops``; "-" puts the larger operand
+first, so answers are never negative. Prompts and answers are digits and "+-*=", all in the
+character-level tokenizer's alphabet (``tools/make_tiny_model.py``). The reward is
+``rollout.rewards.arithmetic_reward``: exact integer match of the response's first line.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_empg.config import DataConfig
+from megatron_empg.rollout.data import PromptExample, PromptFormatter
+
+
+@dataclass(frozen=True)
+class ArithmeticProblem:
+    """``left op right``, e.g. ``ArithmeticProblem(12, "+", 7)``: text "12+7=", answer 19."""
+
+    left: int
+    op: str
+    right: int
+
+    @property
+    def text(self) -> str:
+        return f"{self.left}{self.op}{self.right}="
+
+    @property
+    def answer(self) -> int:
+        if self.op == "+":
+            return self.left + self.right
+        if self.op == "-":
+            return self.left - self.right
+        return self.left * self.right
+
+
+def arithmetic_problem(seed: int, index: int, *, digits: int, ops: list[str]) -> ArithmeticProblem:
+    """Problem ``index`` of the stream of ``seed``: operands of up to ``digits`` digits, an op of ``ops``."""
+    rng = random.Random(f"arithmetic:{seed}:{index}")
+    left, right = rng.randrange(10**digits), rng.randrange(10**digits)
+    op = rng.choice(ops)
+    if op == "-" and left < right:
+        left, right = right, left
+    return ArithmeticProblem(left, op, right)
+
+
+class ArithmeticTask:
+    """The infinite stream of arithmetic prompts of a ``DataConfig`` (a ``rollout.data.PromptSource``).
+
+    Uses ``seed``, ``arithmetic_digits``, ``arithmetic_ops``, and renders prompts like a file dataset
+    (``system_prompt``, ``apply_chat_template``); a prompt over ``max_prompt_tokens`` is an error.
+    """
+
+    def __init__(self, config: DataConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.formatter = PromptFormatter(
+            tokenizer, system_prompt=config.system_prompt, apply_chat_template=config.apply_chat_template
+        )
+
+    def problem(self, index: int) -> ArithmeticProblem:
+        return arithmetic_problem(
+            self.config.seed, index, digits=self.config.arithmetic_digits, ops=self.config.arithmetic_ops
+        )
+
+    def example(self, index: int) -> PromptExample:
+        """Problem ``index`` as a prompt: answer the decimal string, meta ``{"index", "problem"}``."""
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"ArithmeticTask.example: index must be an int >= 0, got {index!r}")
+        problem = self.problem(index)
+        [prompt_ids] = self.formatter.encode([self.formatter.render(problem.text)])
+        if len(prompt_ids) > self.config.max_prompt_tokens:
+            raise ValueError(
+                f"arithmetic problem {index} ({problem.text!r}) has {len(prompt_ids)} prompt tokens, more than "
+                f"data.max_prompt_tokens={self.config.max_prompt_tokens}"
+            )
+        return PromptExample(
+            prompt_ids=prompt_ids, answer=str(problem.answer), meta={"index": index, "problem": problem.text}
+        )
+
+    def batch_indices(self, step: int, batch_size: int) -> list[int]:
+        return list(range(step * batch_size, (step + 1) * batch_size))
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "source": "arithmetic", "seed": self.config.seed, "digits": self.config.arithmetic_digits,
+            "ops": "".join(self.config.arithmetic_ops),
+        }  # fmt: skip
