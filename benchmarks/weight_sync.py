@@ -19,11 +19,11 @@ ones; best and median are reported (the machine may be shared: the best is the c
     param_copy        every Megatron parameter ``copy_`` into its slice of a preallocated flat buffer
     bridge            ``sync_weights`` with ``InProcessTransport`` into a receiver that discards the
                       buckets: TP gather (a no-op at TP1), HF conversion (QKV split, gate/up split:
-                      copies; the rest by reference), the per-tensor round-trip check, bucketing;
-                      one entry per ``--bucket-mb``
+                      copies; the rest by reference), bucketing; one entry per ``--bucket-mb``
     bridge_parts      the pieces of ``bridge`` run alone over all tensors: ``mapping.to_hf`` only,
-                      and ``to_hf`` + the bridge's round-trip check (``bridge._round_trip_error``);
-                      per tensor family; and ``bridge`` with the check patched out (diagnostic)
+                      and ``to_hf`` + the round-trip check (``bridge._round_trip_error``), per
+                      tensor family; and the gate's diagnosis ``bridge.round_trip_errors`` (run only
+                      when the gate fails)
     shm_write         ``sync_weights`` with ``SharedMemoryFileTransport`` (/dev/shm) into a discarding
                       receiver: ``bridge`` + writing each bucket as a safetensors file (and deleting it)
     vllm_in_process   ``sync_weights`` with ``InProcessTransport`` into a real ``VllmEngine``
@@ -54,7 +54,6 @@ import sys
 import tempfile
 import time
 import traceback
-from unittest import mock
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -212,7 +211,6 @@ def _sync_measurement(shards, model, sgroups, make_transport, bucket_bytes, warm
         rest_seconds_best=min(rest),
         rest_seconds_median=statistics.median(rest),
         rest_gbps_best=last.num_bytes / min(rest) / 1e9,
-        round_trip_error=last.round_trip_error,
     )
     return out
 
@@ -344,13 +342,10 @@ def child_run(spec: dict) -> dict:
             seconds, _ = _repeat(fn, warmup, repeats)
             parts[label] = ratio(_summary(seconds, hf_bytes))
         parts["round_trip_by_family"] = _round_trip_by_family(shards, model, warmup, repeats)
-        # What the round-trip check costs: the same sync with it replaced by a constant (a diagnostic
-        # only; the bridge always runs the check).
-        with mock.patch.object(bridge, "_round_trip_error", lambda *args: 0.0):
-            parts["sync_without_round_trip_check"] = ratio(_sync_measurement(
-                shards, model, sgroups, lambda: InProcessTransport(DiscardingReceiver()), max(bucket_sizes),
-                warmup, repeats,
-            ))  # fmt: skip
+        # The gate's diagnosis (run only when the gate fails): every tensor converted back and compared.
+        seconds, errors = _repeat(lambda: bridge.round_trip_errors(shards, model, sgroups), warmup, repeats)
+        parts["diagnosis_round_trip_errors"] = ratio(_summary(seconds, hf_bytes))
+        parts["diagnosis_round_trip_errors"]["round_trip_error"] = errors[-1]
         m["bridge_parts"] = parts
 
         # 3a. the shared-memory file transport without an engine: bridge + file writes

@@ -11,9 +11,10 @@ The other data-parallel replicas only wait. Afterwards every rank returns the sa
 The ``Transport`` (``weight_sync.transport``) says how a bucket reaches the engine; the engine
 drops its prefix cache when the update finishes, and serves ``version`` from then on.
 
-Each converted tensor is also converted back (``mapping.to_megatron``) and compared with the
-Megatron tensor: a layout bug shows up per tensor family in ``SyncReport.round_trip_error``,
-which the consistency gate names when the log-probs disagree.
+When the consistency gate fails, ``round_trip_errors`` converts every tensor back
+(``mapping.to_megatron``) and compares it with the Megatron tensor: a layout bug shows up in its
+tensor family, which the gate's error names. (Done on every sync, that check would cost about two
+passes over the bytes: more than the sync itself.)
 """
 
 from __future__ import annotations
@@ -90,7 +91,6 @@ class SyncReport:
     num_bytes: int = 0
     seconds: float = 0.0  # wall time of the whole sync on the engine rank
     transport_seconds: float = 0.0  # of which inside the transport (engine loading included)
-    round_trip_error: dict[str, float] = dataclasses.field(default_factory=dict)  # family -> max |error|
 
     @property
     def gbytes_per_second(self) -> float:
@@ -143,19 +143,21 @@ def _bits(tensor: Tensor) -> Tensor:
 
 
 def stage_hf_tensors(
-    shards: Iterable[WeightShard], model: ModelConfig, groups: SyncGroups, errors: dict[str, float]
+    shards: Iterable[WeightShard], model: ModelConfig, groups: SyncGroups, errors: dict[str, float] | None = None
 ) -> Iterator[tuple[str, Tensor]]:
     """This stage's tensors in HF names and layouts, yielded on the stage leader only (the other TP
-    ranks of the replica take part in the gathers and yield nothing). ``errors`` collects the
-    round-trip error per tensor family."""
+    ranks of the replica take part in the gathers and yield nothing). With ``errors``, the
+    round-trip error per tensor family is collected into it (costs about two passes over the
+    bytes, so the sync itself skips it; ``round_trip_errors`` runs it when the gate fails)."""
     for shard in shards:
         full = _gather_full(shard, groups)
         if full is None:
             continue
         converted = mapping.to_hf(shard.name, full, model)
-        rule = mapping.tensor_rule(shard.name, model)
-        error = _round_trip_error(shard.name, full, converted, rule, model)
-        errors[rule.family] = max(errors.get(rule.family, 0.0), error)
+        if errors is not None:
+            rule = mapping.tensor_rule(shard.name, model)
+            error = _round_trip_error(shard.name, full, converted, rule, model)
+            errors[rule.family] = max(errors.get(rule.family, 0.0), error)
         yield from converted
 
 
@@ -244,17 +246,14 @@ def sync_weights(
             "needs a transport"
         )
     report = SyncReport(version=version)
-    errors: dict[str, float] = {}
     start = time.perf_counter()
     if groups.is_sending_replica:
-        local = stage_hf_tensors(shards, model, groups, errors)
+        local = stage_hf_tensors(shards, model, groups)
         if not groups.is_stage_leader:
             for _ in local:  # take part in the TP gathers
                 pass
         elif not groups.is_engine_rank:
             _send_stage(buckets(local, bucket_bytes), groups)
-            errors_box = [errors]
-            dist.send_object_list(errors_box, dst=groups.engine_global_rank(), group=groups.pp_group)
         else:
             device = shards[0].tensor.device if shards else torch.device("cpu")
             transport.begin()
@@ -267,16 +266,10 @@ def sync_weights(
                     report.num_buckets += 1
                     report.num_tensors += len(bucket)
                     report.num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                if stage > 0:
-                    box: list = [None]
-                    dist.recv_object_list(box, src=dist.get_global_rank(groups.pp_group, stage), group=groups.pp_group)
-                    for family, error in box[0].items():
-                        errors[family] = max(errors.get(family, 0.0), error)
             finished = time.perf_counter()
             transport.finish(version)
             report.transport_seconds += time.perf_counter() - finished
             report.seconds = time.perf_counter() - start
-            report.round_trip_error = errors
     return _share_report(report, engine_rank)
 
 
@@ -286,3 +279,21 @@ def _share_report(report: SyncReport, engine_rank: int) -> SyncReport:
     box = [report if dist.get_rank() == engine_rank else None]
     dist.broadcast_object_list(box, src=engine_rank)
     return box[0]
+
+
+def round_trip_errors(shards: Sequence[WeightShard], model: ModelConfig, groups: SyncGroups) -> dict[str, float]:
+    """Max |Megatron -> HF -> Megatron - Megatron| per tensor family over the whole model, on every
+    rank; every rank calls it (the TP gathers of a sync, nothing sent to the engine). The gate's
+    diagnosis: a family with an error has a layout bug."""
+    shards = [WeightShard(*shard) for shard in shards]
+    errors: dict[str, float] = {}
+    if groups.is_sending_replica:
+        for _ in stage_hf_tensors(shards, model, groups, errors):
+            pass
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, errors)
+        for rank_errors in everyone:
+            for family, error in rank_errors.items():
+                errors[family] = max(errors.get(family, 0.0), error)
+    return errors

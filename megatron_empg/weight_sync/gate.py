@@ -3,13 +3,15 @@ batch; the run stops if their per-token log-probs differ by more than a toleranc
 
 A mismatch means the engine does not run the policy that was trained (a wrong layout, a stale
 prefix cache, a lost bucket, a dtype problem), so importance ratios and rewards would be silently
-wrong. The error names the tensor family whose Megatron -> HF -> Megatron round trip was worst
-during the sync (``SyncReport.round_trip_error``); when every family round-trips exactly it says
-so: then the engine's loading, its numerics or its cache are the suspects.
+wrong. On a mismatch a diagnosis runs (``bridge.round_trip_errors``: every tensor converted back
+and compared), and the error names the tensor family whose round trip was worst; when every
+family round-trips exactly it says so: then the engine's loading, its numerics or its cache are
+the suspects.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -17,7 +19,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.config import SamplingConfig
-from megatron_empg.weight_sync.bridge import SyncReport
 
 
 class ProbeEngine(Protocol):
@@ -67,52 +68,76 @@ def engine_probe(engine: ProbeEngine, probe: Sequence[Sequence[int]], continuati
     return sequences, torch.tensor(logprobs, dtype=torch.float64)
 
 
-def check_consistency(
-    trainer_logprobs: Tensor, engine_logprobs: Tensor, tolerance: float, report: SyncReport
-) -> float:
-    """Max |trainer - engine| over the probe's tokens; ``ConsistencyError`` if above ``tolerance``.
-
-    Args:
-        trainer_logprobs: [N, L-1] float, log p(x_t | x_<t) of the probe under the trainer's policy.
-        engine_logprobs: [N, L-1] float, the same from the engine (``RolloutEngine.score``).
-        report: the sync's report (version and round-trip errors per tensor family).
-    """
+def max_difference(trainer_logprobs: Tensor, engine_logprobs: Tensor) -> tuple[float, int, int]:
+    """(max |trainer - engine|, probe sequence, token index) of two [N, T] log-prob tensors (NaN
+    counts as infinitely wrong)."""
     if trainer_logprobs.shape != engine_logprobs.shape:
         raise ValueError(
             f"trainer log-probs {tuple(trainer_logprobs.shape)} and engine log-probs "
             f"{tuple(engine_logprobs.shape)} must have the same shape"
         )
-    diff = (trainer_logprobs.double() - engine_logprobs.double()).abs()
-    worst = diff.max().item() if diff.numel() else 0.0
-    if not worst <= tolerance:  # NaN fails too
-        seq, pos = divmod(int(torch.nan_to_num(diff, nan=float("inf")).argmax()), diff.size(1))
-        families = sorted(report.round_trip_error.items(), key=lambda kv: -kv[1])
-        if families and families[0][1] > 0:
-            suspect = (
-                f"worst tensor family: {families[0][0]} (its Megatron -> HF -> Megatron round trip is off by "
-                f"{families[0][1]:.3g}); all: " + ", ".join(f"{f}={e:.3g}" for f, e in families)
-            )
-        else:
-            suspect = (
-                "every tensor family round-trips exactly, so the engine's loading, numerics (dtype) or "
-                "cache are the suspects"
-            )
-        raise ConsistencyError(
-            f"weight sync {report.version}: engine and trainer log-probs differ by up to {worst:.3g} "
-            f"(tolerance {tolerance:g}) at probe sequence {seq}, token {pos + 1}; {suspect}"
+    diff = torch.nan_to_num((trainer_logprobs.double() - engine_logprobs.double()).abs(), nan=math.inf)
+    if not diff.numel():
+        return 0.0, 0, 0
+    seq, pos = divmod(int(diff.argmax()), diff.size(1))
+    return diff[seq, pos].item(), seq, pos + 1
+
+
+def mismatch_message(
+    version: str, where: tuple[float, int, int], tolerance: float, family_errors: dict[str, float] | None
+) -> str:
+    """The gate's error: where the log-probs differ most, and the suspect tensor family."""
+    worst, seq, token = where
+    families = sorted((family_errors or {}).items(), key=lambda kv: -kv[1])
+    if family_errors is None:
+        suspect = "no layout diagnosis was run"
+    elif families and families[0][1] > 0:
+        suspect = (
+            f"worst tensor family: {families[0][0]} (its Megatron -> HF -> Megatron round trip is off by "
+            f"{families[0][1]:.3g}); all: " + ", ".join(f"{f}={e:.3g}" for f, e in families)
         )
-    return worst
+    else:
+        suspect = (
+            "every tensor family round-trips exactly, so the engine's loading, numerics (dtype) or "
+            "cache are the suspects"
+        )
+    return (
+        f"weight sync {version}: engine and trainer log-probs differ by up to {worst:.3g} "
+        f"(tolerance {tolerance:g}) at probe sequence {seq}, token {token}; {suspect}"
+    )
+
+
+def check_consistency(
+    trainer_logprobs: Tensor,
+    engine_logprobs: Tensor,
+    tolerance: float,
+    version: str,
+    family_errors: dict[str, float] | None = None,
+) -> float:
+    """Max |trainer - engine| over the probe's tokens; ``ConsistencyError`` if above ``tolerance``.
+
+    Args:
+        trainer_logprobs: [N, T] float, log p(x_t | x_<t) of the probe under the trainer's policy.
+        engine_logprobs: [N, T] float, the same from the engine (``engine_probe``).
+        version: the synced version (for the message).
+        family_errors: ``bridge.round_trip_errors`` (tensor family -> error), named in the message.
+    """
+    where = max_difference(trainer_logprobs, engine_logprobs)
+    if not where[0] <= tolerance:
+        raise ConsistencyError(mismatch_message(version, where, tolerance, family_errors))
+    return where[0]
 
 
 def verify_sync(
     engine: ProbeEngine | None,
     probe: Sequence[Sequence[int]],
     trainer_score: Callable[[list[list[int]]], Tensor],
-    report: SyncReport,
+    version: str,
     *,
     tolerance: float,
     continuation: int,
     seed: int,
+    diagnose: Callable[[], dict[str, float]] | None = None,
     engine_rank: int = 0,
 ) -> float:
     """The gate across all ranks; every rank calls it after ``sync_weights``.
@@ -120,8 +145,9 @@ def verify_sync(
     The engine rank (``engine`` given there, None elsewhere) runs ``engine_probe`` and shares the
     sequences; every rank runs ``trainer_score(sequences)`` (a collective forward pass giving the
     [N, L+C-1] log-probs on every rank, e.g. ``mcore.step.score_sequences``); the engine rank
-    compares and shares the verdict. Returns the max difference; every rank raises the same
-    ``ConsistencyError`` when it exceeds ``tolerance``.
+    compares and shares the result. Above ``tolerance`` every rank runs ``diagnose()`` (a
+    collective, e.g. ``bridge.round_trip_errors``) and raises the same ``ConsistencyError``.
+    Returns the max difference.
     """
     is_engine_rank = dist.get_rank() == engine_rank
     if is_engine_rank != (engine is not None):
@@ -130,13 +156,9 @@ def verify_sync(
     box: list = [sequences]
     dist.broadcast_object_list(box, src=engine_rank)
     trainer_logprobs = trainer_score(box[0])
-    verdict: list = [None]
-    if is_engine_rank:
-        try:
-            verdict[0] = check_consistency(trainer_logprobs.cpu(), engine_logprobs, tolerance, report)
-        except ConsistencyError as error:
-            verdict[0] = error
-    dist.broadcast_object_list(verdict, src=engine_rank)
-    if isinstance(verdict[0], ConsistencyError):
-        raise verdict[0]
-    return verdict[0]
+    result: list = [max_difference(trainer_logprobs.cpu(), engine_logprobs) if is_engine_rank else None]
+    dist.broadcast_object_list(result, src=engine_rank)
+    where = result[0]
+    if not where[0] <= tolerance:
+        raise ConsistencyError(mismatch_message(version, where, tolerance, diagnose() if diagnose else None))
+    return where[0]

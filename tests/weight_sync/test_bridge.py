@@ -65,7 +65,7 @@ def _sync_layouts(rank: int, world_size: int, layouts, hf_states: dict, probe: l
     from megatron_empg.mcore import parallel_state
     from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict, named_weight_shards
     from megatron_empg.mcore.step import score_sequences
-    from megatron_empg.weight_sync.bridge import sync_weights
+    from megatron_empg.weight_sync.bridge import round_trip_errors, sync_weights
     from megatron_empg.weight_sync.transport import InProcessTransport
 
     results = []
@@ -77,10 +77,11 @@ def _sync_layouts(rank: int, world_size: int, layouts, hf_states: dict, probe: l
         load_full_state_dict(chunks, megatron_state_from_hf(model, hf_states[name], padded))
         receiver = RecordingReceiver() if rank == 0 else None
         transport = InProcessTransport(receiver) if rank == 0 else None
-        report = sync_weights(named_weight_shards(chunks), model, sync_groups(groups), transport, "step-7",
-                              bucket_bytes=BUCKET_BYTES)  # fmt: skip
+        shards = named_weight_shards(chunks)
+        report = sync_weights(shards, model, sync_groups(groups), transport, "step-7", bucket_bytes=BUCKET_BYTES)
         trainer_logprobs = score_sequences(chunks, probe, model.vocab_size, groups)
         results.append({"report": report, "trainer_logprobs": trainer_logprobs,
+                        "round_trip_errors": round_trip_errors(shards, model, sync_groups(groups)),
                         "received": receiver.tensors if receiver else None,
                         "bucket_sizes": receiver.bucket_sizes if receiver else None,
                         "version": receiver.version if receiver else None})  # fmt: skip
@@ -124,12 +125,14 @@ def test_sync_sends_exactly_the_hf_tensors_from_every_layout():
         assert per_rank[1][i]["report"] == report  # every rank returns the engine rank's report
         assert report.num_tensors == len(expected) and report.num_buckets == len(got["bucket_sizes"])
         assert report.num_bytes == sum(t.numel() * t.element_size() for t in expected.values())
-        assert set(report.round_trip_error) >= {"attention.qkv", "mlp.gate_up", "embedding", "norm"}
-        assert all(error == 0.0 for error in report.round_trip_error.values()), report.round_trip_error
+        for r in range(2):  # the diagnosis: every family round-trips exactly, on every rank
+            errors = per_rank[r][i]["round_trip_errors"]
+            assert set(errors) >= {"attention.qkv", "mlp.gate_up", "embedding", "norm"}
+            assert all(error == 0.0 for error in errors.values()), errors
         # The trainer's probe log-probs (every rank) equal the HF model's.
         for r in range(2):
             torch.testing.assert_close(per_rank[r][i]["trainer_logprobs"], refs[name][1], rtol=1e-5, atol=1e-5)
-        assert gate.check_consistency(got["trainer_logprobs"], refs[name][1], 1e-4, report) < 1e-4
+        assert gate.check_consistency(got["trainer_logprobs"], refs[name][1], 1e-4, report.version) < 1e-4
 
 
 def test_buckets_keep_order_and_size():
@@ -143,17 +146,18 @@ def test_gate_names_the_worst_family_or_blames_the_engine():
     trainer = torch.zeros(2, 5)
     engine = trainer.clone()
     engine[1, 3] = 0.5
-    report = SyncReport(version="step-3", round_trip_error={"attention.qkv": 2.5, "norm": 0.0, "mlp.gate_up": 0.1})
-    assert gate.check_consistency(trainer, trainer + 1e-6, 1e-4, report) <= 1e-4
+    errors = {"attention.qkv": 2.5, "norm": 0.0, "mlp.gate_up": 0.1}
+    assert gate.check_consistency(trainer, trainer + 1e-6, 1e-4, "step-3", errors) <= 1e-4
     with pytest.raises(gate.ConsistencyError, match=r"step-3.*0\.5.*sequence 1, token 4.*worst tensor family: attention\.qkv"):
-        gate.check_consistency(trainer, engine, 1e-4, report)
-    exact = SyncReport(version="step-4", round_trip_error={"attention.qkv": 0.0})
+        gate.check_consistency(trainer, engine, 1e-4, "step-3", errors)
     with pytest.raises(gate.ConsistencyError, match="round-trips exactly"):
-        gate.check_consistency(trainer, engine, 1e-4, exact)
-    with pytest.raises(gate.ConsistencyError):
-        gate.check_consistency(trainer, torch.full_like(trainer, float("nan")), 1e-4, exact)
+        gate.check_consistency(trainer, engine, 1e-4, "step-4", {"attention.qkv": 0.0})
+    with pytest.raises(gate.ConsistencyError, match="no layout diagnosis"):
+        gate.check_consistency(trainer, engine, 1e-4, "step-4")
+    with pytest.raises(gate.ConsistencyError, match="up to inf"):
+        gate.check_consistency(trainer, torch.full_like(trainer, float("nan")), 1e-4, "step-5")
     with pytest.raises(ValueError, match="same shape"):
-        gate.check_consistency(trainer, trainer[:, :4], 1e-4, exact)
+        gate.check_consistency(trainer, trainer[:, :4], 1e-4, "step-6")
     probe = gate.probe_batch(3, 160, 250, seed=0)
     assert len(probe) == 3 and all(len(p) == 160 and 0 <= min(p) and max(p) < 250 for p in probe)
     assert probe == gate.probe_batch(3, 160, 250, seed=0) != gate.probe_batch(3, 160, 250, seed=1)

@@ -18,7 +18,6 @@ import torch
 
 from megatron_empg.config import ParallelConfig, RolloutConfig, load_model_config
 from megatron_empg.weight_sync import gate, mapping
-from megatron_empg.weight_sync.bridge import SyncReport
 from tests.dist import run_distributed
 from tests.weight_sync.test_bridge import megatron_state_from_hf, naive_split_qkv, swapped_gate_up, sync_groups
 
@@ -66,21 +65,22 @@ def _sync_and_check(chunks, model, groups, engine, transport, version, probe) ->
     returns the numbers on the engine rank for the parent to assert."""
     from megatron_empg.mcore.model import named_weight_shards
     from megatron_empg.mcore.step import score_sequences
-    from megatron_empg.weight_sync.bridge import sync_weights
+    from megatron_empg.weight_sync.bridge import round_trip_errors, sync_weights
+
+    shards = named_weight_shards(chunks)
 
     def trainer_score(sequences):
         return score_sequences(chunks, sequences, model.vocab_size, groups)
 
-    def verify(report, tolerance):
-        return gate.verify_sync(engine, probe, trainer_score, report, tolerance=tolerance, continuation=CONTINUATION,
-                                seed=1)  # fmt: skip
+    def verify(version, tolerance):
+        return gate.verify_sync(engine, probe, trainer_score, version, tolerance=tolerance, continuation=CONTINUATION,
+                                seed=1, diagnose=lambda: round_trip_errors(shards, model, sync_groups(groups)))
 
-    before = verify(SyncReport(version="before"), math.inf)
-    report = sync_weights(named_weight_shards(chunks), model, sync_groups(groups), transport, version,
-                          bucket_bytes=BUCKET_BYTES)  # fmt: skip
+    before = verify("before", math.inf)
+    report = sync_weights(shards, model, sync_groups(groups), transport, version, bucket_bytes=BUCKET_BYTES)
     result = {"before": before, "version": engine.weight_version if engine else None, "report": report}
     try:
-        result["after"] = verify(report, TOLERANCE)
+        result["after"] = verify(version, TOLERANCE)
     except gate.ConsistencyError as e:
         result["error"] = str(e)
     return result
