@@ -152,7 +152,10 @@ def _write(args: argparse.Namespace, ckpt: Path, model: ModelConfig, assets: Pat
         except OutputDirError as e:
             raise ArgumentProblem("OUT", str(e)) from e
     total = sum(t.nbytes for tensors in plan.values() for t in tensors)
-    print(f"wrote {args.out}: {model.name} ({model.family}), {total / 1e9:.3f} GB of {dtype} in {len(files)} safetensors file(s)")
+    print(
+        f"wrote {args.out}: {model.name} ({model.family}), {total / 1e9:.3f} GB of {str(dtype).removeprefix('torch.')} "
+        f"in {len(files)} safetensors file(s)"
+    )
 
 
 def _write_hf(
