@@ -880,6 +880,165 @@ class DataConfig:
                 raise ConfigError(f"arithmetic_ops[{i}]", f"expected one of {ARITHMETIC_OPS}, got {op!r}")
 
 
+ANCHOR_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorConfig:
+    """The reference policy of the KL term: an EMA of the policy with a float32 master.
+
+    Every ``period`` optimizer steps: anchor <- tau * anchor + (1 - tau) * policy. ``tau`` 1 keeps
+    the initial policy (GRPO's fixed reference); ``tau`` 0 with ``period`` 1 is RPG's iterative reset.
+    ``compute_dtype``: the anchor's forward weights (the master stays float32).
+    """
+
+    tau: float = 0.95
+    period: int = 10
+    first_update: int | None = None  # null: after `period` steps
+    compute_dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = "bfloat16"
+
+    def validate(self) -> None:
+        if not 0 <= self.tau <= 1:
+            raise ConfigError("tau", f"must be in [0, 1], got {self.tau!r}")
+        if self.period < 1:
+            raise ConfigError("period", f"must be >= 1, got {self.period!r}")
+        if self.first_update is not None and self.first_update < 1:
+            raise ConfigError("first_update", f"must be >= 1 or null, got {self.first_update!r}")
+
+
+ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "rpg_group_mean", "reinforce_pp")  # core.advantages
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """What one RL step optimizes: advantages, the update-pass loss (policy loss + KL to the
+    anchor + entropy), the Top-k KL's k, and how the rollout batch is split into optimizer steps.
+
+    ``loss.kl`` null trains without a reference (no anchor is built). ``mini_batches``: optimizer
+    steps per rollout batch (the old log-probs are computed once, before the first).
+    ``mask_truncated``: responses cut by ``max_tokens`` carry no loss (DAPO's overlong filter).
+    """
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "rpg_group_mean", "reinforce_pp"] = "grpo"
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    anchor: AnchorConfig = dataclasses.field(default_factory=AnchorConfig)
+    topk: int = 32
+    mini_batches: int = 1
+    mask_truncated: bool = False
+
+    def validate(self) -> None:
+        if self.advantage not in ADVANTAGE_NAMES:
+            raise ConfigError("advantage", f"expected one of {ADVANTAGE_NAMES}, got {self.advantage!r}")
+        if self.topk < 1:
+            raise ConfigError("topk", f"must be >= 1, got {self.topk!r}")
+        if self.mini_batches < 1:
+            raise ConfigError("mini_batches", f"must be >= 1, got {self.mini_batches!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The loop: ``steps`` RL steps of ``prompts_per_step`` prompts (x ``rollout.sampling.n``
+    responses), micro-batches of ``micro_batch_size`` sequences, packed to ``max_seq_len`` tokens."""
+
+    steps: int = 100
+    prompts_per_step: int = 64
+    micro_batch_size: int = 8
+    max_seq_len: int = 1024
+    seed: int = 1234
+    params_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+    def validate(self) -> None:
+        for name in ("steps", "prompts_per_step", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)!r}")
+        if self.max_seq_len < 2:
+            raise ConfigError("max_seq_len", f"must be >= 2, got {self.max_seq_len!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Where metrics go: a console progress bar, ``<dir>/metrics.jsonl``, Weights & Biases
+    (offline when no API key is set), every ``interval`` steps."""
+
+    dir: str = "runs/empg"
+    progress: Literal["rich", "tqdm", "none"] = "rich"
+    jsonl: bool = True
+    wandb: bool = False
+    wandb_project: str = "megatron-empg"
+    wandb_run_name: str | None = None
+    interval: int = 1
+
+    def validate(self) -> None:
+        if self.interval < 1:
+            raise ConfigError("interval", f"must be >= 1, got {self.interval!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Atomic distributed checkpoints under ``dir`` every ``interval`` steps (0: only at the end
+    and on SIGTERM/SIGUSR1), keeping the ``keep_last`` newest. ``init_from``: the policy's first
+    weights: a HF model directory, a converted or training checkpoint, or null (random init)."""
+
+    dir: str = "runs/empg/checkpoints"
+    interval: int = 50
+    keep_last: int | None = 3
+    init_from: str | None = None
+    optimizer_format: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
+
+    def validate(self) -> None:
+        if self.interval < 0:
+            raise ConfigError("interval", f"must be >= 0 (0: only at the end), got {self.interval!r}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError("keep_last", f"must be >= 1 or null (keep all), got {self.keep_last!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A whole training run (``empg train CONFIG.yaml [a.b.c=value ...]``).
+
+    ``model``: a name in ``model_configs/`` or a YAML path; ``model_overrides``: dotted overrides
+    of it. ``tokenizer``: a HF directory with the tokenizer (the engine's too); null: the HF
+    directory of ``checkpoint.init_from``.
+    """
+
+    model: str
+    model_overrides: list[str] = dataclasses.field(default_factory=list)
+    tokenizer: str | None = None
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def model_config(self) -> ModelConfig:
+        """The resolved ``ModelConfig`` (errors name ``model`` / ``model_overrides``)."""
+        try:
+            return load_model_config(self.model, self.model_overrides)
+        except ConfigError as e:
+            raise ConfigError(_join("model", e.field) if e.field != "model" else "model", e.reason) from None
+
+    def validate(self) -> None:
+        if self.tokenizer is None and self.checkpoint.init_from is None:
+            raise ConfigError("tokenizer", "needed when checkpoint.init_from is null (the engine needs a tokenizer)")
+        if self.algorithm.loss.kl is None and self.algorithm.loss.kl_coef:
+            raise ConfigError("algorithm.loss.kl_coef", "is set but algorithm.loss.kl is null")
+        if self.algorithm.loss.kl == "topk" and self.algorithm.loss.kl_args.get("direction") not in ("reverse", "forward"):
+            raise ConfigError("algorithm.loss.kl_args.direction", "the Top-k KL needs direction: reverse or forward")
+        if self.train.prompts_per_step * self.rollout.sampling.n % self.train.micro_batch_size:
+            raise ConfigError(
+                "train.micro_batch_size",
+                f"must divide prompts_per_step x rollout.sampling.n = "
+                f"{self.train.prompts_per_step * self.rollout.sampling.n}",
+            )
+        if self.train.prompts_per_step % self.algorithm.mini_batches:
+            raise ConfigError(
+                "algorithm.mini_batches", f"must divide train.prompts_per_step={self.train.prompts_per_step}"
+            )
+
 def model_config_path(name: str) -> Path:
     """``model_configs/<name>.yaml``; a ``ConfigError`` lists the known names if there is none."""
     path = MODEL_CONFIG_DIR / f"{name}.yaml"

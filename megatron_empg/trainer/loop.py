@@ -1,0 +1,483 @@
+"""The RL loop of ``../shared/DESIGN.md``: one ``Trainer.step`` is
+
+    rollout -> rewards -> advantages -> old pass -> anchor pass -> update (per mini-batch)
+    -> EMA update -> weight sync (+ consistency gate) -> metrics -> checkpoint
+
+each stage a short method. SPMD: every rank runs the same loop. The rollout engine lives on global
+rank 0 (TP 0, PP 0 of DP replica 0); it samples the whole global batch and every data-parallel
+replica takes its prompts' samples. Step ``s`` (0-based) uses global prompt batch ``s``, so the step
+counter is the data cursor and a resumed run continues with the same prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import signal
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_empg.config import RunConfig, to_yaml
+from megatron_empg.core.advantages import advantage_estimator, token_advantages
+from megatron_empg.trainer.batch import PackedBatch, Sample, pack
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
+ENGINE_RANK = 0
+
+
+class StopRequested(Exception):
+    """SIGTERM / SIGUSR1 arrived: checkpoint and leave (Slurm pre-emption)."""
+
+
+@dataclasses.dataclass
+class StepOutput:
+    step: int
+    metrics: dict[str, float]
+
+
+class Trainer:
+    """Everything one run holds. Build with ``Trainer(config)`` on every rank (after
+    ``torch.distributed`` is initialised), then ``run(resume=...)``."""
+
+    def __init__(self, config: RunConfig, *, run_dir: str | Path | None = None) -> None:
+        from megatron_empg.mcore import parallel_state
+
+        self.config = config
+        self.model = config.model_config()
+        self.run_dir = Path(run_dir or config.logging.dir)
+        self.rank = dist.get_rank()
+        self.tokenizer = _load_tokenizer(config)
+        self._check_layout()
+        self.engine = self._start_engine() if self.rank == ENGINE_RANK else None  # before seeding: vLLM seeds globally
+        self.groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
+        self._build_policy()
+        self.anchor = self._build_anchor()
+        self._build_data()
+        self.transport = self._build_transport() if self.engine is not None else None
+        self.probe = self._probe_batch()
+        self.step_index = 0
+        self.optimizer_steps = 0
+        self.synced_version: str | None = None
+        self._stop_signal: int | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _check_layout(self) -> None:
+        world = dist.get_world_size()
+        if world > 1 and self.config.rollout.in_process:
+            raise ValueError(
+                "rollout.in_process=true needs a world of one process (an in-process vLLM engine would join the "
+                f"training world of {world}); set rollout.in_process=false"
+            )
+        sampling = self.config.rollout.sampling
+        max_model_len = self.config.rollout.max_model_len or self.model.max_position_embeddings
+        if self.config.weight_sync.probe_length + self.config.weight_sync.probe_continuation > max_model_len - 1:
+            raise ValueError(
+                f"weight_sync.probe_length + probe_continuation must be <= rollout.max_model_len - 1 = {max_model_len - 1}"
+            )
+        if sampling.max_tokens >= self.config.train.max_seq_len:
+            raise ValueError(
+                f"rollout.sampling.max_tokens={sampling.max_tokens} leaves no room for a prompt in "
+                f"train.max_seq_len={self.config.train.max_seq_len}"
+            )
+
+    def _start_engine(self):
+        from megatron_empg.rollout.vllm_engine import VllmEngine
+
+        engine_dir = self.run_dir / "engine_model"
+        engine_dir.mkdir(parents=True, exist_ok=True)
+        _write_hf_config(self.model, engine_dir)
+        self.tokenizer.save_pretrained(engine_dir)
+        return VllmEngine(engine_dir, self.config.rollout, load_format="dummy")  # weights come by sync
+
+    def _build_policy(self) -> None:
+        from megatron_empg.mcore.model import build_gpt_model
+        from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
+
+        cfg = self.config
+        chunks = build_gpt_model(self.model, cfg.parallel, params_dtype=DTYPES[cfg.train.params_dtype])
+        if cfg.checkpoint.init_from is not None:
+            _load_initial_weights(chunks, cfg.checkpoint.init_from, self.model, cfg, self.groups)
+        self.models = wrap_with_ddp(chunks, cfg.optimizer)
+        self.optimizer = build_optimizer(self.models, cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer)
+
+    def _build_anchor(self):
+        from megatron_empg.mcore.anchor import EmaAnchor
+
+        algorithm = self.config.algorithm
+        if algorithm.loss.kl is None:
+            return None
+        anchor = algorithm.anchor
+        return EmaAnchor.from_configs(
+            self.model, self.config.parallel, self.models, self.optimizer, tau=anchor.tau, period=anchor.period,
+            first_update=anchor.first_update, compute_dtype=DTYPES[anchor.compute_dtype],
+        )  # fmt: skip
+
+    def _build_data(self) -> None:
+        from megatron_empg.rollout.data import PromptBatches, build_prompt_source
+        from megatron_empg.rollout.rewards import REWARDS
+
+        source = build_prompt_source(self.config.data, self.tokenizer)
+        self.batches = PromptBatches(source, batch_size=self.config.train.prompts_per_step)  # global batches
+        self.reward_fn = REWARDS[self.config.data.reward]
+
+    def _build_transport(self):
+        from megatron_empg.weight_sync.transport import InProcessTransport, SharedMemoryFileTransport
+
+        sync = self.config.weight_sync
+        if sync.transport == "in_process":
+            return InProcessTransport(self.engine)
+        if sync.transport == "shm_file":
+            return SharedMemoryFileTransport(self.engine, sync.shm_dir)
+        raise ValueError(f"weight_sync.transport={sync.transport!r} is not available in the trainer yet")
+
+    def _probe_batch(self) -> list[list[int]]:
+        from megatron_empg.weight_sync.gate import probe_batch
+
+        sync = self.config.weight_sync
+        return probe_batch(sync.probe_num_sequences, sync.probe_length, self.model.vocab_size, sync.probe_seed)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, *, resume: bool = False, logger=None) -> list[StepOutput]:
+        """Train until ``train.steps``; on SIGTERM/SIGUSR1 checkpoint after the current step and return."""
+        if resume:
+            self.resume()
+        outputs = []
+        with self._signals():
+            self.sync_weights()  # the engine starts from dummy weights (or those of before the resume)
+            while self.step_index < self.config.train.steps:
+                out = self.step()
+                outputs.append(out)
+                if logger is not None:
+                    logger.log(out.step, out.metrics)
+                interval = self.config.checkpoint.interval
+                last = self.step_index == self.config.train.steps
+                if last or (interval and self.step_index % interval == 0) or self._stop_signal is not None:
+                    self.save()
+                if self._stop_signal is not None:
+                    log.warning("signal %d: checkpointed at step %d, stopping", self._stop_signal, self.step_index)
+                    break
+        return outputs
+
+    def step(self) -> StepOutput:
+        times: dict[str, float] = {}
+        with _timed(times, "rollout"):
+            samples = self.rollout()
+        with _timed(times, "rewards"):
+            reward_metrics = self.score_rewards(samples)
+        with _timed(times, "advantages"):
+            advantages = self.advantages(samples)
+        batch = pack(samples, pad_id=self.tokenizer.pad_token_id or 0, max_len=self.config.train.max_seq_len)
+        if self.config.algorithm.mask_truncated:
+            for i, sample in enumerate(samples):
+                if sample.finish_reason == "length":
+                    batch.loss_mask[i] = False
+        micro = self.micro_batches(batch, advantages)
+        with _timed(times, "old_pass"):
+            self.old_pass(micro)
+        with _timed(times, "anchor_pass"):
+            self.anchor_pass(micro)
+        with _timed(times, "update"):
+            update_metrics = self.update(micro)
+        with _timed(times, "ema_update"):
+            ema_updates = self.ema_update()
+        self.step_index += 1
+        with _timed(times, "weight_sync"):
+            sync_metrics = self.sync_weights()
+        metrics = self.metrics(samples, batch, reward_metrics, update_metrics, sync_metrics, times)
+        metrics["anchor/updates"] = float(ema_updates)
+        return StepOutput(self.step_index, metrics)
+
+    # ------------------------------------------------------------------ stages
+
+    def rollout(self) -> list[Sample]:
+        """This DP replica's samples of global prompt batch ``step_index``."""
+        examples = self.batches.batch(self.step_index)
+        sampling = self.config.rollout.sampling
+        if self.engine is not None:
+            completions = self.engine.generate([e.prompt_ids for e in examples], sampling)
+            payload = [[(c.token_ids, c.logprobs, c.finish_reason) for c in group] for group in completions]
+        else:
+            payload = None
+        box = [payload]
+        dist.broadcast_object_list(box, src=ENGINE_RANK)
+        dp, dp_rank = self.groups.dp_size, self.groups.dp_rank
+        per_rank = len(examples) // dp
+        samples = []
+        for p in range(dp_rank * per_rank, (dp_rank + 1) * per_rank):
+            for token_ids, logprobs, finish in box[0][p]:
+                samples.append(Sample(examples[p].prompt_ids, list(token_ids), list(logprobs), finish, group=p,
+                                      example=examples[p]))  # fmt: skip
+        return samples
+
+    def score_rewards(self, samples: list[Sample]) -> dict[str, float]:
+        texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        result = self.reward_fn(texts, [s.example for s in samples])
+        for sample, score, correct in zip(samples, result.scores, result.correct):
+            sample.reward, sample.correct = float(score), bool(correct)
+        return {f"reward/{k}": float(v) for k, v in result.metrics.items()}
+
+    def advantages(self, samples: list[Sample]) -> torch.Tensor:
+        """[B] per-sample advantages (groups are this replica's prompts: whole groups never split)."""
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+        return advantage_estimator(self.config.algorithm.advantage)(rewards, groups)
+
+    def micro_batches(self, batch: PackedBatch, advantages: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        micro = batch.micro_batches(self.config.train.micro_batch_size)
+        size = self.config.train.micro_batch_size
+        for i, mb in enumerate(micro):
+            mb["advantages"] = token_advantages(advantages[i * size : (i + 1) * size], mb["loss_mask"])
+        return micro
+
+    def old_pass(self, micro: list[dict]) -> None:
+        """log pi_old at the targets (and the policy's top-k for a reverse Top-k KL) into ``micro``."""
+        from megatron_empg.mcore.step import StatsRequest, broadcast_object_from_last_stage, forward_stats
+
+        loss = self.config.algorithm.loss
+        k = self.config.algorithm.topk if _topk_direction(loss) == "reverse" else 0
+        request = StatsRequest(vocab_size=self.model.vocab_size, k=k, with_entropy=False, chunk_size=loss.chunk_size)
+        outputs = broadcast_object_from_last_stage(forward_stats(self.models, micro, request, self.groups), self.groups)
+        for mb, out in zip(micro, outputs):
+            mb["old_logprobs"] = out["logprobs"]
+            if k:
+                mb["topk_ids"] = out["topk_ids"]
+
+    def anchor_pass(self, micro: list[dict]) -> None:
+        """log pi_ref at the targets and at the Top-k ids (forward KL: the anchor's own top-k)."""
+        from megatron_empg.mcore.step import StatsRequest, broadcast_object_from_last_stage, forward_stats
+
+        if self.anchor is None:
+            return
+        loss = self.config.algorithm.loss
+        direction = _topk_direction(loss)
+        request = StatsRequest(
+            vocab_size=self.model.vocab_size, k=self.config.algorithm.topk if direction == "forward" else 0,
+            extra_ids_key="topk_ids" if direction == "reverse" else None, with_entropy=False,
+            chunk_size=loss.chunk_size,
+        )  # fmt: skip
+        outputs = broadcast_object_from_last_stage(forward_stats(self.anchor.models, micro, request, self.groups),
+                                                   self.groups)  # fmt: skip
+        for mb, out in zip(micro, outputs):
+            mb["anchor_logprobs"] = out["logprobs"]
+            if direction == "reverse":
+                mb["topk_anchor_logprobs"] = out["extra_logprobs"]
+            elif direction == "forward":
+                mb["topk_ids"], mb["topk_anchor_logprobs"] = out["topk_ids"], out["topk_logprobs"]
+
+    def update(self, micro: list[dict]) -> dict[str, float]:
+        """One optimizer step per mini-batch; the mean of their metrics."""
+        from megatron_empg.mcore.step import train_step
+
+        per_step = len(micro) // self.config.algorithm.mini_batches
+        if per_step == 0 or len(micro) % self.config.algorithm.mini_batches:
+            raise ValueError(
+                f"{len(micro)} micro-batches do not split into algorithm.mini_batches={self.config.algorithm.mini_batches}"
+            )
+        results = []
+        for j in range(self.config.algorithm.mini_batches):
+            results.append(train_step(
+                self.models, self.optimizer, self.scheduler, micro[j * per_step : (j + 1) * per_step],
+                self.config.algorithm.loss, vocab_size=self.model.vocab_size, groups=self.groups,
+            ))  # fmt: skip
+            self.optimizer_steps += 1
+        merged = {f"actor/{k}": statistics.fmean(r.metrics[k] for r in results) for k in results[0].metrics}
+        merged["actor/grad_norm"] = statistics.fmean(r.grad_norm for r in results)
+        merged["actor/lr"] = results[-1].lr
+        merged["actor/skipped_updates"] = float(sum(not r.update_successful for r in results))
+        return merged
+
+    def ema_update(self) -> int:
+        """Anchor EMA updates due after this step's optimizer steps (0 without an anchor)."""
+        if self.anchor is None:
+            return 0
+        first = self.optimizer_steps - self.config.algorithm.mini_batches + 1
+        return sum(self.anchor.maybe_update(s) for s in range(first, self.optimizer_steps + 1))
+
+    def sync_weights(self) -> dict[str, float]:
+        """Push the policy into the engine, then the consistency gate (raises on a mismatch)."""
+        from megatron_empg.mcore.model import named_weight_shards
+        from megatron_empg.mcore.step import score_sequences
+        from megatron_empg.weight_sync import bridge, gate
+
+        sync = self.config.weight_sync
+        groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.groups.dp_rank == 0)
+        shards = named_weight_shards(self.models)
+        version = f"step-{self.step_index}"
+        report = bridge.sync_weights(shards, self.model, groups, self.transport, version,
+                                     bucket_bytes=int(sync.bucket_size_mb * 2**20), engine_rank=ENGINE_RANK)  # fmt: skip
+        self.synced_version = version
+        metrics = {"sync/seconds": report.seconds, "sync/gbytes": report.num_bytes / 1e9}
+        if sync.gate_tolerance is not None:
+            for model in self.models:
+                model.eval()
+            metrics["sync/gate_max_logprob_diff"] = gate.verify_sync(
+                self.engine, self.probe, lambda seqs: score_sequences(self.models, seqs, self.model.vocab_size, self.groups),
+                version, tolerance=sync.gate_tolerance, continuation=sync.probe_continuation, seed=sync.probe_seed,
+                diagnose=lambda: bridge.round_trip_errors(shards, self.model, groups), engine_rank=ENGINE_RANK,
+            )  # fmt: skip
+        return metrics
+
+    def metrics(self, samples, batch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
+        """Per-step metrics, reduced over data-parallel replicas (sums and counts, then divided)."""
+        rewards = [s.reward for s in samples]
+        lengths = [len(s.response_ids) for s in samples]
+        local = {
+            "reward_sum": sum(rewards), "reward_sq_sum": sum(r * r for r in rewards), "correct": sum(s.correct for s in samples),
+            "samples": len(samples), "response_tokens": sum(lengths), "truncated": sum(s.finish_reason == "length" for s in samples),
+            "loss_tokens": int(batch.loss_mask.sum()),
+        }  # fmt: skip
+        totals = _all_reduce_sums(local, self.groups.dp_group)
+        n = max(totals["samples"], 1)
+        mean = totals["reward_sum"] / n
+        seconds = sum(times.values())
+        out = {
+            "reward/mean": mean,
+            "reward/std": math.sqrt(max(totals["reward_sq_sum"] / n - mean * mean, 0.0)),
+            "reward/accuracy": totals["correct"] / n,
+            "response/length_mean": totals["response_tokens"] / n,
+            "response/truncated_fraction": totals["truncated"] / n,
+            "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
+            **{f"time/{k}": v for k, v in times.items()},
+            **reward_metrics, **update_metrics, **sync_metrics,
+        }  # fmt: skip
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> Path:
+        from megatron_empg.mcore.checkpoint import save_checkpoint
+
+        cfg = self.config.checkpoint
+        extra = {
+            "optimizer_steps": self.optimizer_steps,
+            "anchor_num_updates": self.anchor.num_updates if self.anchor is not None else 0,
+            "data": self.batches.state_dict() | {"cursor": self.step_index},
+            "config_yaml": to_yaml(self.config),
+        }
+        return save_checkpoint(
+            cfg.dir, self.step_index, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler,
+            anchor=self.anchor, extra_state=extra, groups=self.groups, keep_last=cfg.keep_last,
+            model_name=self.model.name, optimizer_format=cfg.optimizer_format, model_config=self.model,
+        )  # fmt: skip
+
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint of ``checkpoint.dir``; False if there is none."""
+        from megatron_empg.mcore.checkpoint import find_latest_checkpoint, load_checkpoint
+
+        found = find_latest_checkpoint(self.config.checkpoint.dir)
+        if found is None:
+            log.info("no checkpoint in %s: starting from step 0", self.config.checkpoint.dir)
+            return False
+        extra = load_checkpoint(
+            found.path, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler, anchor=self.anchor,
+            groups=self.groups, model_name=self.model.name,
+        )  # fmt: skip
+        self.step_index = extra["step"]
+        self.optimizer_steps = extra["optimizer_steps"]
+        if self.anchor is not None:
+            self.anchor.num_updates = extra["anchor_num_updates"]
+        self.batches.load_state_dict(extra["data"])
+        log.info("resumed from %s at step %d", found.path, self.step_index)
+        return True
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        """SIGTERM / SIGUSR1 (Slurm's pre-emption warning) set a flag the loop checks after each step."""
+
+        def handler(signum, frame):
+            self._stop_signal = signum
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def shutdown(self) -> None:
+        from megatron_empg.mcore import parallel_state
+
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        parallel_state.destroy_model_parallel()
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers.
+
+
+@contextlib.contextmanager
+def _timed(times: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - start
+
+
+def _topk_direction(loss) -> str | None:
+    if loss.kl != "topk":
+        return None
+    return loss.kl_args["direction"]
+
+
+def _all_reduce_sums(values: dict[str, float], group) -> dict[str, float]:
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return dict(zip(keys, t.tolist()))
+
+
+def _load_tokenizer(config: RunConfig):
+    from transformers import AutoTokenizer
+
+    source = config.tokenizer
+    if source is None:
+        init = Path(config.checkpoint.init_from)
+        source = init / "hf" if (init / "hf").is_dir() else init
+    return AutoTokenizer.from_pretrained(str(source))
+
+
+def _write_hf_config(model, out_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(**{**model.to_hf_config(), "dtype": "float32"}).save_pretrained(out_dir)
+
+
+def _load_initial_weights(chunks, init_from: str, model, config: RunConfig, groups) -> None:
+    """The policy's first weights from a HF directory (``config.json`` + safetensors) or a
+    Megatron checkpoint (converted or from training: its model part only)."""
+    path = Path(init_from)
+    if (path / "config.json").is_file():
+        from safetensors import safe_open
+
+        from megatron_empg.mcore.model import load_full_state_dict
+        from megatron_empg.weight_sync import mapping
+
+        hf: dict[str, torch.Tensor] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                hf.update({name: f.get_tensor(name) for name in f.keys()})
+        padded = config.parallel.padded_vocab_size(model.vocab_size)
+        full = {
+            name: mapping.to_megatron(name, {n: hf[n] for n in mapping.hf_names_of(name, model)}, model, padded)
+            for name in mapping.megatron_tensor_names(model)
+        }
+        load_full_state_dict(chunks, full, vocab_size=model.vocab_size)
+        return
+    from megatron_empg.mcore.checkpoint import find_latest_checkpoint, load_checkpoint
+
+    found = find_latest_checkpoint(path)
+    load_checkpoint(found.path if found is not None else path, models=chunks, groups=groups, strict=False)
