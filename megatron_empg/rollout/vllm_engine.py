@@ -59,9 +59,10 @@ VLLM_TOP_K_OFF = 0  # vLLM 0.32 SamplingParams.top_k: 0 (or -1) considers all to
 # (5 s) is shorter than a CPU engine core's clean exit (about 7 s on 2 busy cores).
 SHUTDOWN_TIMEOUT_S = 60.0
 
-# Environment variables this module set (name -> value): a later engine in the same process may
-# change these, while a value the user set stays the user's.
-_ENV_SET_BY_ENGINE: dict[str, str] = {}
+# For each environment variable an engine sets, it also records the value under this prefix, so
+# that a later engine (in this process or in a child process, which inherits the environment) may
+# change it, while a value the user set stays the user's.
+_SET_BY_ENGINE_PREFIX = "EMPG_ENGINE_SET_"
 # In-process engines not yet shut down: vLLM allows one per process.
 _IN_PROCESS_ENGINES: weakref.WeakSet[VllmEngine] = weakref.WeakSet()
 
@@ -92,7 +93,7 @@ def _engine_environment(rollout: RolloutConfig, on_gpu: bool) -> dict[str, str]:
     to_set = {}
     for name, (value, field) in from_config.items():
         current = os.environ.get(name)
-        if current is None or _ENV_SET_BY_ENGINE.get(name) == current:  # unset, or set by an engine
+        if current is None or os.environ.get(_SET_BY_ENGINE_PREFIX + name) == current:  # unset, or an engine's
             to_set[name] = value
         elif not _env_value_matches(current, value):
             raise ValueError(
@@ -158,7 +159,7 @@ class VllmEngine:
         if rollout.in_process:
             _check_no_live_in_process_engine()
         os.environ.update(environment)
-        _ENV_SET_BY_ENGINE.update(environment)
+        os.environ.update({_SET_BY_ENGINE_PREFIX + name: value for name, value in environment.items()})
         vllm = _import_vllm()
         from vllm import envs as vllm_envs
         from vllm.config import WeightTransferConfig
