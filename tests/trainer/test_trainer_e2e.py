@@ -91,3 +91,41 @@ def test_three_steps_then_resume_equals_uninterrupted(tmp_path):
     assert [m["step"] for m in resumed] == [1, 2, 3]
     for key in ("reward/mean", "response/length_mean", "actor/kl", "actor/loss", "actor/entropy", "actor/grad_norm"):
         assert resumed[2][key] == pytest.approx(uninterrupted[2][key], rel=1e-5, abs=1e-7), key
+
+
+def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path):
+    """Slurm pre-emption: SIGTERM mid-run -> a checkpoint at the step reached, exit 0; --resume
+    continues from it with the next step."""
+    pytest.importorskip("vllm")
+    import signal
+    import time
+
+    from tools.make_tiny_model import char_tokenizer
+
+    tokenizer = str(tmp_path / "tokenizer")
+    char_tokenizer(250).save_pretrained(tokenizer)
+    config = _config(tmp_path, "run", tokenizer, steps=1000)
+    config["checkpoint"]["interval"] = 0  # only at the end or on a signal
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(path)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-4000:]
+    steps_done = len(_metrics(tmp_path / "run"))
+    assert 2 <= steps_done < 1000
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert checkpoints == [f"step_{steps_done:08d}"], checkpoints
+
+    config["train"]["steps"] = steps_done + 1
+    resumed = _run(config, tmp_path, "resume", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"at step {steps_done}" in resumed.stderr
+    assert [m["step"] for m in _metrics(tmp_path / "run")][-1] == steps_done + 1
