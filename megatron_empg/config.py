@@ -1024,8 +1024,6 @@ class RunConfig:
     def validate(self) -> None:
         if self.tokenizer is None and self.checkpoint.init_from is None:
             raise ConfigError("tokenizer", "needed when checkpoint.init_from is null (the engine needs a tokenizer)")
-        if self.algorithm.loss.kl is None and self.algorithm.loss.kl_coef:
-            raise ConfigError("algorithm.loss.kl_coef", "is set but algorithm.loss.kl is null")
         if self.algorithm.loss.kl == "topk" and self.algorithm.loss.kl_args.get("direction") not in ("reverse", "forward"):
             raise ConfigError("algorithm.loss.kl_args.direction", "the Top-k KL needs direction: reverse or forward")
         if self.train.prompts_per_step * self.rollout.sampling.n % self.train.micro_batch_size:

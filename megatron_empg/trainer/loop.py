@@ -470,11 +470,7 @@ def _load_initial_weights(chunks, init_from: str, model, config: RunConfig, grou
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 hf.update({name: f.get_tensor(name) for name in f.keys()})
-        padded = config.parallel.padded_vocab_size(model.vocab_size)
-        full = {
-            name: mapping.to_megatron(name, {n: hf[n] for n in mapping.hf_names_of(name, model)}, model, padded)
-            for name in mapping.megatron_tensor_names(model)
-        }
+        full = mapping.to_megatron_state_dict(hf, model, config.parallel.padded_vocab_size(model.vocab_size))
         load_full_state_dict(chunks, full, vocab_size=model.vocab_size)
         return
     from megatron_empg.mcore.checkpoint import find_latest_checkpoint, load_checkpoint

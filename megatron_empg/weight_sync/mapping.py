@@ -280,6 +280,18 @@ def to_megatron(
     return parts[0]
 
 
+def to_megatron_state_dict(
+    hf_tensors: Mapping[str, Tensor], model: ModelConfig, padded_vocab_size: int
+) -> dict[str, Tensor]:
+    """The full (TP1/PP1) Megatron state dict of a complete HF state dict (``to_megatron`` of every
+    ``megatron_tensor_names``; what ``mcore.model.load_full_state_dict`` takes)."""
+    return {
+        name: to_megatron(name, {n: hf_tensors[n] for n in hf_names_of(name, model) if n in hf_tensors}, model,
+                          padded_vocab_size)  # fmt: skip
+        for name in megatron_tensor_names(model)
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # HF config -> ModelConfig.
 

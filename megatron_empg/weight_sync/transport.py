@@ -104,7 +104,7 @@ class NcclTransport:
             raise RuntimeError("weight_sync.transport=nccl needs CUDA GPUs; use in_process or shm_file on CPU")
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
-        self._source = _BucketSource()
+        self._source = _bucket_source()
         init_info = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size)
         self._engine = NCCLTrainerWeightTransferEngine.trainer_init(init_info, client=client, source=self._source)
         self._client = client
@@ -120,21 +120,19 @@ class NcclTransport:
         self._source.tensors = []
 
 
-class _BucketSource:
-    """A vLLM ``WeightSource`` over the tensors collected for one update (created lazily: vLLM is
-    imported only when the NCCL transport is used)."""
+def _bucket_source():
+    """A vLLM ``WeightSource`` over the tensors collected for one update (``.tensors``); its class
+    is built here because vLLM is imported only when the NCCL transport is used."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    def __new__(cls):
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    class BucketSource(WeightSource):
+        def __init__(self) -> None:
+            self.tensors: list[tuple[str, Tensor]] = []
 
-        class BucketSource(WeightSource):
-            def __init__(self) -> None:
-                self.tensors: list[tuple[str, Tensor]] = []
+        def metadata(self) -> list:
+            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.tensors]
 
-            def metadata(self) -> list:
-                return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.tensors]
+        def __iter__(self):
+            return iter(self.tensors)
 
-            def __iter__(self):
-                return iter(self.tensors)
-
-        return BucketSource()
+    return BucketSource()

@@ -48,13 +48,6 @@ class RecordingReceiver:
         self.open, self.version = False, version
 
 
-def megatron_state_from_hf(model, hf_state: dict, padded_vocab: int) -> dict:
-    return {
-        name: mapping.to_megatron(name, {n: hf_state[n] for n in mapping.hf_names_of(name, model)}, model, padded_vocab)
-        for name in mapping.megatron_tensor_names(model)
-    }
-
-
 def sync_groups(groups):
     from megatron_empg.weight_sync.bridge import SyncGroups
 
@@ -74,7 +67,7 @@ def _sync_layouts(rank: int, world_size: int, layouts, hf_states: dict, probe: l
         groups = parallel_state.initialize_model_parallel(parallel, SEED)
         chunks = build_gpt_model(model, parallel)
         padded = parallel.padded_vocab_size(model.vocab_size)
-        load_full_state_dict(chunks, megatron_state_from_hf(model, hf_states[name], padded))
+        load_full_state_dict(chunks, mapping.to_megatron_state_dict(hf_states[name], model, padded))
         receiver = RecordingReceiver() if rank == 0 else None
         transport = InProcessTransport(receiver) if rank == 0 else None
         shards = named_weight_shards(chunks)
@@ -181,7 +174,7 @@ def test_round_trip_check_finds_a_layout_bug(monkeypatch, bug, family):
 
     model = load_model_config("tiny-qwen2")
     g = torch.Generator().manual_seed(0)
-    state = megatron_state_from_hf(model, {n: torch.randn(*shape, generator=g) for n, shape in _hf_shapes(model)}, 256)
+    state = mapping.to_megatron_state_dict({n: torch.randn(*shape, generator=g) for n, shape in _hf_shapes(model)}, model, 256)
     shards = [(name, tensor, None) for name, tensor in state.items()]
     monkeypatch.setattr(mapping, "split_qkv" if family == "attention.qkv" else "split_gate_up", bug)
     errors: dict[str, float] = {}

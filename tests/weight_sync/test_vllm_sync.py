@@ -19,7 +19,7 @@ import torch
 from megatron_empg.config import ParallelConfig, RolloutConfig, load_model_config
 from megatron_empg.weight_sync import gate, mapping
 from tests.dist import run_distributed
-from tests.weight_sync.test_bridge import megatron_state_from_hf, naive_split_qkv, swapped_gate_up, sync_groups
+from tests.weight_sync.test_bridge import naive_split_qkv, swapped_gate_up, sync_groups
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron, pytest.mark.vllm]
 
@@ -95,7 +95,7 @@ def _tp1_in_process(rank: int, world_size: int, model_dir: str, hf_state: dict) 
     parallel = ParallelConfig()
     groups = parallel_state.initialize_model_parallel(parallel, SEED)
     chunks = build_gpt_model(model, parallel)
-    load_full_state_dict(chunks, megatron_state_from_hf(model, hf_state, parallel.padded_vocab_size(model.vocab_size)))
+    load_full_state_dict(chunks, mapping.to_megatron_state_dict(hf_state, model, parallel.padded_vocab_size(model.vocab_size)))
     engine = _engine(model_dir, in_process=True)
     transport = InProcessTransport(engine)
     probe = gate.probe_batch(2, PROBE_LENGTH, model.vocab_size, seed=0)
@@ -170,7 +170,7 @@ def _two_ranks_shm(rank: int, world_size: int, model_dir: str, hf_state: dict, l
         groups = parallel_state.initialize_model_parallel(parallel, SEED)
         chunks = build_gpt_model(model, parallel)
         state = {k: v * (1 + 0.1 * i) for k, v in hf_state.items()}  # each layout brings new weights
-        load_full_state_dict(chunks, megatron_state_from_hf(model, state, parallel.padded_vocab_size(model.vocab_size)))
+        load_full_state_dict(chunks, mapping.to_megatron_state_dict(state, model, parallel.padded_vocab_size(model.vocab_size)))
         results.append(_sync_and_check(chunks, model, groups, engine, transport, f"layout-{i}", probe))
         if parallel.pipeline_model_parallel_size == 1:  # TP2: one optimizer step, then the same again
             _sgd_step(chunks, probe, groups, model)
