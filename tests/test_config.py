@@ -399,3 +399,26 @@ def test_weight_sync_config_validation():
         with pytest.raises(ConfigError) as e:
             from_dict(WeightSyncConfig, data)
         assert e.value.field == field, (data, e.value)
+
+
+def test_run_config_cross_field_errors_name_the_dotted_field():
+    from megatron_empg.config import RunConfig
+
+    base = {"model": "tiny-qwen2", "tokenizer": "/tmp/tokenizer"}
+    assert from_dict(RunConfig, base).model_config().name == "tiny-qwen2"
+    for change, field in [
+        ({"tokenizer": None}, "tokenizer"),
+        ({"train": {"micro_batch_size": 7}}, "train.micro_batch_size"),
+        ({"algorithm": {"mini_batches": 3}}, "algorithm.mini_batches"),
+        ({"algorithm": {"loss": {"kl": "topk", "kl_coef": 0.001}}}, "algorithm.loss.kl_args.direction"),
+        ({"algorithm": {"loss": {"kl_coef": 0.1}}}, "algorithm.loss.kl_coef"),
+        ({"algorithm": {"anchor": {"period": 0}}}, "algorithm.anchor.period"),
+        ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last"),
+        ({"logging": {"progress": "bar"}}, "logging.progress"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            from_dict(RunConfig, {**base, **change})
+        assert e.value.field == field, (change, e.value)
+    with pytest.raises(ConfigError) as e:
+        from_dict(RunConfig, {**base, "model": "nope"}).model_config()
+    assert e.value.field == "model"
