@@ -205,6 +205,8 @@ class Trainer:
         """This DP replica's samples of global prompt batch ``step_index``."""
         examples = self.batches.batch(self.step_index)
         sampling = self.config.rollout.sampling
+        if sampling.seed is not None:  # the engine seeds prompt i with seed + i * n: no stream repeats across steps
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + self.step_index * len(examples) * sampling.n)
         if self.engine is not None:
             completions = self.engine.generate([e.prompt_ids for e in examples], sampling)
             payload = [[(c.token_ids, c.logprobs, c.finish_reason) for c in group] for group in completions]
