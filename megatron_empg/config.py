@@ -820,7 +820,10 @@ class DataConfig:
     ``answer_key`` a string, an int or a list of strings (several gold answers); a dotted key
     (``reward_model.ground_truth``) reaches into nested records. With ``apply_chat_template`` and a
     tokenizer that has a chat template, prompts are rendered by it with the generation prompt
-    (``system_prompt`` as a first system message), else as plain text. A prompt longer than
+    (``system_prompt`` as a first system message), else as plain text. ``prompt_template``, a
+    format string with one ``{prompt}`` field, rewrites the user's text first (a string prompt, or
+    the last user message), e.g. ``"{prompt} Let's think step by step and output the final answer
+    within \\boxed{{}}."`` (literal braces doubled, as in ``str.format``). A prompt longer than
     ``max_prompt_tokens`` is an error, or with ``drop_long_prompts`` dropped and counted.
     ``shuffle``: each epoch's order is a permutation drawn from (``seed``, epoch).
     """
@@ -831,6 +834,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     system_prompt: str | None = None
+    prompt_template: str | None = None
     apply_chat_template: bool = True
     max_prompt_tokens: int = 1024
     drop_long_prompts: bool = False
@@ -865,6 +869,15 @@ class DataConfig:
                 raise ConfigError(name, "must be a non-empty key")
         if self.system_prompt is not None and not self.system_prompt.strip():
             raise ConfigError("system_prompt", "must be null or non-empty text")
+        if self.prompt_template is not None:
+            try:
+                self.prompt_template.format(prompt="")
+            except (KeyError, IndexError, ValueError) as error:
+                raise ConfigError(
+                    "prompt_template", f"must be a format string whose only field is {{prompt}} ({error!r})"
+                ) from None
+            if "{prompt}" not in self.prompt_template:
+                raise ConfigError("prompt_template", "must contain the field {prompt}")
         if self.max_prompt_tokens < 1:
             raise ConfigError("max_prompt_tokens", f"must be >= 1, got {self.max_prompt_tokens!r}")
         if self.seed < 0:

@@ -90,16 +90,38 @@ class PromptFormatter:
     messages ``[system?, user]`` (or its own message list) rendered with the generation prompt and
     tokenized without added special tokens (the template writes them). Otherwise plain text,
     ``system_prompt + "\\n" + prompt``, tokenized with the tokenizer's special tokens (a bos, if it
-    adds one); a message list then cannot be rendered.
+    adds one); a message list then cannot be rendered. ``prompt_template`` (``"... {prompt} ..."``)
+    rewrites a string prompt, or the content of a message list's last user message, before that.
     """
 
-    def __init__(self, tokenizer: Any, *, system_prompt: str | None = None, apply_chat_template: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        system_prompt: str | None = None,
+        prompt_template: str | None = None,
+        apply_chat_template: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        self.prompt_template = prompt_template
         self.uses_chat_template = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+    def _apply_template(self, prompt: Prompt) -> Prompt:
+        if self.prompt_template is None:
+            return prompt
+        if isinstance(prompt, str):
+            return self.prompt_template.format(prompt=prompt)
+        users = [i for i, message in enumerate(prompt) if message["role"] == "user"]
+        if not users:
+            raise ValueError("data.prompt_template is set but the messages have no user message")
+        last = users[-1]
+        return [*prompt[:last], {**prompt[last], "content": self.prompt_template.format(prompt=prompt[last]["content"])},
+                *prompt[last + 1 :]]  # fmt: skip
 
     def render(self, prompt: Prompt) -> str:
         """The prompt's text; a ``ValueError`` says why a prompt cannot be rendered."""
+        prompt = self._apply_template(prompt)
         if not self.uses_chat_template:
             if not isinstance(prompt, str):
                 raise ValueError(
@@ -308,8 +330,9 @@ def load_prompt_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     if config.source != "files":
         raise ValueError(f"load_prompt_dataset: data.source is {config.source!r}, not 'files'")
     formatter = PromptFormatter(
-        tokenizer, system_prompt=config.system_prompt, apply_chat_template=config.apply_chat_template
-    )
+        tokenizer, system_prompt=config.system_prompt, prompt_template=config.prompt_template,
+        apply_chat_template=config.apply_chat_template,
+    )  # fmt: skip
     if config.apply_chat_template and not formatter.uses_chat_template:
         log.info("the tokenizer has no chat template: prompts are tokenized as plain text")
     texts: list[str] = []

@@ -61,8 +61,9 @@ class ArithmeticTask:
     def __init__(self, config: DataConfig, tokenizer: Any) -> None:
         self.config = config
         self.formatter = PromptFormatter(
-            tokenizer, system_prompt=config.system_prompt, apply_chat_template=config.apply_chat_template
-        )
+            tokenizer, system_prompt=config.system_prompt, prompt_template=config.prompt_template,
+            apply_chat_template=config.apply_chat_template,
+        )  # fmt: skip
 
     def problem(self, index: int) -> ArithmeticProblem:
         return arithmetic_problem(

@@ -136,6 +136,27 @@ def test_without_a_chat_template_prompts_are_plain_text(tmp_path):
         load_prompt_dataset(files_config(messages), tokenizer)
 
 
+def test_a_prompt_template_rewrites_string_prompts_and_the_last_user_message(tmp_path):
+    template = "{prompt} Put the answer in \\boxed{{}}."
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        {"prompt": "1+2?", "answer": "3"},
+        {"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "2+2?"}], "answer": "4"},
+    ])  # fmt: skip
+    tokenizer = chat_tokenizer()
+    first, second = load_prompt_dataset(files_config(path, prompt_template=template), tokenizer).examples
+    assert first.prompt_ids == tokenizer.encode("<|user|>1+2? Put the answer in \\boxed{}.\n<|assistant|>")
+    assert second.prompt_ids == tokenizer.encode(
+        "<|user|>a\n<|assistant|>b\n<|user|>2+2? Put the answer in \\boxed{}.\n<|assistant|>"
+    )
+    strings = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2?", "answer": "3"}])
+    [plain] = load_prompt_dataset(files_config(strings, prompt_template="Q: {prompt}\nA:"), plain_tokenizer()).examples
+    assert plain.prompt_ids == plain_tokenizer().encode("Q: 1+2?\nA:")
+    only_system = write_jsonl(tmp_path / "s.jsonl", [{"prompt": [{"role": "system", "content": "x"}], "answer": "1"}])
+    with pytest.raises(DataError, match=r"row 1: 'prompt': data\.prompt_template is set but the messages have no user"):
+        load_prompt_dataset(files_config(only_system, prompt_template=template), tokenizer)
+
+
 def test_an_own_system_message_and_a_system_prompt_conflict(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [
         {"prompt": [{"role": "system", "content": "A"}, {"role": "user", "content": "q"}], "answer": "1"},
@@ -250,6 +271,9 @@ def test_data_config_defaults_to_the_arithmetic_task_and_round_trips():
     ({"source": "hub"}, "source", "expected one of 'files', 'arithmetic'"),
     ({"prompt_key": ""}, "prompt_key", "must be a non-empty key"),
     ({"system_prompt": "  "}, "system_prompt", "must be null or non-empty text"),
+    ({"prompt_template": "no field"}, "prompt_template", "must contain the field {prompt}"),
+    ({"prompt_template": "{question}"}, "prompt_template", "whose only field is {prompt}"),
+    ({"prompt_template": "{prompt} \\boxed{}"}, "prompt_template", "whose only field is {prompt}"),
     ({"max_prompt_tokens": 0}, "max_prompt_tokens", "must be >= 1"),
     ({"seed": -1}, "seed", "must be >= 0"),
     ({"arithmetic_digits": 0}, "arithmetic_digits", "must be in [1, 9]"),
