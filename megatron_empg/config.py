@@ -990,15 +990,25 @@ class LoggingConfig:
 class CheckpointConfig:
     """Atomic distributed checkpoints under ``dir`` every ``interval`` steps (0: only at the end
     and on SIGTERM/SIGUSR1), keeping the ``keep_last`` newest. ``init_from``: the policy's first
-    weights: a HF model directory, a converted or training checkpoint, or null (random init)."""
+    weights: a HF model directory, a converted or training checkpoint, or null (random init).
+
+    ``continue_from``: a training checkpoint of an earlier stage (e.g. the 8k stage of a staged
+    long-context run) whose whole training state (policy, optimizer, LR schedule, EMA anchor,
+    step counter) this run starts from, under its own data and length settings: the prompt order
+    of this run's ``data`` section, continued at the step counter. Applies when this run's
+    ``dir`` has no checkpoint to ``--resume`` from.
+    """
 
     dir: str = "runs/empg/checkpoints"
     interval: int = 50
     keep_last: int | None = 3
     init_from: str | None = None
+    continue_from: str | None = None
     optimizer_format: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
 
     def validate(self) -> None:
+        if self.init_from is not None and self.continue_from is not None:
+            raise ConfigError("continue_from", "and init_from are exclusive (continue_from carries the policy weights)")
         if self.interval < 0:
             raise ConfigError("interval", f"must be >= 0 (0: only at the end), got {self.interval!r}")
         if self.keep_last is not None and self.keep_last < 1:
@@ -1035,8 +1045,11 @@ class RunConfig:
             raise ConfigError(_join("model", e.field) if e.field != "model" else "model", e.reason) from None
 
     def validate(self) -> None:
-        if self.tokenizer is None and self.checkpoint.init_from is None:
-            raise ConfigError("tokenizer", "needed when checkpoint.init_from is null (the engine needs a tokenizer)")
+        if self.tokenizer is None and self.checkpoint.init_from is None and self.checkpoint.continue_from is None:
+            raise ConfigError(
+                "tokenizer",
+                "needed when checkpoint.init_from and checkpoint.continue_from are null (the engine needs a tokenizer)",
+            )
         if self.algorithm.loss.kl == "topk" and self.algorithm.loss.kl_args.get("direction") not in ("reverse", "forward"):
             raise ConfigError("algorithm.loss.kl_args.direction", "the Top-k KL needs direction: reverse or forward")
         if self.train.prompts_per_step * self.rollout.sampling.n % self.train.micro_batch_size:

