@@ -14,6 +14,7 @@ The machinery is generic and works for any (nested) dataclass::
   allowed ones) and missing required fields, and then calls ``validate()`` on every dataclass in the
   tree that has one, innermost first. Every error is a ``ConfigError`` whose message starts with the
   dotted path of the field, e.g. ``model.num_query_groups: expected int, got 'two'``.
+* ``read_yaml`` follows a top-level ``defaults: base.yaml`` (merged under the file's own keys).
 * ``apply_overrides`` applies ``a.b.c=value`` strings to a dict; values are parsed as YAML (``1e-6``,
   ``true``, ``[1, 2]``, ``null``, ``{a: 1}``). A key that does not exist is an error, except under a
   free-form ``dict`` field.
@@ -72,11 +73,33 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
-def read_yaml(path: str | os.PathLike) -> dict:
-    data = parse_yaml(Path(path).read_text())
+def read_yaml(path: str | os.PathLike, *, _seen: tuple[Path, ...] = ()) -> dict:
+    """A YAML file's top-level mapping. ``defaults: base.yaml`` in it (a path relative to the file)
+    names a base config that the file's own keys are merged over: mappings key by key, any other
+    value replaces the base's. Bases may have bases (as in NeMo-RL's recipes); a cycle is an error."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError("defaults", f"{path}: a cycle of defaults files: {' -> '.join(map(str, (*_seen, path)))}")
+    data = parse_yaml(path.read_text())
     if not isinstance(data, dict):
         raise ConfigError("", f"{path}: expected a mapping at the top level, got {_describe(data)}")
-    return data
+    base_name = data.pop("defaults", None)
+    if base_name is None:
+        return data
+    if not isinstance(base_name, str):
+        raise ConfigError("defaults", f"{path}: expected the path of a YAML file, got {_describe(base_name)}")
+    base_path = path.parent / base_name
+    if not base_path.is_file():
+        raise ConfigError("defaults", f"{path}: the base config {base_path} does not exist")
+    return _merged(read_yaml(base_path, _seen=(*_seen, path)), data)
+
+
+def _merged(base: Mapping, update: Mapping) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        both_mappings = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = _merged(out[key], value) if both_mappings else value
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -159,6 +159,22 @@ def test_yaml_reads_exponents_without_a_dot_as_floats():
         "a": 1e-6, "b": 1e-6, "c": 3, "d": -2000.0, "e": 1000, "f": "1e-6"}  # fmt: skip
 
 
+def test_a_defaults_file_is_merged_under_the_files_own_keys(tmp_path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "root.yaml").write_text("name: root\ninner: {size: 1, mode: a}\nids: [1, 2]\n")
+    (tmp_path / "mid.yaml").write_text("defaults: base/root.yaml\ninner: {size: 2}\nids: [3]\n")
+    (tmp_path / "top.yaml").write_text("defaults: mid.yaml\ninner: {scale: 0.5}\nname: top\n")
+    obj = load_config(Outer, tmp_path / "top.yaml", ["inner.mode=b"])
+    assert obj.name == "top" and obj.inner == Inner(size=2, scale=0.5, mode="b") and obj.ids == (3,)
+    (tmp_path / "loop_a.yaml").write_text("defaults: loop_b.yaml\n")
+    (tmp_path / "loop_b.yaml").write_text("defaults: loop_a.yaml\n")
+    assert "a cycle of defaults files" in _error(load_config, Outer, tmp_path / "loop_a.yaml")
+    (tmp_path / "missing.yaml").write_text("defaults: nowhere.yaml\n")
+    assert "nowhere.yaml does not exist" in _error(load_config, Outer, tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("defaults: [a.yaml]\n")
+    assert _error(load_config, Outer, tmp_path / "bad.yaml").startswith("defaults: ")
+
+
 def test_to_dict_round_trips():
     obj = from_dict(Outer, {"name": "x", "inner": {"size": 2, "mode": "b"}, "ids": [3], "pair": [1, "a"],
                             "extra": {"k": {"j": [1]}}, "maybe": {"size": 4}})  # fmt: skip
