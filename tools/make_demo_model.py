@@ -6,8 +6,8 @@ synthetic arithmetic task, to a modest accuracy, so that RL has signal and room 
 
 A randomly initialised model never samples a correct answer, so RL from it has no signal. This
 tool builds the model with ``tools/make_tiny_model.py`` (random weights, character tokenizer;
-``DEMO_MODEL``: 2 layers, hidden 128, 4 heads of 32, 2 KV groups, ffn 512, vocabulary 128,
-525k parameters), trains it with plain torch (AdamW, warmup + cosine over ``--steps``, CPU) on
+``model_configs/demo-qwen2.yaml``: 2 layers, hidden 128, 4 heads of 32, 2 KV groups, ffn 512,
+vocabulary 128, 525k parameters), trains it with plain torch (AdamW, warmup + cosine over ``--steps``, CPU) on
 ``rollout.tasks.ArithmeticTask`` prompts followed by the answer, "\n" and eos, with the loss on
 those answer tokens only, and measures it with the demo's reward
 (``rollout.rewards.arithmetic_reward``) on ``EVAL_PROBLEMS`` held-out problems (their own
@@ -55,34 +55,12 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch  # noqa: E402
 
-from megatron_empg.config import DataConfig, ModelConfig, load_config, to_yaml  # noqa: E402
+from megatron_empg.config import DataConfig, ModelConfig, load_model_config, to_yaml  # noqa: E402
 from megatron_empg.rollout.rewards import arithmetic_reward  # noqa: E402
 from megatron_empg.rollout.tasks import ArithmeticTask  # noqa: E402
 from tools.make_tiny_model import NUM_BASE_TOKENS, char_tokenizer, tiny_hf_model  # noqa: E402
 
-VOCAB_MULTIPLE = 64
-# The demo model before overrides: Qwen2 (QKV biases, GQA, untied output layer), head_dim 32 (a
-# head size vLLM's CPU attention supports), the character tokenizer's 98 tokens rounded up to 128.
-DEMO_MODEL: dict[str, Any] = {
-    "name": "demo-qwen2",
-    "family": "qwen2",
-    "num_layers": 2,
-    "hidden_size": 128,
-    "ffn_hidden_size": 512,
-    "num_attention_heads": 4,
-    "num_query_groups": 2,
-    "vocab_size": -(-NUM_BASE_TOKENS // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
-    "max_position_embeddings": 128,
-    "rope_theta": 10000.0,
-    "norm_epsilon": 1.0e-6,
-    "add_qkv_bias": True,
-    "qk_layernorm": False,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,  # the character tokenizer's <|endoftext|> (tiny_hf_model's config says so too)
-    "eos_token_id": 0,
-    "pad_token_id": 0,
-    "dtype": "float32",
-}
+DEMO_MODEL = "demo-qwen2"  # model_configs/demo-qwen2.yaml, the model recipes/demo_cpu.yaml trains
 VLLM_CPU_HEAD_DIMS = (32, 64)  # the head sizes this tool allows (vLLM CPU attention supports them)
 
 DEFAULT_STEPS = 2000  # at most; training stops earlier at DEFAULT_STOP_ACCURACY
@@ -119,7 +97,7 @@ class UsageError(ValueError):
 
 def demo_model_config(overrides: Sequence[str] = ()) -> ModelConfig:
     """``DEMO_MODEL`` with dotted overrides; the head dimension must be one vLLM's CPU attention runs."""
-    model = load_config(ModelConfig, DEMO_MODEL, overrides)
+    model = load_model_config(DEMO_MODEL, overrides)
     if model.kv_channels not in VLLM_CPU_HEAD_DIMS:
         raise UsageError(
             f"head dimension {model.kv_channels} (hidden_size={model.hidden_size} / num_attention_heads="
