@@ -83,10 +83,16 @@ def main(argv: list[str] | None = None) -> int:
 def _train(config: RunConfig, *, resume: bool) -> int:
     import torch.distributed as dist
 
-    from megatron_empg.trainer.loop import Trainer
+    from megatron_empg.trainer.loop import RunDirectoryError, Trainer, check_fresh_start
     from megatron_empg.trainer.metrics_log import MetricsLogger
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if not resume:
+            check_fresh_start(config)  # before minutes of start-up
+    except RunDirectoryError as error:
+        sys.stderr.write(f"empg: error: {error}\n")
+        return 2
     init_distributed()
     trainer = Trainer(config)
     logger = MetricsLogger(config, config.train.steps, enabled=dist.get_rank() == 0)

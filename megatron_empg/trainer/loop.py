@@ -34,8 +34,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn":
 ENGINE_RANK = 0
 
 
-class StopRequested(Exception):
-    """SIGTERM / SIGUSR1 arrived: checkpoint and leave (Slurm pre-emption)."""
+class RunDirectoryError(ValueError):
+    """A fresh run was asked for where an earlier run left checkpoints (nothing is overwritten)."""
 
 
 @dataclasses.dataclass
@@ -151,6 +151,8 @@ class Trainer:
 
     def run(self, *, resume: bool = False, logger=None) -> list[StepOutput]:
         """Train until ``train.steps``; on SIGTERM/SIGUSR1 checkpoint after the current step and return."""
+        if not resume:
+            check_fresh_start(self.config)
         resumed = resume and self.resume()
         if not resumed and self.config.checkpoint.continue_from is not None:
             self.continue_from(self.config.checkpoint.continue_from)
@@ -438,6 +440,19 @@ class Trainer:
 
 # --------------------------------------------------------------------------------------------
 # Helpers.
+
+
+def check_fresh_start(config: RunConfig) -> None:
+    """A ``RunDirectoryError`` if ``checkpoint.dir`` holds a checkpoint (a run not resumed must not
+    overwrite another's); reads files only."""
+    from megatron_empg.mcore.checkpoint import find_latest_checkpoint
+
+    found = find_latest_checkpoint(config.checkpoint.dir)
+    if found is not None:
+        raise RunDirectoryError(
+            f"checkpoint.dir={config.checkpoint.dir} holds checkpoints of an earlier run (newest: "
+            f"{found.path.name}): pass --resume to continue it, or give this run another checkpoint.dir"
+        )
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """Where each step's metrics go (rank 0 only): ``<logging.dir>/metrics.jsonl`` (one JSON object per
-step, with ``step``), a console progress line with the key metrics (rich, tqdm or none), and Weights
+step, with ``step``; a resumed run first drops the records of the steps it redoes), a console progress line with the key metrics (rich, tqdm or none), and Weights
 & Biases (offline mode when no ``WANDB_API_KEY`` is set; ``wandb`` is imported only when enabled)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class MetricsLogger:
         self.jsonl_path = Path(self.settings.dir) / "metrics.jsonl"
         self._progress = None
         self._wandb_run = None
+        self._rewound = False
         if not enabled:
             return
         Path(self.settings.dir).mkdir(parents=True, exist_ok=True)
@@ -49,6 +50,8 @@ class MetricsLogger:
             return
         clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}
         if self.settings.jsonl:
+            if not self._rewound:
+                self._rewind(step)
             with self.jsonl_path.open("a") as f:
                 f.write(json.dumps({"step": step, **clean}) + "\n")
         summary = "  ".join(f"{k.split('/')[-1]} {metrics[k]:.4g}" for k in KEY_METRICS if k in metrics)
@@ -59,6 +62,18 @@ class MetricsLogger:
             self._progress.update(self._task, completed=step, description=summary)
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in clean.items() if v is not None}, step=step)
+
+    def _rewind(self, step: int) -> None:
+        """Before this run's first record: drop the file's records of ``step`` and later (a run
+        resumed from an earlier checkpoint redoes them; a fresh run starts at step 1)."""
+        self._rewound = True
+        if not self.jsonl_path.is_file():
+            return
+        lines = [line for line in self.jsonl_path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if json.loads(line)["step"] < step]
+        tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.jsonl_path)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -31,6 +31,24 @@ def test_jsonl_has_every_step_with_non_finite_values_as_null(tmp_path, progress)
     ]
 
 
+def test_a_resumed_run_replaces_the_records_of_the_steps_it_redoes(tmp_path):
+    config = _config(tmp_path, progress="none")
+    first = MetricsLogger(config, total_steps=5)
+    for step in (1, 2, 3, 4):  # checkpointed at 2, crashed after 4
+        first.log(step, {"reward/mean": float(step)})
+    first.close()
+    resumed = MetricsLogger(config, total_steps=5)
+    for step in (3, 4, 5):
+        resumed.log(step, {"reward/mean": 10.0 * step})
+    resumed.close()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r["reward/mean"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
+    fresh = MetricsLogger(config, total_steps=1)  # a fresh run in the same directory starts over
+    fresh.log(1, {"reward/mean": 0.5})
+    fresh.close()
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.5}]
+
+
 def test_interval_and_disabled_ranks_write_nothing_else(tmp_path):
     logger = MetricsLogger(_config(tmp_path, progress="none", interval=2), total_steps=4)
     for step in range(1, 5):

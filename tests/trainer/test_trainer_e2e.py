@@ -70,6 +70,8 @@ def test_three_steps_then_resume_equals_uninterrupted(tmp_path):
 
     full = _run(_config(tmp_path, "full", tokenizer), tmp_path, "full")
     assert full.returncode == 0, full.stderr[-4000:]
+    again = _run(_config(tmp_path, "full", tokenizer), tmp_path, "again")  # a fresh run must not overwrite it
+    assert again.returncode == 2 and "holds checkpoints of an earlier run (newest: step_00000003)" in again.stderr
     first = _run(_config(tmp_path, "resumed", tokenizer, steps=2), tmp_path, "first")
     assert first.returncode == 0, first.stderr[-4000:]
     second = _run(_config(tmp_path, "resumed", tokenizer), tmp_path, "second", "--resume")
