@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import random
 import secrets
 import shutil
 import sys
@@ -63,8 +64,9 @@ from tools.make_tiny_model import NUM_BASE_TOKENS, char_tokenizer, tiny_hf_model
 DEMO_MODEL = "demo-qwen2"  # model_configs/demo-qwen2.yaml, the model recipes/demo_cpu.yaml trains
 VLLM_CPU_HEAD_DIMS = (32, 64)  # the head sizes this tool allows (vLLM CPU attention supports them)
 
-DEFAULT_STEPS = 2000  # at most; training stops earlier at DEFAULT_STOP_ACCURACY
-DEFAULT_STOP_ACCURACY = 0.25  # validation greedy accuracy that ends training (0: train all steps)
+DEFAULT_STEPS = 4000  # at most; training stops earlier at DEFAULT_STOP_ACCURACY
+DEFAULT_STOP_ACCURACY = 0.7  # validation greedy accuracy that ends training (0: train all steps)
+DEFAULT_ANSWER_NOISE = 0.3  # fraction of training answers off by one
 CHECK_EVERY = 50  # steps between validation checks
 DEFAULT_SEED = 0
 DEFAULT_DIGITS = 2
@@ -115,35 +117,54 @@ def data_config(seed: int, digits: int, ops: Sequence[str]) -> DataConfig:
 
 class TrainingStream:
     """The training sequences: problems ``0, 1, 2, ...`` of an ``ArithmeticTask`` whose text is not
-    in ``excluded``, each as (prompt ids exactly as ``task.example`` gives them, answer ids)."""
+    in ``excluded``, each as (prompt ids exactly as ``task.example`` gives them, answer ids).
 
-    def __init__(self, task: ArithmeticTask, tokenizer: Any, excluded: set[str]) -> None:
+    ``answer_noise``: the fraction of problems whose training answer is off by one (+1 or -1, +1
+    where -1 would be negative), drawn per problem index from ``noise_seed``."""
+
+    def __init__(
+        self, task: ArithmeticTask, tokenizer: Any, excluded: set[str], *, answer_noise: float = 0.0,
+        noise_seed: int = 0,
+    ) -> None:  # fmt: skip
         self.task, self.tokenizer, self.excluded = task, tokenizer, excluded
+        self.answer_noise, self.noise_seed = answer_noise, noise_seed
         self.eos = tokenizer.eos_token_id
         self.next_index = 0
-        self._cache: dict[str, tuple[list[int], list[int]]] = {}
+        self._prompts: dict[str, list[int]] = {}
+        self._answers: dict[int, list[int]] = {}
         self.checked = False
+
+    def training_answer(self, index: int, answer: int) -> int:
+        """Problem ``index``'s answer as trained on: ``answer``, or off by one for ``answer_noise`` of them."""
+        if self.answer_noise == 0:
+            return answer
+        rng = random.Random(f"answer-noise:{self.noise_seed}:{index}")
+        if rng.random() >= self.answer_noise:
+            return answer
+        shifted = answer + rng.choice((-1, 1))
+        return shifted if shifted >= 0 else answer + 1
 
     def batch(self, size: int) -> list[tuple[list[int], list[int]]]:
         problems = []
         while len(problems) < size:
             problem = self.task.problem(self.next_index)
             if problem.text not in self.excluded:
-                problems.append((self.next_index, problem))
+                problems.append((self.next_index, problem, self.training_answer(self.next_index, problem.answer)))
             self.next_index += 1
-        new = sorted({p.text: p for _, p in problems if p.text not in self._cache}.values(), key=lambda p: p.text)
+        new = sorted({p.text for _, p, _ in problems} - self._prompts.keys())
         if new:  # the task's own rendering and tokenization, in one call per batch
             formatter = self.task.formatter
-            prompts = formatter.encode([formatter.render(p.text) for p in new])
-            answers = self.tokenizer([f"{p.answer}\n" for p in new], add_special_tokens=False)["input_ids"]
-            for problem, prompt, answer in zip(new, prompts, answers):
-                self._cache[problem.text] = (prompt, [*answer, self.eos])
+            self._prompts.update(zip(new, formatter.encode([formatter.render(text) for text in new])))
+        values = sorted({value for _, _, value in problems} - self._answers.keys())
+        if values:
+            encoded = self.tokenizer([f"{value}\n" for value in values], add_special_tokens=False)["input_ids"]
+            self._answers.update((value, [*ids, self.eos]) for value, ids in zip(values, encoded))
         if not self.checked:  # the cache holds what the RL demo's prompts will be
-            index, problem = problems[0]
-            if self.task.example(index).prompt_ids != self._cache[problem.text][0]:
+            index, problem, _ = problems[0]
+            if self.task.example(index).prompt_ids != self._prompts[problem.text]:
                 raise RuntimeError("training prompt ids differ from ArithmeticTask.example's")
             self.checked = True
-        return [self._cache[p.text] for _, p in problems]
+        return [(self._prompts[p.text], self._answers[value]) for _, p, value in problems]
 
 
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,7 +343,7 @@ def output_dir_problem(out: Path) -> str | None:
 
 def check_arguments(
     out: Path, *, steps: int, seed: int, digits: int, ops: Sequence[str], model_overrides: Sequence[str],
-    batch_size: int, lr: float, stop_accuracy: float, eval_problems: int,
+    batch_size: int, lr: float, stop_accuracy: float, eval_problems: int, answer_noise: float = 0.0,
 ) -> tuple[DataConfig, ModelConfig]:  # fmt: skip
     """The training data's and the model's configs; ``UsageError`` / ``ConfigError`` name a bad argument."""
     problem = output_dir_problem(out)
@@ -335,6 +356,8 @@ def check_arguments(
         raise UsageError(f"lr must be > 0, got {lr!r}")
     if not 0 <= stop_accuracy <= 1:
         raise UsageError(f"stop_accuracy must be in [0, 1] (0: train all steps), got {stop_accuracy!r}")
+    if not 0 <= answer_noise < 1:
+        raise UsageError(f"answer_noise must be in [0, 1), got {answer_noise!r}")
     data = data_config(seed, digits, ops)  # DataConfig checks seed, digits and ops
     return data, demo_model_config(model_overrides)
 
@@ -343,7 +366,8 @@ def make_demo_model(
     out_dir: str | os.PathLike, *, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED,
     digits: int = DEFAULT_DIGITS, ops: Sequence[str] = tuple(DEFAULT_OPS), model_overrides: Sequence[str] = (),
     batch_size: int = DEFAULT_BATCH_SIZE, lr: float = DEFAULT_LR, stop_accuracy: float = DEFAULT_STOP_ACCURACY,
-    eval_problems: int = EVAL_PROBLEMS, verify_vllm: bool = False, log: Callable[[str], None] = print,
+    eval_problems: int = EVAL_PROBLEMS, answer_noise: float = DEFAULT_ANSWER_NOISE, verify_vllm: bool = False,
+    log: Callable[[str], None] = print,
 ) -> dict[str, Any]:  # fmt: skip
     """Build, train, measure and write the demo model to ``out_dir``; returns ``demo_model.json``'s content.
 
@@ -353,6 +377,7 @@ def make_demo_model(
     data, model_config = check_arguments(
         out, steps=steps, seed=seed, digits=digits, ops=ops, model_overrides=model_overrides,
         batch_size=batch_size, lr=lr, stop_accuracy=stop_accuracy, eval_problems=eval_problems,
+        answer_noise=answer_noise,
     )  # fmt: skip
     start = time.perf_counter()
 
@@ -366,7 +391,8 @@ def make_demo_model(
     space = 10 ** (2 * digits) * len(ops)
     held_out = space >= 20 * (eval_problems + VALIDATION_PROBLEMS)
     excluded = {e.meta["problem"] for e in [*examples, *validation]} if held_out else set()
-    stream = TrainingStream(ArithmeticTask(data, tokenizer), tokenizer, excluded)
+    stream = TrainingStream(ArithmeticTask(data, tokenizer), tokenizer, excluded, answer_noise=answer_noise,
+                            noise_seed=seed)  # fmt: skip
     log(f"training {model_config.name} ({model_config.num_parameters():,} parameters) for at most {steps} steps "
         f"of {batch_size} {digits}-digit {''.join(ops)} problems on {torch.get_num_threads()} threads, until "
         f"the validation greedy accuracy reaches {stop_accuracy}")  # fmt: skip
@@ -387,7 +413,7 @@ def make_demo_model(
         "num_parameters": model_config.num_parameters(),
         "settings": {
             "steps": steps, "stop_accuracy": stop_accuracy, "check_every": CHECK_EVERY, "seed": seed,
-            "digits": digits, "ops": list(ops), "batch_size": batch_size, "lr": lr,
+            "digits": digits, "ops": list(ops), "answer_noise": answer_noise, "batch_size": batch_size, "lr": lr,
             "warmup_steps": min(WARMUP_STEPS, max(1, steps // 10)), "min_lr_ratio": MIN_LR_RATIO,
             "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP, "init_std": INIT_STD,
             "model_overrides": list(model_overrides), "torch_threads": torch.get_num_threads(),
@@ -449,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", nargs="+", default=DEFAULT_OPS, help="operators, e.g. --ops + - or --ops '+-*'")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak learning rate")
+    parser.add_argument("--answer-noise", type=float, default=DEFAULT_ANSWER_NOISE,
+                        help=f"fraction of training answers off by one (default {DEFAULT_ANSWER_NOISE})")
     parser.add_argument("--eval-problems", type=int, default=EVAL_PROBLEMS, help="held-out problems measured")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--verify-vllm", action="store_true", help="also measure the model in a VllmEngine")
@@ -461,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         check_arguments(
             Path(args.out_dir), steps=args.steps, seed=args.seed, digits=args.digits, ops=ops,
             model_overrides=args.overrides, batch_size=args.batch_size, lr=args.lr,
-            stop_accuracy=args.stop_accuracy, eval_problems=args.eval_problems,
+            stop_accuracy=args.stop_accuracy, eval_problems=args.eval_problems, answer_noise=args.answer_noise,
         )  # fmt: skip
     except ValueError as error:  # UsageError, ConfigError
         parser.error(str(error))
@@ -469,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = make_demo_model(
         args.out_dir, steps=args.steps, seed=args.seed, digits=args.digits, ops=ops, model_overrides=args.overrides,
         batch_size=args.batch_size, lr=args.lr, stop_accuracy=args.stop_accuracy, eval_problems=args.eval_problems,
-        verify_vllm=args.verify_vllm,
+        answer_noise=args.answer_noise, verify_vllm=args.verify_vllm,
     )  # fmt: skip
     print(f"wrote {args.out_dir} in {summary['seconds']:.1f} s")
     return 0

@@ -57,7 +57,7 @@ def test_short_run_writes_complete_files(short_run):
     assert written == json.loads(json.dumps(summary))
     assert written["settings"] == {
         "steps": 40, "stop_accuracy": 0.0, "check_every": 50, "seed": 3, "digits": 2, "ops": ["+", "-"],
-        "batch_size": 16, "lr": 3e-3,
+        "answer_noise": 0.3, "batch_size": 16, "lr": 3e-3,
         "warmup_steps": 4, "min_lr_ratio": 0.1, "weight_decay": 0.01, "grad_clip": 1.0, "init_std": 0.02,
         "model_overrides": ["num_layers=1", "ffn_hidden_size=256"], "torch_threads": torch.get_num_threads(),
     }  # fmt: skip
@@ -131,6 +131,28 @@ def test_training_stops_at_the_first_check_that_reaches_stop_accuracy():
     assert stream.next_index == 15 * 4 + 1  # problem 0 was skipped
 
 
+def test_answer_noise_shifts_that_fraction_of_training_answers_by_one():
+    config = demo_model_config()
+    tokenizer = char_tokenizer(config.vocab_size)
+    task = ArithmeticTask(data_config(0, 2, ["+", "-"]), tokenizer)
+    clean = TrainingStream(task, tokenizer, set()).batch(2000)
+    noisy_stream = TrainingStream(task, tokenizer, set(), answer_noise=0.3, noise_seed=7)
+    noisy = noisy_stream.batch(2000)
+
+    def value(answer_ids: list[int]) -> int:
+        assert answer_ids[-1] == tokenizer.eos_token_id
+        return int(tokenizer.decode(answer_ids[:-1]).strip())
+
+    shifts = [value(n[1]) - value(c[1]) for c, n in zip(clean, noisy)]
+    assert [c[0] for c in clean] == [n[0] for n in noisy]  # the prompts are the task's, unchanged
+    assert set(shifts) == {-1, 0, 1}
+    assert abs(sum(s != 0 for s in shifts) / len(shifts) - 0.3) < 0.04  # 2000 draws: 3 sigma ~ 0.031
+    assert all(value(n[1]) >= 0 for n in noisy)
+    # deterministic per problem index: a second stream gives the same answers
+    assert TrainingStream(task, tokenizer, set(), answer_noise=0.3, noise_seed=7).batch(2000) == noisy
+    assert [noisy_stream.training_answer(i, 0) for i in range(200)].count(-1) == 0  # never negative
+
+
 def test_refuses_non_empty_out_dir(tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
@@ -155,6 +177,7 @@ def test_refuses_non_empty_out_dir(tmp_path, capsys):
     [
         (["--steps", "0"], "steps must be an int >= 1"),
         (["--stop-accuracy", "1.5"], "stop_accuracy must be in [0, 1]"),
+        (["--answer-noise", "1"], "answer_noise must be in [0, 1)"),
         (["--digits", "0"], "arithmetic_digits"),
         (["--ops", "/"], "arithmetic_ops"),
         (["num_attention_heads=8"], "head dimension 16"),
