@@ -76,7 +76,7 @@ def parse_yaml(text: str) -> Any:
 def read_yaml(path: str | os.PathLike, *, _seen: tuple[Path, ...] = ()) -> dict:
     """A YAML file's top-level mapping. ``defaults: base.yaml`` in it (a path relative to the file)
     names a base config that the file's own keys are merged over: mappings key by key, any other
-    value replaces the base's. Bases may have bases (as in NeMo-RL's recipes); a cycle is an error."""
+    value (and an empty mapping ``{}``, which clears one) replaces the base's. Bases may have bases (as in NeMo-RL's recipes); a cycle is an error."""
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError("defaults", f"{path}: a cycle of defaults files: {' -> '.join(map(str, (*_seen, path)))}")
@@ -97,7 +97,7 @@ def read_yaml(path: str | os.PathLike, *, _seen: tuple[Path, ...] = ()) -> dict:
 def _merged(base: Mapping, update: Mapping) -> dict:
     out = dict(base)
     for key, value in update.items():
-        both_mappings = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        both_mappings = isinstance(value, Mapping) and value and isinstance(out.get(key), Mapping)
         out[key] = _merged(out[key], value) if both_mappings else value
     return out
 

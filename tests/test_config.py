@@ -166,6 +166,10 @@ def test_a_defaults_file_is_merged_under_the_files_own_keys(tmp_path):
     (tmp_path / "top.yaml").write_text("defaults: mid.yaml\ninner: {scale: 0.5}\nname: top\n")
     obj = load_config(Outer, tmp_path / "top.yaml", ["inner.mode=b"])
     assert obj.name == "top" and obj.inner == Inner(size=2, scale=0.5, mode="b") and obj.ids == (3,)
+    (tmp_path / "top_extra.yaml").write_text("defaults: top.yaml\nextra: {a: 1}\n")
+    assert load_config(Outer, tmp_path / "top_extra.yaml").extra == {"a": 1}
+    (tmp_path / "clear.yaml").write_text("defaults: top_extra.yaml\nextra: {}\n")
+    assert load_config(Outer, tmp_path / "clear.yaml").extra == {}
     (tmp_path / "loop_a.yaml").write_text("defaults: loop_b.yaml\n")
     (tmp_path / "loop_b.yaml").write_text("defaults: loop_a.yaml\n")
     assert "a cycle of defaults files" in _error(load_config, Outer, tmp_path / "loop_a.yaml")
@@ -283,6 +287,7 @@ def test_padded_vocab_size_rejects_bad_arguments():
 YAMLS = sorted(MODEL_CONFIG_DIR.glob("*.yaml"))
 REAL = ["deepseek-r1-distill-qwen-1.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "llama3.1-8b"]
 TINY_MODELS = ["tiny-qwen2", "tiny-llama", "tiny-qwen3"]
+LOCAL = ["demo-qwen2"]  # built locally (tools/make_demo_model.py), no HF model id
 
 # Published totals (billions, as rounded by the publisher: Hugging Face's safetensors count / the
 # Qwen model cards' "Number of Parameters (Non-Embedding)").
@@ -294,7 +299,7 @@ PUBLISHED_NON_EMBEDDING = {"qwen2.5-1.5b": 1.31, "qwen2.5-3b": 2.77, "qwen2.5-7b
 
 
 def test_the_expected_model_files_exist():
-    assert sorted(p.stem for p in YAMLS) == sorted(REAL + TINY_MODELS)
+    assert sorted(p.stem for p in YAMLS) == sorted(REAL + TINY_MODELS + LOCAL)
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.stem)
@@ -303,7 +308,7 @@ def test_every_model_yaml_loads_validates_and_round_trips(path):
     assert cfg == load_model_config(path.stem)
     assert cfg.name == path.stem
     assert from_dict(ModelConfig, yaml.safe_load(to_yaml(cfg))) == cfg
-    assert (cfg.hf_model_id is None) == cfg.name.startswith("tiny-")
+    assert (cfg.hf_model_id is None) == (cfg.name in TINY_MODELS + LOCAL)
     # every layout the CPU tests use is valid for the tiny models
     if cfg.name.startswith("tiny-"):
         assert cfg.vocab_size % 128, "tiny vocabularies are not multiples of 128, to exercise padding"
