@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_empg.trainer.metrics_log import read_metrics  # noqa: E402
+
 RECIPES = {"ema_pg": REPO / "recipes" / "demo_cpu.yaml", "grpo": REPO / "recipes" / "demo_cpu_grpo.yaml"}
 WARM_START = REPO / "runs" / "demo" / "warm_start"
 ACCURACY = "reward/accuracy"
@@ -60,11 +65,6 @@ def summarize(rows: list[dict], window: int) -> dict:
     }
 
 
-def read_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def run_one(recipe: str, seed: int, run_dir: Path, steps: int | None) -> dict:
     overrides = [
         f"logging.dir={run_dir}", f"checkpoint.dir={run_dir / 'checkpoints'}", "logging.progress=none",
@@ -78,7 +78,7 @@ def run_one(recipe: str, seed: int, run_dir: Path, steps: int | None) -> dict:
         subprocess.run([sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(RECIPES[recipe]), *overrides],
                        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)  # fmt: skip
     seconds = time.perf_counter() - start
-    rows = read_rows(run_dir)
+    rows = read_metrics(run_dir / "metrics.jsonl")
     return {"seconds": round(seconds, 1), "accuracy": [r[ACCURACY] for r in rows], "rows": rows}
 
 
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     for recipe in args.recipes:
         for seed in args.seeds:
             if (recipe, seed) in reuse:
-                rows = read_rows(reuse[(recipe, seed)])
+                path = reuse[(recipe, seed)] / "metrics.jsonl"
+                rows = read_metrics(path) if path.is_file() else []
                 if args.steps is None or len(rows) < args.steps:
                     parser.error(f"--reuse {recipe}:{seed}: {reuse[(recipe, seed)]} needs --steps and that many records")
                 rows = rows[: args.steps]
@@ -142,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              "accuracy": [r[ACCURACY] for r in rows]}  # fmt: skip
                 continue
             run_dir = args.runs_dir / f"{recipe}_seed{seed}"
-            if run_dir.exists():
-                subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
             print(f"{recipe} seed {seed} -> {run_dir}", flush=True)
             results.setdefault(recipe, {})[str(seed)] = run_one(recipe, seed, run_dir, args.steps)
     summary = {}

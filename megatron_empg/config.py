@@ -76,7 +76,8 @@ def parse_yaml(text: str) -> Any:
 def read_yaml(path: str | os.PathLike, *, _seen: tuple[Path, ...] = ()) -> dict:
     """A YAML file's top-level mapping. ``defaults: base.yaml`` in it (a path relative to the file)
     names a base config that the file's own keys are merged over: mappings key by key, any other
-    value (and an empty mapping ``{}``, which clears one) replaces the base's. Bases may have bases (as in NeMo-RL's recipes); a cycle is an error."""
+    value (and an empty mapping ``{}``, which clears one) replaces the base's. Bases may have bases
+    (as in NeMo-RL's recipes); a cycle is an error."""
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError("defaults", f"{path}: a cycle of defaults files: {' -> '.join(map(str, (*_seen, path)))}")
@@ -97,8 +98,8 @@ def read_yaml(path: str | os.PathLike, *, _seen: tuple[Path, ...] = ()) -> dict:
 def _merged(base: Mapping, update: Mapping) -> dict:
     out = dict(base)
     for key, value in update.items():
-        both_mappings = isinstance(value, Mapping) and value and isinstance(out.get(key), Mapping)
-        out[key] = _merged(out[key], value) if both_mappings else value
+        merge = isinstance(value, Mapping) and len(value) > 0 and isinstance(out.get(key), Mapping)
+        out[key] = _merged(out[key], value) if merge else value
     return out
 
 
@@ -1071,7 +1072,8 @@ class RunConfig:
         if self.tokenizer is None and self.checkpoint.init_from is None and self.checkpoint.continue_from is None:
             raise ConfigError(
                 "tokenizer",
-                "needed when checkpoint.init_from and checkpoint.continue_from are null (the engine needs a tokenizer)",
+                "needed when checkpoint.init_from and checkpoint.continue_from are null "
+                "(the engine needs a tokenizer)",
             )
         if self.algorithm.loss.kl == "topk" and self.algorithm.loss.kl_args.get("direction") not in ("reverse", "forward"):
             raise ConfigError("algorithm.loss.kl_args.direction", "the Top-k KL needs direction: reverse or forward")

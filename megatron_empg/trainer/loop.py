@@ -19,7 +19,7 @@ import signal
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -375,7 +375,7 @@ class Trainer:
             cfg.dir, self.step_index, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler,
             anchor=self.anchor, extra_state=extra, groups=self.groups, keep_last=cfg.keep_last,
             model_name=self.model.name, optimizer_format=cfg.optimizer_format, model_config=self.model,
-            hf_assets=self.run_dir / "engine_model" if self.engine is not None else None,  # the tokenizer, for continue_from
+            hf_assets=self.run_dir / "engine_model" if self.engine is not None else None,  # the tokenizer
         )  # fmt: skip
 
     def resume(self) -> bool:
@@ -394,10 +394,7 @@ class Trainer:
     def continue_from(self, path: str | Path) -> None:
         """Start from an earlier stage's checkpoint (``path``: a ``step_N`` directory or a checkpoint
         root, whose newest is taken): its training state, and this run's data order from its step."""
-        from megatron_empg.mcore.checkpoint import find_latest_checkpoint
-
-        found = find_latest_checkpoint(path)
-        directory = found.path if found is not None else Path(path)
+        directory = _checkpoint_directory(path)
         self._load_training_state(directory)
         log.info("continuing from %s at step %d (data: this run's order)", directory, self.step_index)
 
@@ -455,6 +452,14 @@ def check_fresh_start(config: RunConfig) -> None:
         )
 
 
+def _checkpoint_directory(path: str | Path) -> Path:
+    """A checkpoint root's newest complete checkpoint, or ``path`` itself (a ``step_N`` directory)."""
+    from megatron_empg.mcore.checkpoint import find_latest_checkpoint
+
+    found = find_latest_checkpoint(path)
+    return found.path if found is not None else Path(path)
+
+
 @contextlib.contextmanager
 def _timed(times: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
@@ -483,10 +488,7 @@ def _load_tokenizer(config: RunConfig):
     if source is None:  # a HF directory, or a checkpoint (a step_N directory or a root) with its hf/ assets
         init = Path(config.checkpoint.init_from or config.checkpoint.continue_from)
         if not (init / "config.json").is_file() and not (init / "hf").is_dir():
-            from megatron_empg.mcore.checkpoint import find_latest_checkpoint
-
-            found = find_latest_checkpoint(init)
-            init = found.path if found is not None else init
+            init = _checkpoint_directory(init)
         source = init / "hf" if (init / "hf").is_dir() else init
     return AutoTokenizer.from_pretrained(str(source))
 
@@ -514,7 +516,6 @@ def _load_initial_weights(chunks, init_from: str, model, config: RunConfig, grou
         full = mapping.to_megatron_state_dict(hf, model, config.parallel.padded_vocab_size(model.vocab_size))
         load_full_state_dict(chunks, full, vocab_size=model.vocab_size)
         return
-    from megatron_empg.mcore.checkpoint import find_latest_checkpoint, load_checkpoint
+    from megatron_empg.mcore.checkpoint import load_checkpoint
 
-    found = find_latest_checkpoint(path)
-    load_checkpoint(found.path if found is not None else path, models=chunks, groups=groups, strict=False)
+    load_checkpoint(_checkpoint_directory(path), models=chunks, groups=groups, strict=False)

@@ -1,6 +1,7 @@
 """Where each step's metrics go (rank 0 only): ``<logging.dir>/metrics.jsonl`` (one JSON object per
-step, with ``step``; a resumed run first drops the records of the steps it redoes), a console progress line with the key metrics (rich, tqdm or none), and Weights
-& Biases (offline mode when no ``WANDB_API_KEY`` is set; ``wandb`` is imported only when enabled)."""
+step, with ``step``; a resumed run first drops the records of the steps it redoes), a console
+progress line with the key metrics (rich, tqdm or none), and Weights & Biases (offline mode when no
+``WANDB_API_KEY`` is set; ``wandb`` is imported only when enabled)."""
 
 from __future__ import annotations
 

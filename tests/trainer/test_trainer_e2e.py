@@ -10,7 +10,6 @@ equals the uninterrupted run's.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from megatron_empg.config import read_yaml
+from megatron_empg.trainer.metrics_log import read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 
@@ -48,10 +48,6 @@ def _run(config: dict, tmp: Path, name: str, *extra: str) -> subprocess.Complete
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _config(tmp: Path, name: str, warm_start: Path | None, steps: int = 3) -> dict:
     """recipes/demo_cpu.yaml for ``steps`` steps, a checkpoint every step, in ``tmp / name``."""
     config = read_yaml(DEMO_RECIPE)
@@ -74,7 +70,7 @@ def test_three_steps_then_resume_equals_uninterrupted(tmp_path, warm_start):
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stderr and "at step 2" in second.stderr
 
-    uninterrupted = _metrics(tmp_path / "full")
+    uninterrupted = read_metrics(tmp_path / "full" / "metrics.jsonl")
     assert [m["step"] for m in uninterrupted] == [1, 2, 3]
     # the demo's anchor: tau 0.95 every 2 optimizer steps (one per step): an EMA update after step 2
     assert [m["anchor/updates"] for m in uninterrupted] == [0.0, 1.0, 0.0]
@@ -91,7 +87,7 @@ def test_three_steps_then_resume_equals_uninterrupted(tmp_path, warm_start):
     checkpoints = sorted(p.name for p in (tmp_path / "full" / "checkpoints").glob("step_*"))
     assert checkpoints == ["step_00000001", "step_00000002", "step_00000003"]
 
-    resumed = _metrics(tmp_path / "resumed")
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
     assert [m["step"] for m in resumed] == [1, 2, 3]
     for key in COMPARED:
         assert resumed[2][key] == pytest.approx(uninterrupted[2][key], rel=1e-5, abs=1e-7), key
@@ -104,7 +100,7 @@ def test_three_steps_then_resume_equals_uninterrupted(tmp_path, warm_start):
     staged = _run(stage, tmp_path, "stage2")
     assert staged.returncode == 0, staged.stderr[-4000:]
     assert "continuing from" in staged.stderr and "at step 2" in staged.stderr
-    [third] = _metrics(tmp_path / "stage2")
+    [third] = read_metrics(tmp_path / "stage2" / "metrics.jsonl")
     assert third["step"] == 3
     for key in COMPARED:  # the same data settings here: the same third step
         assert third[key] == pytest.approx(uninterrupted[2][key], rel=1e-5, abs=1e-7), key
@@ -132,7 +128,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path, warm_start):
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-4000:]
-    steps_done = len(_metrics(tmp_path / "run"))
+    steps_done = len(read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert 2 <= steps_done < 1000
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
     assert checkpoints == [f"step_{steps_done:08d}"], checkpoints
@@ -141,4 +137,4 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path, warm_start):
     resumed = _run(config, tmp_path, "resume", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"at step {steps_done}" in resumed.stderr
-    assert [m["step"] for m in _metrics(tmp_path / "run")][-1] == steps_done + 1
+    assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")][-1] == steps_done + 1
