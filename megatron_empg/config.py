@@ -1088,6 +1088,50 @@ class RunConfig:
                 "algorithm.mini_batches", f"must divide train.prompts_per_step={self.train.prompts_per_step}"
             )
 
+    def validate_world_size(self, world_size: int) -> None:
+        """Check what depends on the number of processes: the layout (``world_size`` a multiple of
+        TP x PP; the rest is data parallel), the engine (an in-process one needs a world of one) and
+        the split of each step's prompts over the data-parallel replicas (whole prompt groups, then
+        whole micro-batches and mini-batches per replica)."""
+        parallel, train = self.parallel, self.train
+        tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+        if world_size % (tp * pp):
+            raise ConfigError(
+                "parallel.tensor_model_parallel_size",
+                f"the world of {world_size} processes is not divisible by parallel.tensor_model_parallel_size x "
+                f"parallel.pipeline_model_parallel_size = {tp} x {pp}",
+            )
+        if world_size > 1 and self.rollout.in_process:
+            raise ConfigError(
+                "rollout.in_process",
+                f"true needs a world of one process (an in-process vLLM engine would join the training world of "
+                f"{world_size}); set rollout.in_process=false (and weight_sync.transport=shm_file on CPU)",
+            )
+        dp = world_size // (tp * pp)
+        layout = f"world {world_size} / (TP {tp} x PP {pp})"
+        if train.prompts_per_step % dp:
+            raise ConfigError(
+                "train.prompts_per_step",
+                f"must be divisible by the data-parallel size {dp} ({layout}: each replica takes whole prompt "
+                f"groups), got {train.prompts_per_step}",
+            )
+        samples = train.prompts_per_step // dp * self.rollout.sampling.n
+        if samples % train.micro_batch_size:
+            raise ConfigError(
+                "train.micro_batch_size",
+                f"must divide each data-parallel replica's samples, train.prompts_per_step / {dp} x "
+                f"rollout.sampling.n = {samples} ({layout}), got {train.micro_batch_size}",
+            )
+        micro_batches = samples // train.micro_batch_size
+        if micro_batches % self.algorithm.mini_batches:
+            raise ConfigError(
+                "algorithm.mini_batches",
+                f"must divide each data-parallel replica's {micro_batches} micro-batches of "
+                f"train.micro_batch_size={train.micro_batch_size} ({layout}), got {self.algorithm.mini_batches}",
+            )
+
 def model_config_path(name: str) -> Path:
     """``model_configs/<name>.yaml``; a ``ConfigError`` lists the known names if there is none."""
     path = MODEL_CONFIG_DIR / f"{name}.yaml"

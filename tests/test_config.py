@@ -446,3 +446,48 @@ def test_run_config_cross_field_errors_name_the_dotted_field():
     with pytest.raises(ConfigError) as e:
         from_dict(RunConfig, {**base, "model": "nope"}).model_config()
     assert e.value.field == "model"
+
+
+def test_run_config_world_size_checks_name_the_dotted_field():
+    """``validate_world_size``: TP x PP must divide the world, an in-process engine needs a world of
+    one, and each data-parallel replica takes whole prompt groups, micro-batches and mini-batches."""
+    from megatron_empg.config import RunConfig
+
+    # 4 prompts x 4 samples = 16 per step, micro-batches of 4
+    base = {"model": "tiny-qwen2", "tokenizer": "/tmp/tokenizer",
+            "train": {"prompts_per_step": 4, "micro_batch_size": 4},
+            "rollout": {"in_process": False, "sampling": {"n": 4}}}  # fmt: skip
+
+    def config(**sections):
+        data = yaml.safe_load(yaml.safe_dump(base))
+        for section, values in sections.items():
+            data.setdefault(section, {}).update(values)
+        return from_dict(RunConfig, data)
+
+    for world, sections in [
+        (1, {}), (2, {}), (4, {}),  # DP 1, 2 (8 samples: 2 micro-batches each), 4 (one each)
+        (2, {"parallel": {"tensor_model_parallel_size": 2}}), (4, {"parallel": {"pipeline_model_parallel_size": 2}}),
+        (1, {"rollout": {"in_process": True}}),
+        (2, {"algorithm": {"mini_batches": 2}}),  # 2 micro-batches per replica: one per mini-batch
+    ]:  # fmt: skip
+        config(**sections).validate_world_size(world)
+    for world, sections, field, words in [
+        (3, {"parallel": {"tensor_model_parallel_size": 2}}, "parallel.tensor_model_parallel_size",
+         "world of 3 processes is not divisible by parallel.tensor_model_parallel_size x "
+         "parallel.pipeline_model_parallel_size = 2 x 1"),
+        (6, {"parallel": {"pipeline_model_parallel_size": 4}}, "parallel.tensor_model_parallel_size", "= 1 x 4"),
+        (2, {"rollout": {"in_process": True}}, "rollout.in_process", "set rollout.in_process=false"),
+        (8, {}, "train.prompts_per_step", "divisible by the data-parallel size 8"),
+        (6, {"parallel": {"tensor_model_parallel_size": 2}}, "train.prompts_per_step",
+         "data-parallel size 3 (world 6 / (TP 2 x PP 1)"),
+        (4, {"train": {"micro_batch_size": 8}}, "train.micro_batch_size",
+         "train.prompts_per_step / 4 x rollout.sampling.n = 4"),
+        (4, {"algorithm": {"mini_batches": 2}}, "algorithm.mini_batches",
+         "each data-parallel replica's 1 micro-batches"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            config(**sections).validate_world_size(world)
+        assert e.value.field == field and words in str(e.value), (world, sections, e.value)
+    for world in (0, 1.0, True):
+        with pytest.raises(ValueError, match="world_size"):
+            config().validate_world_size(world)

@@ -53,6 +53,16 @@ def init_distributed() -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
 
 
+def _configure_logging() -> None:
+    """INFO on rank 0, warnings and errors only on the other ranks (each rank of a torchrun/srun
+    job writes to the same console); several ranks prefix their lines with ``[rank N]``."""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    prefix = f"[rank {rank}] " if world > 1 else ""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s")  # fmt: skip
+
+
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:
     config = load_config(RunConfig, path, overrides)
     config.model_config()  # resolve the model now: its errors are config errors too
@@ -86,7 +96,7 @@ def _train(config: RunConfig, *, resume: bool) -> int:
     from megatron_empg.trainer.loop import RunDirectoryError, Trainer, check_fresh_start
     from megatron_empg.trainer.metrics_log import MetricsLogger
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging()
     try:
         if not resume:
             check_fresh_start(config)  # before minutes of start-up
@@ -94,6 +104,13 @@ def _train(config: RunConfig, *, resume: bool) -> int:
         sys.stderr.write(f"empg: error: {error}\n")
         return 2
     init_distributed()
+    try:
+        config.validate_world_size(dist.get_world_size())
+    except ConfigError as error:
+        if dist.get_rank() == 0:
+            sys.stderr.write(f"empg: error: {error}\n")
+        dist.destroy_process_group()
+        return 2
     trainer = Trainer(config)
     logger = MetricsLogger(config, config.train.steps, enabled=dist.get_rank() == 0)
     try:

@@ -72,12 +72,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def _check_layout(self) -> None:
-        world = dist.get_world_size()
-        if world > 1 and self.config.rollout.in_process:
-            raise ValueError(
-                "rollout.in_process=true needs a world of one process (an in-process vLLM engine would join the "
-                f"training world of {world}); set rollout.in_process=false"
-            )
+        self.config.validate_world_size(dist.get_world_size())
         sampling = self.config.rollout.sampling
         max_model_len = self.config.rollout.max_model_len or self.model.max_position_embeddings
         if self.config.weight_sync.probe_length + self.config.weight_sync.probe_continuation > max_model_len - 1:
@@ -97,7 +92,14 @@ class Trainer:
         engine_dir.mkdir(parents=True, exist_ok=True)
         _write_hf_config(self.model, engine_dir)
         self.tokenizer.save_pretrained(engine_dir)
-        return VllmEngine(engine_dir, self.config.rollout, load_format="dummy")  # weights come by sync
+        # The engine's processes (rollout.in_process=false) inherit an ignored SIGUSR1: torchrun and
+        # Slurm signal whole process groups, and the trainer, which takes SIGUSR1 as "checkpoint after
+        # this step", still needs the engine for the step in flight (it shuts it down at the end).
+        previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        try:
+            return VllmEngine(engine_dir, self.config.rollout, load_format="dummy")  # weights come by sync
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
 
     def _build_policy(self) -> None:
         from megatron_empg.mcore.model import build_gpt_model
@@ -166,10 +168,13 @@ class Trainer:
                     logger.log(out.step, out.metrics)
                 interval = self.config.checkpoint.interval
                 last = self.step_index == self.config.train.steps
-                if last or (interval and self.step_index % interval == 0) or self._stop_signal is not None:
+                # A local decision (the handler may set _stop_signal again at any time): every rank
+                # stops after the same step.
+                stop = any_rank_signalled(self._stop_signal, dist.group.WORLD)
+                if last or (interval and self.step_index % interval == 0) or stop is not None:
                     self.save()
-                if self._stop_signal is not None:
-                    log.warning("signal %d: checkpointed at step %d, stopping", self._stop_signal, self.step_index)
+                if stop is not None:
+                    log.warning("signal %d: checkpointed at step %d, stopping", stop, self.step_index)
                     break
         return outputs
 
@@ -335,7 +340,9 @@ class Trainer:
         return metrics
 
     def metrics(self, samples, batch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
-        """Per-step metrics, reduced over data-parallel replicas (sums and counts, then divided)."""
+        """Per-step metrics, reduced over data-parallel replicas (sums and counts, then divided; the
+        reward function's own metrics are counts and sums too, so they are summed). Timings are this
+        rank's."""
         rewards = [s.reward for s in samples]
         lengths = [len(s.response_ids) for s in samples]
         local = {
@@ -343,7 +350,7 @@ class Trainer:
             "samples": len(samples), "response_tokens": sum(lengths), "truncated": sum(s.finish_reason == "length" for s in samples),
             "loss_tokens": int(batch.loss_mask.sum()),
         }  # fmt: skip
-        totals = _all_reduce_sums(local, self.groups.dp_group)
+        totals = _all_reduce_sums({**local, **reward_metrics}, self.groups.dp_group)  # one all-reduce
         n = max(totals["samples"], 1)
         mean = totals["reward_sum"] / n
         seconds = sum(times.values())
@@ -355,7 +362,7 @@ class Trainer:
             "response/truncated_fraction": totals["truncated"] / n,
             "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
             **{f"time/{k}": v for k, v in times.items()},
-            **reward_metrics, **update_metrics, **sync_metrics,
+            **{k: totals[k] for k in reward_metrics}, **update_metrics, **sync_metrics,
         }  # fmt: skip
         return out
 
@@ -414,7 +421,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
-        """SIGTERM / SIGUSR1 (Slurm's pre-emption warning) set a flag the loop checks after each step."""
+        """SIGTERM / SIGUSR1 (Slurm's pre-emption warning) set a flag the loop checks after each step
+        (``any_rank_signalled``: all ranks together)."""
 
         def handler(signum, frame):
             self._stop_signal = signum
@@ -471,6 +479,19 @@ def _topk_direction(loss) -> str | None:
     if loss.kl != "topk":
         return None
     return loss.kl_args["direction"]
+
+
+def any_rank_signalled(signum: int | None, group) -> int | None:
+    """The largest signal number any rank of ``group`` has received (``signum``: this rank's, or
+    None), or None if none has; every rank of ``group`` calls it. One MAX all-reduce (of one int64),
+    so all ranks take the same decision after a step even when a signal reached only some of them,
+    or reached them on either side of their checks (a rank stopping alone would leave the others
+    waiting in the next collective)."""
+    if dist.get_world_size(group) == 1:
+        return signum
+    flag = torch.tensor([signum or 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item()) or None
 
 
 def _all_reduce_sums(values: dict[str, float], group) -> dict[str, float]:
