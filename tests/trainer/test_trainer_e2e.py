@@ -10,63 +10,27 @@ equals the uninterrupted run's.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
-from megatron_empg.config import read_yaml
 from megatron_empg.trainer.metrics_log import read_metrics
+from tests.trainer.demo_runs import REPO, demo_config, run_train, train_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO_RECIPE = REPO / "recipes" / "demo_cpu.yaml"
 COMPARED = ("reward/mean", "response/length_mean", "actor/kl", "actor/loss", "actor/entropy", "actor/grad_norm")
-
-
-@pytest.fixture(scope="module")
-def warm_start(tmp_path_factory) -> Path:
-    """A short version of the demo's warm start (tools/make_demo_model.py, 300 steps instead of
-    ~2500: a few percent of its samples are correct): the model, tokenizer and files ``make demo``
-    builds, in about 15 s."""
-    from tools.make_demo_model import make_demo_model
-
-    out = tmp_path_factory.mktemp("demo") / "warm_start"
-    make_demo_model(out, steps=300, stop_accuracy=0.0, eval_problems=16, log=lambda _: None)
-    return out
-
-
-def _run(config: dict, tmp: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(path), *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-
-
-def _config(tmp: Path, name: str, warm_start: Path | None, steps: int = 3) -> dict:
-    """recipes/demo_cpu.yaml for ``steps`` steps, a checkpoint every step, in ``tmp / name``."""
-    config = read_yaml(DEMO_RECIPE)
-    config["train"]["steps"] = steps
-    config["logging"] = {"dir": str(tmp / name), "progress": "none"}
-    config["checkpoint"].update(dir=str(tmp / name / "checkpoints"), interval=1, keep_last=5,
-                                init_from=None if warm_start is None else str(warm_start))  # fmt: skip
-    return config
 
 
 def test_three_steps_then_resume_equals_uninterrupted(tmp_path, warm_start):
     pytest.importorskip("vllm")
-    full = _run(_config(tmp_path, "full", warm_start), tmp_path, "full")
+    full = run_train(demo_config(tmp_path, "full", warm_start), tmp_path, "full")
     assert full.returncode == 0, full.stderr[-4000:]
-    again = _run(_config(tmp_path, "full", warm_start), tmp_path, "again")  # a fresh run must not overwrite it
+    again = run_train(demo_config(tmp_path, "full", warm_start), tmp_path, "again")  # a fresh run must not overwrite it
     assert again.returncode == 2 and "holds checkpoints of an earlier run (newest: step_00000003)" in again.stderr
-    first = _run(_config(tmp_path, "resumed", warm_start, steps=2), tmp_path, "first")
+    first = run_train(demo_config(tmp_path, "resumed", warm_start, steps=2), tmp_path, "first")
     assert first.returncode == 0, first.stderr[-4000:]
-    second = _run(_config(tmp_path, "resumed", warm_start), tmp_path, "second", "--resume")
+    second = run_train(demo_config(tmp_path, "resumed", warm_start), tmp_path, "second", "--resume")
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stderr and "at step 2" in second.stderr
 
@@ -94,10 +58,10 @@ def test_three_steps_then_resume_equals_uninterrupted(tmp_path, warm_start):
 
     # A next stage: a new run directory that continues from the first run's checkpoint (policy,
     # optimizer, anchor, step counter; the tokenizer from the checkpoint's hf/ assets).
-    stage = _config(tmp_path, "stage2", None)
+    stage = demo_config(tmp_path, "stage2", None)
     assert "tokenizer" not in stage
     stage["checkpoint"]["continue_from"] = str(tmp_path / "resumed" / "checkpoints" / "step_00000002")
-    staged = _run(stage, tmp_path, "stage2")
+    staged = run_train(stage, tmp_path, "stage2")
     assert staged.returncode == 0, staged.stderr[-4000:]
     assert "continuing from" in staged.stderr and "at step 2" in staged.stderr
     [third] = read_metrics(tmp_path / "stage2" / "metrics.jsonl")
@@ -113,14 +77,11 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path, warm_start):
     import signal
     import time
 
-    config = _config(tmp_path, "run", warm_start, steps=1000)
+    config = demo_config(tmp_path, "run", warm_start, steps=1000)
     config["checkpoint"]["interval"] = 0  # only at the end or on a signal
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
     metrics = tmp_path / "run" / "metrics.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(path)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    command, env = train_command(config, tmp_path, "run")
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()[-4000:]
@@ -134,7 +95,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path, warm_start):
     assert checkpoints == [f"step_{steps_done:08d}"], checkpoints
 
     config["train"]["steps"] = steps_done + 1
-    resumed = _run(config, tmp_path, "resume", "--resume")
+    resumed = run_train(config, tmp_path, "resume", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"at step {steps_done}" in resumed.stderr
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")][-1] == steps_done + 1

@@ -1,0 +1,73 @@
+"""``empg train`` on a few steps of the CPU demo recipe, from the trainer tests: the config, and
+the run as a subprocess (one process, or N ranks through ``launchers/torchrun.sh``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from megatron_empg.config import read_yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_RECIPE = REPO / "recipes" / "demo_cpu.yaml"
+TORCHRUN_LAUNCHER = REPO / "launchers" / "torchrun.sh"
+
+
+def demo_config(tmp: Path, name: str, warm_start: Path | None, steps: int = 3) -> dict:
+    """recipes/demo_cpu.yaml for ``steps`` steps, a checkpoint every step, in ``tmp / name``."""
+    config = read_yaml(DEMO_RECIPE)
+    config["train"]["steps"] = steps
+    config["logging"] = {"dir": str(tmp / name), "progress": "none"}
+    config["checkpoint"].update(dir=str(tmp / name / "checkpoints"), interval=1, keep_last=5,
+                                init_from=None if warm_start is None else str(warm_start))  # fmt: skip
+    return config
+
+
+def train_command(
+    config: dict, tmp: Path, name: str, *extra: str, nproc: int | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """Write ``config`` to ``tmp / name.yaml``; the command (and its environment) that trains on it:
+    ``python -m megatron_empg.trainer.cli train`` in one process (``nproc`` None), else
+    ``launchers/torchrun.sh`` on ``nproc`` ranks with this interpreter's ``python`` and ``torchrun``.
+    ``extra``: overrides and ``--resume``. Run it from ``REPO``."""
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if nproc is None:
+        return [sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(path), *extra], env
+    env.update(NPROC_PER_NODE=str(nproc), PYTHON=sys.executable, TORCHRUN=str(Path(sys.executable).parent / "torchrun"))
+    return [str(TORCHRUN_LAUNCHER), str(path), *extra], env
+
+
+def run_train(
+    config: dict, tmp: Path, name: str, *extra: str, nproc: int | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``train_command`` run to its end (output captured as text); after ``timeout`` seconds it is
+    interrupted (``interrupt``) and ``subprocess.TimeoutExpired`` raised."""
+    command, env = train_command(config, tmp, name, *extra, nproc=nproc)
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with subprocess.Popen(command, cwd=REPO, env=env, **pipes) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            interrupt(proc)
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def interrupt(proc: subprocess.Popen, grace: float = 30) -> None:
+    """Stop a run still going: SIGINT (the launcher passes it to torchrun, which passes it to the
+    ranks and the engine), then SIGKILL after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
