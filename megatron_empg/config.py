@@ -1075,6 +1075,12 @@ class RunConfig:
                 "needed when checkpoint.init_from and checkpoint.continue_from are null "
                 "(the engine needs a tokenizer)",
             )
+        if not self.rollout.in_process and self.weight_sync.transport == "in_process":
+            raise ConfigError(
+                "weight_sync.transport",
+                "in_process hands tensors to the engine by reference, which needs rollout.in_process=true; an engine "
+                "in its own process (rollout.in_process=false) takes shm_file",
+            )
         if self.algorithm.loss.kl == "topk" and self.algorithm.loss.kl_args.get("direction") not in ("reverse", "forward"):
             raise ConfigError("algorithm.loss.kl_args.direction", "the Top-k KL needs direction: reverse or forward")
         if self.train.prompts_per_step * self.rollout.sampling.n % self.train.micro_batch_size:

@@ -437,6 +437,7 @@ def test_run_config_cross_field_errors_name_the_dotted_field():
         ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last"),
         ({"checkpoint": {"init_from": "/a", "continue_from": "/b"}}, "checkpoint.continue_from"),
         ({"logging": {"progress": "bar"}}, "logging.progress"),
+        ({"rollout": {"in_process": False}}, "weight_sync.transport"),  # tensors by reference need the engine here
     ]:
         with pytest.raises(ConfigError) as e:
             from_dict(RunConfig, {**base, **change})
@@ -456,7 +457,8 @@ def test_run_config_world_size_checks_name_the_dotted_field():
     # 4 prompts x 4 samples = 16 per step, micro-batches of 4
     base = {"model": "tiny-qwen2", "tokenizer": "/tmp/tokenizer",
             "train": {"prompts_per_step": 4, "micro_batch_size": 4},
-            "rollout": {"in_process": False, "sampling": {"n": 4}}}  # fmt: skip
+            "rollout": {"in_process": False, "sampling": {"n": 4}},
+            "weight_sync": {"transport": "shm_file"}}  # fmt: skip
 
     def config(**sections):
         data = yaml.safe_load(yaml.safe_dump(base))
