@@ -75,6 +75,7 @@ import torch.distributed as dist
 from megatron_empg.config import ModelConfig, load_model_config, to_yaml
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
+from megatron_empg.parallel.collectives import collective_device
 
 if TYPE_CHECKING:
     import torch.nn
@@ -351,7 +352,7 @@ def _optimizer_has_state(optimizer) -> bool:
     """Whether any rank's optimizer holds state (has stepped). Collective."""
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     local = any(len(getattr(getattr(o, "optimizer", None), "state", None) or {}) > 0 for o in inner)
-    flag = torch.tensor([int(local)], dtype=torch.int64)
+    flag = torch.tensor([int(local)], dtype=torch.int64, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 

@@ -27,6 +27,7 @@ from megatron_empg.config import LossConfig
 from megatron_empg.core.aggregation import LossSum
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
+from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.rl_loss import RLMicroBatch, rl_loss
 from megatron_empg.parallel.vocab_parallel import vocab_parallel_token_stats
 
@@ -203,7 +204,7 @@ def reduce_metrics(per_microbatch: list[dict[str, LossSum]] | None, groups: Para
     from the last pipeline stage with every rank. One all-reduce and one broadcast."""
     names = sorted(per_microbatch[0]) if per_microbatch else []
     names = broadcast_object_from_last_stage(names, groups)
-    sums = torch.zeros(2 * len(names), dtype=torch.float64)
+    sums = torch.zeros(2 * len(names), dtype=torch.float64, device=collective_device(groups.dp_group))
     for metrics in per_microbatch or []:
         for i, name in enumerate(names):
             sums[2 * i] += metrics[name].loss_sum.double()

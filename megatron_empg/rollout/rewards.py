@@ -160,12 +160,16 @@ def _serve_math_verify() -> None:
     until stdin closes. Its stdout is reserved for the protocol (prints go to stderr).
 
     math-verify's own timeouts (``signal.alarm``) are off: the parent kills a worker that overruns.
-    On Linux the worker is also killed when the parent dies (``PR_SET_PDEATHSIG``), so a crashed
+    SIGUSR1 is ignored. On Linux the worker is also killed when the parent dies (``PR_SET_PDEATHSIG``), so a crashed
     trainer leaves no worker stuck on an expression.
     """
+    import signal
+
+    # torchrun and Slurm send SIGUSR1 (pre-emption: "checkpoint after this step") to the whole process
+    # group; the trainer finishes the step in flight, which needs its verifiers alive
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     if sys.platform == "linux":
         import ctypes
-        import signal
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     channel = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_empg.config import RunConfig, to_yaml
 from megatron_empg.core.advantages import advantage_estimator, token_advantages
+from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.trainer.batch import PackedBatch, Sample, pack
 
 log = logging.getLogger(__name__)
@@ -489,14 +490,14 @@ def any_rank_signalled(signum: int | None, group) -> int | None:
     waiting in the next collective)."""
     if dist.get_world_size(group) == 1:
         return signum
-    flag = torch.tensor([signum or 0], dtype=torch.int64)
+    flag = torch.tensor([signum or 0], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return int(flag.item()) or None
 
 
 def _all_reduce_sums(values: dict[str, float], group) -> dict[str, float]:
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=collective_device(group))
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return dict(zip(keys, t.tolist()))
