@@ -677,6 +677,11 @@ class OptimizerConfig:
             raise ConfigError("clip_grad", f"must be >= 0 (0 disables clipping), got {self.clip_grad!r}")
 
 
+KL_NAMES = ("k1", "k2", "k3", "k3pp", "k4", "k5", "topk")  # core.kl.KL_ESTIMATORS and the Top-k KL
+SAMPLED_KL_ARGS = ("importance_weight", "iw_clip")  # rl_loss's and core.kl.sampled_kl's keywords
+TOPK_KL_ARGS = (*SAMPLED_KL_ARGS, "direction", "tail", "tail_grad")  # ... and topk_kl_from_logprobs's
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """The update-pass objective: arguments of ``parallel.rl_loss.rl_loss`` (see there).
@@ -686,7 +691,7 @@ class LossConfig:
     ``rpg``, ``rpg_reinforce*``, ``rpg_dual_clip``) with ``policy_loss_args`` its keyword arguments;
     ``kl`` is null, a sampled estimator (``k1`` .. ``k5``, ``k3pp``) or ``topk``, with ``kl_args``
     (``importance_weight``, ``iw_clip``; for ``topk`` also ``direction``, ``tail``, ``tail_grad``).
-    The names are checked against the loss registries when the loss is first built.
+    ``kl`` and the ``kl_args`` names are checked here, the policy loss's names when the loss is first built.
     """
 
     policy_loss: str = "ppo_clip"
@@ -708,6 +713,14 @@ class LossConfig:
             raise ConfigError("kl_coef", f"must be >= 0, got {self.kl_coef!r}")
         if self.kl is None and self.kl_coef != 0:
             raise ConfigError("kl_coef", f"is {self.kl_coef!r} but kl is null (no estimator)")
+        if self.kl is not None and self.kl not in KL_NAMES:
+            raise ConfigError("kl", f"expected null or one of {KL_NAMES}, got {self.kl!r}")
+        allowed = () if self.kl is None else TOPK_KL_ARGS if self.kl == "topk" else SAMPLED_KL_ARGS
+        for key in self.kl_args:
+            if key not in allowed:
+                raise ConfigError(
+                    f"kl_args.{key}", f"is not an argument of kl={self.kl!r}; expected one of {allowed or '(none)'}"
+                )
         if self.entropy_coef < 0:
             raise ConfigError("entropy_coef", f"must be >= 0 (a bonus: loss -= coef * H), got {self.entropy_coef!r}")
         if self.agg_mode not in AGG_MODES:

@@ -373,10 +373,35 @@ def test_optimizer_and_loss_config_load_and_name_bad_fields():
         load_config(LossConfig, {"kl_coef": 0.1})
     with pytest.raises(ConfigError, match=r"^agg_mode: "):
         load_config(LossConfig, {"agg_mode": "token-sum"})
+    with pytest.raises(ConfigError, match=r"^kl: expected null or one of"):
+        load_config(LossConfig, {"kl": "k6", "kl_coef": 0.1})
+    with pytest.raises(ConfigError, match=r"^kl_args.direction: is not an argument of kl='k3'"):
+        load_config(LossConfig, {"kl": "k3", "kl_coef": 0.1, "kl_args": {"direction": "reverse"}})
+    with pytest.raises(ConfigError, match=r"^kl_args.tail_gradient: is not an argument of kl='topk'"):
+        load_config(LossConfig, {"kl": "topk", "kl_coef": 0.1, "kl_args": {"direction": "reverse", "tail_gradient": 1}})
+    with pytest.raises(ConfigError, match=r"^kl_args.iw_clip: is not an argument of kl=None"):
+        load_config(LossConfig, {"kl_args": {"iw_clip": [0.5, 2]}})
+    assert load_config(LossConfig, {"kl": "k3", "kl_coef": 0.1, "kl_args": {"importance_weight": True}}).kl == "k3"
     with pytest.raises(ConfigError, match=r"^lr_decay_steps: must exceed lr_warmup_steps=10"):
         load_config(OptimizerConfig, {"lr_warmup_steps": 10, "lr_decay_steps": 5})
     with pytest.raises(ConfigError, match=r"^min_lr: must be in \[0, lr=1e-06\]"):
         OptimizerConfig(min_lr=1.0)
+
+
+def test_kl_names_and_arguments_match_the_loss_functions():
+    import inspect
+
+    from megatron_empg.config import KL_NAMES, SAMPLED_KL_ARGS, TOPK_KL_ARGS
+    from megatron_empg.core.kl import KL_ESTIMATORS, sampled_kl
+    from megatron_empg.core.topk_kl import topk_kl_from_logprobs
+
+    def keywords(fn) -> set[str]:  # what a config may set: keyword-only, minus what rl_loss passes itself
+        params = inspect.signature(fn).parameters.values()
+        return {p.name for p in params if p.kind is p.KEYWORD_ONLY} - {"estimator", "old_logprobs", "validate"}
+
+    assert set(KL_NAMES) == {*KL_ESTIMATORS, "topk"}
+    assert set(SAMPLED_KL_ARGS) == keywords(sampled_kl) | {"importance_weight"}  # rl_loss pops importance_weight
+    assert set(TOPK_KL_ARGS) == keywords(topk_kl_from_logprobs) | {"importance_weight"}
 
 
 def test_config_choices_equal_the_registries_they_name():
