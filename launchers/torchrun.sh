@@ -61,32 +61,18 @@ if ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 
+# The resolved config (file + overrides) against the world of $nproc processes (exit 2 if it does not
+# fit); without GPUs, the CPU defaults are added where the command line does not set them.
+check=(--prog torchrun.sh --world-size "$nproc" --checked-for "NPROC_PER_NODE=$nproc")
 if ((gpus == 0)); then
-    given() {  # is the dotted key $1 set on the command line?
-        local o
-        for o in ${overrides[@]+"${overrides[@]}"}; do
-            [[ "$o" == "$1="* ]] && return 0
-        done
-        return 1
-    }
-    given rollout.in_process || overrides+=(rollout.in_process=false)
-    given weight_sync.transport || overrides+=(weight_sync.transport=shm_file)
+    check+=(--cpu)
+else
+    check+=(--tasks-per-node "$nproc" --gpus-per-node "$gpus")
 fi
-
-# The resolved config (file + overrides) against the world of $nproc processes; exit 2 if it does not fit.
-"$PYTHON" - "$nproc" "$config" ${overrides[@]+"${overrides[@]}"} << 'EOF'
-import sys
-
-from megatron_empg.config import ConfigError
-from megatron_empg.trainer.cli import load_run_config
-
-nproc, path, *overrides = sys.argv[1:]
-try:
-    load_run_config(path, overrides).validate_world_size(int(nproc))
-except (ConfigError, FileNotFoundError) as error:
-    sys.stderr.write(f"torchrun.sh: error: {error} (checked for NPROC_PER_NODE={nproc})\n")
-    sys.exit(2)
-EOF
+resolved=$("$PYTHON" -m megatron_empg.trainer.launch_check "${check[@]}" "$config" \
+    ${overrides[@]+"${overrides[@]}"}) || exit $?
+overrides=()
+[[ -z "$resolved" ]] || mapfile -t overrides <<< "$resolved"
 
 # torchrun sends a signal it handles to each rank's whole process group (the vLLM engine's processes
 # included) and then waits this long for the ranks to exit (torch >= 2.8 reads both settings; older

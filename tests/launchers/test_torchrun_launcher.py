@@ -87,6 +87,13 @@ def test_bad_layouts_and_arguments_exit_2_naming_the_field(tmp_path, args, nproc
     assert message in done.stderr
 
 
+def test_more_processes_than_gpus_exit_2(tmp_path):
+    done = _launch(tmp_path, RECIPE, "train.micro_batch_size=8", *CPU_DEFAULTS, gpus=2, nproc=4)
+    assert done.returncode == 2 and done.stdout == ""
+    message = "tasks per node: 4 exceeds the 2 GPUs per node (one rank per GPU) (checked for NPROC_PER_NODE=4)"
+    assert message in done.stderr
+
+
 def test_bad_process_count_and_no_config_exit_2(tmp_path):
     done = _launch(tmp_path, RECIPE, nproc=0)
     assert done.returncode == 2 and "NPROC_PER_NODE must be a positive integer, got '0'" in done.stderr
