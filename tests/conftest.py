@@ -1,4 +1,5 @@
-"""Fixtures of the trainer tests: the CPU demo's warm start, built once per session."""
+"""Fixtures shared by the test packages: the CPU demo's warm start, built once per session (trainer and
+launcher tests)."""
 
 from __future__ import annotations
 

@@ -28,6 +28,15 @@ def demo_config(tmp: Path, name: str, warm_start: Path | None, steps: int = 3) -
     return config
 
 
+def small_demo_config(tmp: Path, name: str, warm_start: Path | None, steps: int) -> dict:
+    """``demo_config`` with 4 prompts x 4 samples per step, micro-batches of 8: on two data-parallel
+    ranks, 8 samples and one micro-batch each."""
+    config = demo_config(tmp, name, warm_start, steps=steps)
+    config["train"].update(prompts_per_step=4, micro_batch_size=8)
+    config["rollout"]["sampling"]["n"] = 4
+    return config
+
+
 def train_command(
     config: dict, tmp: Path, name: str, *extra: str, nproc: int | None = None
 ) -> tuple[list[str], dict[str, str]]:

@@ -27,7 +27,7 @@ import pytest
 from megatron_empg.mcore.checkpoint import read_checkpoint_info
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.dist import run_distributed
-from tests.trainer.demo_runs import REPO, demo_config, interrupt, run_train, train_command
+from tests.trainer.demo_runs import REPO, interrupt, run_train, small_demo_config, train_command
 
 STEPS = 3
 REFERENCE_STEPS = 6  # enough for the pre-empted run (stopped after step 2 or 3) and its resumed step
@@ -52,19 +52,13 @@ PREEMPTED = "pp2"  # SIGTERM to the launcher after step 2, then --resume (one la
 LAUNCH_TIMEOUT_S = 240
 
 
-def _small_config(tmp_path, name: str, warm_start, steps: int) -> dict:
-    config = demo_config(tmp_path, name, warm_start, steps=steps)
-    config["train"].update(prompts_per_step=4, micro_batch_size=8)  # DP2: 8 samples, one micro-batch per replica
-    config["rollout"]["sampling"]["n"] = 4
-    return config
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, warm_start) -> list[dict]:
     """The per-step metrics of the run in one process (in-process engine), ``REFERENCE_STEPS`` steps."""
     pytest.importorskip("vllm")
     tmp = tmp_path_factory.mktemp("single")
-    done = run_train(_small_config(tmp, "single", warm_start, REFERENCE_STEPS), tmp, "single", timeout=LAUNCH_TIMEOUT_S)
+    config = small_demo_config(tmp, "single", warm_start, REFERENCE_STEPS)
+    done = run_train(config, tmp, "single", timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
     metrics = read_metrics(tmp / "single" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, REFERENCE_STEPS + 1))
@@ -80,7 +74,7 @@ def _preempt_then_resume(tmp_path, warm_start, overrides) -> int:
     """A long run on 2 ranks, SIGTERM to the launcher once two steps are logged: every rank stops
     after the same step N, which is checkpointed (the engine, on rank 0, survives the signal to
     finish the step); then ``--resume`` for step N + 1. Returns N + 1, the steps run in all."""
-    config = _small_config(tmp_path, PREEMPTED, warm_start, 1000)
+    config = small_demo_config(tmp_path, PREEMPTED, warm_start, 1000)
     config["checkpoint"]["interval"] = 0  # checkpoints only at the end or on a signal
     command, env = train_command(config, tmp_path, "long", *overrides, nproc=2)
     metrics = tmp_path / PREEMPTED / "metrics.jsonl"
@@ -126,7 +120,7 @@ def test_two_ranks_match_one_process(layout, reference, tmp_path, warm_start):
         steps = _preempt_then_resume(tmp_path, warm_start, overrides)
     else:
         steps = STEPS
-        done = run_train(_small_config(tmp_path, layout, warm_start, STEPS), tmp_path, layout, *overrides, nproc=2,
+        done = run_train(small_demo_config(tmp_path, layout, warm_start, STEPS), tmp_path, layout, *overrides, nproc=2,
                          timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
         assert done.returncode == 0, done.stderr[-4000:]
         assert sorted(p.name for p in root.glob("step_*")) == [f"step_{s:08d}" for s in range(1, STEPS + 1)]
