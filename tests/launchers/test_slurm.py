@@ -30,7 +30,9 @@ from megatron_empg.trainer.metrics_log import read_metrics
 from tests.launchers.slurm_cluster import SlurmCluster
 from tests.trainer.demo_runs import REPO, small_demo_config
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.dist, pytest.mark.vllm, pytest.mark.megatron]
+# timeout: the pre-emption test runs a job twice (its own waits are bounded by JOB_TIMEOUT_S each).
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.dist, pytest.mark.vllm, pytest.mark.megatron,
+              pytest.mark.timeout(900)]  # fmt: skip
 
 SBATCH = REPO / "launchers" / "slurm" / "train.sbatch"
 NEMO_RUN_LAUNCH = REPO / "launchers" / "nemo_run_launch.py"
@@ -142,7 +144,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, tmp_p
     log = tmp_path / "job.out"
     run = tmp_path / "run"
     job = _sbatch(slurm, log, str(config))
-    slurm.wait_job(job, lambda f: (run / "metrics.jsonl").exists() and len(_steps(run)) >= 2, JOB_TIMEOUT_S,
+    metrics = run / "metrics.jsonl"  # two whole records: two newlines
+    slurm.wait_job(job, lambda f: metrics.exists() and metrics.read_text().count("\n") >= 2, JOB_TIMEOUT_S,
                    "2 steps in", log)  # fmt: skip
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True, timeout=60)
     stop = r"\[rank (\d)\] WARNING megatron_empg\.trainer\.loop: signal 10: checkpointed at step (\d+)"
