@@ -133,11 +133,16 @@ def test_training_stops_at_the_first_check_that_reaches_stop_accuracy():
     assert stream.next_index == 15 * 4 + 1  # problem 0 was skipped
 
 
-def test_answer_noise_shifts_that_fraction_of_training_answers_by_one():
-    config = demo_model_config()
-    tokenizer = char_tokenizer(config.vocab_size)
+@pytest.fixture(scope="module")
+def clean_stream():
+    """The demo's tokenizer and task, and the first 2000 training pairs without noise or restating."""
+    tokenizer = char_tokenizer(demo_model_config().vocab_size)
     task = ArithmeticTask(data_config(0, 2, ["+", "-"]), tokenizer)
-    clean = TrainingStream(task, tokenizer, set()).batch(2000)
+    return tokenizer, task, TrainingStream(task, tokenizer, set()).batch(2000)
+
+
+def test_answer_noise_shifts_that_fraction_of_training_answers_by_one(clean_stream):
+    tokenizer, task, clean = clean_stream
     noisy_stream = TrainingStream(task, tokenizer, set(), answer_noise=0.3, noise_seed=7)
     noisy = noisy_stream.batch(2000)
 
@@ -155,11 +160,8 @@ def test_answer_noise_shifts_that_fraction_of_training_answers_by_one():
     assert [noisy_stream.training_answer(i, 0) for i in range(200)].count(-1) == 0  # never negative
 
 
-def test_restate_fraction_prefixes_that_fraction_of_training_responses_with_the_problem():
-    config = demo_model_config()
-    tokenizer = char_tokenizer(config.vocab_size)
-    task = ArithmeticTask(data_config(0, 2, ["+", "-"]), tokenizer)
-    clean = TrainingStream(task, tokenizer, set()).batch(2000)
+def test_restate_fraction_prefixes_that_fraction_of_training_responses_with_the_problem(clean_stream):
+    tokenizer, task, clean = clean_stream
     stream = TrainingStream(task, tokenizer, set(), restate_fraction=0.4, noise_seed=7)
     restating = stream.batch(2000)
     assert [c[0] for c in clean] == [r[0] for r in restating]  # the prompts are the task's, unchanged
