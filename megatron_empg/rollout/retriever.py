@@ -1,0 +1,383 @@
+"""A local passage retriever over HTTP, wire-compatible with the Search-R1 retrieval server.
+
+Wire format (the one of Search-R1's ``search_r1/search/retrieval_server.py``, so a client of this
+module can point at a Search-R1 server and a Search-R1 trainer at this one):
+
+- ``POST /retrieve`` with ``{"queries": [str, ...], "topk": int | null, "return_scores": bool}``
+  (``topk`` absent or null: the server's default; ``return_scores`` absent: false) answers
+  ``{"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...], ...]}``: one
+  list per query, at most ``topk`` entries, best first. Without ``return_scores`` each inner entry
+  is the document itself, ``{"id", "contents"}``.
+- ``GET /health`` answers ``{"status": "ok", "backend": str, "num_documents": int}``.
+- A malformed request gets 400 and ``{"error": str}`` naming the field; an unknown path 404.
+
+The corpus is JSONL with one ``{"id": str, "contents": str}`` per line; ``contents`` is
+``'"Title"\\ntext'`` as in Search-R1's wiki-18 corpus.
+
+Backends: BM25 (``bm25s``, imported when an index is built). The dense backend (e5 embeddings +
+``faiss-cpu``) is not implemented: ``serve --backend dense`` exits with an error saying so.
+
+Command line::
+
+    python -m megatron_empg.rollout.retriever serve --corpus corpus.jsonl --port 8000 \\
+        [--host 127.0.0.1] [--topk 3] [--pid-file retriever.pid]
+    python -m megatron_empg.rollout.retriever stop --pid-file retriever.pid
+
+``serve`` runs in the foreground until SIGTERM/SIGINT (``stop`` sends SIGTERM to the PID in the
+file and waits for the process to exit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+DEFAULT_TOPK = 3  # Search-R1's default retrieval_topk
+STOP_TIMEOUT_S = 10.0  # how long `stop` waits for the server process to exit
+
+
+# --------------------------------------------------------------------------------------------
+# Index.
+
+
+class Bm25Index:
+    """BM25 (``bm25s``, English stopwords removed) over a list of ``{"id", "contents"}`` documents."""
+
+    backend = "bm25"
+
+    def __init__(self, documents: list[dict]) -> None:
+        """``documents``: non-empty list of dicts, each with str ``id`` and str ``contents``."""
+        import bm25s
+
+        if not documents:
+            raise ValueError("Bm25Index: documents is empty")
+        self.documents = documents
+        self._bm25s = bm25s
+        self._model = bm25s.BM25()
+        tokens = bm25s.tokenize([d["contents"] for d in documents], stopwords="en", show_progress=False)
+        self._model.index(tokens, show_progress=False)
+        self._lock = threading.Lock()  # bm25s retrieval is not documented as thread-safe
+
+    @classmethod
+    def from_jsonl(cls, path: str | os.PathLike) -> Bm25Index:
+        """Read a JSONL corpus (one ``{"id": str, "contents": str}`` per line; blank lines skipped)."""
+        documents = []
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e
+                for field in ("id", "contents"):
+                    if not isinstance(row.get(field), str):
+                        raise ValueError(f"{path}:{line_no}: field {field!r} missing or not a string")
+                documents.append({"id": row["id"], "contents": row["contents"]})
+        if not documents:
+            raise ValueError(f"{path}: no documents")
+        return cls(documents)
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def search(self, queries: list[str], topk: int) -> list[list[tuple[dict, float]]]:
+        """Per query, up to ``min(topk, len(self))`` ``(document, score)`` pairs, score descending."""
+        k = min(topk, len(self.documents))
+        tokens = self._bm25s.tokenize(queries, stopwords="en", show_progress=False)
+        with self._lock:
+            ids, scores = self._model.retrieve(tokens, k=k, show_progress=False, n_threads=0)
+        return [
+            [(self.documents[int(i)], float(s)) for i, s in zip(row_ids, row_scores)]
+            for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
+        ]
+
+
+# --------------------------------------------------------------------------------------------
+# Server.
+
+
+class _BadRequest(ValueError):
+    pass
+
+
+def _parse_retrieve_request(body: bytes, default_topk: int) -> tuple[list[str], int, bool]:
+    """The ``(queries, topk, return_scores)`` of a /retrieve body; ``_BadRequest`` naming the field."""
+    try:
+        request = json.loads(body or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _BadRequest(f"body is not JSON ({e})") from e
+    if not isinstance(request, dict):
+        raise _BadRequest('body must be a JSON object {"queries": [...], "topk": k, "return_scores": bool}')
+    queries = request.get("queries")
+    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+        raise _BadRequest('field "queries" missing or not a list of strings')
+    topk = request.get("topk")
+    if topk is None:
+        topk = default_topk
+    elif isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise _BadRequest(f'field "topk" must be a positive integer, got {topk!r}')
+    return_scores = request.get("return_scores", False)
+    if not isinstance(return_scores, bool):
+        raise _BadRequest(f'field "return_scores" must be a boolean, got {return_scores!r}')
+    return queries, topk, return_scores
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: RetrieverServer
+
+    def _reply(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path != "/health":
+            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path!r}; GET /health"})
+            return
+        index = self.server.index
+        self._reply(HTTPStatus.OK, {"status": "ok", "backend": index.backend, "num_documents": len(index)})
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path != "/retrieve":
+            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path!r}; POST /retrieve"})
+            return
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            queries, topk, return_scores = _parse_retrieve_request(body, self.server.default_topk)
+        except _BadRequest as e:
+            self._reply(HTTPStatus.BAD_REQUEST, {"error": str(e)})
+            return
+        hits = self.server.index.search(queries, topk) if queries else []
+        if return_scores:
+            result = [[{"document": doc, "score": score} for doc, score in row] for row in hits]
+        else:
+            result = [[doc for doc, _ in row] for row in hits]
+        self._reply(HTTPStatus.OK, {"result": result})
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002
+        """Silent per request: a rollout step sends many."""
+
+
+class RetrieverServer(ThreadingHTTPServer):
+    """``POST /retrieve`` and ``GET /health`` over ``index`` (a ``Bm25Index``) on ``(host, port)``.
+
+    ``port=0`` picks a free port; ``url`` is the address actually bound. ``serve_forever()`` runs
+    it (in a thread or the foreground), ``shutdown()`` + ``server_close()`` stops it.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, index: Bm25Index, host: str = "127.0.0.1", port: int = 0, default_topk: int = DEFAULT_TOPK):
+        self.index = index
+        self.default_topk = default_topk
+        super().__init__((host, port), _Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` that was free a moment ago (for tests and launchers)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Client.
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One retrieved passage: ``contents`` is ``'"Title"\\ntext'``; ``id`` None if the server sent none."""
+
+    id: str | None
+    contents: str
+    score: float
+
+
+class RetrieverError(RuntimeError):
+    """The retriever answered, but not with a usable result (4xx, malformed response)."""
+
+
+class RetrieverUnavailable(RetrieverError):
+    """No answer from the retriever after all attempts; ``attempts`` is how many were made."""
+
+    def __init__(self, message: str, attempts: int) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+
+
+class RetrieverClient:
+    """Client of a Search-R1-compatible retriever at ``url`` (e.g. ``http://127.0.0.1:8000``).
+
+    Each request is tried ``1 + retries`` times, each attempt bounded by ``timeout_s``, with
+    ``backoff_s * 2**i`` seconds between attempts; connection errors, timeouts and 5xx answers are
+    retried, a 4xx is not. When no attempt succeeds it raises ``RetrieverUnavailable`` (never an
+    empty result).
+    """
+
+    def __init__(self, url: str, timeout_s: float = 10.0, retries: int = 3, backoff_s: float = 0.5) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"RetrieverClient: timeout_s must be > 0, got {timeout_s}")
+        if retries < 0:
+            raise ValueError(f"RetrieverClient: retries must be >= 0, got {retries}")
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    def _request(self, path: str, payload: dict | None) -> dict:
+        url = self.url + path
+        data = None if payload is None else json.dumps(payload).encode()
+        headers = {} if payload is None else {"Content-Type": "application/json"}
+        attempts = 1 + self.retries
+        last_error: Exception | None = None
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            request = urllib.request.Request(url, data=data, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                if e.code < 500:
+                    raise RetrieverError(f"retriever at {url} answered {e.code}: {e.read().decode(errors='replace')}") from e
+                last_error = e
+            except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+                last_error = e
+            except json.JSONDecodeError as e:
+                raise RetrieverError(f"retriever at {url} answered non-JSON ({e})") from e
+        raise RetrieverUnavailable(
+            f"retriever at {url} unavailable after {attempts} attempt(s) (timeout {self.timeout_s} s each): "
+            f"{last_error}. Start one with `python -m megatron_empg.rollout.retriever serve --corpus "
+            f"CORPUS.jsonl --port PORT` or point the retriever URL at a running Search-R1-compatible server.",
+            attempts=attempts,
+        )
+
+    def health(self) -> dict:
+        """The server's ``GET /health`` answer, e.g. ``{"status": "ok", "backend": "bm25", "num_documents": 40}``."""
+        return self._request("/health", None)
+
+    def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
+        """Per query (in order), up to ``topk`` passages, best first."""
+        answer = self._request("/retrieve", {"queries": list(queries), "topk": topk, "return_scores": True})
+        result = answer.get("result") if isinstance(answer, dict) else None
+        if not isinstance(result, list) or len(result) != len(queries):
+            raise RetrieverError(
+                f'retriever at {self.url}: field "result" must be a list of {len(queries)} lists, got {answer!r:.200}'
+            )
+        try:
+            return [
+                [Passage(hit["document"].get("id"), hit["document"]["contents"], float(hit["score"])) for hit in row]
+                for row in result
+            ]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise RetrieverError(
+                f'retriever at {self.url}: each hit must be {{"document": {{"contents": ...}}, "score": ...}} ({e!r})'
+            ) from e
+
+
+# --------------------------------------------------------------------------------------------
+# Command line.
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.backend == "dense":
+        print(
+            "retriever: --backend dense (e5 embeddings + faiss-cpu) is not implemented yet; it would need "
+            "a local e5 model directory and faiss-cpu installed. Use --backend bm25.",
+            file=sys.stderr,
+        )
+        return 2
+    index = Bm25Index.from_jsonl(args.corpus)
+    server = RetrieverServer(index, host=args.host, port=args.port, default_topk=args.topk)
+    if args.pid_file:
+        Path(args.pid_file).write_text(f"{os.getpid()}\n")
+
+    def stop(signum, frame):
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"retriever: {len(index)} documents ({index.backend}) at {server.url}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        if args.pid_file:
+            Path(args.pid_file).unlink(missing_ok=True)
+    return 0
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie awaiting its parent has exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # Linux: the state is the field after the parenthesised command name
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+def _stop(args: argparse.Namespace) -> int:
+    path = Path(args.pid_file)
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError) as e:
+        print(f"retriever stop: cannot read a PID from {path} ({e})", file=sys.stderr)
+        return 1
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        print(f"retriever stop: no process {pid} (from {path}); removing the stale file", file=sys.stderr)
+        path.unlink(missing_ok=True)
+        return 1
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not _running(pid):
+            return 0
+        time.sleep(0.05)
+    print(f"retriever stop: process {pid} still running {STOP_TIMEOUT_S} s after SIGTERM", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_empg.rollout.retriever", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve /retrieve and /health in the foreground")
+    serve.add_argument("--corpus", required=True, help='JSONL, one {"id", "contents"} per line')
+    serve.add_argument("--port", type=int, required=True, help="0 picks a free port (printed)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--backend", choices=("bm25", "dense"), default="bm25")
+    serve.add_argument("--topk", type=int, default=DEFAULT_TOPK, help="when a request gives no topk")
+    serve.add_argument("--pid-file", help="write this process's PID here (removed on exit)")
+    stop = commands.add_parser("stop", help="SIGTERM the server whose PID is in --pid-file and wait")
+    stop.add_argument("--pid-file", required=True)
+    args = parser.parse_args(argv)
+    return _serve(args) if args.command == "serve" else _stop(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
