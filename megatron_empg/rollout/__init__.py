@@ -4,4 +4,6 @@
 ``vllm_engine.VllmEngine`` implements it with vLLM's offline ``LLM``, and
 ``vllm_weight_transfer`` is the weight-transfer backend that engine registers inside vLLM.
 Importing this package imports no engine: vLLM is imported only when an engine is built.
+``retriever`` is the local search retriever of the search-agent tasks (Search-R1 wire format,
+BM25 backend) with its HTTP client.
 """
