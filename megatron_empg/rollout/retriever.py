@@ -52,6 +52,29 @@ STOP_TIMEOUT_S = 10.0  # how long `stop` waits for the server process to exit
 # Index.
 
 
+def _import_bm25s():
+    """``bm25s`` on its numpy backend, without importing numba.
+
+    bm25s imports numba (and with it llvmlite) when it is installed, and vllm 0.32's kernel-override
+    scan of ``sys.modules`` (``vllm/triton_utils/dispatcher.py``) then fails on llvmlite's objects
+    (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'): a process that had built an
+    index could no longer start a vLLM engine. So numba is hidden while bm25s is first imported
+    (its ``from numba import njit`` fails and it keeps its numpy backend), then made importable again.
+    """
+    import sys
+
+    if "bm25s" in sys.modules or "numba" in sys.modules:
+        import bm25s
+
+        return bm25s
+    sys.modules["numba"] = None  # type: ignore[assignment]  # `import numba` raises ImportError
+    try:
+        import bm25s
+    finally:
+        del sys.modules["numba"]
+    return bm25s
+
+
 class Bm25Index:
     """BM25 (``bm25s``, English stopwords removed) over a list of ``{"id", "contents"}`` documents."""
 
@@ -59,8 +82,7 @@ class Bm25Index:
 
     def __init__(self, documents: list[dict]) -> None:
         """``documents``: non-empty list of dicts, each with str ``id`` and str ``contents``."""
-        import bm25s
-
+        bm25s = _import_bm25s()
         if not documents:
             raise ValueError("Bm25Index: documents is empty")
         self.documents = documents

@@ -196,3 +196,22 @@ def test_in_process_server():
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def test_building_an_index_leaves_llvmlite_unimported_and_numba_importable():
+    # vllm 0.32 cannot start an engine in a process where llvmlite.binding is imported (its kernel-override
+    # scan of sys.modules fails on llvmlite's objects), and bm25s imports numba -> llvmlite when it can
+    script = (
+        "import sys\n"
+        "from megatron_empg.rollout.retriever import Bm25Index\n"
+        "index = Bm25Index([{'id': 'a', 'contents': 'Paris is the capital of France'},\n"
+        "                   {'id': 'b', 'contents': 'Berlin is the capital of Germany'}])\n"
+        "[[(best, _)]] = index.search(['capital of France'], 1)\n"
+        "print(best['id'], 'llvmlite.binding' in sys.modules, 'numba' in sys.modules)\n"
+        "import numba\n"
+        "print('numba', bool(numba.njit))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["a False False", "numba True"]
