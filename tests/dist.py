@@ -34,7 +34,8 @@ class RankError(RuntimeError):
     """One or more ranks raised; the message holds each failed rank's traceback."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -75,7 +76,7 @@ def run_distributed(
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="run_distributed_") as out_dir:
         out = Path(out_dir)
-        entry_args = (world_size, _free_port(), timeout, out_dir, fn, args)
+        entry_args = (world_size, free_port(), timeout, out_dir, fn, args)
         procs = [ctx.Process(target=_entry, args=(r, *entry_args), name=f"rank{r}") for r in range(world_size)]
         try:
             for p in procs:

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -214,13 +213,6 @@ class RetrieverServer(ThreadingHTTPServer):
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port on ``host`` that was free a moment ago (for tests and launchers)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.dist import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 COMMANDS = ("sbatch", "scontrol", "scancel", "sinfo", "squeue", "srun", "mungekey")
 # Job states after which a job does not run again by itself (a requeued job goes back to PENDING).
@@ -27,12 +29,6 @@ def _find(name: str) -> str | None:
 def missing_programs() -> list[str]:
     """The Slurm and munge programs this machine lacks."""
     return [name for name in (*DAEMONS, *COMMANDS) if _find(name) is None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlurmCluster:
@@ -95,8 +91,8 @@ ClusterName=empgtest
 SlurmctldHost={self.node}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 AuthType=auth/munge
 AuthInfo=socket={munge_socket}
 CredType=cred/munge

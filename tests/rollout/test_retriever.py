@@ -23,8 +23,8 @@ from megatron_empg.rollout.retriever import (
     RetrieverError,
     RetrieverServer,
     RetrieverUnavailable,
-    free_port,
 )
+from tests.dist import free_port
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "search_corpus.jsonl"
 PARIS_ID = "0"  # '"Paris"\nParis is the capital and largest city of France, ...'
