@@ -60,8 +60,6 @@ def _import_bm25s():
     index could no longer start a vLLM engine. So numba is hidden while bm25s is first imported
     (its ``from numba import njit`` fails and it keeps its numpy backend), then made importable again.
     """
-    import sys
-
     if "bm25s" in sys.modules or "numba" in sys.modules:
         import bm25s
 
