@@ -56,3 +56,54 @@ def test_r1_math_stages_lengths_seeds_and_continuation(stage, response, seed, co
     base = load_config(RunConfig, RECIPES / f"{R1}.yaml")
     assert config.algorithm.loss == base.algorithm.loss and config.optimizer == base.optimizer
     assert config.algorithm.anchor == base.algorithm.anchor
+
+
+SEARCH = "qwen2.5_3b_search_ema_pg"
+# Search-R1's make_prefix(template_type="base") (scripts/data_process/nq_search.py), verbatim
+SEARCH_R1_BASE_PREFIX = (
+    "Answer the given question. "
+    "You must conduct reasoning inside <think> and </think> first every time you get new information. "
+    "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query </search> "
+    "and it will return the top searched results between <information> and </information>. "
+    "You can search as many times as your want. "
+    "If you find no further external knowledge needed, you can directly provide the answer inside <answer> and "
+    "</answer>, without detailed illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+
+
+def test_search_recipe_has_the_published_hyperparameters():
+    """ema-pg.md section 8.1 (search/train_grpo_ema_pg.sh), in optimizer steps where ours count them."""
+    config = load_config(RunConfig, RECIPES / f"{SEARCH}.yaml")
+    assert config.model_config().hf_model_id == "Qwen/Qwen2.5-3B"
+    assert config.train.steps == 1005
+    mini = config.algorithm.mini_batches
+    assert mini == 10  # 10 optimizer steps per step (ppo_mini_batch 256 of 2560 trajectories)
+    # whole prompt groups per mini-batch: 480 prompts (not 512) split into 10 mini-batches of 48 x 5
+    assert (config.train.prompts_per_step, config.rollout.sampling.n) == (480, 5)
+    config.validate_world_size(8)  # one node of 8 GPUs, as the reference
+    opt = config.optimizer
+    assert (opt.lr, opt.lr_decay_style, opt.lr_decay_steps) == (1e-6, "constant", None)
+    assert opt.lr_warmup_steps == int(0.285 * 1005) * mini  # verl's scheduler steps once per step
+    assert (opt.adam_beta1, opt.adam_beta2, opt.weight_decay, opt.clip_grad) == (0.9, 0.95, 0.01, 1.0)
+    loss = config.algorithm.loss
+    assert loss.policy_loss == "ppo_clip" and loss.agg_mode == "token-mean" and loss.entropy_coef == 0
+    assert loss.policy_loss_args == {"clip_eps_low": 0.2, "clip_eps_high": 0.28}
+    assert (loss.kl, loss.kl_coef, config.algorithm.topk) == ("topk", 0.001, 32)
+    assert loss.kl_args == {"direction": "reverse", "tail": True, "tail_grad": "unbiased", "importance_weight": True}
+    assert (config.algorithm.anchor.tau, config.algorithm.anchor.period) == (0.9, 10 * mini)
+    assert config.algorithm.advantage == "grpo" and not config.algorithm.mask_truncated
+    sampling = config.rollout.sampling
+    assert (sampling.temperature, sampling.top_p, sampling.max_tokens) == (1.0, 0.95, 500)
+    agent = config.rollout.search_agent
+    assert (agent.retriever_url, agent.topk, agent.max_turns, agent.max_obs_tokens) == (
+        "http://127.0.0.1:8000", 3, 4, 500)  # fmt: skip
+    data = config.data
+    assert (data.reward, data.prompt_key, data.answer_key) == ("qa_em", "question", "golden_answers")
+    assert data.prompt_template.format(prompt="who wrote hamlet?") == SEARCH_R1_BASE_PREFIX.format(
+        question="who wrote hamlet?")  # fmt: skip
+    assert data.apply_chat_template and data.system_prompt is None and data.max_prompt_tokens == 2048
+    # a whole episode fits: the prompt, max_turns + 1 turns of max_tokens, max_turns observations
+    episode = data.max_prompt_tokens + (agent.max_turns + 1) * sampling.max_tokens + agent.max_turns * agent.max_obs_tokens
+    assert episode == 6548 and config.train.max_seq_len == config.rollout.max_model_len == 6656
+    assert not config.rollout.in_process and config.weight_sync.transport == "shm_file"
+    assert config.rollout.dtype == config.train.params_dtype == "bfloat16"
