@@ -767,6 +767,41 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SearchAgentConfig:
+    """Multi-turn search-agent rollouts (Search-R1's protocol, ``rollout.search_agent``).
+
+    The policy writes ``<search>query</search>`` or ``<answer>...</answer>``; after a search the
+    ``topk`` passages of the retriever at ``retriever_url`` (a Search-R1-compatible server, e.g.
+    ``python -m megatron_empg.rollout.retriever serve``) are appended inside
+    ``<information>...</information>``, cut to ``max_obs_tokens`` tokens, and the policy continues.
+    ``max_turns`` turns may search; one more, final turn may only answer. ``rollout.sampling.max_tokens``
+    bounds each turn's generation, ``train.max_seq_len`` a whole episode. Each retriever request is
+    tried ``1 + retries`` times, each bounded by ``timeout_s``; then the step fails.
+    """
+
+    retriever_url: str
+    topk: int = 3
+    max_turns: int = 4
+    max_obs_tokens: int = 500
+    timeout_s: float = 10.0
+    retries: int = 3
+
+    def validate(self) -> None:
+        if not self.retriever_url.startswith(("http://", "https://")):
+            raise ConfigError("retriever_url", f"expected an http(s) URL such as http://127.0.0.1:8000, got {self.retriever_url!r}")
+        if self.topk < 1:
+            raise ConfigError("topk", f"must be >= 1, got {self.topk!r}")
+        if self.max_turns < 0:
+            raise ConfigError("max_turns", f"must be >= 0 (0: answer without searching), got {self.max_turns!r}")
+        if self.max_obs_tokens < 1:
+            raise ConfigError("max_obs_tokens", f"must be >= 1, got {self.max_obs_tokens!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s!r}")
+        if self.retries < 0:
+            raise ConfigError("retries", f"must be >= 0, got {self.retries!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """The rollout engine (vLLM): sampling, and how the engine is run.
 
@@ -775,6 +810,8 @@ class RolloutConfig:
     it is a child process and updates go through a shared-memory file. ``kv_cache_gib`` sizes the
     KV cache on CPU (``VLLM_CPU_KVCACHE_SPACE``); on GPU ``gpu_memory_utilization`` does.
     ``sleep_while_training`` (GPU, colocated) releases the KV cache and weights between rollouts.
+    ``search_agent``: multi-turn rollouts with a search tool (``SearchAgentConfig``) instead of one
+    response per sample.
     """
 
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -787,6 +824,7 @@ class RolloutConfig:
     kv_cache_gib: int = 1
     sleep_while_training: bool = True
     seed: int = 0
+    search_agent: SearchAgentConfig | None = None  # null: one response per sample, no tools
 
     def validate(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -39,7 +39,8 @@ def char_tokenizer(vocab_size: int):
     for i in range(vocab_size - len(vocab)):
         vocab[f"<|extra_{i}|>"] = len(vocab)
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # every character its own piece; "." alone would leave a run of newlines one piece (an <unk>)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     specials = [EOS_TOKEN, UNK_TOKEN] + [t for t in vocab if t.startswith("<|extra_")]
     tokenizer.add_special_tokens(specials)

@@ -2,7 +2,9 @@
 
 A sample is a prompt and one sampled response. Its tokens are ``prompt + response``; position t
 predicts token t + 1, so the response's log-probs sit at positions ``len(prompt) - 1 ..
-len(prompt) + len(response) - 2``: that is where ``loss_mask`` is True. Sequences are right-padded
+len(prompt) + len(response) - 2``: that is where ``loss_mask`` is True, except at the response
+tokens the policy did not generate (a multi-turn response's observations: ``response_mask``
+False), which get no loss, KL or entropy term. Sequences are right-padded
 to one length for the whole step (Megatron's schedule takes one ``seq_length`` per call), rounded
 up to a multiple of ``pad_multiple``.
 """
@@ -26,12 +28,21 @@ class Sample:
     finish_reason: str
     group: int  # prompt index within the step (GRPO group)
     example: Any = None  # the rollout.data.PromptExample (its gold answer for the reward)
+    response_mask: list[bool] | None = None  # [len(response_ids)], True: generated; None: all generated
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)  # rollout counts (turns, searches)
     reward: float = 0.0
     correct: bool = False
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        """The response tokens the policy generated (what the reward reads)."""
+        if self.response_mask is None:
+            return self.response_ids
+        return [token for token, generated in zip(self.response_ids, self.response_mask) if generated]
 
 
 @dataclasses.dataclass
@@ -77,6 +88,10 @@ def pack(samples: Sequence[Sample], *, pad_id: int, pad_multiple: int = 8, max_l
         input_ids[i, :n] = tokens
         target_ids[i, : n - 1] = tokens[1:]
         if r:
-            loss_mask[i, p - 1 : p - 1 + r] = True
-            sampler[i, p - 1 : p - 1 + r] = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
+            generated = torch.ones(r, dtype=torch.bool) if s.response_mask is None else torch.tensor(s.response_mask)
+            if generated.shape != (r,):
+                raise ValueError(f"sample {i}: response_mask has {generated.numel()} entries for {r} response tokens")
+            loss_mask[i, p - 1 : p - 1 + r] = generated
+            logprobs = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
+            sampler[i, p - 1 : p - 1 + r] = torch.where(generated, logprobs, 0.0)
     return PackedBatch(input_ids, target_ids, loss_mask, sampler)

@@ -59,6 +59,7 @@ class Trainer:
         self.tokenizer = _load_tokenizer(config)
         self._check_layout()
         self.engine = self._start_engine() if self.rank == ENGINE_RANK else None  # before seeding: vLLM seeds globally
+        self.agent = self._build_agent() if self.engine is not None and config.rollout.search_agent else None
         self.groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
         self._build_policy()
         self.anchor = self._build_anchor()
@@ -101,6 +102,19 @@ class Trainer:
             return VllmEngine(engine_dir, self.config.rollout, load_format="dummy")  # weights come by sync
         finally:
             signal.signal(signal.SIGUSR1, previous)
+
+    def _build_agent(self):
+        """The multi-turn search agent of ``rollout.search_agent``, after checking that its retriever
+        answers (a missing retriever fails here, not at the first step)."""
+        from megatron_empg.rollout.retriever import RetrieverClient
+        from megatron_empg.rollout.search_agent import SearchAgent
+
+        settings = self.config.rollout.search_agent
+        client = RetrieverClient(settings.retriever_url, timeout_s=settings.timeout_s, retries=settings.retries)
+        health = client.health()
+        log.info("retriever at %s: %s", settings.retriever_url, health)
+        max_model_len = self.config.rollout.max_model_len or self.model.max_position_embeddings
+        return SearchAgent(settings, self.tokenizer, client, max_length=min(self.config.train.max_seq_len, max_model_len))
 
     def _build_policy(self) -> None:
         from megatron_empg.mcore.model import build_gpt_model
@@ -214,26 +228,33 @@ class Trainer:
         """This DP replica's samples of global prompt batch ``step_index``."""
         examples = self.batches.batch(self.step_index)
         sampling = self.config.rollout.sampling
-        if sampling.seed is not None:  # the engine seeds prompt i with seed + i * n: no stream repeats across steps
-            sampling = dataclasses.replace(sampling, seed=sampling.seed + self.step_index * len(examples) * sampling.n)
-        if self.engine is not None:
-            completions = self.engine.generate([e.prompt_ids for e in examples], sampling)
-            payload = [[(c.token_ids, c.logprobs, c.finish_reason) for c in group] for group in completions]
-        else:
-            payload = None
-        box = [payload]
+        if sampling.seed is not None:  # a sample draws from `seeds_per_sample` seeds: no stream repeats across steps
+            seeds_per_sample = self.config.rollout.search_agent.max_turns + 1 if self.config.rollout.search_agent else 1
+            step_offset = self.step_index * len(examples) * sampling.n * seeds_per_sample
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + step_offset)
+        box = [self._sample([e.prompt_ids for e in examples], sampling) if self.engine is not None else None]
         dist.broadcast_object_list(box, src=ENGINE_RANK)
         dp, dp_rank = self.groups.dp_size, self.groups.dp_rank
         per_rank = len(examples) // dp
         samples = []
         for p in range(dp_rank * per_rank, (dp_rank + 1) * per_rank):
-            for token_ids, logprobs, finish in box[0][p]:
-                samples.append(Sample(examples[p].prompt_ids, list(token_ids), list(logprobs), finish, group=p,
-                                      example=examples[p]))  # fmt: skip
+            for token_ids, logprobs, finish, response_mask, stats in box[0][p]:
+                samples.append(Sample(examples[p].prompt_ids, token_ids, logprobs, finish, group=p, example=examples[p],
+                                      response_mask=response_mask, stats=stats))  # fmt: skip
         return samples
 
+    def _sample(self, prompts: list[list[int]], sampling) -> list[list[tuple]]:
+        """``[P][n]`` (token ids, sampler log-probs, finish reason, response mask, stats) from the engine:
+        one response per sample, or the search agent's episodes (their masks exclude observations)."""
+        if self.agent is None:
+            completions = self.engine.generate(prompts, sampling)
+            return [[(c.token_ids, c.logprobs, c.finish_reason, None, {}) for c in group] for group in completions]
+        episodes = self.agent.rollout(self.engine, prompts, sampling)
+        return [[(e.response_ids, e.sampler_logprobs, e.finish_reason, e.response_mask, e.stats()) for e in group]
+                for group in episodes]  # fmt: skip
+
     def score_rewards(self, samples: list[Sample]) -> dict[str, float]:
-        texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode([s.generated_ids for s in samples], skip_special_tokens=True)
         result = self.reward_fn(texts, [s.example for s in samples])
         for sample, score, correct in zip(samples, result.scores, result.correct):
             sample.reward, sample.correct = float(score), bool(correct)
@@ -351,6 +372,9 @@ class Trainer:
             "samples": len(samples), "response_tokens": sum(lengths), "truncated": sum(s.finish_reason == "length" for s in samples),
             "loss_tokens": int(batch.loss_mask.sum()),
         }  # fmt: skip
+        for sample in samples:  # the search agent's per-episode counts
+            for key, value in sample.stats.items():
+                local[f"rollout/{key}"] = local.get(f"rollout/{key}", 0.0) + value
         totals = _all_reduce_sums({**local, **reward_metrics}, self.groups.dp_group)  # one all-reduce
         n = max(totals["samples"], 1)
         mean = totals["reward_sum"] / n
@@ -361,8 +385,10 @@ class Trainer:
             "reward/accuracy": totals["correct"] / n,
             "response/length_mean": totals["response_tokens"] / n,
             "response/truncated_fraction": totals["truncated"] / n,
+            "response/loss_tokens_mean": totals["loss_tokens"] / n,
             "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
             **{f"time/{k}": v for k, v in times.items()},
+            **{f"{k}_mean": totals[k] / n for k in local if k.startswith("rollout/")},
             **{k: totals[k] for k in reward_metrics}, **update_metrics, **sync_metrics,
         }  # fmt: skip
         return out
