@@ -14,13 +14,25 @@ module can point at a Search-R1 server and a Search-R1 trainer at this one):
 The corpus is JSONL with one ``{"id": str, "contents": str}`` per line; ``contents`` is
 ``'"Title"\\ntext'`` as in Search-R1's wiki-18 corpus.
 
-Backends: BM25 (``bm25s``, imported when an index is built). The dense backend (e5 embeddings +
-``faiss-cpu``) is not implemented: ``serve --backend dense`` exits with an error saying so.
+Backends (``--backend``):
+
+- ``bm25`` (default): ``bm25s``, imported when an index is built.
+- ``dense``: e5-style embeddings from a local Hugging Face model directory (e.g. a downloaded
+  ``intfloat/e5-base-v2``) and an exact inner-product ``faiss`` index (``faiss-cpu``), with
+  Search-R1's conventions: ``"query: "`` / ``"passage: "`` prefixes, at most 256 tokens, mean
+  pooling over the attention mask, L2-normalized embeddings (so the score is the cosine). The index
+  is built at start-up by encoding every passage, or read with ``--index`` from a prebuilt faiss
+  file whose row i embeds corpus line i (Search-R1's ``e5_Flat.index`` for wiki-18);
+  ``--save-index`` writes a built one for the next start. faiss, torch and transformers are
+  imported only by this backend.
 
 Command line::
 
     python -m megatron_empg.rollout.retriever serve --corpus corpus.jsonl --port 8000 \\
         [--host 127.0.0.1] [--topk 3] [--pid-file retriever.pid]
+    python -m megatron_empg.rollout.retriever serve --corpus corpus.jsonl --port 8000 \\
+        --backend dense --model e5-base-v2/ [--index e5_Flat.index | --save-index e5_Flat.index] \\
+        [--batch-size 64] [--host, --topk, --pid-file as above]
     python -m megatron_empg.rollout.retriever stop --pid-file retriever.pid
 
 ``serve`` runs in the foreground until SIGTERM/SIGINT (``stop`` sends SIGTERM to the PID in the
@@ -42,13 +54,41 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DEFAULT_TOPK = 3  # Search-R1's default retrieval_topk
 STOP_TIMEOUT_S = 10.0  # how long `stop` waits for the server process to exit
+E5_MAX_LENGTH = 256  # tokens per text: Search-R1's query max_length and its index builder's for passages
+E5_QUERY_PREFIX = "query: "
+E5_PASSAGE_PREFIX = "passage: "
+DEFAULT_ENCODE_BATCH_SIZE = 64  # texts per encoder forward pass
 
 
 # --------------------------------------------------------------------------------------------
 # Index.
+
+
+def read_corpus(path: str | os.PathLike) -> list[dict]:
+    """A JSONL corpus (one ``{"id": str, "contents": str}`` per line; blank lines skipped), in file order."""
+    documents = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e
+            for field in ("id", "contents"):
+                if not isinstance(row.get(field), str):
+                    raise ValueError(f"{path}:{line_no}: field {field!r} missing or not a string")
+            documents.append({"id": row["id"], "contents": row["contents"]})
+    if not documents:
+        raise ValueError(f"{path}: no documents")
+    return documents
 
 
 def _import_bm25s():
@@ -91,23 +131,8 @@ class Bm25Index:
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike) -> Bm25Index:
-        """Read a JSONL corpus (one ``{"id": str, "contents": str}`` per line; blank lines skipped)."""
-        documents = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e
-                for field in ("id", "contents"):
-                    if not isinstance(row.get(field), str):
-                        raise ValueError(f"{path}:{line_no}: field {field!r} missing or not a string")
-                documents.append({"id": row["id"], "contents": row["contents"]})
-        if not documents:
-            raise ValueError(f"{path}: no documents")
-        return cls(documents)
+        """The index of the JSONL corpus at ``path`` (see ``read_corpus``)."""
+        return cls(read_corpus(path))
 
     def __len__(self) -> int:
         return len(self.documents)
@@ -118,6 +143,115 @@ class Bm25Index:
         tokens = self._bm25s.tokenize(queries, stopwords="en", show_progress=False)
         with self._lock:
             ids, scores = self._model.retrieve(tokens, k=k, show_progress=False, n_threads=0)
+        return [
+            [(self.documents[int(i)], float(s)) for i, s in zip(row_ids, row_scores)]
+            for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
+        ]
+
+
+def _import_faiss():
+    """``faiss``, or an ImportError saying how to install it."""
+    try:
+        import faiss
+    except ImportError as e:
+        raise ImportError(f"the dense retriever backend needs faiss: pip install faiss-cpu ({e})") from e
+    return faiss
+
+
+class E5Encoder:
+    """Texts -> e5 embeddings with the model of a local Hugging Face directory (``AutoModel``, float32).
+
+    Each text is ``prefix + text`` (``E5_QUERY_PREFIX`` or ``E5_PASSAGE_PREFIX``), truncated to
+    ``max_length`` tokens; its embedding is the mean of the last hidden states over the attention
+    mask, L2-normalized. Runs on CUDA when available, else CPU, ``batch_size`` texts per forward.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, batch_size: int = DEFAULT_ENCODE_BATCH_SIZE,
+                 max_length: int = E5_MAX_LENGTH) -> None:  # fmt: skip
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        if batch_size < 1:
+            raise ValueError(f"E5Encoder: batch_size must be >= 1, got {batch_size}")
+        self._torch = torch
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
+        self.hidden_size: int = self.model.config.hidden_size
+        self.batch_size = batch_size
+        self.max_length = max_length
+
+    def encode(self, texts: list[str], prefix: str) -> np.ndarray:
+        """``[len(texts), hidden_size]`` float32, C-contiguous, each row of unit L2 norm."""
+        import numpy as np
+
+        torch = self._torch
+        embeddings = np.empty((len(texts), self.hidden_size), dtype=np.float32)
+        with torch.inference_mode():
+            for start in range(0, len(texts), self.batch_size):
+                batch = self.tokenizer(
+                    [prefix + text for text in texts[start : start + self.batch_size]],
+                    max_length=self.max_length, padding=True, truncation=True, return_tensors="pt",
+                ).to(self.device)
+                hidden = self.model(**batch).last_hidden_state  # [B, T, hidden_size]
+                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
+                mean = (hidden * mask).sum(dim=1) / mask.sum(dim=1)
+                embeddings[start : start + len(mean)] = torch.nn.functional.normalize(mean, dim=-1).cpu().numpy()
+        return embeddings
+
+
+class DenseIndex:
+    """Exact inner-product search (``faiss.IndexFlatIP``) of e5 query embeddings over passage embeddings.
+
+    ``index_path``: a faiss index file whose row i embeds ``documents[i]`` (Search-R1's
+    ``e5_Flat.index``, row i = corpus line i); None: built by encoding every passage's ``contents``.
+    A file with another number of rows or another dimension than ``encoder.hidden_size`` is a ValueError.
+    """
+
+    backend = "dense"
+
+    def __init__(self, documents: list[dict], encoder: E5Encoder, index_path: str | os.PathLike | None = None) -> None:
+        """``documents``: non-empty list of dicts, each with str ``id`` and str ``contents``."""
+        faiss = _import_faiss()
+        if not documents:
+            raise ValueError("DenseIndex: documents is empty")
+        self.documents = documents
+        self.encoder = encoder
+        if index_path is None:
+            self._faiss_index = faiss.IndexFlatIP(encoder.hidden_size)
+            self._faiss_index.add(encoder.encode([d["contents"] for d in documents], E5_PASSAGE_PREFIX))
+        else:
+            self._faiss_index = faiss.read_index(str(index_path))
+            if self._faiss_index.ntotal != len(documents):
+                raise ValueError(
+                    f"--index {index_path}: {self._faiss_index.ntotal} vectors, but the corpus has "
+                    f"{len(documents)} documents (row i of the index must embed corpus line i)"
+                )
+            if self._faiss_index.d != encoder.hidden_size:
+                raise ValueError(
+                    f"--index {index_path}: vectors of dimension {self._faiss_index.d}, but the --model's "
+                    f"hidden size is {encoder.hidden_size} (an index built with another model?)"
+                )
+        self._lock = threading.Lock()  # a fast tokenizer raises "Already borrowed" when used by two threads
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the faiss index to ``path`` (a temporary file in the same directory, then renamed)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            _import_faiss().write_index(self._faiss_index, str(tmp))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def search(self, queries: list[str], topk: int) -> list[list[tuple[dict, float]]]:
+        """Per query, up to ``min(topk, len(self))`` ``(document, cosine)`` pairs, score descending."""
+        k = min(topk, len(self.documents))
+        with self._lock:
+            scores, ids = self._faiss_index.search(self.encoder.encode(queries, E5_QUERY_PREFIX), k)  # [Q, k] each
         return [
             [(self.documents[int(i)], float(s)) for i, s in zip(row_ids, row_scores)]
             for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
@@ -194,7 +328,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class RetrieverServer(ThreadingHTTPServer):
-    """``POST /retrieve`` and ``GET /health`` over ``index`` (a ``Bm25Index``) on ``(host, port)``.
+    """``POST /retrieve`` and ``GET /health`` over ``index`` (``Bm25Index``/``DenseIndex``) on ``(host, port)``.
 
     ``port=0`` picks a free port; ``url`` is the address actually bound. ``serve_forever()`` runs
     it (in a thread or the foreground), ``shutdown()`` + ``server_close()`` stops it.
@@ -202,7 +336,9 @@ class RetrieverServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, index: Bm25Index, host: str = "127.0.0.1", port: int = 0, default_topk: int = DEFAULT_TOPK):
+    def __init__(
+        self, index: Bm25Index | DenseIndex, host: str = "127.0.0.1", port: int = 0, default_topk: int = DEFAULT_TOPK
+    ) -> None:
         self.index = index
         self.default_topk = default_topk
         super().__init__((host, port), _Handler)
@@ -313,14 +449,17 @@ class RetrieverClient:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.backend == "dense":
-        print(
-            "retriever: --backend dense (e5 embeddings + faiss-cpu) is not implemented yet; it would need "
-            "a local e5 model directory and faiss-cpu installed. Use --backend bm25.",
-            file=sys.stderr,
-        )
+    try:
+        documents = read_corpus(args.corpus)
+        if args.backend == "dense":
+            index = DenseIndex(documents, E5Encoder(args.model, batch_size=args.batch_size), index_path=args.index)
+        else:
+            index = Bm25Index(documents)
+    except ValueError as e:  # a malformed corpus, an --index that does not match the corpus or the --model
+        print(f"retriever: {e}", file=sys.stderr)
         return 2
-    index = Bm25Index.from_jsonl(args.corpus)
+    if args.save_index:
+        index.save(args.save_index)
     server = RetrieverServer(index, host=args.host, port=args.port, default_topk=args.topk)
     if args.pid_file:
         Path(args.pid_file).write_text(f"{os.getpid()}\n")
@@ -385,10 +524,40 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--backend", choices=("bm25", "dense"), default="bm25")
     serve.add_argument("--topk", type=int, default=DEFAULT_TOPK, help="when a request gives no topk")
     serve.add_argument("--pid-file", help="write this process's PID here (removed on exit)")
+    serve.add_argument("--model", help="dense: local Hugging Face directory of an e5 encoder (e.g. e5-base-v2)")
+    serve.add_argument("--index", help="dense: prebuilt faiss index, row i = corpus line i (else built at start)")
+    serve.add_argument("--save-index", help="dense: write the index built at start here, for --index next time")
+    serve.add_argument("--batch-size", type=int, default=DEFAULT_ENCODE_BATCH_SIZE, help="dense: texts per forward")
     stop = commands.add_parser("stop", help="SIGTERM the server whose PID is in --pid-file and wait")
     stop.add_argument("--pid-file", required=True)
     args = parser.parse_args(argv)
-    return _serve(args) if args.command == "serve" else _stop(args)
+    if args.command == "stop":
+        return _stop(args)
+    _check_serve_args(serve, args)
+    return _serve(args)
+
+
+def _check_serve_args(serve: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``serve.error`` (exit 2) for a flag combination of ``serve`` that cannot work."""
+    if args.backend == "bm25":
+        for flag, value in (("--model", args.model), ("--index", args.index), ("--save-index", args.save_index)):
+            if value is not None:
+                serve.error(f"{flag} is for --backend dense only (got --backend bm25)")
+        return
+    if args.model is None:
+        serve.error("--backend dense needs --model DIR (a local Hugging Face e5 model directory)")
+    if not os.path.isdir(args.model):
+        serve.error(f"--model {args.model}: not a directory (expected a local Hugging Face model directory)")
+    if args.index is not None and not os.path.isfile(args.index):
+        serve.error(f"--index {args.index}: no such file (expected a faiss index, e.g. e5_Flat.index)")
+    if args.index is not None and args.save_index is not None:
+        serve.error("--save-index writes an index built at start; with --index nothing is built")
+    if args.batch_size < 1:
+        serve.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    try:
+        _import_faiss()
+    except ImportError as e:
+        serve.error(str(e))
 
 
 if __name__ == "__main__":
