@@ -26,22 +26,34 @@ CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n"]
 NUM_BASE_TOKENS = 2 + len(CHARACTERS)  # eos, unk, characters
 
 
+def _byte_level(character: str) -> str:
+    """GPT-2's byte-level symbol of an ASCII character: itself if printable, else a letter from
+    U+0100 on (space: "Ġ", newline: "Ċ")."""
+    code = ord(character)
+    return chr(code + 256) if code <= 32 else character
+
+
 def char_tokenizer(vocab_size: int):
-    """A ``transformers.PreTrainedTokenizerFast``: one token per character, ``vocab_size`` ids in all."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A ``transformers.PreTrainedTokenizerFast``: one token per character, ``vocab_size`` ids in all.
+
+    Byte-level BPE without merges, as GPT-2 / Qwen tokenizers are built: for a Qwen2-family
+    model directory, transformers 5 loads any tokenizer as ``Qwen2Tokenizer``, which rebuilds the
+    pipeline from the vocabulary (byte-level pre-tokenization, BPE) and so drops every vocabulary
+    entry that is not a byte-level symbol (a plain " " or "\n": spaces and newlines vanished).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < NUM_BASE_TOKENS:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the {NUM_BASE_TOKENS} tokens of the character set")
     vocab = {EOS_TOKEN: 0, UNK_TOKEN: 1}
-    for token in CHARACTERS:
-        vocab[token] = len(vocab)
+    for character in CHARACTERS:
+        vocab[_byte_level(character)] = len(vocab)
     for i in range(vocab_size - len(vocab)):
         vocab[f"<|extra_{i}|>"] = len(vocab)
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
-    # every character its own piece; "." alone would leave a run of newlines one piece (an <unk>)
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
+    tokenizer = Tokenizer(models.BPE(vocab, merges=[], unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
     specials = [EOS_TOKEN, UNK_TOKEN] + [t for t in vocab if t.startswith("<|extra_")]
     tokenizer.add_special_tokens(specials)
     return PreTrainedTokenizerFast(
