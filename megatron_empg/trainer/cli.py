@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(config: RunConfig, *, resume: bool) -> int:
     import torch.distributed as dist
 
+    from megatron_empg.rollout.retriever import RetrieverError
     from megatron_empg.trainer.loop import RunDirectoryError, Trainer, check_fresh_start
     from megatron_empg.trainer.metrics_log import MetricsLogger
 
@@ -111,7 +112,12 @@ def _train(config: RunConfig, *, resume: bool) -> int:
             sys.stderr.write(f"empg: error: {error}\n")
         dist.destroy_process_group()
         return 2
-    trainer = Trainer(config)
+    try:
+        trainer = Trainer(config)
+    except RetrieverError as error:  # rollout.search_agent's retriever is not there
+        sys.stderr.write(f"empg: error: {error}\n")
+        dist.destroy_process_group()
+        return 1
     logger = MetricsLogger(config, config.train.steps, enabled=dist.get_rank() == 0)
     try:
         trainer.run(resume=resume, logger=logger)

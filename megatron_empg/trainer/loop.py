@@ -58,8 +58,8 @@ class Trainer:
         self.rank = dist.get_rank()
         self.tokenizer = _load_tokenizer(config)
         self._check_layout()
+        self.agent = self._build_agent() if self.rank == ENGINE_RANK and config.rollout.search_agent else None
         self.engine = self._start_engine() if self.rank == ENGINE_RANK else None  # before seeding: vLLM seeds globally
-        self.agent = self._build_agent() if self.engine is not None and config.rollout.search_agent else None
         self.groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
         self._build_policy()
         self.anchor = self._build_anchor()
@@ -105,7 +105,7 @@ class Trainer:
 
     def _build_agent(self):
         """The multi-turn search agent of ``rollout.search_agent``, after checking that its retriever
-        answers (a missing retriever fails here, not at the first step)."""
+        answers (a missing retriever fails here, before the engine starts, not at the first step)."""
         from megatron_empg.rollout.retriever import RetrieverClient
         from megatron_empg.rollout.search_agent import SearchAgent
 
