@@ -363,7 +363,13 @@ class Passage:
 
 
 class RetrieverError(RuntimeError):
-    """The retriever answered, but not with a usable result (4xx, malformed response)."""
+    """The retriever answered, but not with a usable result (4xx, malformed response).
+
+    ``status``: the HTTP status of a 4xx answer, else None."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class RetrieverUnavailable(RetrieverError):
@@ -408,7 +414,9 @@ class RetrieverClient:
                     return json.loads(response.read())
             except urllib.error.HTTPError as e:
                 if e.code < 500:
-                    raise RetrieverError(f"retriever at {url} answered {e.code}: {e.read().decode(errors='replace')}") from e
+                    raise RetrieverError(
+                        f"retriever at {url} answered {e.code}: {e.read().decode(errors='replace')}", status=e.code
+                    ) from e
                 last_error = e
             except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
                 last_error = e
@@ -422,8 +430,21 @@ class RetrieverClient:
         )
 
     def health(self) -> dict:
-        """The server's ``GET /health`` answer, e.g. ``{"status": "ok", "backend": "bm25", "num_documents": 40}``."""
-        return self._request("/health", None)
+        """The server's ``GET /health`` answer, e.g. ``{"status": "ok", "backend": "bm25", "num_documents": 40}``.
+
+        A server without ``/health`` (404: Search-R1's own ``retrieval_server.py`` has only
+        ``/retrieve``) is checked with a one-query ``/retrieve`` instead: ``{"status": "ok",
+        "backend": "unknown (no /health)"}``.
+        """
+        try:
+            return self._request("/health", None)
+        except RetrieverUnavailable:
+            raise
+        except RetrieverError as e:
+            if e.status != 404:
+                raise
+        self.search(["health check"], 1)
+        return {"status": "ok", "backend": "unknown (no /health)"}
 
     def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
         """Per query (in order), up to ``topk`` passages, best first."""

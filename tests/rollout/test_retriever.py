@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -25,49 +26,17 @@ from megatron_empg.rollout.retriever import (
     RetrieverUnavailable,
 )
 from tests.dist import free_port
+from tests.rollout.retriever_service import CLI, CORPUS, serve_retriever
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "search_corpus.jsonl"
 PARIS_ID = "0"  # '"Paris"\nParis is the capital and largest city of France, ...'
 LYON_ID = "10"  # a France passage without "capital": the runner-up
-START_TIMEOUT_S = 60.0
-CLI = [sys.executable, "-m", "megatron_empg.rollout.retriever"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> str:
     """The URL of ``retriever serve`` (a subprocess) on a free loopback port; stopped by ``stop``."""
-    pid_file = tmp_path_factory.mktemp("retriever") / "retriever.pid"
-    port = free_port()
-    proc = subprocess.Popen(
-        [*CLI, "serve", "--corpus", str(CORPUS), "--port", str(port), "--pid-file", str(pid_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    client = RetrieverClient(url, timeout_s=2.0, retries=0)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"retriever exited {proc.returncode} at start:\n{proc.stdout.read()}")
-            try:
-                client.health()
-                break
-            except RetrieverUnavailable:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"retriever not healthy {START_TIMEOUT_S} s after start")
-                time.sleep(0.1)
+    with serve_retriever(tmp_path_factory.mktemp("retriever")) as url:
         yield url
-    finally:
-        stop = subprocess.run([*CLI, "stop", "--pid-file", str(pid_file)], capture_output=True, text=True, timeout=30)
-        try:
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    assert stop.returncode == 0, stop.stderr
-    assert proc.returncode == 0
-    assert not pid_file.exists()
 
 
 def _post(url: str, body: bytes) -> tuple[int, dict]:
@@ -168,13 +137,37 @@ def test_silent_server_times_out_and_raises_unavailable():
     assert info.value.attempts == 2 and url in str(info.value)
 
 
-def test_dense_backend_is_a_clear_error():
-    result = subprocess.run(
-        [*CLI, "serve", "--corpus", str(CORPUS), "--port", "0", "--backend", "dense"],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert result.returncode == 2
-    assert "not implemented" in result.stderr and "e5" in result.stderr and "faiss-cpu" in result.stderr
+class _RetrieveOnly(BaseHTTPRequestHandler):
+    """Search-R1's retrieval server as far as the client sees it: POST /retrieve, no /health (404)."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_error(404)  # FastAPI's answer to an unknown path
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        hit = {"document": {"id": "0", "contents": '"A"\ntext'}, "score": 1.0}
+        payload = json.dumps({"result": [[hit] for _ in body["queries"]]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002
+        pass
+
+
+def test_health_of_a_server_without_health_endpoint_is_checked_by_a_query():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RetrieveOnly)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = "http://127.0.0.1:%d" % server.server_address[1]
+        assert RetrieverClient(url, retries=0).health() == {"status": "ok", "backend": "unknown (no /health)"}
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
 
 
 def test_bm25_index_rejects_a_row_without_contents(tmp_path):
