@@ -1140,9 +1140,12 @@ class RunConfig:
                 f"must divide prompts_per_step x rollout.sampling.n = "
                 f"{self.train.prompts_per_step * self.rollout.sampling.n}",
             )
-        if self.train.prompts_per_step % self.algorithm.mini_batches:
+        micro_batches = self.train.prompts_per_step * self.rollout.sampling.n // self.train.micro_batch_size
+        if micro_batches % self.algorithm.mini_batches:  # advantages come first: a group may span mini-batches
             raise ConfigError(
-                "algorithm.mini_batches", f"must divide train.prompts_per_step={self.train.prompts_per_step}"
+                "algorithm.mini_batches",
+                f"must divide the step's {micro_batches} micro-batches (train.prompts_per_step x rollout.sampling.n / "
+                f"train.micro_batch_size), got {self.algorithm.mini_batches}",
             )
 
     def validate_world_size(self, world_size: int) -> None:

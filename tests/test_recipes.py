@@ -78,8 +78,7 @@ def test_search_recipe_has_the_published_hyperparameters():
     assert config.train.steps == 1005
     mini = config.algorithm.mini_batches
     assert mini == 10  # 10 optimizer steps per step (ppo_mini_batch 256 of 2560 trajectories)
-    # whole prompt groups per mini-batch: 480 prompts (not 512) split into 10 mini-batches of 48 x 5
-    assert (config.train.prompts_per_step, config.rollout.sampling.n) == (480, 5)
+    assert (config.train.prompts_per_step, config.rollout.sampling.n) == (512, 5)
     config.validate_world_size(8)  # one node of 8 GPUs, as the reference
     opt = config.optimizer
     assert (opt.lr, opt.lr_decay_style, opt.lr_decay_steps) == (1e-6, "constant", None)
