@@ -175,16 +175,6 @@ def prepare(sources: list[Source], out: Path, *, limit: int | None = None, seed:
     return counts
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prepare_search_data.py", description=__doc__.split("\n\n")[0],
@@ -192,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("sources", nargs="+", metavar="NAME=PATH", help="a FlashRAG JSONL file and its data_source")
     parser.add_argument("--out", required=True, type=Path, help="the JSONL file to write")
-    parser.add_argument("--limit", type=positive_int, default=None, help="keep at most N rows of each file")
+    parser.add_argument("--limit", type=int, default=None, help="keep at most N >= 1 rows of each file")
     parser.add_argument("--seed", type=int, default=0, help="the seed of --limit's draw (default 0)")
     return parser
 
@@ -201,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on a bad option
     try:
+        if args.limit is not None and args.limit < 1:
+            raise UsageError(f"argument --limit: expected a positive integer, got {args.limit}")
         sources = [parse_source(text) for text in args.sources]
         if args.out.is_dir():
             raise UsageError(f"--out {args.out} is a directory")

@@ -26,7 +26,7 @@ from megatron_empg.rollout.retriever import (
     RetrieverUnavailable,
 )
 from tests.dist import free_port
-from tests.rollout.retriever_service import CLI, CORPUS, serve_retriever
+from tests.rollout.retriever_service import CORPUS, serve_retriever
 
 PARIS_ID = "0"  # '"Paris"\nParis is the capital and largest city of France, ...'
 LYON_ID = "10"  # a France passage without "capital": the runner-up

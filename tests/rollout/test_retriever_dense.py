@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -24,17 +22,13 @@ from megatron_empg.rollout.retriever import (
     DenseIndex,
     E5Encoder,
     RetrieverClient,
-    RetrieverUnavailable,
     _import_faiss,
     main,
     read_corpus,
 )
-from tests.dist import free_port
+from tests.rollout.retriever_service import CORPUS, serve_retriever
 
 REPO = Path(__file__).resolve().parents[2]
-CORPUS = REPO / "tests" / "data" / "search_corpus.jsonl"
-CLI = [sys.executable, "-m", "megatron_empg.rollout.retriever"]
-START_TIMEOUT_S = 60.0
 HIDDEN = 32
 QUERIES = ["capital of France", "who invented the telephone", "longest river in Asia", "deepest lake", "x"]
 
@@ -164,43 +158,12 @@ def test_an_index_of_the_wrong_size_or_dimension_is_a_clear_error(index, model_d
     assert "39 vectors, but the corpus has 40 documents" in capsys.readouterr().err
 
 
-@contextmanager
-def serving(argv: list[str], pid_file: Path):
-    """The URL of ``retriever serve *argv`` (a subprocess) on a free loopback port, stopped by ``stop``."""
-    port = free_port()
-    proc = subprocess.Popen([*CLI, "serve", *argv, "--port", str(port), "--pid-file", str(pid_file)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"retriever exited {proc.returncode} at start:\n{proc.stdout.read()}")
-            try:
-                RetrieverClient(url, timeout_s=2.0, retries=0).health()
-                break
-            except RetrieverUnavailable:
-                assert time.monotonic() < deadline, f"retriever not healthy {START_TIMEOUT_S} s after start"
-                time.sleep(0.1)
-        yield url
-    finally:
-        stop = subprocess.run([*CLI, "stop", "--pid-file", str(pid_file)], capture_output=True, text=True, timeout=30)
-        try:
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    assert stop.returncode == 0, stop.stderr
-    assert proc.returncode == 0 and not pid_file.exists()
-
-
 def test_serve_dense_answers_in_search_r1s_format_with_the_in_process_hits(index, model_dir, documents, tmp_path):
     ranking = ids_scores(index.search(QUERIES, 40))  # in-process, every document
     saved = tmp_path / "e5_Flat.index"
-    argv = ["--corpus", str(CORPUS), "--backend", "dense", "--model", model_dir, "--batch-size", "16",
+    argv = ["--backend", "dense", "--model", model_dir, "--batch-size", "16",
             "--save-index", str(saved)]  # fmt: skip
-    with serving(argv, tmp_path / "retriever.pid") as url:
+    with serve_retriever(tmp_path, *argv) as url:
         client = RetrieverClient(url)
         assert client.health() == {"status": "ok", "backend": "dense", "num_documents": 40}
         passages = client.search(QUERIES, topk=4)
