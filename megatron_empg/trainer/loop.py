@@ -228,8 +228,8 @@ class Trainer:
         """This DP replica's samples of global prompt batch ``step_index``."""
         examples = self.batches.batch(self.step_index)
         sampling = self.config.rollout.sampling
-        if sampling.seed is not None:  # a sample draws from `seeds_per_sample` seeds: no stream repeats across steps
-            seeds_per_sample = self.config.rollout.search_agent.max_turns + 1 if self.config.rollout.search_agent else 1
+        if sampling.seed is not None:  # each sample draws from `seeds_per_sample` seeds: no stream repeats across steps
+            seeds_per_sample = self.agent.turns_per_episode if self.agent is not None else 1  # (used on the engine rank)
             step_offset = self.step_index * len(examples) * sampling.n * seeds_per_sample
             sampling = dataclasses.replace(sampling, seed=sampling.seed + step_offset)
         box = [self._sample([e.prompt_ids for e in examples], sampling) if self.engine is not None else None]
