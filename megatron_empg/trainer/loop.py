@@ -362,9 +362,10 @@ class Trainer:
         return metrics
 
     def metrics(self, samples, batch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
-        """Per-step metrics, reduced over data-parallel replicas (sums and counts, then divided; the
-        reward function's own metrics are counts and sums too, so they are summed). Timings are this
-        rank's."""
+        """Per-step metrics, reduced over data-parallel replicas (sums and counts, then divided by the
+        number of samples: the reward function's own metrics, counts and sums, become per-sample
+        means, e.g. ``reward/f1`` the mean token F1, ``reward/malformed`` a fraction; so do the search
+        agent's per-episode counts, ``rollout/*_mean``). Timings are this rank's."""
         rewards = [s.reward for s in samples]
         lengths = [len(s.response_ids) for s in samples]
         local = {
@@ -389,7 +390,7 @@ class Trainer:
             "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
             **{f"time/{k}": v for k, v in times.items()},
             **{f"{k}_mean": totals[k] / n for k in local if k.startswith("rollout/")},
-            **{k: totals[k] for k in reward_metrics}, **update_metrics, **sync_metrics,
+            **{k: totals[k] / n for k in reward_metrics}, **update_metrics, **sync_metrics,
         }  # fmt: skip
         return out
 
