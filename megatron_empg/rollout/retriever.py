@@ -91,6 +91,15 @@ def read_corpus(path: str | os.PathLike) -> list[dict]:
     return documents
 
 
+def _hits(documents: list[dict], ids, scores) -> list[list[tuple[dict, float]]]:
+    """``ids`` / ``scores``: ``[Q, k]`` arrays of a search (document indices, scores) -> per query
+    the ``(document, score)`` pairs."""
+    return [
+        [(documents[int(i)], float(s)) for i, s in zip(row_ids, row_scores)]
+        for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
+    ]
+
+
 def _import_bm25s():
     """``bm25s`` on its numpy backend, without importing numba.
 
@@ -143,10 +152,7 @@ class Bm25Index:
         tokens = self._bm25s.tokenize(queries, stopwords="en", show_progress=False)
         with self._lock:
             ids, scores = self._model.retrieve(tokens, k=k, show_progress=False, n_threads=0)
-        return [
-            [(self.documents[int(i)], float(s)) for i, s in zip(row_ids, row_scores)]
-            for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
-        ]
+        return _hits(self.documents, ids, scores)
 
 
 def _import_faiss():
@@ -252,10 +258,7 @@ class DenseIndex:
         k = min(topk, len(self.documents))
         with self._lock:
             scores, ids = self._faiss_index.search(self.encoder.encode(queries, E5_QUERY_PREFIX), k)  # [Q, k] each
-        return [
-            [(self.documents[int(i)], float(s)) for i, s in zip(row_ids, row_scores)]
-            for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
-        ]
+        return _hits(self.documents, ids, scores)
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,10 +441,8 @@ class RetrieverClient:
         """
         try:
             return self._request("/health", None)
-        except RetrieverUnavailable:
-            raise
         except RetrieverError as e:
-            if e.status != 404:
+            if e.status != 404:  # RetrieverUnavailable has no status
                 raise
         self.search(["health check"], 1)
         return {"status": "ok", "backend": "unknown (no /health)"}

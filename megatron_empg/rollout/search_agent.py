@@ -71,14 +71,17 @@ class Episode:
     finish_reason: str = "stop"
     done: bool = False
     turns: int = 0
-    searches: int = 0
     invalid_actions: int = 0
     answered: bool = False
-    queries: list[str] = dataclasses.field(default_factory=list)
+    queries: list[str] = dataclasses.field(default_factory=list)  # one per search, in order
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def searches(self) -> int:
+        return len(self.queries)
 
     def append_generated(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
         self.response_ids.extend(token_ids)
@@ -143,13 +146,12 @@ class SearchAgent:
         ``s + t * E`` on, so the seeds of a call are ``[s, s + E * turns_per_episode)``.
         """
         episodes = [Episode(list(prompt)) for prompt in prompts for _ in range(sampling.n)]
+        for episode in episodes:  # later turns end an episode whenever no room is left (_take_turn, _observe)
+            if episode.length >= self.max_length:
+                episode.end("length")
         stop = list(dict.fromkeys([*sampling.stop, SEARCH_STOP, ANSWER_STOP]))
         for turn in range(self.turns_per_episode):
             live = [e for e in episodes if not e.done]
-            for episode in live:
-                if episode.length >= self.max_length:
-                    episode.end("length")
-            live = [e for e in live if not e.done]
             if not live:
                 break
             turn_sampling = dataclasses.replace(
@@ -165,7 +167,6 @@ class SearchAgent:
             if searching:
                 results = self.retriever.search([q for _, q in searching], self.config.topk)
                 for (episode, query), passages in zip(searching, results):
-                    episode.searches += 1
                     episode.queries.append(query)
                     self._observe(episode, self._information_ids(passages))
         return [episodes[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompts))]
