@@ -19,6 +19,11 @@ from tests.dist import free_port
 DAEMONS = ("munged", "slurmctld", "slurmd")
 COMMANDS = ("sbatch", "scontrol", "scancel", "sinfo", "squeue", "srun", "mungekey")
 # Job states after which a job does not run again by itself (a requeued job goes back to PENDING).
+# Job credentials' lifetime (Slurm's default 120 s, at least 5): also how long a requeued job waits before
+# it starts again, until its first run's revoked credential has expired. Starting it sooner (scontrol update
+# StartTime=now) races that revocation: slurmd may refuse the launch ("already killed"), failing the job.
+# The scheduler's main loop, which starts it, runs every 2 s (SchedulerParameters=sched_interval, 60 s).
+CRED_EXPIRE_S = 20
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -94,7 +99,7 @@ SlurmdUser=root
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 AuthType=auth/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire={CRED_EXPIRE_S}
 CredType=cred/munge
 StateSaveLocation={r / 'state'}
 SlurmdSpoolDir={r / 'spool'}
@@ -110,6 +115,7 @@ JobCompType=jobcomp/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 MpiDefault=none
 SwitchType=switch/none
 ReturnToService=2
@@ -167,9 +173,13 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             if until(fields):
                 return fields
             if time.monotonic() > deadline:
-                tail = log.read_text()[-4000:] if log is not None and log.exists() else ""
-                raise AssertionError(f"job {job_id}: not {what} after {timeout} s: {fields}\n{tail}")
+                raise AssertionError(f"job {job_id}: not {what} after {timeout} s\n{self.report(job_id, log)}")
             time.sleep(0.5)
+
+    def report(self, job_id: str, log: Path | None = None) -> str:
+        """What a failed job assertion shows: the job's fields, its log's tail and the daemons' logs."""
+        tail = log.read_text()[-4000:] if log is not None and log.exists() else ""
+        return f"{self.job(job_id)}\n== job log\n{tail}\n{self.logs()}"
 
     def wait_done(self, job_id: str, timeout: float, log: Path | None = None) -> dict[str, str]:
         return self.wait_job(job_id, lambda f: f["JobState"] in FINAL_STATES, timeout, "done", log)

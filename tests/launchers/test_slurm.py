@@ -27,7 +27,7 @@ import yaml
 
 from megatron_empg.mcore.checkpoint import read_checkpoint_info
 from megatron_empg.trainer.metrics_log import read_metrics
-from tests.launchers.slurm_cluster import SlurmCluster
+from tests.launchers.slurm_cluster import CRED_EXPIRE_S, SlurmCluster
 from tests.trainer.demo_runs import REPO, small_demo_config
 
 # timeout: the pre-emption test runs a job twice (its own waits are bounded by JOB_TIMEOUT_S each).
@@ -59,10 +59,6 @@ def _sbatch(slurm: SlurmCluster, log: Path, *args: str, env: dict[str, str] | No
     return done.stdout.strip().split(";")[0]
 
 
-def _tail(path: Path) -> str:
-    return path.read_text()[-4000:] if path.exists() else f"({path} does not exist)"
-
-
 def _steps(run_dir: Path) -> list[int]:
     return [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")]
 
@@ -77,7 +73,7 @@ def test_sbatch_cpu_job_trains_and_checkpoints(slurm, warm_start, tmp_path):
     job = _sbatch(slurm, log, str(config))
     fields = slurm.wait_done(job, JOB_TIMEOUT_S, log)
     text = log.read_text()
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), text[-4000:]
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), slurm.report(job, log)
     launch = f"train.sbatch: job {job} (restart 0): 1 nodes x 2 tasks, master {slurm.node}:{20000 + int(job) % 20000},"
     assert launch in text and f"train {config} {CPU_DEFAULTS}" in text
     run = tmp_path / "run"
@@ -124,7 +120,7 @@ def test_nemo_run_slurm_executor_over_a_local_tunnel(slurm, nemo_run_python, war
     log = task_dir / f"log-empg-slurm-test-train_{job_id}_0.out"  # nemo-run's srun log of the first run
     fields = slurm.wait_done(job_id, JOB_TIMEOUT_S, log)
     state = (fields["JobState"], fields["ExitCode"], fields["Restarts"])
-    assert state == ("COMPLETED", "0:0", "0"), (fields, _tail(log))
+    assert state == ("COMPLETED", "0:0", "0"), slurm.report(job_id, log)
     sbatch_script = (task_dir.parent / "train_sbatch.sh").read_text()
     assert "#SBATCH --ntasks-per-node=2" in sbatch_script and "#SBATCH --signal=USR1@300" in sbatch_script
     task_script = (task_dir / "scripts" / "train.sh").read_text()
@@ -138,8 +134,8 @@ def test_nemo_run_slurm_executor_over_a_local_tunnel(slurm, nemo_run_python, war
 def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, tmp_path):
     """SIGUSR1 to the batch script once two steps are logged; the job's config asks for 1000 steps
     (checkpoints only on the signal and at the end). Once the ranks report the step N they stopped
-    after, the config is cut to N + 1 steps for the requeued run (a requeued job waits for its begin
-    time, ~2 minutes in Slurm; the test moves that to now)."""
+    after, the config is cut to N + 1 steps for the requeued run, which starts once its credential
+    lifetime has passed (``CRED_EXPIRE_S``)."""
     config, data = _write_config(tmp_path, warm_start, steps=1000, interval=0)
     log = tmp_path / "job.out"
     run = tmp_path / "run"
@@ -156,11 +152,9 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, tmp_p
     data["train"]["steps"] = stopped + 1
     config.write_text(yaml.safe_dump(data))
 
-    slurm.wait_job(job, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", 120, "requeued", log)
-    slurm.scontrol("update", f"JobId={job}", "StartTime=now")
-    fields = slurm.wait_done(job, JOB_TIMEOUT_S, log)
+    fields = slurm.wait_done(job, CRED_EXPIRE_S + JOB_TIMEOUT_S, log)
     text = log.read_text()
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), text[-4000:]
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), slurm.report(job, log)
     assert f"train.sbatch: pre-empted: requeueing job {job}" in text
     assert f"train.sbatch: job {job} (restart 1):" in text and f"{CPU_DEFAULTS} --resume" in text
     resumed = re.findall(r"resumed from (\S+) at step (\d+)", text)
