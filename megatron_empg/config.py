@@ -1044,6 +1044,62 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ValidationConfig:
+    """Held-out prompts answered and scored under the current weights every ``interval`` steps
+    (0: never) and, with ``at_start``, before the first step of a fresh run (logged at step 0).
+
+    ``files`` (parquet or JSONL) are read like ``data``'s training files (keys, template, chat
+    template, prompt length) and scored by ``data.reward``; with ``rollout.search_agent`` the
+    answers are whole search episodes. Prompts are grouped by data source, a record's
+    ``data_source`` column, else its file's name without suffix, keeping the first
+    ``max_prompts_per_source`` of each (null: all). Responses are sampled as in
+    ``rollout.sampling`` (``max_tokens``, stop strings, seed) but with this section's ``n``,
+    ``temperature``, ``top_p`` and ``top_k``: by default one greedy answer per prompt. The engine
+    takes ``batch_size`` prompts per call. Metrics: ``val/<source>/reward/mean``, ``.../accuracy``,
+    the reward's own (``.../reward/exact_match``), response lengths, the agent's ``rollout/*_mean``,
+    and the same over all sources as ``val/...``.
+    """
+
+    files: list[str] = dataclasses.field(default_factory=list)
+    interval: int = 0
+    at_start: bool = False
+    max_prompts_per_source: int | None = None
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    batch_size: int = 512
+
+    def validate(self) -> None:
+        for i, path in enumerate(self.files):
+            if not path.endswith(DATA_FILE_SUFFIXES):
+                raise ConfigError(f"files[{i}]", f"expected a {' or '.join(DATA_FILE_SUFFIXES)} file, got {path!r}")
+        if self.interval < 0:
+            raise ConfigError("interval", f"must be >= 0 (0: never), got {self.interval!r}")
+        if (self.interval or self.at_start) and not self.files:
+            raise ConfigError("files", "a validation pass (interval > 0 or at_start) needs at least one file")
+        if self.files and not (self.interval or self.at_start):
+            raise ConfigError("interval", "files are set but no pass is asked for: set interval > 0 or at_start: true")
+        if self.max_prompts_per_source is not None and self.max_prompts_per_source < 1:
+            raise ConfigError(
+                "max_prompts_per_source", f"must be >= 1 or null (all), got {self.max_prompts_per_source!r}"
+            )
+        for name in ("n", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)!r}")
+        if not self.temperature >= 0:
+            raise ConfigError("temperature", f"must be >= 0 (0: greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError("top_k", f"must be >= 1 or null (off), got {self.top_k!r}")
+
+    def sampling(self, rollout: SamplingConfig) -> SamplingConfig:
+        """``rollout`` with this section's ``n``, ``temperature``, ``top_p`` and ``top_k``."""
+        return dataclasses.replace(rollout, n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     """Where metrics go: a console progress bar, ``<dir>/metrics.jsonl``, Weights & Biases
     (offline when no API key is set), every ``interval`` steps."""
@@ -1109,6 +1165,7 @@ class RunConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
@@ -1139,6 +1196,11 @@ class RunConfig:
                 "train.micro_batch_size",
                 f"must divide prompts_per_step x rollout.sampling.n = "
                 f"{self.train.prompts_per_step * self.rollout.sampling.n}",
+            )
+        if self.validation.interval % self.logging.interval:  # else a pass's metrics fall between two records
+            raise ConfigError(
+                "validation.interval",
+                f"must be a multiple of logging.interval={self.logging.interval}, got {self.validation.interval}",
             )
         micro_batches = self.train.prompts_per_step * self.rollout.sampling.n // self.train.micro_batch_size
         if micro_batches % self.algorithm.mini_batches:  # advantages come first: a group may span mini-batches

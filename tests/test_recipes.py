@@ -3,6 +3,7 @@ ema-pg math runs (../shared/research/ema-pg.md, section 8.2)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,6 @@ def test_search_recipe_has_the_published_hyperparameters():
     assert episode == 6548 and config.train.max_seq_len == config.rollout.max_model_len == 6656
     assert not config.rollout.in_process and config.weight_sync.transport == "shm_file"
     assert config.rollout.dtype == config.train.params_dtype == "bfloat16"
+    val = config.validation  # the 7 test sets every 50 steps and before training, greedy
+    assert (val.files, val.interval, val.at_start) == (["data/search/test.jsonl"], 50, True)
+    assert val.sampling(sampling) == dataclasses.replace(sampling, n=1, temperature=0.0, top_p=1.0)

@@ -30,7 +30,7 @@ import json
 import logging
 import random
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -368,6 +368,22 @@ def load_prompt_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     if not examples:
         raise DataError(", ".join(config.train_files), None, "every prompt is longer than data.max_prompt_tokens")
     return PromptDataset(examples, shuffle=config.shuffle, seed=config.seed, num_dropped_long=num_dropped_long)
+
+
+def load_validation_sets(
+    config: DataConfig, files: list[str], tokenizer: Any, max_per_source: int | None = None
+) -> dict[str, list[PromptExample]]:
+    """The prompts of ``files``, read like ``config``'s training files, by data source (a record's
+    ``data_source`` column, else its file's name without suffix), in file order: the first
+    ``max_per_source`` of each source (None: all). Sources appear in the order first met."""
+    dataset = load_prompt_dataset(replace(config, source="files", train_files=list(files)), tokenizer)
+    sets: dict[str, list[PromptExample]] = {}
+    for example in dataset.examples:
+        source = str(example.meta["columns"].get("data_source") or Path(example.meta["file"]).stem)
+        examples = sets.setdefault(source, [])
+        if max_per_source is None or len(examples) < max_per_source:
+            examples.append(example)
+    return sets
 
 
 def build_prompt_source(config: DataConfig, tokenizer: Any) -> PromptSource:

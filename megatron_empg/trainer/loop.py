@@ -141,12 +141,17 @@ class Trainer:
         )  # fmt: skip
 
     def _build_data(self) -> None:
-        from megatron_empg.rollout.data import PromptBatches, build_prompt_source
+        from megatron_empg.rollout.data import PromptBatches, build_prompt_source, load_validation_sets
         from megatron_empg.rollout.rewards import REWARDS
 
         source = build_prompt_source(self.config.data, self.tokenizer)
         self.batches = PromptBatches(source, batch_size=self.config.train.prompts_per_step)  # global batches
         self.reward_fn = REWARDS[self.config.data.reward]
+        validation = self.config.validation
+        self.validation_sets = (  # read on every rank: a bad file stops them all at start-up
+            load_validation_sets(self.config.data, validation.files, self.tokenizer, validation.max_prompts_per_source)
+            if validation.files else {}
+        )  # fmt: skip
 
     def _build_transport(self):
         from megatron_empg.weight_sync.transport import InProcessTransport, SharedMemoryFileTransport
@@ -167,17 +172,26 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self, *, resume: bool = False, logger=None) -> list[StepOutput]:
-        """Train until ``train.steps``; on SIGTERM/SIGUSR1 checkpoint after the current step and return."""
+        """Train until ``train.steps``; on SIGTERM/SIGUSR1 checkpoint after the current step and return.
+        The steps' metrics, with the validation passes' (``val/...``) after steps that are multiples
+        of ``validation.interval``, and before the first step as step 0 with ``validation.at_start``."""
         if not resume:
             check_fresh_start(self.config)
         resumed = resume and self.resume()
         if not resumed and self.config.checkpoint.continue_from is not None:
             self.continue_from(self.config.checkpoint.continue_from)
         outputs = []
+        validation = self.config.validation
         with self._signals():
             self.sync_weights()  # the engine starts from dummy weights (or those of before the resume)
+            if validation.at_start and self.step_index == 0:  # the weights a fresh run starts from, as step 0
+                outputs.append(StepOutput(0, self.validate()))
+                if logger is not None:
+                    logger.log(0, outputs[-1].metrics)
             while self.step_index < self.config.train.steps:
                 out = self.step()
+                if validation.interval and self.step_index % validation.interval == 0:
+                    out.metrics.update(self.validate())
                 outputs.append(out)
                 if logger is not None:
                     logger.log(out.step, out.metrics)
@@ -234,14 +248,8 @@ class Trainer:
             sampling = dataclasses.replace(sampling, seed=sampling.seed + step_offset)
         box = [self._sample([e.prompt_ids for e in examples], sampling) if self.engine is not None else None]
         dist.broadcast_object_list(box, src=ENGINE_RANK)
-        dp, dp_rank = self.groups.dp_size, self.groups.dp_rank
-        per_rank = len(examples) // dp
-        samples = []
-        for p in range(dp_rank * per_rank, (dp_rank + 1) * per_rank):
-            for token_ids, logprobs, finish, response_mask, stats in box[0][p]:
-                samples.append(Sample(examples[p].prompt_ids, token_ids, logprobs, finish, group=p, example=examples[p],
-                                      response_mask=response_mask, stats=stats))  # fmt: skip
-        return samples
+        per_rank = len(examples) // self.groups.dp_size
+        return _samples(examples, box[0], range(self.groups.dp_rank * per_rank, (self.groups.dp_rank + 1) * per_rank))
 
     def _sample(self, prompts: list[list[int]], sampling) -> list[list[tuple]]:
         """``[P][n]`` (token ids, sampler log-probs, finish reason, response mask, stats) from the engine:
@@ -252,6 +260,33 @@ class Trainer:
         episodes = self.agent.rollout(self.engine, prompts, sampling)
         return [[(e.response_ids, e.sampler_logprobs, e.finish_reason, e.response_mask, e.stats()) for e in group]
                 for group in episodes]  # fmt: skip
+
+    def validate(self) -> dict[str, float]:
+        """``val/...`` metrics of the validation prompts under the engine's weights, the same on
+        every rank: the engine rank samples and scores them all, the others wait for its broadcast."""
+        box = [self._validation_metrics() if self.engine is not None else None]
+        dist.broadcast_object_list(box, src=ENGINE_RANK)
+        return box[0]
+
+    def _validation_metrics(self) -> dict[str, float]:
+        settings = self.config.validation
+        sampling = settings.sampling(self.config.rollout.sampling)
+        start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        totals: dict[str, float] = {}
+        for source, examples in self.validation_sets.items():
+            sums: dict[str, float] = {}
+            for first in range(0, len(examples), settings.batch_size):
+                chunk = examples[first : first + settings.batch_size]
+                samples = _samples(chunk, self._sample([e.prompt_ids for e in chunk], sampling), range(len(chunk)))
+                _add(sums, sample_sums(samples, self.score_rewards(samples)))
+            metrics.update({f"val/{source}/{k}": v for k, v in sample_means(sums).items()})
+            _add(totals, sums)
+        metrics.update({f"val/{k}": v for k, v in sample_means(totals).items()})
+        metrics["time/validation"] = time.perf_counter() - start
+        log.info("validation at step %d: reward/mean %.4g over %d samples", self.step_index, metrics["val/reward/mean"],
+                 totals["samples"])  # fmt: skip
+        return metrics
 
     def score_rewards(self, samples: list[Sample]) -> dict[str, float]:
         texts = self.tokenizer.batch_decode([s.generated_ids for s in samples], skip_special_tokens=True)
@@ -362,37 +397,17 @@ class Trainer:
         return metrics
 
     def metrics(self, samples, batch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
-        """Per-step metrics, reduced over data-parallel replicas (sums and counts, then divided by the
-        number of samples: the reward function's own metrics, counts and sums, become per-sample
-        means, e.g. ``reward/f1`` the mean token F1, ``reward/malformed`` a fraction; so do the search
-        agent's per-episode counts, ``rollout/*_mean``). Timings are this rank's."""
-        rewards = [s.reward for s in samples]
-        lengths = [len(s.response_ids) for s in samples]
-        local = {
-            "reward_sum": sum(rewards), "reward_sq_sum": sum(r * r for r in rewards), "correct": sum(s.correct for s in samples),
-            "samples": len(samples), "response_tokens": sum(lengths), "truncated": sum(s.finish_reason == "length" for s in samples),
-            "loss_tokens": int(batch.loss_mask.sum()),
-        }  # fmt: skip
-        for sample in samples:  # the search agent's per-episode counts
-            for key, value in sample.stats.items():
-                local[f"rollout/{key}"] = local.get(f"rollout/{key}", 0.0) + value
-        totals = _all_reduce_sums({**local, **reward_metrics}, self.groups.dp_group)  # one all-reduce
-        n = max(totals["samples"], 1)
-        mean = totals["reward_sum"] / n
+        """Per-step metrics: ``sample_means`` of the samples' sums over data-parallel replicas (one
+        all-reduce), the loss tokens per sample, throughput, and this rank's timings."""
+        local = {**sample_sums(samples, reward_metrics), "loss_tokens": int(batch.loss_mask.sum())}
+        totals = _all_reduce_sums(local, self.groups.dp_group)
         seconds = sum(times.values())
-        out = {
-            "reward/mean": mean,
-            "reward/std": math.sqrt(max(totals["reward_sq_sum"] / n - mean * mean, 0.0)),
-            "reward/accuracy": totals["correct"] / n,
-            "response/length_mean": totals["response_tokens"] / n,
-            "response/truncated_fraction": totals["truncated"] / n,
-            "response/loss_tokens_mean": totals["loss_tokens"] / n,
+        return {
+            **sample_means(totals),
+            "response/loss_tokens_mean": totals["loss_tokens"] / max(totals["samples"], 1),
             "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
-            **{f"time/{k}": v for k, v in times.items()},
-            **{f"{k}_mean": totals[k] / n for k in local if k.startswith("rollout/")},
-            **{k: totals[k] / n for k in reward_metrics}, **update_metrics, **sync_metrics,
+            **{f"time/{k}": v for k, v in times.items()}, **update_metrics, **sync_metrics,
         }  # fmt: skip
-        return out
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -520,6 +535,53 @@ def any_rank_signalled(signum: int | None, group) -> int | None:
     flag = torch.tensor([signum or 0], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return int(flag.item()) or None
+
+
+def _samples(examples: list, payload: list[list[tuple]], prompts: range) -> list[Sample]:
+    """The ``Sample``s of ``prompts`` (indices into ``examples`` and the engine rank's ``_sample``
+    payload; a prompt's index is its samples' group)."""
+    return [Sample(examples[p].prompt_ids, token_ids, logprobs, finish, group=p, example=examples[p],
+                   response_mask=response_mask, stats=stats)
+            for p in prompts for token_ids, logprobs, finish, response_mask, stats in payload[p]]  # fmt: skip
+
+
+def sample_sums(samples: list[Sample], reward_metrics: dict[str, float]) -> dict[str, float]:
+    """What per-sample means are made of, as sums that add up over batches and replicas: rewards
+    and their squares, correct answers, samples, response tokens, truncated responses, the search
+    agent's per-episode counts (``rollout/*``) and the reward function's counts and sums
+    (``reward_metrics``, ``reward/*``)."""
+    sums = {
+        "reward_sum": sum(s.reward for s in samples), "reward_sq_sum": sum(s.reward * s.reward for s in samples),
+        "correct": sum(s.correct for s in samples), "samples": len(samples),
+        "response_tokens": sum(len(s.response_ids) for s in samples),
+        "truncated": sum(s.finish_reason == "length" for s in samples),
+    }  # fmt: skip
+    for sample in samples:
+        _add(sums, {f"rollout/{key}": value for key, value in sample.stats.items()})
+    return {**sums, **reward_metrics}
+
+
+def sample_means(totals: dict[str, float]) -> dict[str, float]:
+    """Per-sample means of ``sample_sums``' totals: ``reward/mean``, ``reward/std``,
+    ``reward/accuracy``, ``response/length_mean``, ``response/truncated_fraction``, the agent's
+    ``rollout/*_mean`` and the reward function's metrics (``reward/f1`` the mean token F1,
+    ``reward/malformed`` a fraction)."""
+    n = max(totals["samples"], 1)
+    mean = totals["reward_sum"] / n
+    return {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(totals["reward_sq_sum"] / n - mean * mean, 0.0)),
+        "reward/accuracy": totals["correct"] / n,
+        "response/length_mean": totals["response_tokens"] / n,
+        "response/truncated_fraction": totals["truncated"] / n,
+        **{f"{k}_mean": v / n for k, v in totals.items() if k.startswith("rollout/")},
+        **{k: v / n for k, v in totals.items() if k.startswith("reward/")},
+    }
+
+
+def _add(totals: dict[str, float], values: dict[str, float]) -> None:
+    for key, value in values.items():
+        totals[key] = totals.get(key, 0.0) + value
 
 
 def _all_reduce_sums(values: dict[str, float], group) -> dict[str, float]:
