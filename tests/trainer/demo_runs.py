@@ -16,6 +16,14 @@ from megatron_empg.config import read_yaml
 REPO = Path(__file__).resolve().parents[2]
 DEMO_RECIPE = REPO / "recipes" / "demo_cpu.yaml"
 TORCHRUN_LAUNCHER = REPO / "launchers" / "torchrun.sh"
+LAUNCH_TIMEOUT_S = 240  # one run of a few steps, on 2 ranks: ~40 s of start-up (vLLM engine, Megatron)
+# A training statistic of a run on several ranks vs one process: sums over tokens of fp32 log-prob
+# arithmetic whose reduction order depends on the layout (a TP all-reduce/all-gather, a pipeline
+# split, a DP all-reduce of gradients). Measured differences up to 7e-7 relative (grad norm) and
+# 8e-8 absolute (a Top-k KL of ~1.6e-4, a difference of nearly equal log-probs, so its error is
+# absolute). A layout bug (a wrong shard, a replica's batch missing from a reduction) changes these
+# by percents or more.
+CLOSE_REL, CLOSE_ABS = 1e-5, 1e-6
 
 
 def demo_config(tmp: Path, name: str, warm_start: Path | None, steps: int = 3) -> dict:

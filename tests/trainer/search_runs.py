@@ -71,7 +71,7 @@ def search_config(tmp: Path, name: str, warm_start: Path, retriever_url: str, st
     """A few steps of the demo recipe's EMA-PG on the QA file's questions with the search agent."""
     config = demo_config(tmp, name, warm_start, steps=steps)
     config["model_overrides"] = MODEL_OVERRIDES
-    config["train"].update(prompts_per_step=4, micro_batch_size=16, max_seq_len=320)
+    config["train"].update(prompts_per_step=4, micro_batch_size=8, max_seq_len=320)  # DP2: 1 micro-batch each
     config["rollout"].update(max_model_len=512)
     config["rollout"]["sampling"].update(n=4, max_tokens=64)
     config["rollout"]["search_agent"] = {"retriever_url": retriever_url, "topk": TOPK, "max_turns": 2,

