@@ -1084,15 +1084,9 @@ class ValidationConfig:
             raise ConfigError(
                 "max_prompts_per_source", f"must be >= 1 or null (all), got {self.max_prompts_per_source!r}"
             )
-        for name in ("n", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)!r}")
-        if not self.temperature >= 0:
-            raise ConfigError("temperature", f"must be >= 0 (0: greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError("top_k", f"must be >= 1 or null (off), got {self.top_k!r}")
+        if self.batch_size < 1:
+            raise ConfigError("batch_size", f"must be >= 1, got {self.batch_size!r}")
+        self.sampling(SamplingConfig())  # SamplingConfig's checks of n, temperature, top_p and top_k
 
     def sampling(self, rollout: SamplingConfig) -> SamplingConfig:
         """``rollout`` with this section's ``n``, ``temperature``, ``top_p`` and ``top_k``."""
