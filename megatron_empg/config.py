@@ -1046,7 +1046,8 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class ValidationConfig:
     """Held-out prompts answered and scored under the current weights every ``interval`` steps
-    (0: never) and, with ``at_start``, before the first step of a fresh run (logged at step 0).
+    (0: never) and, with ``at_start``, before the first step of a run that does not ``--resume``
+    (logged at the step it starts from: 0, or that of ``checkpoint.continue_from``).
 
     ``files`` (parquet or JSONL) are read like ``data``'s training files (keys, template, chat
     template, prompt length) and scored by ``data.reward``; with ``rollout.search_agent`` the

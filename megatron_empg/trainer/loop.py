@@ -174,7 +174,8 @@ class Trainer:
     def run(self, *, resume: bool = False, logger=None) -> list[StepOutput]:
         """Train until ``train.steps``; on SIGTERM/SIGUSR1 checkpoint after the current step and return.
         The steps' metrics, with the validation passes' (``val/...``) after steps that are multiples
-        of ``validation.interval``, and before the first step as step 0 with ``validation.at_start``."""
+        of ``validation.interval``, and with ``validation.at_start`` before the first step unless the
+        run resumes (a record of the step it starts from: 0, or ``continue_from``'s)."""
         if not resume:
             check_fresh_start(self.config)
         resumed = resume and self.resume()
@@ -184,10 +185,10 @@ class Trainer:
         validation = self.config.validation
         with self._signals():
             self.sync_weights()  # the engine starts from dummy weights (or those of before the resume)
-            if validation.at_start and self.step_index == 0:  # the weights a fresh run starts from, as step 0
-                outputs.append(StepOutput(0, self.validate()))
+            if validation.at_start and not resumed:  # the weights this run starts from
+                outputs.append(StepOutput(self.step_index, self.validate()))
                 if logger is not None:
-                    logger.log(0, outputs[-1].metrics)
+                    logger.log(self.step_index, outputs[-1].metrics)
             while self.step_index < self.config.train.steps:
                 out = self.step()
                 if validation.interval and self.step_index % validation.interval == 0:
