@@ -882,6 +882,13 @@ DATA_FILE_SUFFIXES = (".parquet", ".jsonl")
 ARITHMETIC_OPS = ("+", "-", "*")
 
 
+def _check_data_files(field: str, paths: list[str]) -> None:
+    """Each of ``paths`` (the list ``field``) names a parquet or JSONL file."""
+    for i, path in enumerate(paths):
+        if not path.endswith(DATA_FILE_SUFFIXES):
+            raise ConfigError(f"{field}[{i}]", f"expected a {' or '.join(DATA_FILE_SUFFIXES)} file, got {path!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Training prompts and the reward that scores their responses (``rollout.data``, ``rollout.tasks``).
@@ -929,11 +936,7 @@ class DataConfig:
         if self.source == "files":
             if not self.train_files:
                 raise ConfigError("train_files", "source 'files' needs at least one .parquet or .jsonl file")
-            for i, path in enumerate(self.train_files):
-                if not path.endswith(DATA_FILE_SUFFIXES):
-                    raise ConfigError(
-                        f"train_files[{i}]", f"expected a {' or '.join(DATA_FILE_SUFFIXES)} file, got {path!r}"
-                    )
+            _check_data_files("train_files", self.train_files)
         else:
             if self.train_files:
                 raise ConfigError("train_files", "source 'arithmetic' generates its prompts: leave train_files empty")
@@ -1072,9 +1075,7 @@ class ValidationConfig:
     batch_size: int = 512
 
     def validate(self) -> None:
-        for i, path in enumerate(self.files):
-            if not path.endswith(DATA_FILE_SUFFIXES):
-                raise ConfigError(f"files[{i}]", f"expected a {' or '.join(DATA_FILE_SUFFIXES)} file, got {path!r}")
+        _check_data_files("files", self.files)
         if self.interval < 0:
             raise ConfigError("interval", f"must be >= 0 (0: never), got {self.interval!r}")
         if (self.interval or self.at_start) and not self.files:

@@ -5,5 +5,5 @@
 ``vllm_weight_transfer`` is the weight-transfer backend that engine registers inside vLLM.
 Importing this package imports no engine: vLLM is imported only when an engine is built.
 ``retriever`` is the local search retriever of the search-agent tasks (Search-R1 wire format,
-BM25 backend) with its HTTP client.
+BM25 and dense e5 backends) with its HTTP client; ``search_agent`` runs their multi-turn episodes.
 """
