@@ -6,11 +6,15 @@ forcing (``score``), takes new weights from the trainer between rollouts (``begi
 a GPU, frees its memory while the trainer runs (``sleep`` / ``wake_up``). Token ids are plain
 Python ints and log-probs plain floats (natural log), so results cross process boundaries freely.
 
-Pure Python and torch; ``megatron_empg.rollout.vllm_engine.VllmEngine`` is the implementation.
+Pure Python and torch. ``ENGINES`` names the implementations (``rollout.engine``): ``vllm``
+(``rollout.vllm_engine.VllmEngine``) and ``hf`` (``rollout.hf_engine.HfEngine``, transformers in the
+trainer's process: for machines without vLLM, such as the GPU smoke test's); each is imported only
+when built.
 """
 
 from __future__ import annotations
 
+import importlib
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ from megatron_empg.config import SamplingConfig
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+WAKE_TAGS: tuple[str, ...] = ("weights", "kv_cache")  # what ``wake_up(tags)`` may bring back separately
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,28 @@ class Completion:
             raise ValueError(
                 f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}"
             )
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """A rollout-engine implementation: ``target`` (``module:Class``, imported when built; the
+    class takes ``(model_dir, rollout_config, *, load_format)``), whether it can run in its own
+    process (``rollout.in_process: false``) and whether it can share a training rank's process in a
+    world of several ranks (vLLM's in-process engine cannot: it would join the training world)."""
+
+    target: str
+    own_process: bool
+    in_process_beside_training: bool
+
+    def load(self) -> type:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+ENGINES: dict[str, EngineKind] = {
+    "vllm": EngineKind("megatron_empg.rollout.vllm_engine:VllmEngine", own_process=True, in_process_beside_training=False),
+    "hf": EngineKind("megatron_empg.rollout.hf_engine:HfEngine", own_process=False, in_process_beside_training=True),
+}
 
 
 class RolloutEngine(Protocol):
@@ -105,12 +132,17 @@ class RolloutEngine(Protocol):
         """Finalize the update, drop cached KV of the old weights, record ``weight_version``."""
         ...
 
-    def sleep(self) -> None:
-        """Release the engine's accelerator memory (weights and KV cache) while training runs."""
+    def sleep(self, level: int = 1) -> None:
+        """Release the engine's accelerator memory while training runs: level 1 keeps the weights
+        in host memory and drops the KV cache, level 2 drops both (the next weight update must then
+        write every tensor). No ``generate`` / ``score`` / weight update until ``wake_up``."""
         ...
 
-    def wake_up(self) -> None:
-        """Take the memory back after ``sleep``; the weights are those from before ``sleep``."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take the memory back after ``sleep``: all of it (``tags`` None), or part of it
+        (``WAKE_TAGS``: ``["weights"]`` first, to load new weights before the KV cache is
+        allocated, then ``["kv_cache"]``). ``generate`` / ``score`` need every part awake, a
+        weight update the weights."""
         ...
 
     def shutdown(self) -> None:

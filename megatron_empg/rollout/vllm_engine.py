@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_empg.config import RolloutConfig, SamplingConfig
-from megatron_empg.rollout.engine import FINISH_REASONS, Completion, check_token_sequences
+from megatron_empg.rollout.engine import FINISH_REASONS, WAKE_TAGS, Completion, check_token_sequences
 from megatron_empg.rollout.vllm_weight_transfer import BACKEND_NAME, WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -201,7 +201,7 @@ class VllmEngine:
         self.max_model_len: int = self._llm.model_config.max_model_len
         self.weight_version: str | None = None
         self._update_open = False
-        self._asleep = False
+        self._asleep: set[str] = set()  # WAKE_TAGS still asleep
         self._broken: str | None = None  # why the weights are undefined after a failed update
 
     # ----------------------------------------------------------------------------------------
@@ -281,7 +281,7 @@ class VllmEngine:
 
     def begin_weight_update(self) -> None:
         """Start a weight update (vLLM's layerwise reload); ``generate`` / ``score`` wait for its end."""
-        llm = self._usable("begin_weight_update")
+        llm = self._usable("begin_weight_update", needs=("weights",))
         if self._update_open:
             raise RuntimeError(
                 "begin_weight_update: a weight update is already in progress; call finish_weight_update first"
@@ -302,7 +302,7 @@ class VllmEngine:
         ``path``: a safetensors file of such tensors (``safetensors.torch.save_file``), read one
         tensor at a time; the caller deletes it after ``finish_weight_update``.
         """
-        llm = self._usable("update_weights")
+        llm = self._usable("update_weights", needs=("weights",))
         if not self._update_open:
             raise RuntimeError("update_weights: no weight update in progress; call begin_weight_update first")
         if (named_tensors is None) == (path is None):
@@ -329,7 +329,7 @@ class VllmEngine:
 
     def finish_weight_update(self, version: str) -> None:
         """Finalize the update, reset the prefix cache and set ``weight_version = version``."""
-        llm = self._usable("finish_weight_update")
+        llm = self._usable("finish_weight_update", needs=("weights",))
         if not isinstance(version, str) or not version:
             raise ValueError(f"finish_weight_update: version must be a non-empty string, got {version!r}")
         if not self._update_open:
@@ -356,25 +356,31 @@ class VllmEngine:
     # ----------------------------------------------------------------------------------------
     # Memory and lifetime.
 
-    def sleep(self) -> None:
-        """GPU with sleep mode: offload weights, drop the KV cache (level 1). Otherwise a no-op."""
+    def sleep(self, level: int = 1) -> None:
+        """GPU with sleep mode: level 1 offloads the weights to host memory and drops the KV cache,
+        level 2 drops both (vLLM keeps the model's buffers). Otherwise only the state is tracked."""
         llm = self._usable("sleep")
-        if self._asleep:
-            raise RuntimeError("sleep: the engine is already asleep")
+        if level not in (1, 2):
+            raise ValueError(f"sleep: level must be 1 or 2, got {level!r}")
         if self._update_open:
             raise RuntimeError("sleep: a weight update is in progress; call finish_weight_update first")
         if self._sleep_mode:
-            llm.sleep(level=1)
-        self._asleep = True
+            llm.sleep(level=level)
+        self._asleep = set(WAKE_TAGS)
 
-    def wake_up(self) -> None:
-        """Undo ``sleep``: the weights from before ``sleep`` come back, the KV cache is empty."""
-        llm = self._usable("wake_up", awake=False)
-        if not self._asleep:
-            raise RuntimeError("wake_up: the engine is not asleep")
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo ``sleep`` for ``tags`` (``WAKE_TAGS``; None: all). After a level-1 sleep the weights
+        are those from before it; after level 2 they are undefined until a weight update."""
+        llm = self._usable("wake_up", needs=())
+        wanted = set(WAKE_TAGS if tags is None else tags)
+        unknown = wanted - set(WAKE_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; expected some of {WAKE_TAGS}")
+        if not wanted <= self._asleep:
+            raise RuntimeError(f"wake_up: {sorted(wanted - self._asleep)} not asleep (asleep: {sorted(self._asleep)})")
         if self._sleep_mode:
-            llm.wake_up()
-        self._asleep = False
+            llm.wake_up(tags=sorted(wanted))
+        self._asleep -= wanted
 
     def shutdown(self) -> None:
         """Stop the engine: its engine-core process exits (multiprocess) or its memory is freed."""
@@ -396,7 +402,8 @@ class VllmEngine:
     # ----------------------------------------------------------------------------------------
     # State checks.
 
-    def _usable(self, method: str, *, awake: bool = True) -> LLM:
+    def _usable(self, method: str, *, needs: Sequence[str] = WAKE_TAGS) -> LLM:
+        """The LLM, if it is running, unbroken, and awake for ``needs`` (``WAKE_TAGS``)."""
         if self._llm is None:
             raise RuntimeError(f"{method}: the engine was shut down")
         if self._broken is not None:
@@ -404,8 +411,9 @@ class VllmEngine:
                 f"{method}: a weight update failed ({self._broken}); the engine's weights are undefined: "
                 "shut it down and start a new one"
             )
-        if awake and self._asleep:
-            raise RuntimeError(f"{method}: the engine is asleep; call wake_up first")
+        asleep = self._asleep & set(needs)
+        if asleep:
+            raise RuntimeError(f"{method}: the engine is asleep ({', '.join(sorted(asleep))}); call wake_up first")
         return self._llm
 
     def _ready(self, method: str) -> LLM:

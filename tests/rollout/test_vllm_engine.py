@@ -406,14 +406,23 @@ def test_weight_update_protocol_is_enforced(rig):
 
 def test_sleep_and_wake_up_track_the_state_on_cpu(rig):
     engine = rig.engine
-    with pytest.raises(RuntimeError, match="wake_up: the engine is not asleep"):
+    with pytest.raises(RuntimeError, match=r"wake_up: \['kv_cache', 'weights'\] not asleep"):
         engine.wake_up()
-    engine.sleep()
+    with pytest.raises(ValueError, match="sleep: level must be 1 or 2"):
+        engine.sleep(level=3)
+    engine.sleep(level=2)
     for call in (lambda: engine.generate(PROMPTS, sampling()), lambda: engine.score(PROBES), engine.sleep,
                  engine.begin_weight_update):  # fmt: skip
         with pytest.raises(RuntimeError, match="asleep"):
             call()
-    engine.wake_up()
+    with pytest.raises(ValueError, match="unknown tags"):
+        engine.wake_up(["activations"])
+    engine.wake_up(["weights"])  # the trainer's order: the weights, a weight update, then the KV cache
+    engine.begin_weight_update()
+    engine.finish_weight_update(rig.version)
+    with pytest.raises(RuntimeError, match=r"generate: the engine is asleep \(kv_cache\)"):
+        engine.generate(PROMPTS, sampling())
+    engine.wake_up(["kv_cache"])
     assert_scores_equal(engine.score(PROBES), [hf_score(rig.reference, p) for p in PROBES])
 
 
