@@ -1,37 +1,76 @@
 """Where each step's metrics go (rank 0 only): ``<logging.dir>/metrics.jsonl`` (one JSON object per
-step, with ``step``; a resumed run first drops the records of the steps it redoes), a console
-progress line with the key metrics (rich, tqdm or none), and Weights & Biases (offline mode when no
-``WANDB_API_KEY`` is set; ``wandb`` is imported only when enabled)."""
+step, with ``step``; a resumed run first drops the records of the steps it redoes), the console
+(stdout), and Weights & Biases (offline mode when no ``WANDB_API_KEY`` is set; ``wandb`` is
+imported only when enabled).
+
+The console, by ``logging.progress``: where stdout is a terminal, a progress bar (rich's for
+``auto`` and ``rich``, tqdm's for ``tqdm``) with the key metrics beside it; elsewhere (a Slurm log
+file, a pipe), for those three, one line per logged step, flushed as it is written::
+
+    step 12/480 | reward 0.412 acc 0.398 kl 1.2e-03 entropy 0.530 len 2311 | 95.2 s: rollout 60.1 train 30.0 sync 5.10
+
+``train`` is the time of rewards, advantages, the old and anchor passes, the update and the EMA
+update; ``sync`` the weight sync with its consistency gate; the total is that of the parts.
+A metric a record lacks is left out. A validation pass after a step joins its line (``| val
+reward 0.5 acc 0.45`` and ``val`` time); one of its own (before the first step) gets a line
+``validation step 0/480 | reward 0.5 acc 0.45 | 3.21 s``. Numbers: ``format_number``. ``close``
+prints a summary: the steps logged, the best and last ``reward/mean``, where the metrics file and
+the checkpoints are and how to plot the metrics. ``none``: nothing on the console.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from megatron_empg.config import LoggingConfig, RunConfig, to_dict
 
-KEY_METRICS = ("reward/mean", "reward/accuracy", "actor/kl", "actor/entropy", "response/length_mean")
+# (label, metric) of a step line's metrics, and of its validation part
+STEP_METRICS = (("reward", "reward/mean"), ("acc", "reward/accuracy"), ("kl", "actor/kl"),
+                ("entropy", "actor/entropy"), ("len", "response/length_mean"))  # fmt: skip
+VALIDATION_METRICS = (("reward", "val/reward/mean"), ("acc", "val/reward/accuracy"))
+# (label, the timings it adds up) of a line's time split: every time/ key of a step and a validation pass
+TIME_PARTS = (
+    ("rollout", ("time/rollout",)),
+    ("train", ("time/rewards", "time/advantages", "time/old_pass", "time/anchor_pass", "time/update",
+               "time/ema_update")),
+    ("sync", ("time/weight_sync",)),
+    ("val", ("time/validation",)),
+)
+PLOT_TOOL = "tools/plot_metrics.py"
 
 
 class MetricsLogger:
     def __init__(self, config: RunConfig, total_steps: int, *, enabled: bool = True) -> None:
         self.settings: LoggingConfig = config.logging
         self.enabled = enabled
+        self.total_steps = total_steps
         self.jsonl_path = Path(self.settings.dir) / "metrics.jsonl"
+        self.checkpoint_dir = config.checkpoint.dir
+        # "off", "bar" (a terminal) or "lines" (a log file, a pipe)
+        self.console = "off" if not enabled or self.settings.progress == "none" else (
+            "bar" if sys.stdout.isatty() else "lines"
+        )
         self._progress = None
         self._wandb_run = None
         self._rewound = False
+        self._start = time.monotonic()
+        self._steps: tuple[int, int] | None = None  # the first and last step logged (no validation pass of its own)
+        self._best: tuple[int, float] | None = None  # (step, reward/mean) of the best finite reward/mean
+        self._last: tuple[int, float] | None = None  # and of the last
         if not enabled:
             return
         Path(self.settings.dir).mkdir(parents=True, exist_ok=True)
-        if self.settings.progress == "tqdm":
+        if self.console == "bar" and self.settings.progress == "tqdm":
             from tqdm import tqdm
 
-            self._progress = tqdm(total=total_steps, desc="RL steps", dynamic_ncols=True)
-        elif self.settings.progress == "rich":
+            self._progress = tqdm(total=total_steps, desc="RL steps", dynamic_ncols=True, file=sys.stdout)
+        elif self.console == "bar":
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(TextColumn("RL step"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -55,12 +94,19 @@ class MetricsLogger:
                 self._rewind(step)
             with self.jsonl_path.open("a") as f:
                 f.write(json.dumps({"step": step, **clean}) + "\n")
-        summary = "  ".join(f"{k.split('/')[-1]} {metrics[k]:.4g}" for k in KEY_METRICS if k in metrics)
-        if self.settings.progress == "tqdm" and self._progress is not None:
+        if not _validation_only(metrics):
+            self._steps = (step if self._steps is None else self._steps[0], step)
+            if clean.get("reward/mean") is not None:
+                self._last = step, clean["reward/mean"]
+                if self._best is None or self._last[1] > self._best[1]:  # the first of equal ones
+                    self._best = self._last
+        if self.console == "lines":
+            print(console_line(step, self.total_steps, metrics), flush=True)
+        elif self.settings.progress == "tqdm" and self._progress is not None:
             self._progress.update(step - self._progress.n)
-            self._progress.set_postfix_str(summary)
-        elif self.settings.progress == "rich" and self._progress is not None:
-            self._progress.update(self._task, completed=step, description=summary)
+            self._progress.set_postfix_str(_metrics_text(metrics))
+        elif self._progress is not None:
+            self._progress.update(self._task, completed=step, description=_metrics_text(metrics))
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in clean.items() if v is not None}, step=step)
 
@@ -77,13 +123,91 @@ class MetricsLogger:
         os.replace(tmp, self.jsonl_path)
 
     def close(self) -> None:
+        """Stop the bar, print the summary (unless the console is off), finish the wandb run."""
         if self._progress is not None:
-            if self.settings.progress == "rich":
-                self._progress.stop()
-            else:
+            if self.settings.progress == "tqdm":
                 self._progress.close()
+            else:
+                self._progress.stop()
+        if self.console != "off":
+            print(self.summary(), flush=True)
         if self._wandb_run is not None:
             self._wandb_run.finish()
+
+    def summary(self) -> str:
+        """The end-of-run summary: this run's logged steps and time, the best and last reward, the
+        metrics file (with the command that plots it) and the checkpoint directory."""
+        elapsed = _duration(time.monotonic() - self._start)
+        if self._steps is not None:
+            lines = [f"run summary: steps {self._steps[0]}..{self._steps[1]} of {self.total_steps}, {elapsed}"]
+        else:
+            lines = [f"run summary: no step logged, {elapsed}"]
+        if self._best is not None and self._last is not None:
+            lines.append(f"  reward/mean: best {format_number(self._best[1])} (step {self._best[0]}), "
+                         f"last {format_number(self._last[1])} (step {self._last[0]})")  # fmt: skip
+        if self.settings.jsonl:
+            plots = Path(self.settings.dir) / "plots"
+            lines.append(f"  metrics:     {self.jsonl_path}")
+            lines.append(f"  plots:       python {PLOT_TOOL} {self.jsonl_path} {plots}")
+        lines.append(f"  checkpoints: {self.checkpoint_dir}")
+        return "\n".join(lines)
+
+
+def format_number(value: float) -> str:
+    """A metric for the console, readable at any magnitude: three significant digits in fixed
+    point from 0.01 to 99999 (``0.0412``, ``0.530``, ``95.2``, ``2311``), else two in scientific
+    notation (``1.2e-03``, ``-3.4e+06``); ``0``, ``nan``, ``inf``."""
+    if not math.isfinite(value):
+        return str(float(value))
+    if value == 0:
+        return "0"
+    exponent = math.floor(math.log10(abs(value)))
+    if -2 <= exponent <= 4:
+        return f"{value:.{max(0, 2 - exponent)}f}"
+    return f"{value:.1e}"
+
+
+def console_line(step: int, total_steps: int, metrics: dict[str, float]) -> str:
+    """The console line of a record (see the module docstring)."""
+    seconds = {label: sum(metrics[k] for k in keys if k in metrics)
+               for label, keys in TIME_PARTS if any(k in metrics for k in keys)}  # fmt: skip
+    total = f"{format_number(sum(seconds.values()))} s" if seconds else ""
+    if _validation_only(metrics):
+        parts = [f"validation step {step}/{total_steps}", _labelled(metrics, VALIDATION_METRICS), total]
+    else:
+        split = " ".join(f"{label} {format_number(s)}" for label, s in seconds.items())
+        parts = [f"step {step}/{total_steps}", _metrics_text(metrics), f"{total}: {split}" if seconds else ""]
+    return " | ".join(p for p in parts if p)
+
+
+def _metrics_text(metrics: dict[str, float]) -> str:
+    """A record's key metrics (beside the bar, and in a step's line): the step's, then the
+    validation pass's after ``val``."""
+    shown = (_labelled(metrics, STEP_METRICS), _labelled(metrics, VALIDATION_METRICS, "val "))
+    return " | ".join(p for p in shown if p)
+
+
+def _labelled(metrics: dict[str, float], labels: tuple[tuple[str, str], ...], prefix: str = "") -> str:
+    shown = [f"{label} {format_number(metrics[key])}" for label, key in labels if _is_number(metrics.get(key))]
+    return prefix + " ".join(shown) if shown else ""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _validation_only(metrics: dict[str, float]) -> bool:
+    """A validation pass of its own (before the first step): only ``val/`` metrics and its time."""
+    return bool(metrics) and all(k.startswith("val/") or k == "time/validation" for k in metrics)
+
+
+def _duration(seconds: float) -> str:
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    return f"{whole // 3600} h {whole // 60 % 60:02d} min"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
