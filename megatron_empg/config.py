@@ -634,7 +634,6 @@ class ParallelConfig:
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # = core.aggregation.AGG_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -677,11 +676,6 @@ class OptimizerConfig:
             raise ConfigError("clip_grad", f"must be >= 0 (0 disables clipping), got {self.clip_grad!r}")
 
 
-KL_NAMES = ("k1", "k2", "k3", "k3pp", "k4", "k5", "topk")  # core.kl.KL_ESTIMATORS and the Top-k KL
-SAMPLED_KL_ARGS = ("importance_weight", "iw_clip")  # rl_loss's and core.kl.sampled_kl's keywords
-TOPK_KL_ARGS = (*SAMPLED_KL_ARGS, "direction", "tail", "tail_grad")  # ... and topk_kl_from_logprobs's
-
-
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """The update-pass objective: arguments of ``parallel.rl_loss.rl_loss`` (see there).
@@ -690,8 +684,9 @@ class LossConfig:
     a key of ``parallel.rl_loss.ALL_POLICY_LOSSES`` (``ppo_clip``: GRPO / DAPO / dual-clip;
     ``rpg``, ``rpg_reinforce*``, ``rpg_dual_clip``) with ``policy_loss_args`` its keyword arguments;
     ``kl`` is null, a sampled estimator (``k1`` .. ``k5``, ``k3pp``) or ``topk``, with ``kl_args``
-    (``importance_weight``, ``iw_clip``; for ``topk`` also ``direction``, ``tail``, ``tail_grad``).
-    ``kl`` and the ``kl_args`` names are checked here, the policy loss's names when the loss is first built.
+    (``importance_weight``, ``iw_clip``; for ``topk`` also ``direction``, ``tail``, ``tail_grad``);
+    ``agg_mode`` one of ``core.aggregation.AGG_MODES``. The names and arguments are resolved and
+    checked by ``trainer.build.bind`` (``empg check``), before anything starts.
     """
 
     policy_loss: str = "ppo_clip"
@@ -701,7 +696,7 @@ class LossConfig:
     kl_args: dict = dataclasses.field(default_factory=dict)
     entropy_coef: float = 0.0
     log_entropy: bool = True
-    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    agg_mode: str = "token-mean"
     chunk_size: int | None = None
     inplace_backward: bool = True  # the logits are Megatron's output buffer, read by nothing else
 
@@ -713,18 +708,10 @@ class LossConfig:
             raise ConfigError("kl_coef", f"must be >= 0, got {self.kl_coef!r}")
         if self.kl is None and self.kl_coef != 0:
             raise ConfigError("kl_coef", f"is {self.kl_coef!r} but kl is null (no estimator)")
-        if self.kl is not None and self.kl not in KL_NAMES:
-            raise ConfigError("kl", f"expected null or one of {KL_NAMES}, got {self.kl!r}")
-        allowed = () if self.kl is None else TOPK_KL_ARGS if self.kl == "topk" else SAMPLED_KL_ARGS
-        for key in self.kl_args:
-            if key not in allowed:
-                raise ConfigError(
-                    f"kl_args.{key}", f"is not an argument of kl={self.kl!r}; expected one of {allowed or '(none)'}"
-                )
+        if self.kl is None and self.kl_args:
+            raise ConfigError("kl_args", f"are set ({sorted(self.kl_args)}) but kl is null (no estimator)")
         if self.entropy_coef < 0:
             raise ConfigError("entropy_coef", f"must be >= 0 (a bonus: loss -= coef * H), got {self.entropy_coef!r}")
-        if self.agg_mode not in AGG_MODES:
-            raise ConfigError("agg_mode", f"expected one of {AGG_MODES}, got {self.agg_mode!r}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError("chunk_size", f"must be >= 1 or null, got {self.chunk_size!r}")
 
@@ -809,9 +796,12 @@ class RolloutConfig:
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weight updates pass tensors by reference; otherwise
     it is a child process and updates go through a shared-memory file. ``kv_cache_gib`` sizes the
     KV cache on CPU (``VLLM_CPU_KVCACHE_SPACE``); on GPU ``gpu_memory_utilization`` does.
-    ``sleep_while_training`` (GPU, colocated) releases the KV cache and weights between rollouts.
-    ``search_agent``: multi-turn rollouts with a search tool (``SearchAgentConfig``) instead of one
-    response per sample.
+    ``sleep_while_training`` (GPU, colocated) releases the engine's memory while the trainer
+    trains: ``sleep_level`` 1 offloads the weights to host memory and drops the KV cache, 2 drops
+    both (the weights are synced again before the next rollout anyway). ``engine``: a name of
+    ``rollout.engine.ENGINES`` (``vllm``; ``hf``, transformers in the trainer's process, for
+    machines without vLLM). ``search_agent``: multi-turn rollouts with a search tool
+    (``SearchAgentConfig``) instead of one response per sample.
     """
 
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -823,7 +813,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: int = 1
     sleep_while_training: bool = True
+    sleep_level: Literal[1, 2] = 2
     seed: int = 0
+    engine: str = "vllm"
     search_agent: SearchAgentConfig | None = None  # null: one response per sample, no tools
 
     def validate(self) -> None:
@@ -839,20 +831,17 @@ class RolloutConfig:
             raise ConfigError("kv_cache_gib", f"must be >= 1 (whole GiB), got {self.kv_cache_gib!r}")
 
 
-WEIGHT_TRANSPORTS = ("in_process", "shm_file", "nccl")
-
-
 @dataclasses.dataclass(frozen=True)
 class WeightSyncConfig:
     """Pushing the policy's weights into the rollout engine, and the consistency gate after it.
 
-    ``transport``: ``in_process`` (tensors by reference: an in-process engine, CPU or colocated
-    GPU), ``shm_file`` (a safetensors file per bucket in ``shm_dir``: an engine in another
-    process), ``nccl`` (broadcast to a disaggregated GPU engine). ``gate_tolerance``: the largest
+    ``transport``: a name of ``weight_sync.transport.TRANSPORTS``: ``in_process`` (tensors by
+    reference: an in-process engine, CPU or colocated GPU), ``shm_file`` (a safetensors file per
+    bucket in ``shm_dir``, a tmpfs: an engine in another process). ``gate_tolerance``: the largest
     allowed |log-prob difference| between trainer and engine on the probe batch (null: no gate).
     """
 
-    transport: Literal["in_process", "shm_file", "nccl"] = "in_process"
+    transport: str = "in_process"
     bucket_size_mb: float = 512.0
     shm_dir: str = "/dev/shm"
     gate_tolerance: float | None = 1e-4
@@ -862,8 +851,6 @@ class WeightSyncConfig:
     probe_seed: int = 0
 
     def validate(self) -> None:
-        if self.transport not in WEIGHT_TRANSPORTS:
-            raise ConfigError("transport", f"expected one of {WEIGHT_TRANSPORTS}, got {self.transport!r}")
         if not self.bucket_size_mb > 0:
             raise ConfigError("bucket_size_mb", f"must be > 0, got {self.bucket_size_mb!r}")
         if self.gate_tolerance is not None and not self.gate_tolerance > 0:
@@ -877,7 +864,6 @@ class WeightSyncConfig:
 
 
 DATA_SOURCES = ("files", "arithmetic")
-REWARD_NAMES = ("math", "qa_em", "qa_f1", "arithmetic")  # = rollout.rewards.REWARDS
 DATA_FILE_SUFFIXES = (".parquet", ".jsonl")
 ARITHMETIC_OPS = ("+", "-", "*")
 
@@ -911,7 +897,7 @@ class DataConfig:
     """
 
     source: Literal["files", "arithmetic"] = "arithmetic"
-    reward: Literal["math", "qa_em", "qa_f1", "arithmetic"] = "arithmetic"
+    reward: str = "arithmetic"
     train_files: list[str] = dataclasses.field(default_factory=list)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -931,8 +917,6 @@ class DataConfig:
     def validate(self) -> None:
         if self.source not in DATA_SOURCES:
             raise ConfigError("source", f"expected one of {DATA_SOURCES}, got {self.source!r}")
-        if self.reward not in REWARD_NAMES:
-            raise ConfigError("reward", f"expected one of {REWARD_NAMES}, got {self.reward!r}")
         if self.source == "files":
             if not self.train_files:
                 raise ConfigError("train_files", "source 'files' needs at least one .parquet or .jsonl file")
@@ -980,13 +964,20 @@ class AnchorConfig:
 
     Every ``period`` optimizer steps: anchor <- tau * anchor + (1 - tau) * policy. ``tau`` 1 keeps
     the initial policy (GRPO's fixed reference); ``tau`` 0 with ``period`` 1 is RPG's iterative reset.
-    ``compute_dtype``: the anchor's forward weights (the master stays float32).
+    ``compute_dtype``: the anchor's forward weights (the master stays float32). For
+    ``float8_e4m3fn``, ``fp8``: ``te`` stores Transformer Engine FP8 parameters (``fp8_param``;
+    GPU with TE, and not with the distributed optimizer, whose buffers would need the policy in
+    FP8 too), ``emulated`` FP8 values with per-tensor scales in the forward dtype (any machine:
+    the arithmetic without the memory saving), ``auto`` TE where it can, else emulated.
+    ``master_on_cpu``: the float32 master in pinned host memory (GPU), for memory.
     """
 
     tau: float = 0.95
     period: int = 10
     first_update: int | None = None  # null: after `period` steps
     compute_dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = "bfloat16"
+    fp8: Literal["auto", "te", "emulated"] = "auto"
+    master_on_cpu: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.tau <= 1:
@@ -995,22 +986,22 @@ class AnchorConfig:
             raise ConfigError("period", f"must be >= 1, got {self.period!r}")
         if self.first_update is not None and self.first_update < 1:
             raise ConfigError("first_update", f"must be >= 1 or null, got {self.first_update!r}")
-
-
-ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "rpg_group_mean", "reinforce_pp")  # core.advantages
+        if self.fp8 == "te" and self.compute_dtype != "float8_e4m3fn":
+            raise ConfigError("fp8", f"te stores FP8 weights: it needs compute_dtype float8_e4m3fn, got {self.compute_dtype}")
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
-    """What one RL step optimizes: advantages, the update-pass loss (policy loss + KL to the
-    anchor + entropy), the Top-k KL's k, and how the rollout batch is split into optimizer steps.
+    """What one RL step optimizes: advantages (``advantage``: a name of ``core.advantages``'
+    registry), the update-pass loss (policy loss + KL to the anchor + entropy), the Top-k KL's k,
+    and how the rollout batch is split into optimizer steps.
 
     ``loss.kl`` null trains without a reference (no anchor is built). ``mini_batches``: optimizer
     steps per rollout batch (the old log-probs are computed once, before the first).
     ``mask_truncated``: responses cut by ``max_tokens`` carry no loss (DAPO's overlong filter).
     """
 
-    advantage: Literal["grpo", "dr_grpo", "rloo", "rpg_group_mean", "reinforce_pp"] = "grpo"
+    advantage: str = "grpo"
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     anchor: AnchorConfig = dataclasses.field(default_factory=AnchorConfig)
     topk: int = 32
@@ -1018,8 +1009,6 @@ class AlgorithmConfig:
     mask_truncated: bool = False
 
     def validate(self) -> None:
-        if self.advantage not in ADVANTAGE_NAMES:
-            raise ConfigError("advantage", f"expected one of {ADVANTAGE_NAMES}, got {self.advantage!r}")
         if self.topk < 1:
             raise ConfigError("topk", f"must be >= 1, got {self.topk!r}")
         if self.mini_batches < 1:
@@ -1097,11 +1086,18 @@ class ValidationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
-    """Where metrics go: a console progress bar, ``<dir>/metrics.jsonl``, Weights & Biases
-    (offline when no API key is set), every ``interval`` steps."""
+    """Where metrics go, every ``interval`` steps: the console, ``<dir>/metrics.jsonl``, Weights &
+    Biases (offline when no API key is set).
+
+    Console: on a terminal a progress bar (``progress``: ``auto`` is rich's), elsewhere (a Slurm log
+    file, a pipe) one line per logged step; ``none``: neither. ``third_party_level``: the level of
+    other libraries' loggers (vLLM, Megatron, transformers, torch): ``WARNING`` hides their INFO
+    chatter, ``INFO`` or ``DEBUG`` restore it.
+    """
 
     dir: str = "runs/empg"
-    progress: Literal["rich", "tqdm", "none"] = "rich"
+    progress: Literal["auto", "rich", "tqdm", "none"] = "auto"
+    third_party_level: str = "WARNING"
     jsonl: bool = True
     wandb: bool = False
     wandb_project: str = "megatron-empg"
@@ -1111,6 +1107,11 @@ class LoggingConfig:
     def validate(self) -> None:
         if self.interval < 1:
             raise ConfigError("interval", f"must be >= 1, got {self.interval!r}")
+        if self.third_party_level not in LOG_LEVELS:
+            raise ConfigError("third_party_level", f"expected one of {LOG_LEVELS}, got {self.third_party_level!r}")
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # the logging module's level names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1143,6 +1144,19 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """The process group. ``timeout_minutes``: how long a collective may wait before the NCCL
+    watchdog (or gloo) aborts the job. Phases that run on one rank while the others wait (the
+    rollout and validation passes on the engine's rank) must end within it."""
+
+    timeout_minutes: float = 60.0
+
+    def validate(self) -> None:
+        if not self.timeout_minutes > 0:
+            raise ConfigError("timeout_minutes", f"must be > 0, got {self.timeout_minutes!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A whole training run (``empg train CONFIG.yaml [a.b.c=value ...]``).
 
@@ -1164,6 +1178,7 @@ class RunConfig:
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def model_config(self) -> ModelConfig:
         """The resolved ``ModelConfig`` (errors name ``model`` / ``model_overrides``)."""
@@ -1185,70 +1200,12 @@ class RunConfig:
                 "in_process hands tensors to the engine by reference, which needs rollout.in_process=true; an engine "
                 "in its own process (rollout.in_process=false) takes shm_file",
             )
-        if self.algorithm.loss.kl == "topk" and self.algorithm.loss.kl_args.get("direction") not in ("reverse", "forward"):
-            raise ConfigError("algorithm.loss.kl_args.direction", "the Top-k KL needs direction: reverse or forward")
-        if self.train.prompts_per_step * self.rollout.sampling.n % self.train.micro_batch_size:
-            raise ConfigError(
-                "train.micro_batch_size",
-                f"must divide prompts_per_step x rollout.sampling.n = "
-                f"{self.train.prompts_per_step * self.rollout.sampling.n}",
-            )
         if self.validation.interval % self.logging.interval:  # else a pass's metrics fall between two records
             raise ConfigError(
                 "validation.interval",
                 f"must be a multiple of logging.interval={self.logging.interval}, got {self.validation.interval}",
             )
-        micro_batches = self.train.prompts_per_step * self.rollout.sampling.n // self.train.micro_batch_size
-        if micro_batches % self.algorithm.mini_batches:  # advantages come first: a group may span mini-batches
-            raise ConfigError(
-                "algorithm.mini_batches",
-                f"must divide the step's {micro_batches} micro-batches (train.prompts_per_step x rollout.sampling.n / "
-                f"train.micro_batch_size), got {self.algorithm.mini_batches}",
-            )
 
-    def validate_world_size(self, world_size: int) -> None:
-        """Check what depends on the number of processes: the layout (``world_size`` a multiple of
-        TP x PP; the rest is data parallel), the engine (an in-process one needs a world of one) and
-        the split of each step's prompts over the data-parallel replicas (whole prompt groups, then
-        whole micro-batches and mini-batches per replica)."""
-        parallel, train = self.parallel, self.train
-        tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size={world_size!r} must be an int >= 1")
-        if world_size % (tp * pp):
-            raise ConfigError(
-                "parallel.tensor_model_parallel_size",
-                f"the world of {world_size} processes is not divisible by parallel.tensor_model_parallel_size x "
-                f"parallel.pipeline_model_parallel_size = {tp} x {pp}",
-            )
-        if world_size > 1 and self.rollout.in_process:
-            raise ConfigError(
-                "rollout.in_process",
-                f"true needs a world of one process (an in-process vLLM engine would join the training world of "
-                f"{world_size}); set rollout.in_process=false (and weight_sync.transport=shm_file on CPU)",
-            )
-        dp = world_size // (tp * pp)
-        layout = f"world {world_size} / (TP {tp} x PP {pp})"
-        if train.prompts_per_step % dp:
-            raise ConfigError(
-                "train.prompts_per_step",
-                f"must be divisible by the data-parallel size {dp} ({layout}: each replica takes whole prompt "
-                f"groups), got {train.prompts_per_step}",
-            )
-        samples = train.prompts_per_step // dp * self.rollout.sampling.n
-        if samples % train.micro_batch_size:
-            raise ConfigError(
-                "train.micro_batch_size",
-                f"must divide each data-parallel replica's samples, train.prompts_per_step / {dp} x "
-                f"rollout.sampling.n = {samples} ({layout}), got {train.micro_batch_size}",
-            )
-        micro_batches = samples // train.micro_batch_size
-        if micro_batches % self.algorithm.mini_batches:
-            raise ConfigError(
-                "algorithm.mini_batches",
-                f"must divide each data-parallel replica's {micro_batches} micro-batches of "
-                f"train.micro_batch_size={train.micro_batch_size} ({layout}), got {self.algorithm.mini_batches}",
-            )
 
 def model_config_path(name: str) -> Path:
     """``model_configs/<name>.yaml``; a ``ConfigError`` lists the known names if there is none."""

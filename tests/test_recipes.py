@@ -1,23 +1,66 @@
-"""Every recipe loads, and the r1-distill math recipes hold the published hyperparameters of the
+"""Every recipe binds (``trainer.build.bind``: names, arguments, layout, limits, files) at the world
+size it is written for, and the r1-distill math recipes hold the published hyperparameters of the
 ema-pg math runs (../shared/research/ema-pg.md, section 8.2)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
-from megatron_empg.config import RunConfig, load_config
+from megatron_empg.config import RunConfig, load_config, read_yaml
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 R1 = "r1_distill_qwen_1.5b_math_ema_pg"
+# The world each recipe is written for: the CPU demos run in one process, the GPU recipes on one
+# node of 8 GPUs (their comments; the reference runs' layout).
+WORLD_SIZES = {"demo_cpu.yaml": 1, "demo_cpu_grpo.yaml": 1}
+
+
+def _record(config: RunConfig) -> dict:
+    """A record with the recipe's prompt and answer keys (dotted keys nest)."""
+    record: dict = {}
+    for key, value in ((config.data.prompt_key, "What is 1+1?"), (config.data.answer_key, ["2"])):
+        node = record
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return record
+
+
+def _with_local_paths(path: Path, tmp_path: Path) -> RunConfig:
+    """The recipe with its files (data, validation, init_from, continue_from, tokenizer) replaced by
+    local stand-ins of the same kind: one-record JSONL files, model directories with the model's
+    HF config.json."""
+    config = load_config(RunConfig, path)
+    overrides = []
+    if config.data.train_files:
+        data = tmp_path / "train.jsonl"
+        data.write_text(json.dumps(_record(config)) + "\n")
+        overrides.append(f"data.train_files=[{data}]")
+    if config.validation.files:
+        val = tmp_path / "val.jsonl"
+        val.write_text(json.dumps(_record(config)) + "\n")
+        overrides.append(f"validation.files=[{val}]")
+    for field in ("checkpoint.init_from", "checkpoint.continue_from", "tokenizer"):
+        section, _, name = field.rpartition(".")
+        if getattr(getattr(config, section) if section else config, name) is not None:
+            directory = tmp_path / field
+            directory.mkdir()
+            (directory / "config.json").write_text(json.dumps(config.model_config().to_hf_config()))
+            overrides.append(f"{field}={directory}")
+    return load_config(RunConfig, read_yaml(path), overrides)
 
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
-def test_every_recipe_loads(path):
-    config = load_config(RunConfig, path)
-    assert config.model_config().name
+def test_every_recipe_binds_at_its_world_size(path, tmp_path):
+    from megatron_empg.trainer.build import bind
+
+    components = bind(_with_local_paths(path, tmp_path), WORLD_SIZES.get(path.name, 8))
+    assert components.layout.world_size == WORLD_SIZES.get(path.name, 8)
 
 
 def test_r1_math_recipe_has_the_published_hyperparameters():
@@ -80,7 +123,6 @@ def test_search_recipe_has_the_published_hyperparameters():
     mini = config.algorithm.mini_batches
     assert mini == 10  # 10 optimizer steps per step (ppo_mini_batch 256 of 2560 trajectories)
     assert (config.train.prompts_per_step, config.rollout.sampling.n) == (512, 5)
-    config.validate_world_size(8)  # one node of 8 GPUs, as the reference
     opt = config.optimizer
     assert (opt.lr, opt.lr_decay_style, opt.lr_decay_steps) == (1e-6, "constant", None)
     assert opt.lr_warmup_steps == int(0.285 * 1005) * mini  # verl's scheduler steps once per step
@@ -109,4 +151,6 @@ def test_search_recipe_has_the_published_hyperparameters():
     assert config.rollout.dtype == config.train.params_dtype == "bfloat16"
     val = config.validation  # the 7 test sets every 50 steps and before training, greedy
     assert (val.files, val.interval, val.at_start) == (["data/search/test.jsonl"], 50, True)
+    # capped: the whole test set (~51k episodes) on the engine's rank would outlast the collectives' timeout
+    assert val.max_prompts_per_source == 500 and config.distributed.timeout_minutes == 120
     assert val.sampling(sampling) == dataclasses.replace(sampling, n=1, temperature=0.0, top_p=1.0)

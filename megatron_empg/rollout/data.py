@@ -304,10 +304,36 @@ class PromptDataset:
         return {"source": "files", "num_examples": len(self.examples), "shuffle": self.shuffle, "seed": self.seed}
 
 
-def _parse_record(
-    file: str, row: int, record: dict[str, Any], config: DataConfig, formatter: PromptFormatter
-) -> tuple[str, str | list[str], dict[str, Any]]:
-    """One record -> (rendered prompt text, gold answer, the record's other columns)."""
+def first_record(path: str | Path) -> tuple[int, dict[str, Any]]:
+    """``(row, record)`` of the first record of a ``.parquet`` or ``.jsonl`` file, without reading
+    the rest (a ``DataError`` if there is none)."""
+    path = Path(path)
+    if path.suffix == ".parquet" and path.is_file():
+        import pyarrow.parquet as pq
+
+        try:
+            batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
+        except Exception as error:  # pyarrow's errors are many: any of them means an unreadable file
+            raise DataError(path, None, f"cannot read it as parquet: {error}") from None
+        if batch is None or batch.num_rows == 0:
+            raise DataError(path, None, "no records")
+        return 1, batch.to_pylist()[0]
+    found = next(read_records(path), None)
+    if found is None:
+        raise DataError(path, None, "no records")
+    return found
+
+
+def check_first_record(path: str | Path, config: DataConfig) -> None:
+    """Check the first record of ``path`` as the dataset will read every record (``data.prompt_key``
+    and ``answer_key`` present and well formed); a ``DataError`` naming the file and row otherwise.
+    Cheap: what a run would otherwise find only after its engine and model have started."""
+    row, record = first_record(path)
+    _parse_fields(str(path), row, record, config)
+
+
+def _parse_fields(file: str, row: int, record: dict[str, Any], config: DataConfig) -> dict[str, Any]:
+    """The record's parsed ``prompt`` and ``answer``."""
     fields = {}
     for name, key, parse in (("prompt", config.prompt_key, parse_prompt), ("answer", config.answer_key, parse_answer)):
         value = _lookup(record, key)
@@ -317,6 +343,14 @@ def _parse_record(
             fields[name] = parse(value)
         except ValueError as error:
             raise DataError(file, row, f"{key!r}: {error}") from None
+    return fields
+
+
+def _parse_record(
+    file: str, row: int, record: dict[str, Any], config: DataConfig, formatter: PromptFormatter
+) -> tuple[str, str | list[str], dict[str, Any]]:
+    """One record -> (rendered prompt text, gold answer, the record's other columns)."""
+    fields = _parse_fields(file, row, record, config)
     try:
         text = formatter.render(fields["prompt"])
     except ValueError as error:

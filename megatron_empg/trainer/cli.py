@@ -1,17 +1,18 @@
 """``empg``: the command line.
 
     empg train CONFIG.yaml [a.b.c=value ...] [--resume]   # one process, or every rank under torchrun/srun
+    empg check CONFIG.yaml [a.b.c=value ...] --world-size N   # bind and check everything, start nothing
     empg print-config CONFIG.yaml [a.b.c=value ...]       # the resolved config as YAML
     empg --version
 
-Bad configs and overrides exit with code 2 and a message naming the dotted field.
+Bad configs and overrides exit with code 2 and a message naming the dotted field; ``train`` binds
+the config (``trainer.build.bind``) before it starts a process group, an engine or a model.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import os
 import socket
 import sys
@@ -34,8 +35,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> None:
-    """torch.distributed from torchrun/srun's environment (NCCL on GPUs), or a world of one (gloo)."""
+def world_size_from_environment() -> int:
+    """The number of ranks torchrun (``WORLD_SIZE``) or srun (``SLURM_NTASKS``) started; 1 otherwise."""
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+
+
+def init_distributed(timeout_minutes: float = 60.0) -> None:
+    """torch.distributed from torchrun/srun's environment (NCCL on GPUs), or a world of one (gloo);
+    a collective that waits longer than ``timeout_minutes`` aborts the job."""
     import torch
     import torch.distributed as dist
 
@@ -50,17 +57,11 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
-def _configure_logging() -> None:
-    """INFO on rank 0, warnings and errors only on the other ranks (each rank of a torchrun/srun
-    job writes to the same console); several ranks prefix their lines with ``[rank N]``."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    prefix = f"[rank {rank}] " if world > 1 else ""
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s")  # fmt: skip
+def _rank_from_environment() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:
@@ -74,46 +75,81 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"megatron-empg {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run the RL loop")
+    check = commands.add_parser("check", help="bind and check every setting for a world size; start nothing")
     show = commands.add_parser("print-config", help="print the resolved config")
-    for sub in (train, show):
+    for sub in (train, check, show):
         sub.add_argument("config", help="YAML file (e.g. recipes/demo_cpu.yaml)")
         sub.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    check.add_argument("--world-size", type=int, default=1, help="the number of ranks the run will have (default 1)")
+    check.add_argument("--skip-paths", action="store_true", help="do not read data files or model directories")
     args = parser.parse_args(argv)
     try:
         config = load_run_config(args.config, args.overrides)
+        if args.command == "check":
+            components = _bind(config, args.world_size, check_paths=not args.skip_paths)
     except (ConfigError, FileNotFoundError) as e:
         parser.exit(2, f"empg: error: {e}\n")
     if args.command == "print-config":
         sys.stdout.write(to_yaml(config))
         return 0
+    if args.command == "check":
+        sys.stdout.write(_describe(components))
+        return 0
     return _train(config, resume=args.resume)
 
 
+def _bind(config: RunConfig, world_size: int, *, check_paths: bool = True):
+    from megatron_empg.trainer.build import bind
+
+    if world_size < 1:
+        raise ConfigError("--world-size", f"must be >= 1, got {world_size}")
+    return bind(config, world_size, check_paths=check_paths)
+
+
+def _describe(components) -> str:
+    """What ``empg check`` found: the layout and the resolved names."""
+    c, layout, loss = components.config, components.layout, components.config.algorithm.loss
+    return (
+        f"ok: {components.model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp} x DP {layout.dp}); "
+        f"per replica and step {layout.prompts_per_replica} prompts, {layout.samples_per_replica} samples in "
+        f"{layout.micro_batches_per_replica} micro-batches; advantage {c.algorithm.advantage}, policy loss "
+        f"{loss.policy_loss}, KL {loss.kl or 'none'}, reward {c.data.reward}, engine {c.rollout.engine}, "
+        f"weight sync {c.weight_sync.transport}\n"
+    )
+
+
 def _train(config: RunConfig, *, resume: bool) -> int:
+    from megatron_empg.trainer.console import configure_logging
+
+    rank, world_size = _rank_from_environment(), world_size_from_environment()
+    configure_logging(config.logging, rank=rank, world_size=world_size)  # before vLLM and Megatron log anything
+    try:
+        components = _bind(config, world_size)  # seconds, and before anything starts
+    except ConfigError as error:
+        if rank == 0:
+            sys.stderr.write(f"empg: error: {error}\n")
+        return 2
+
     import torch.distributed as dist
 
     from megatron_empg.rollout.retriever import RetrieverError
     from megatron_empg.trainer.loop import RunDirectoryError, Trainer, check_fresh_start
     from megatron_empg.trainer.metrics_log import MetricsLogger
 
-    _configure_logging()
     try:
         if not resume:
             check_fresh_start(config)  # before minutes of start-up
     except RunDirectoryError as error:
         sys.stderr.write(f"empg: error: {error}\n")
         return 2
-    init_distributed()
+    init_distributed(config.distributed.timeout_minutes)
     try:
-        config.validate_world_size(dist.get_world_size())
-    except ConfigError as error:
-        if dist.get_rank() == 0:
-            sys.stderr.write(f"empg: error: {error}\n")
+        trainer = Trainer(components)
+    except ConfigError as error:  # what only the machine can tell (e.g. /dev/shm too small): before the engine
+        sys.stderr.write(f"empg: error: {error}\n")
         dist.destroy_process_group()
         return 2
-    try:
-        trainer = Trainer(config)
     except RetrieverError as error:  # rollout.search_agent's retriever is not there
         sys.stderr.write(f"empg: error: {error}\n")
         dist.destroy_process_group()

@@ -7,12 +7,17 @@
 
 prints the overrides to run with, one per line (the given ones, then the CPU defaults they do not
 set), or exits with code 2 and ``NAME: error: <field>: <what was expected> (checked for TEXT)``.
-Reads the config only: no torch, so it runs on a login node with just PyYAML.
+
+Where torch is importable (the launchers in the container) it runs the whole bind step
+(``trainer.build.bind``: every name, argument and limit; the files are left to ``empg train``,
+which checks them first thing on the nodes that see them); without torch (a login node with just
+PyYAML, nemo-run's environment) the layout (``trainer.layout``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 from megatron_empg.config import ConfigError
@@ -46,7 +51,6 @@ def resolve_launch(
         given = {o.split("=", 1)[0] for o in overrides}
         resolved += [d for d in CPU_DEFAULTS if d.split("=", 1)[0] not in given]
     run = load_run_config(config, resolved)
-    run.validate_world_size(world_size)
     if gpus_per_node and tasks_per_node is not None:
         if tasks_per_node > gpus_per_node:
             raise ConfigError(
@@ -59,6 +63,19 @@ def resolve_launch(
                 f"{tp} does not divide the {tasks_per_node} tasks (GPUs) per node: a tensor-parallel group "
                 f"must sit within one node",
             )
+    if gpus_per_node and run.rollout.tensor_parallel_size > gpus_per_node:
+        raise ConfigError(
+            "rollout.tensor_parallel_size",
+            f"{run.rollout.tensor_parallel_size} exceeds the {gpus_per_node} GPUs per node (the engine sits on one node)",
+        )
+    if importlib.util.find_spec("torch") is not None:
+        from megatron_empg.trainer.build import bind
+
+        bind(run, world_size, check_paths=False)
+    else:
+        from megatron_empg.trainer.layout import check_layout
+
+        check_layout(run, run.model_config(), world_size)
     return resolved
 
 

@@ -8,18 +8,22 @@
   backend (``NCCLTrainerWeightTransferEngine``); GPU only.
 
 The engine side is anything with the ``WeightReceiver`` methods (``rollout.engine.RolloutEngine``
-has them). Only the engine-holding rank owns a transport.
+has them). Only the engine-holding rank owns a transport. ``TRANSPORTS`` names those the trainer
+builds (``weight_sync.transport``): the NCCL one needs disaggregated engines, which it does not run.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import shutil
 from pathlib import Path
 from typing import Protocol, Sequence
 
 import torch
 from torch import Tensor
+
+from megatron_empg.config import ConfigError
 
 NamedTensors = Sequence[tuple[str, Tensor]]
 
@@ -59,6 +63,23 @@ class InProcessTransport:
 
     def finish(self, version: str) -> None:
         self.engine.finish_weight_update(version)
+
+
+def check_free_space(directory: str | os.PathLike, needed_bytes: int) -> None:
+    """Raise ``ConfigError`` (``weight_sync.shm_dir``) unless ``directory`` (a tmpfs) has room for
+    one bucket file of ``needed_bytes``; the message says how to make room. Docker gives a container
+    64 MB of ``/dev/shm`` unless it runs with ``--ipc=host`` or ``--shm-size``."""
+    if not Path(directory).is_dir():
+        raise ConfigError("weight_sync.shm_dir", f"{str(directory)!r} is not a directory")
+    free = shutil.disk_usage(directory).free
+    if free < needed_bytes:
+        raise ConfigError(
+            "weight_sync.shm_dir",
+            f"{directory} has {free / 2**20:.0f} MiB free but one weight-sync bucket file needs "
+            f"{needed_bytes / 2**20:.0f} MiB. In Docker, run the container with --ipc=host or --shm-size=16g "
+            f"(its default /dev/shm is 64 MB); or lower weight_sync.bucket_size_mb (a bucket never holds less "
+            f"than the largest tensor), or set weight_sync.shm_dir to a larger tmpfs",
+        )
 
 
 class SharedMemoryFileTransport:
@@ -118,6 +139,17 @@ class NcclTransport:
     def finish(self, version: str) -> None:
         self._engine.send_weights()
         self._source.tensors = []
+
+
+def _shm_file_transport(engine: WeightReceiver, settings) -> SharedMemoryFileTransport:
+    return SharedMemoryFileTransport(engine, settings.shm_dir)
+
+
+# name -> build(engine, config.WeightSyncConfig)
+TRANSPORTS = {
+    "in_process": lambda engine, settings: InProcessTransport(engine),
+    "shm_file": _shm_file_transport,
+}
 
 
 def _bucket_source():

@@ -267,7 +267,6 @@ def test_data_config_defaults_to_the_arithmetic_task_and_round_trips():
     ({"source": "files", "train_files": ["a.csv"]}, "train_files[0]", "expected a .parquet or .jsonl file"),
     ({"train_files": ["a.jsonl"]}, "train_files", "source 'arithmetic' generates its prompts"),
     ({"reward": "math"}, "reward", "source 'arithmetic' needs reward 'arithmetic'"),
-    ({"reward": "bleu"}, "reward", "expected one of 'math', 'qa_em', 'qa_f1', 'arithmetic'"),
     ({"source": "hub"}, "source", "expected one of 'files', 'arithmetic'"),
     ({"prompt_key": ""}, "prompt_key", "must be a non-empty key"),
     ({"system_prompt": "  "}, "system_prompt", "must be null or non-empty text"),

@@ -1,0 +1,299 @@
+"""The bind step: every setting of a run resolved and checked once, before any engine or model starts.
+
+    components = bind(config, world_size=8)      # ConfigError naming the dotted field, in seconds
+    trainer = Trainer(components)                 # builds engines and models from what bind resolved
+
+``bind`` reads the config, the registries (the only lists of names: ``core.advantages``,
+``parallel.rl_loss.ALL_POLICY_LOSSES`` / ``KL_KINDS``, ``core.aggregation.AGG_MODES``,
+``rollout.rewards.REWARDS``, ``rollout.engine.ENGINES``, ``weight_sync.transport.TRANSPORTS``) and
+the first record of each data file; it starts nothing and touches no device. In order:
+
+1. the layout on ``world_size`` ranks (``trainer.layout``: heads and groups vs TP, layers vs PP,
+   the prompts' split over DP, the engine's TP);
+2. each registry name, then each argument dict bound to its function's signature
+   (``inspect.signature(...).bind``), then one update-pass loss on a tiny random batch through
+   ``rl_loss`` with exactly the run's settings, forward and backward: the loss functions' own
+   value checks (a clip of -5, ``tail_grad: bogus``) run here instead of at the first update;
+3. the length limits (the probe in the engine's context, a whole sample in ``train.max_seq_len``);
+4. the paths: data and validation files (their first record), ``init_from`` (a HF directory's
+   ``config.json`` must describe ``model``), ``continue_from``, ``tokenizer``.
+
+``empg check CONFIG [overrides] --world-size N`` runs it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_empg.config import ConfigError, LossConfig, ModelConfig, RunConfig
+from megatron_empg.core.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from megatron_empg.core.aggregation import AGG_MODES
+from megatron_empg.core.kl import sampled_kl
+from megatron_empg.core.topk_kl import topk_kl_from_logprobs
+from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, KL_KINDS, RLMicroBatch, rl_loss
+from megatron_empg.rollout.data import DataError, check_first_record
+from megatron_empg.rollout.engine import ENGINES, EngineKind
+from megatron_empg.rollout.rewards import REWARDS, RewardFn
+from megatron_empg.trainer.layout import Layout, check_layout
+from megatron_empg.weight_sync.transport import TRANSPORTS
+
+# Arguments the trainer passes itself: a config that sets them is an error.
+_POLICY_LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "validate")
+_KL_INPUTS = ("old_logprobs", "validate", "estimator")
+# The HF config.json fields that must equal the model config's (what a wrong init_from gets wrong).
+_HF_DIMENSIONS = {
+    "hidden_size": "hidden_size", "num_hidden_layers": "num_layers", "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_query_groups", "intermediate_size": "ffn_hidden_size", "vocab_size": "vocab_size",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsPlan:
+    """What the forward-only passes compute besides log-probs at the targets (from the KL).
+
+    ``old_topk``: k of the policy's top-k in the old pass (a reverse Top-k KL's index set), 0: none.
+    ``anchor_topk``: k of the anchor's own top-k (a forward Top-k KL's index set), 0: none.
+    ``anchor_at_old_topk``: the anchor pass also scores the old pass's top-k ids (reverse).
+    ``anchor``: whether there is an anchor pass at all (a KL term).
+    """
+
+    old_topk: int = 0
+    anchor_topk: int = 0
+    anchor_at_old_topk: bool = False
+    anchor: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Components:
+    """What ``bind`` resolved: the config, the model, the layout and one object per registry name.
+
+    ``loss_fn(logits, batch, *, vocab_start, tp_group) -> RLLoss``: ``rl_loss`` with every option
+    of ``algorithm.loss`` bound. ``engine``: the ``EngineKind`` of ``rollout.engine``.
+    ``transport``: ``build(engine, weight_sync_config)`` of ``weight_sync.transport``.
+    """
+
+    config: RunConfig
+    model: ModelConfig
+    layout: Layout
+    advantage: AdvantageEstimator
+    loss_fn: Callable
+    stats: StatsPlan
+    reward: RewardFn
+    engine: EngineKind
+    transport: Callable
+
+
+def bind(config: RunConfig, world_size: int, *, check_paths: bool = True) -> Components:
+    """Resolve and check every setting of ``config`` for a run on ``world_size`` ranks (module
+    docstring). ``check_paths=False`` skips the files (a machine that cannot see them).
+
+    Raises ``ConfigError`` naming the dotted field and what was expected."""
+    model = config.model_config()
+    layout = check_layout(config, model, world_size)
+    algorithm = config.algorithm
+    advantage = _registered("algorithm.advantage", algorithm.advantage, ADVANTAGE_ESTIMATORS)
+    if config.algorithm.loss.kl == "topk" and not config.algorithm.topk <= model.vocab_size:
+        raise ConfigError("algorithm.topk", f"must be <= model.vocab_size={model.vocab_size}, got {config.algorithm.topk}")
+    loss_fn, stats = bind_loss(config.algorithm.loss, vocab_size=model.vocab_size, topk=config.algorithm.topk)
+    reward = _registered("data.reward", config.data.reward, REWARDS)
+    engine = _registered("rollout.engine", config.rollout.engine, ENGINES)
+    _check_engine_process(config, engine, world_size)
+    transport = _registered("weight_sync.transport", config.weight_sync.transport, TRANSPORTS)
+    _check_anchor(config)
+    _check_lengths(config, model)
+    if check_paths:
+        _check_paths(config, model)
+    return Components(config, model, layout, advantage, loss_fn, stats, reward, engine, transport)
+
+
+def _registered(field: str, name: str, registry: dict[str, Any]) -> Any:
+    if name not in registry:
+        raise ConfigError(field, f"unknown name {name!r}; expected one of {sorted(registry)}")
+    return registry[name]
+
+
+# --------------------------------------------------------------------------------------------
+# The update-pass loss.
+
+
+def bind_loss(loss: LossConfig, *, vocab_size: int, topk: int) -> tuple[Callable, StatsPlan]:
+    """``rl_loss`` with ``algorithm.loss`` (``loss``) bound for a vocabulary of ``vocab_size`` and a
+    Top-k KL of ``topk`` (checked by one forward and backward on a tiny batch), and what the old and
+    anchor passes must compute for it."""
+    k = topk
+    field = "algorithm.loss"
+    policy_loss = _registered(f"{field}.policy_loss", loss.policy_loss, ALL_POLICY_LOSSES)
+    _bind_arguments(f"{field}.policy_loss_args", policy_loss, loss.policy_loss_args, _POLICY_LOSS_INPUTS, positional=3)
+    _registered(f"{field}.agg_mode", loss.agg_mode, dict.fromkeys(AGG_MODES))
+    stats = StatsPlan()
+    if loss.kl is not None:
+        _registered(f"{field}.kl", loss.kl, dict.fromkeys(KL_KINDS))
+        args = dict(loss.kl_args)
+        if not isinstance(args.pop("importance_weight", False), bool):
+            raise ConfigError(f"{field}.kl_args.importance_weight", "expected true or false")
+        if loss.kl == "topk":
+            _bind_arguments(f"{field}.kl_args", topk_kl_from_logprobs, args, _KL_INPUTS, positional=5)
+            direction = args.get("direction")
+            if direction not in ("reverse", "forward"):
+                raise ConfigError(f"{field}.kl_args.direction", f"the Top-k KL needs reverse or forward, got {direction!r}")
+            reverse = direction == "reverse"
+            stats = StatsPlan(old_topk=k if reverse else 0, anchor_topk=0 if reverse else k,
+                              anchor_at_old_topk=reverse, anchor=True)  # fmt: skip
+        else:
+            _bind_arguments(f"{field}.kl_args", sampled_kl, args, _KL_INPUTS, positional=2)
+            stats = StatsPlan(anchor=True)
+    kwargs = dict(
+        vocab_size=vocab_size, policy_loss=loss.policy_loss, policy_loss_args=loss.policy_loss_args,
+        kl=loss.kl, kl_coef=loss.kl_coef, kl_args=loss.kl_args, entropy_coef=loss.entropy_coef,
+        log_entropy=loss.log_entropy, agg_mode=loss.agg_mode, inplace_backward=loss.inplace_backward,
+        **({"chunk_size": loss.chunk_size} if loss.chunk_size else {}),
+    )  # fmt: skip
+    loss_fn = functools.partial(rl_loss, **kwargs)
+    _dry_run(loss_fn, stats, k, field)
+    return loss_fn, stats
+
+
+def _bind_arguments(field: str, fn: Callable, args: dict, reserved: tuple[str, ...], *, positional: int) -> None:
+    """``args`` must be keyword arguments of ``fn`` (after its ``positional`` tensor inputs), none
+    of them one the trainer passes itself (``reserved``)."""
+    taken = sorted(set(args) & set(reserved))
+    if taken:
+        raise ConfigError(f"{field}.{taken[0]}", "is set by the trainer, not by the config")
+    signature = inspect.signature(fn)
+    try:
+        keywords = {name for name, p in signature.parameters.items() if p.kind == p.KEYWORD_ONLY}
+        given_by_trainer = dict.fromkeys(set(reserved) & keywords)
+        signature.bind(*([None] * positional), **given_by_trainer, **args)
+    except TypeError as error:
+        names = sorted(keywords - set(reserved))
+        raise ConfigError(field, f"{error}; expected arguments of {fn.__name__}: {', '.join(names)}") from None
+
+
+def _dry_run(loss_fn: Callable, stats: StatsPlan, k: int, field: str) -> None:
+    """One forward and backward of ``loss_fn`` on 2 x 3 tokens of random logits (float32), so that
+    the loss functions check their argument values now; a failure names the argument it mentions."""
+    vocab = loss_fn.keywords["vocab_size"]
+    width = max(k if stats.old_topk or stats.anchor_topk else 0, 2)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, vocab, generator=generator, requires_grad=True)
+    logprobs = torch.log_softmax(torch.randn(2, 3, vocab, generator=generator), dim=-1)
+    targets = torch.randint(0, vocab, (2, 3), generator=generator)
+    topk = torch.arange(width).expand(2, 3, width) if stats.old_topk or stats.anchor_topk else None
+    batch = RLMicroBatch(
+        target_ids=targets, loss_mask=torch.tensor([[True, True, False], [True, False, False]]),
+        advantages=torch.tensor([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]]),
+        old_logprobs=logprobs.gather(-1, targets[..., None])[..., 0],
+        anchor_logprobs=logprobs.gather(-1, targets[..., None])[..., 0] - 0.1 if stats.anchor else None,
+        topk_ids=topk, topk_anchor_logprobs=logprobs.gather(-1, topk) if topk is not None else None,
+    )  # fmt: skip
+    try:
+        out = rl_loss(logits, batch, **{**loss_fn.keywords, "inplace_backward": False}, vocab_start=0, tp_group=None)
+        out.loss.loss_sum.backward()
+    except (ValueError, TypeError) as error:
+        raise ConfigError(_field_of(field, str(error), loss_fn.keywords), str(error)) from None
+    if not torch.isfinite(logits.grad).all():
+        raise ConfigError(field, "the update-pass loss has a non-finite gradient on a random batch")
+
+
+def _field_of(field: str, message: str, keywords: dict) -> str:
+    """The dotted field an argument error is about: ``clip_eps_low=-5 must ...`` with
+    ``clip_eps_low`` in ``policy_loss_args`` -> ``algorithm.loss.policy_loss_args.clip_eps_low``."""
+    name = message.split("=", 1)[0].strip()
+    for section in ("policy_loss_args", "kl_args"):
+        if name in (keywords.get(section) or {}):
+            return f"{field}.{section}.{name}"
+    return field
+
+
+# --------------------------------------------------------------------------------------------
+# Engine, anchor, lengths, paths.
+
+
+def _check_engine_process(config: RunConfig, engine: EngineKind, world_size: int) -> None:
+    name = config.rollout.engine
+    if not config.rollout.in_process and not engine.own_process:
+        raise ConfigError("rollout.in_process", f"false needs an engine that runs in its own process; {name!r} does not")
+    if config.rollout.in_process and world_size > 1 and not engine.in_process_beside_training:
+        raise ConfigError(
+            "rollout.in_process",
+            f"true needs a world of one process with engine {name!r} (an in-process engine would join the "
+            f"training world of {world_size}); set rollout.in_process=false (and weight_sync.transport=shm_file)",
+        )
+
+
+def _check_anchor(config: RunConfig) -> None:
+    anchor = config.algorithm.anchor
+    if anchor.fp8 == "te" and config.optimizer.use_distributed_optimizer:
+        raise ConfigError(
+            "algorithm.anchor.fp8",
+            "te with optimizer.use_distributed_optimizer would need the policy in FP8 parameters too; "
+            "use fp8: emulated, or turn the distributed optimizer off",
+        )
+
+
+def _check_lengths(config: RunConfig, model: ModelConfig) -> None:
+    rollout, sync, train = config.rollout, config.weight_sync, config.train
+    max_model_len = rollout.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ConfigError(
+            "rollout.max_model_len",
+            f"{max_model_len} exceeds the model's max_position_embeddings={model.max_position_embeddings}",
+        )
+    if train.max_seq_len > model.max_position_embeddings:
+        raise ConfigError(
+            "train.max_seq_len", f"{train.max_seq_len} exceeds the model's max_position_embeddings={model.max_position_embeddings}"
+        )
+    if sync.probe_length + sync.probe_continuation > max_model_len - 1:
+        raise ConfigError(
+            "weight_sync.probe_length",
+            f"probe_length + probe_continuation = {sync.probe_length + sync.probe_continuation} must be <= "
+            f"rollout.max_model_len - 1 = {max_model_len - 1}",
+        )
+    if rollout.sampling.max_tokens >= train.max_seq_len:
+        raise ConfigError(
+            "rollout.sampling.max_tokens",
+            f"{rollout.sampling.max_tokens} leaves no room for a prompt in train.max_seq_len={train.max_seq_len}",
+        )
+    longest = min(config.data.max_prompt_tokens + rollout.sampling.max_tokens, max_model_len)
+    if config.data.source == "files" and rollout.search_agent is None and longest > train.max_seq_len:
+        raise ConfigError(
+            "train.max_seq_len",
+            f"{train.max_seq_len} is shorter than the longest sample, min(data.max_prompt_tokens + "
+            f"rollout.sampling.max_tokens, rollout.max_model_len) = {longest}",
+        )
+
+
+def _check_paths(config: RunConfig, model: ModelConfig) -> None:
+    for field, files in (("data.train_files", config.data.train_files), ("validation.files", config.validation.files)):
+        for i, path in enumerate(files):
+            try:
+                check_first_record(path, config.data)
+            except (DataError, ImportError) as error:
+                raise ConfigError(f"{field}[{i}]", str(error)) from None
+    checkpoint = config.checkpoint
+    for field, path in (("checkpoint.init_from", checkpoint.init_from), ("checkpoint.continue_from", checkpoint.continue_from),
+                        ("tokenizer", config.tokenizer)):  # fmt: skip
+        if path is not None and not Path(path).is_dir():
+            raise ConfigError(field, f"{path} is not a directory")
+    if checkpoint.init_from is not None and (Path(checkpoint.init_from) / "config.json").is_file():
+        _check_hf_config(Path(checkpoint.init_from) / "config.json", model)
+
+
+def _check_hf_config(path: Path, model: ModelConfig) -> None:
+    """A HF ``config.json`` (``checkpoint.init_from``) must have the model config's dimensions."""
+    hf = json.loads(path.read_text())
+    for hf_key, ours in _HF_DIMENSIONS.items():
+        if hf_key in hf and hf[hf_key] != getattr(model, ours):
+            raise ConfigError(
+                "checkpoint.init_from",
+                f"{path} has {hf_key}={hf[hf_key]} but model {model.name!r} has {ours}={getattr(model, ours)}: "
+                "a different model",
+            )

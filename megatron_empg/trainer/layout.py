@@ -1,0 +1,97 @@
+"""Where a run's work lands on a world of processes, checked from the config alone.
+
+Torch-free (the config module and PyYAML only): ``launch_check`` runs it on a login node before a
+job is queued, and ``trainer.build.bind`` runs it first of all its checks. Every error is a
+``ConfigError`` naming the dotted field and what was expected.
+
+    layout = check_layout(config, config.model_config(), world_size=8)
+    layout.dp, layout.samples_per_replica, layout.micro_batches_per_replica
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_empg.config import ConfigError, ModelConfig, RunConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The grid of a run: ``world_size = tp * pp * dp`` processes; each data-parallel replica
+    takes ``prompts_per_replica`` whole prompt groups per step, ``samples_per_replica`` samples in
+    ``micro_batches_per_replica`` micro-batches."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    prompts_per_replica: int
+    samples_per_replica: int
+    micro_batches_per_replica: int
+
+
+def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layout:
+    """The ``Layout`` of ``config`` on ``world_size`` processes, after checking that it fits:
+
+    - the model splits over TP (attention heads and query groups) and PP (layers, with VPP);
+    - TP x PP divides the world (the rest is data parallel);
+    - each step's prompts split into whole groups per replica, then whole micro-batches and
+      mini-batches (advantages are per group; every replica takes the same number of optimizer
+      steps);
+    - the engine's tensor parallelism splits the model as vLLM needs (heads; query groups split
+      or replicated).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+    parallel, train = config.parallel, config.train
+    try:
+        parallel.validate_for(model)
+    except ConfigError as error:
+        raise ConfigError(f"parallel.{error.field}", error.reason) from None
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            "parallel.tensor_model_parallel_size",
+            f"the world of {world_size} processes is not divisible by parallel.tensor_model_parallel_size x "
+            f"parallel.pipeline_model_parallel_size = {tp} x {pp}",
+        )
+    dp = world_size // (tp * pp)
+    where = f"world {world_size} / (TP {tp} x PP {pp})"
+    if train.prompts_per_step % dp:
+        raise ConfigError(
+            "train.prompts_per_step",
+            f"must be divisible by the data-parallel size {dp} ({where}: each replica takes whole prompt groups), "
+            f"got {train.prompts_per_step}",
+        )
+    prompts = train.prompts_per_step // dp
+    samples = prompts * config.rollout.sampling.n
+    if samples % train.micro_batch_size:
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"must divide each data-parallel replica's samples, train.prompts_per_step / {dp} x "
+            f"rollout.sampling.n = {samples} ({where}), got {train.micro_batch_size}",
+        )
+    micro_batches = samples // train.micro_batch_size
+    if micro_batches % config.algorithm.mini_batches:  # advantages come first: a group may span mini-batches
+        raise ConfigError(
+            "algorithm.mini_batches",
+            f"must divide each data-parallel replica's {micro_batches} micro-batches of "
+            f"train.micro_batch_size={train.micro_batch_size} ({where}), got {config.algorithm.mini_batches}",
+        )
+    _check_engine_split(config, model)
+    return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches)
+
+
+def _check_engine_split(config: RunConfig, model: ModelConfig) -> None:
+    """vLLM's tensor parallelism splits the query heads and splits (or replicates) the KV heads."""
+    engine_tp = config.rollout.tensor_parallel_size
+    heads, groups = model.num_attention_heads, model.num_query_groups
+    if heads % engine_tp:
+        raise ConfigError(
+            "rollout.tensor_parallel_size", f"{engine_tp} does not divide model.num_attention_heads={heads}"
+        )
+    if groups % engine_tp and engine_tp % groups:
+        raise ConfigError(
+            "rollout.tensor_parallel_size",
+            f"{engine_tp} neither divides nor is a multiple of model.num_query_groups={groups} (the KV heads)",
+        )
