@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -348,18 +348,23 @@ def shard_full_state_dict(
     layer_offset: int,
     *,
     vocab_size: int | None = None,
+    canonical_name: Callable[[str], str] | None = None,
 ) -> None:
     """Load this rank's TP slice of a full state dict into ``chunk`` (layers shifted by ``layer_offset``).
 
     The full state dict uses global layer indices; its vocabulary rows may be padded differently
     (or not at all): they are resized to the chunk's padded vocabulary (see ``resize_vocab``). With
     tied embeddings a last pipeline stage's ``output_layer.weight`` comes from the embedding.
+    ``canonical_name`` maps the chunk's names to the full state dict's spelling (the Transformer
+    Engine spec's fused-norm names to the local spec's: ``weight_sync.mapping.canonical_name``).
     """
     params = dict(chunk.named_parameters())
     tied = getattr(chunk, "share_embeddings_and_output_weights", False)
     sharded = {}
     for name, local in chunk.state_dict().items():
         key = global_name(name, layer_offset)
+        if canonical_name is not None:
+            key = canonical_name(key)
         full = full_state_dict.get(key)
         if full is None and tied and key == "output_layer.weight":
             full = full_state_dict.get("embedding.word_embeddings.weight")
@@ -381,15 +386,21 @@ def shard_full_state_dict(
 
 
 def load_full_state_dict(
-    chunks: Sequence[GPTModel], full_state_dict: Mapping[str, torch.Tensor], *, vocab_size: int | None = None
+    chunks: Sequence[GPTModel],
+    full_state_dict: Mapping[str, torch.Tensor],
+    *,
+    vocab_size: int | None = None,
+    canonical_name: Callable[[str], str] | None = None,
 ) -> None:
-    """Load this rank's TP/PP(/VPP) slice of a TP1/PP1 state dict into its model chunks."""
+    """Load this rank's TP/PP(/VPP) slice of a TP1/PP1 state dict into its model chunks (arguments:
+    ``shard_full_state_dict``)."""
     _import_megatron()
     from megatron.core import parallel_state as ps
 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for chunk in chunks:
-        shard_full_state_dict(chunk, full_state_dict, tp_rank, tp_size, layer_offset(chunk), vocab_size=vocab_size)
+        shard_full_state_dict(chunk, full_state_dict, tp_rank, tp_size, layer_offset(chunk), vocab_size=vocab_size,
+                              canonical_name=canonical_name)  # fmt: skip
 
 
 def named_weight_shards(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:

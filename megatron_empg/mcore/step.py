@@ -7,15 +7,19 @@
                  (sum, count, metrics); the optimizer step and the LR schedule
 
 A micro-batch is a dict of [b, s] tensors aligned with the logits positions (``target_ids`` is
-the input shifted left; see ``parallel.rl_loss.RLMicroBatch`` for the update-pass fields). The
+the input shifted left; see ``parallel.rl_loss.RLMicroBatch`` for the update-pass fields), on the
+model's device: the caller puts them there (``trainer.batch``), these passes move nothing. The
 logits never leave the loss function: only [b, s] and [b, s, k] tensors come out, and only on the
-last pipeline stage (``None`` on the others; use ``broadcast_from_last_stage`` where a value is
-needed everywhere).
+last pipeline stage (``None`` on the others; ``share_stats`` sends them to every stage with tensor
+broadcasts).
+
+The update pass takes its objective as a bound function (``trainer.build.bind_loss``: ``rl_loss``
+with the run's options), so that this module knows no loss configuration.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -23,12 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_empg.config import LossConfig
 from megatron_empg.core.aggregation import LossSum
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.parallel.collectives import collective_device
-from megatron_empg.parallel.rl_loss import RLMicroBatch, rl_loss
+from megatron_empg.parallel.rl_loss import RLLoss, RLMicroBatch
 from megatron_empg.parallel.vocab_parallel import vocab_parallel_token_stats
 
 cpu_shims.install_pre_import()
@@ -144,6 +147,40 @@ def forward_stats(
     return outputs if groups.is_last_stage else None
 
 
+def share_stats(
+    outputs: list[dict[str, Tensor]] | None, microbatches: Sequence[dict], request: StatsRequest, groups: ParallelGroups
+) -> list[dict[str, Tensor]]:
+    """``forward_stats``' outputs (on the last pipeline stage) on every stage, by one tensor
+    broadcast per output over the pipeline group: shapes follow from the micro-batches and the
+    request, so the other stages allocate the same tensors on their device. (No pickling: an object
+    broadcast of CUDA tensors would unpickle them onto the sender's GPU.)"""
+    if groups.pp_size == 1:
+        return outputs
+    source = dist.get_global_rank(groups.pp_group, groups.pp_size - 1)
+    shared = []
+    for i, batch in enumerate(microbatches):
+        out = {}
+        for name, shape, dtype in _stats_layout(batch, request):
+            tensor = outputs[i][name].contiguous() if groups.is_last_stage else None
+            if tensor is None:
+                tensor = torch.empty(shape, dtype=dtype, device=batch["input_ids"].device)
+            dist.broadcast(tensor, src=source, group=groups.pp_group)
+            out[name] = tensor
+        shared.append(out)
+    return shared
+
+
+def _stats_layout(batch: dict, request: StatsRequest) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of each output ``_stats_loss`` gives for ``batch``."""
+    b, s = batch["input_ids"].shape
+    layout = [("logprobs", (b, s), torch.float32), ("lse", (b, s), torch.float32),
+              ("topk_logprobs", (b, s, request.k), torch.float32), ("topk_ids", (b, s, request.k), torch.int64)]  # fmt: skip
+    if request.extra_ids_key is not None:
+        layout.append(("extra_logprobs", (b, s, batch[request.extra_ids_key].shape[-1]), torch.float32))
+    if request.with_entropy:
+        layout.append(("entropy", (b, s), torch.float32))
+    return layout
+
 
 def score_sequences(
     models, sequences: Sequence[Sequence[int]], vocab_size: int, groups: ParallelGroups
@@ -166,16 +203,13 @@ def score_sequences(
 # ---------------------------------------------------------------- update pass
 
 
-def _update_loss(batch: dict, settings: LossConfig, vocab_size: int, groups: ParallelGroups, logits: Tensor):
+LossFunction = Callable[..., RLLoss]
+"""``loss_fn(logits [b, s, V_local], batch: RLMicroBatch, *, vocab_start, tp_group) -> RLLoss``."""
+
+
+def _update_loss(batch: dict, loss_fn: LossFunction, groups: ParallelGroups, logits: Tensor):
     micro = RLMicroBatch(**{name: batch.get(name) for name in RLMicroBatch._fields})
-    kwargs = {"chunk_size": settings.chunk_size} if settings.chunk_size else {}
-    out = rl_loss(
-        logits, micro, vocab_size=vocab_size, policy_loss=settings.policy_loss,
-        policy_loss_args=settings.policy_loss_args, kl=settings.kl, kl_coef=settings.kl_coef,
-        kl_args=settings.kl_args, entropy_coef=settings.entropy_coef, log_entropy=settings.log_entropy,
-        agg_mode=settings.agg_mode, inplace_backward=settings.inplace_backward,
-        **_vocab_shard(logits, groups), **kwargs,
-    )  # fmt: skip
+    out = loss_fn(logits, micro, **_vocab_shard(logits, groups))
     # Megatron accumulates the count in an int32 tensor and, with calculate_per_token_loss, divides
     # the gradients once by its global sum (finalize_model_grads).
     return out.loss.loss_sum, out.loss.count.to(torch.int), out.metrics
@@ -223,7 +257,8 @@ def broadcast_from_last_stage(tensor: Tensor, groups: ParallelGroups) -> Tensor:
 
 
 def broadcast_object_from_last_stage(obj, groups: ParallelGroups):
-    """A picklable object from the last pipeline stage, on every stage."""
+    """A picklable object from the last pipeline stage, on every stage: plain Python values only
+    (names, numbers), never tensors (see ``share_stats``)."""
     if groups.pp_size == 1:
         return obj
     box = [obj]
@@ -236,18 +271,20 @@ def train_step(
     optimizer,
     scheduler,
     microbatches: Sequence[dict],
-    settings: LossConfig,
+    loss_fn: LossFunction,
     *,
-    vocab_size: int,
     groups: ParallelGroups,
 ) -> StepResult:
     """One policy update: forward+backward over this DP rank's micro-batches, then the optimizer.
 
+    The LR schedule steps first, so that a warmup counts the update it is applied to: the k-th
+    update of a warmup of W runs at ``lr * k / W``, never at 0.
+
     Args:
         ddp_models: the policy's model chunks wrapped by ``optimizer.wrap_with_ddp``.
         microbatches: this DP rank's micro-batches (dicts of ``input_ids`` and the
-            ``RLMicroBatch`` fields, [b, s] / [b, s, K]).
-        vocab_size: the real vocabulary size.
+            ``RLMicroBatch`` fields, [b, s] / [b, s, K], on the model's device).
+        loss_fn: the update-pass objective (``LossFunction``).
     """
     for model in ddp_models:
         model.train()
@@ -256,12 +293,12 @@ def train_step(
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        return _model_forward(model, batch), partial(_update_loss, batch, settings, vocab_size, groups)
+        return _model_forward(model, batch), partial(_update_loss, batch, loss_fn, groups)
 
     outputs = _run_schedule(ddp_models, microbatches, forward_step, forward_only=False)
+    scheduler.step(increment=1)
     lr = optimizer.param_groups[0]["lr"]
     update_successful, grad_norm, _ = optimizer.step()
-    scheduler.step(increment=1)
     return StepResult(
         metrics=reduce_metrics(outputs if groups.is_last_stage else None, groups),
         grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),

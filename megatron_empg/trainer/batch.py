@@ -7,12 +7,19 @@ tokens the policy did not generate (a multi-turn response's observations: ``resp
 False), which get no loss, KL or entropy term. Sequences are right-padded
 to one length for the whole step (Megatron's schedule takes one ``seq_length`` per call), rounded
 up to a multiple of ``pad_multiple``.
+
+``training_micro_batches`` cuts the padded batch into what the Megatron passes take: mini-batches
+of micro-batches, without the samples that carry no loss (a truncated response under
+``algorithm.mask_truncated``: its old, anchor and update passes would compute a zero loss), on the
+model's device. The loss is unchanged: a sample without loss tokens adds 0 to every (sum, count).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Sequence
+
+from megatron_empg.core.advantages import token_advantages
 
 import torch
 from torch import Tensor
@@ -95,3 +102,55 @@ def pack(samples: Sequence[Sample], *, pad_id: int, pad_multiple: int = 8, max_l
             logprobs = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
             sampler[i, p - 1 : p - 1 + r] = torch.where(generated, logprobs, 0.0)
     return PackedBatch(input_ids, target_ids, loss_mask, sampler)
+
+
+def training_micro_batches(
+    batch: PackedBatch,
+    advantages: Tensor,
+    *,
+    micro_batch_size: int,
+    mini_batches: int,
+    device: torch.device,
+    pad_multiple: int = 8,
+) -> list[list[dict[str, Tensor]]]:
+    """``[mini_batches][m]`` micro-batches (dicts of ``input_ids``, ``target_ids``, ``loss_mask``
+    [b, s] and ``advantages`` [b, s] float32, on ``device``) of ``batch``'s B samples and their
+    ``advantages`` [B].
+
+    Mini-batch j is samples ``[j * B / mini_batches, (j + 1) * B / mini_batches)`` (as sampled),
+    less those without a loss token, in micro-batches of ``micro_batch_size`` samples; a last
+    partial micro-batch is filled with loss-free samples of the same mini-batch, and a mini-batch
+    with no loss token keeps one micro-batch (every replica takes part in each optimizer step, and
+    pipeline stages exchange equal shapes). The width is cut to the kept samples' last loss token
+    (rounded up to ``pad_multiple``): positions after it cannot change the log-probs before it.
+    """
+    total = batch.input_ids.size(0)
+    if total % mini_batches or (total // mini_batches) % micro_batch_size:
+        raise ValueError(
+            f"{total} samples do not split into {mini_batches} mini-batches of micro-batches of {micro_batch_size}"
+        )
+    per_mini = total // mini_batches
+    trains = batch.loss_mask.any(dim=-1).tolist()
+    plan = []
+    for j in range(mini_batches):
+        members = range(j * per_mini, (j + 1) * per_mini)
+        kept = [i for i in members if trains[i]]
+        fill = -len(kept) % micro_batch_size if kept else micro_batch_size
+        plan.append(kept + [i for i in members if not trains[i]][:fill])
+    used = [i for indices in plan for i in indices]
+    positions = batch.loss_mask[used].any(dim=0).nonzero()
+    last = int(positions.max()) + 1 if positions.numel() else 1
+    width = min(-(-last // pad_multiple) * pad_multiple, batch.input_ids.size(1))
+    out = []
+    for indices in plan:
+        minis = []
+        for first in range(0, len(indices), micro_batch_size):
+            rows = torch.tensor(indices[first : first + micro_batch_size])
+            loss_mask = batch.loss_mask[rows, :width]
+            micro = {
+                "input_ids": batch.input_ids[rows, :width], "target_ids": batch.target_ids[rows, :width],
+                "loss_mask": loss_mask, "advantages": token_advantages(advantages[rows], loss_mask),
+            }  # fmt: skip
+            minis.append({name: tensor.to(device) for name, tensor in micro.items()})
+        out.append(minis)
+    return out

@@ -5,8 +5,13 @@
 
 each stage a short method. SPMD: every rank runs the same loop. The rollout engine lives on global
 rank 0 (TP 0, PP 0 of DP replica 0); it samples the whole global batch and every data-parallel
-replica takes its prompts' samples. Step ``s`` (0-based) uses global prompt batch ``s``, so the step
-counter is the data cursor and a resumed run continues with the same prompts.
+replica takes its prompts' samples. With ``rollout.sleep_while_training`` the engine sleeps from
+the end of the rollout to the weight sync, which wakes its weights first and its KV cache after.
+Step ``s`` (0-based) uses global prompt batch ``s``, so the step counter is the data cursor and a
+resumed run continues with the same prompts.
+
+A ``Trainer`` is built from what ``trainer.build.bind`` resolved (``Components``): it branches on
+no configured name.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_empg.config import RunConfig, to_yaml
-from megatron_empg.core.advantages import advantage_estimator, token_advantages
+from megatron_empg.config import ConfigError, RunConfig, to_yaml
 from megatron_empg.parallel.collectives import collective_device
-from megatron_empg.trainer.batch import PackedBatch, Sample, pack
+from megatron_empg.trainer.batch import PackedBatch, Sample, pack, training_micro_batches
+from megatron_empg.trainer.build import Components
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +51,21 @@ class StepOutput:
 
 
 class Trainer:
-    """Everything one run holds. Build with ``Trainer(config)`` on every rank (after
-    ``torch.distributed`` is initialised), then ``run(resume=...)``."""
+    """Everything one run holds. Build with ``Trainer(bind(config, world_size))`` on every rank
+    (after ``torch.distributed`` is initialised), then ``run(resume=...)``."""
 
-    def __init__(self, config: RunConfig, *, run_dir: str | Path | None = None) -> None:
+    def __init__(self, components: Components, *, run_dir: str | Path | None = None) -> None:
         from megatron_empg.mcore import parallel_state
 
-        self.config = config
-        self.model = config.model_config()
+        self.components = components
+        self.config = config = components.config
+        self.model = components.model
         self.run_dir = Path(run_dir or config.logging.dir)
         self.rank = dist.get_rank()
+        if dist.get_world_size() != components.layout.world_size:
+            raise ValueError(f"bound for {components.layout.world_size} ranks, running on {dist.get_world_size()}")
         self.tokenizer = _load_tokenizer(config)
-        self._check_layout()
+        self._check_machine()
         self.agent = self._build_agent() if self.rank == ENGINE_RANK and config.rollout.search_agent else None
         self.engine = self._start_engine() if self.rank == ENGINE_RANK else None  # before seeding: vLLM seeds globally
         self.groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
@@ -69,27 +77,32 @@ class Trainer:
         self.step_index = 0
         self.optimizer_steps = 0
         self.synced_version: str | None = None
+        self._engine_asleep = False
         self._stop_signal: int | None = None
 
     # ------------------------------------------------------------------ setup
 
-    def _check_layout(self) -> None:
-        self.config.validate_world_size(dist.get_world_size())
-        sampling = self.config.rollout.sampling
-        max_model_len = self.config.rollout.max_model_len or self.model.max_position_embeddings
-        if self.config.weight_sync.probe_length + self.config.weight_sync.probe_continuation > max_model_len - 1:
-            raise ValueError(
-                f"weight_sync.probe_length + probe_continuation must be <= rollout.max_model_len - 1 = {max_model_len - 1}"
-            )
-        if sampling.max_tokens >= self.config.train.max_seq_len:
-            raise ValueError(
-                f"rollout.sampling.max_tokens={sampling.max_tokens} leaves no room for a prompt in "
-                f"train.max_seq_len={self.config.train.max_seq_len}"
-            )
+    def _check_machine(self) -> None:
+        """What only the machine can tell, before the engine starts: room in ``weight_sync.shm_dir``
+        for a bucket file (on the engine's rank), a GPU with Transformer Engine for a TE FP8
+        anchor. A ``ConfigError`` on every rank together."""
+        problem: list = [None]
+        try:
+            if self.config.algorithm.anchor.fp8 == "te" and not _te_fp8_possible():
+                raise ConfigError("algorithm.anchor.fp8", "te needs a GPU and Transformer Engine (the NGC container); "
+                                  "use fp8: emulated or auto elsewhere")  # fmt: skip
+            if self.rank == ENGINE_RANK and self.config.weight_sync.transport == "shm_file":
+                from megatron_empg.weight_sync.transport import check_free_space
+
+                check_free_space(self.config.weight_sync.shm_dir, _bucket_file_bytes(self.config, self.model))
+        except ConfigError as error:
+            problem = [(error.field, error.reason)]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(problem, src=ENGINE_RANK)
+        if problem[0] is not None:
+            raise ConfigError(*problem[0])
 
     def _start_engine(self):
-        from megatron_empg.rollout.vllm_engine import VllmEngine
-
         engine_dir = self.run_dir / "engine_model"
         engine_dir.mkdir(parents=True, exist_ok=True)
         _write_hf_config(self.model, engine_dir)
@@ -99,7 +112,8 @@ class Trainer:
         # this step", still needs the engine for the step in flight (it shuts it down at the end).
         previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         try:
-            return VllmEngine(engine_dir, self.config.rollout, load_format="dummy")  # weights come by sync
+            engine_class = self.components.engine.load()
+            return engine_class(engine_dir, self.config.rollout, load_format="dummy")  # weights come by sync
         finally:
             signal.signal(signal.SIGUSR1, previous)
 
@@ -135,18 +149,22 @@ class Trainer:
         if algorithm.loss.kl is None:
             return None
         anchor = algorithm.anchor
+        te_fp8 = _te_fp8(self.config)
+        log.info("EMA anchor: tau %g every %d optimizer steps, %s weights%s", anchor.tau, anchor.period,
+                 anchor.compute_dtype, " (Transformer Engine FP8)" if te_fp8 else
+                 " (emulated FP8)" if anchor.compute_dtype == "float8_e4m3fn" else "")  # fmt: skip
         return EmaAnchor.from_configs(
             self.model, self.config.parallel, self.models, self.optimizer, tau=anchor.tau, period=anchor.period,
             first_update=anchor.first_update, compute_dtype=DTYPES[anchor.compute_dtype],
+            master_on_cpu=anchor.master_on_cpu, te_fp8=te_fp8,
         )  # fmt: skip
 
     def _build_data(self) -> None:
         from megatron_empg.rollout.data import PromptBatches, build_prompt_source, load_validation_sets
-        from megatron_empg.rollout.rewards import REWARDS
 
         source = build_prompt_source(self.config.data, self.tokenizer)
         self.batches = PromptBatches(source, batch_size=self.config.train.prompts_per_step)  # global batches
-        self.reward_fn = REWARDS[self.config.data.reward]
+        self.reward_fn = self.components.reward
         validation = self.config.validation
         self.validation_sets = (  # read on every rank: a bad file stops them all at start-up
             load_validation_sets(self.config.data, validation.files, self.tokenizer, validation.max_prompts_per_source)
@@ -154,14 +172,7 @@ class Trainer:
         )  # fmt: skip
 
     def _build_transport(self):
-        from megatron_empg.weight_sync.transport import InProcessTransport, SharedMemoryFileTransport
-
-        sync = self.config.weight_sync
-        if sync.transport == "in_process":
-            return InProcessTransport(self.engine)
-        if sync.transport == "shm_file":
-            return SharedMemoryFileTransport(self.engine, sync.shm_dir)
-        raise ValueError(f"weight_sync.transport={sync.transport!r} is not available in the trainer yet")
+        return self.components.transport(self.engine, self.config.weight_sync)
 
     def _probe_batch(self) -> list[list[int]]:
         from megatron_empg.weight_sync.gate import probe_batch
@@ -212,6 +223,7 @@ class Trainer:
         times: dict[str, float] = {}
         with _timed(times, "rollout"):
             samples = self.rollout()
+            self._sleep_engine()
         with _timed(times, "rewards"):
             reward_metrics = self.score_rewards(samples)
         with _timed(times, "advantages"):
@@ -221,13 +233,14 @@ class Trainer:
             for i, sample in enumerate(samples):
                 if sample.finish_reason == "length":
                     batch.loss_mask[i] = False
-        micro = self.micro_batches(batch, advantages)
+        minis = self.micro_batches(batch, advantages)
+        micro = [mb for mini in minis for mb in mini]
         with _timed(times, "old_pass"):
             self.old_pass(micro)
         with _timed(times, "anchor_pass"):
             self.anchor_pass(micro)
         with _timed(times, "update"):
-            update_metrics = self.update(micro)
+            update_metrics = self.update(minis)
         with _timed(times, "ema_update"):
             ema_updates = self.ema_update()
         self.step_index += 1
@@ -300,65 +313,58 @@ class Trainer:
         """[B] per-sample advantages (groups are this replica's prompts: whole groups never split)."""
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-        return advantage_estimator(self.config.algorithm.advantage)(rewards, groups)
+        return self.components.advantage(rewards, groups)
 
-    def micro_batches(self, batch: PackedBatch, advantages: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        micro = batch.micro_batches(self.config.train.micro_batch_size)
-        size = self.config.train.micro_batch_size
-        for i, mb in enumerate(micro):
-            mb["advantages"] = token_advantages(advantages[i * size : (i + 1) * size], mb["loss_mask"])
-        return micro
+    def micro_batches(self, batch: PackedBatch, advantages: torch.Tensor) -> list[list[dict[str, torch.Tensor]]]:
+        """This replica's mini-batches of micro-batches on the policy's device, without the samples
+        that carry no loss (``trainer.batch.training_micro_batches``): every tensor that meets the
+        model is moved here, and only here."""
+        return training_micro_batches(
+            batch, advantages, micro_batch_size=self.config.train.micro_batch_size,
+            mini_batches=self.config.algorithm.mini_batches, device=next(self.models[0].parameters()).device,
+        )  # fmt: skip
 
     def old_pass(self, micro: list[dict]) -> None:
         """log pi_old at the targets (and the policy's top-k for a reverse Top-k KL) into ``micro``."""
-        from megatron_empg.mcore.step import StatsRequest, broadcast_object_from_last_stage, forward_stats
+        from megatron_empg.mcore.step import StatsRequest, forward_stats, share_stats
 
-        loss = self.config.algorithm.loss
-        k = self.config.algorithm.topk if _topk_direction(loss) == "reverse" else 0
-        request = StatsRequest(vocab_size=self.model.vocab_size, k=k, with_entropy=False, chunk_size=loss.chunk_size)
-        outputs = broadcast_object_from_last_stage(forward_stats(self.models, micro, request, self.groups), self.groups)
+        plan = self.components.stats
+        request = StatsRequest(vocab_size=self.model.vocab_size, k=plan.old_topk, with_entropy=False,
+                               chunk_size=self.config.algorithm.loss.chunk_size)  # fmt: skip
+        outputs = share_stats(forward_stats(self.models, micro, request, self.groups), micro, request, self.groups)
         for mb, out in zip(micro, outputs):
             mb["old_logprobs"] = out["logprobs"]
-            if k:
+            if plan.old_topk:
                 mb["topk_ids"] = out["topk_ids"]
 
     def anchor_pass(self, micro: list[dict]) -> None:
         """log pi_ref at the targets and at the Top-k ids (forward KL: the anchor's own top-k)."""
-        from megatron_empg.mcore.step import StatsRequest, broadcast_object_from_last_stage, forward_stats
+        from megatron_empg.mcore.step import StatsRequest, forward_stats, share_stats
 
-        if self.anchor is None:
+        plan = self.components.stats
+        if not plan.anchor:
             return
-        loss = self.config.algorithm.loss
-        direction = _topk_direction(loss)
         request = StatsRequest(
-            vocab_size=self.model.vocab_size, k=self.config.algorithm.topk if direction == "forward" else 0,
-            extra_ids_key="topk_ids" if direction == "reverse" else None, with_entropy=False,
-            chunk_size=loss.chunk_size,
+            vocab_size=self.model.vocab_size, k=plan.anchor_topk, with_entropy=False,
+            extra_ids_key="topk_ids" if plan.anchor_at_old_topk else None,
+            chunk_size=self.config.algorithm.loss.chunk_size,
         )  # fmt: skip
-        outputs = broadcast_object_from_last_stage(forward_stats(self.anchor.models, micro, request, self.groups),
-                                                   self.groups)  # fmt: skip
+        outputs = share_stats(forward_stats(self.anchor.models, micro, request, self.groups), micro, request, self.groups)
         for mb, out in zip(micro, outputs):
             mb["anchor_logprobs"] = out["logprobs"]
-            if direction == "reverse":
+            if plan.anchor_at_old_topk:
                 mb["topk_anchor_logprobs"] = out["extra_logprobs"]
-            elif direction == "forward":
+            elif plan.anchor_topk:
                 mb["topk_ids"], mb["topk_anchor_logprobs"] = out["topk_ids"], out["topk_logprobs"]
 
-    def update(self, micro: list[dict]) -> dict[str, float]:
-        """One optimizer step per mini-batch; the mean of their metrics."""
+    def update(self, minis: list[list[dict]]) -> dict[str, float]:
+        """One optimizer step per mini-batch (of micro-batches); the mean of their metrics."""
         from megatron_empg.mcore.step import train_step
 
-        per_step = len(micro) // self.config.algorithm.mini_batches
-        if per_step == 0 or len(micro) % self.config.algorithm.mini_batches:
-            raise ValueError(
-                f"{len(micro)} micro-batches do not split into algorithm.mini_batches={self.config.algorithm.mini_batches}"
-            )
         results = []
-        for j in range(self.config.algorithm.mini_batches):
-            results.append(train_step(
-                self.models, self.optimizer, self.scheduler, micro[j * per_step : (j + 1) * per_step],
-                self.config.algorithm.loss, vocab_size=self.model.vocab_size, groups=self.groups,
-            ))  # fmt: skip
+        for micro in minis:
+            results.append(train_step(self.models, self.optimizer, self.scheduler, micro, self.components.loss_fn,
+                                      groups=self.groups))  # fmt: skip
             self.optimizer_steps += 1
         merged = {f"actor/{k}": statistics.fmean(r.metrics[k] for r in results) for k in results[0].metrics}
         merged["actor/grad_norm"] = statistics.fmean(r.grad_norm for r in results)
@@ -383,8 +389,10 @@ class Trainer:
         groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.groups.dp_rank == 0)
         shards = named_weight_shards(self.models)
         version = f"step-{self.step_index}"
+        self._wake_engine(["weights"])  # the new weights land before the KV cache takes its memory back
         report = bridge.sync_weights(shards, self.model, groups, self.transport, version,
                                      bucket_bytes=int(sync.bucket_size_mb * 2**20), engine_rank=ENGINE_RANK)  # fmt: skip
+        self._wake_engine(["kv_cache"])
         self.synced_version = version
         metrics = {"sync/seconds": report.seconds, "sync/gbytes": report.num_bytes / 1e9}
         if sync.gate_tolerance is not None:
@@ -397,15 +405,35 @@ class Trainer:
             )  # fmt: skip
         return metrics
 
+    def _sleep_engine(self) -> None:
+        """After the rollout, with ``rollout.sleep_while_training``: the engine frees its memory
+        (``rollout.sleep_level``) until ``sync_weights`` wakes it."""
+        if self.engine is None or not self.config.rollout.sleep_while_training:
+            return
+        self.engine.sleep(level=self.config.rollout.sleep_level)
+        self._engine_asleep = True
+
+    def _wake_engine(self, tags: list[str]) -> None:
+        """Wake the sleeping engine's ``tags`` (after the trainer has returned its cached memory)."""
+        if not self._engine_asleep:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.engine.wake_up(tags)
+        if tags == ["kv_cache"]:
+            self._engine_asleep = False
+
     def metrics(self, samples, batch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
         """Per-step metrics: ``sample_means`` of the samples' sums over data-parallel replicas (one
         all-reduce), the loss tokens per sample, throughput, and this rank's timings."""
-        local = {**sample_sums(samples, reward_metrics), "loss_tokens": int(batch.loss_mask.sum())}
+        local = {**sample_sums(samples, reward_metrics), "loss_tokens": int(batch.loss_mask.sum()),
+                 "no_loss": int((~batch.loss_mask.any(dim=-1)).sum())}  # fmt: skip
         totals = _all_reduce_sums(local, self.groups.dp_group)
         seconds = sum(times.values())
         return {
             **sample_means(totals),
             "response/loss_tokens_mean": totals["loss_tokens"] / max(totals["samples"], 1),
+            "response/no_loss_fraction": totals["no_loss"] / max(totals["samples"], 1),
             "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
             **{f"time/{k}": v for k, v in times.items()}, **update_metrics, **sync_metrics,
         }  # fmt: skip
@@ -519,10 +547,34 @@ def _timed(times: dict[str, float], name: str) -> Iterator[None]:
     times[name] = time.perf_counter() - start
 
 
-def _topk_direction(loss) -> str | None:
-    if loss.kl != "topk":
-        return None
-    return loss.kl_args["direction"]
+def _te_fp8(config: RunConfig) -> bool:
+    """Whether the FP8 anchor stores Transformer Engine FP8 parameters (``algorithm.anchor.fp8``;
+    ``auto``: where TE and a GPU are there and the distributed optimizer is off)."""
+    anchor = config.algorithm.anchor
+    if anchor.compute_dtype != "float8_e4m3fn" or anchor.fp8 == "emulated":
+        return False
+    if anchor.fp8 == "te":
+        return True
+    return not config.optimizer.use_distributed_optimizer and _te_fp8_possible()
+
+
+def _te_fp8_possible() -> bool:
+    """A GPU and Transformer Engine (Megatron's import of it)."""
+    if not torch.cuda.is_available():
+        return False
+    from megatron_empg.mcore.model import te_available
+
+    return te_available()
+
+
+def _bucket_file_bytes(config: RunConfig, model) -> int:
+    """The largest weight-sync bucket file: ``weight_sync.bucket_size_mb``, or the whole model if
+    smaller, but never less than its largest tensor (a bucket holds at least one), plus a header."""
+    size = torch.empty((), dtype=DTYPES[config.train.params_dtype]).element_size()
+    largest = max(model.vocab_size, model.ffn_hidden_size, model.num_attention_heads * model.kv_channels)
+    largest *= model.hidden_size * size
+    whole = model.num_parameters() * size
+    return max(min(int(config.weight_sync.bucket_size_mb * 2**20), whole), largest) + 2**20
 
 
 def any_rank_signalled(signum: int | None, group) -> int | None:
@@ -626,7 +678,7 @@ def _load_initial_weights(chunks, init_from: str, model, config: RunConfig, grou
             with safe_open(str(file), framework="pt") as f:
                 hf.update({name: f.get_tensor(name) for name in f.keys()})
         full = mapping.to_megatron_state_dict(hf, model, config.parallel.padded_vocab_size(model.vocab_size))
-        load_full_state_dict(chunks, full, vocab_size=model.vocab_size)
+        load_full_state_dict(chunks, full, vocab_size=model.vocab_size, canonical_name=mapping.canonical_name)
         return
     from megatron_empg.mcore.checkpoint import load_checkpoint
 

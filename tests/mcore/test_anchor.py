@@ -227,6 +227,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.config import LossConfig
+    from megatron_empg.trainer.build import bind_loss
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
 
     model_cfg = load_model_config(MODEL)
@@ -274,7 +275,8 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
         fp8_scales = [_compute_vs_master(anchors["fp8"])["scales"]]
 
         ema64 = {k: {key: ref.clone() for key, (ref, _) in initial.items()} for k in ("ema_p1", "ema_p2")}
-        loss = LossConfig(policy_loss="ppo_clip", kl="k3", kl_coef=0.1, entropy_coef=0.01)
+        loss = bind_loss(LossConfig(policy_loss="ppo_clip", kl="k3", kl_coef=0.1, entropy_coef=0.01),
+                         vocab_size=model_cfg.vocab_size, topk=1)[0]  # fmt: skip
         request = StatsRequest(vocab_size=model_cfg.vocab_size)
         batches = _batches(model_cfg.vocab_size)
         rows = N // groups.dp_size
@@ -287,7 +289,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
             if old is not None:
                 for mb, o, r in zip(mbs, old, ref, strict=True):
                     mb["old_logprobs"], mb["anchor_logprobs"] = o["logprobs"], r["logprobs"]
-            result = train_step(ddp, optimizer, scheduler, mbs, loss, vocab_size=model_cfg.vocab_size, groups=groups)
+            result = train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups)
             main = _main_snapshot(ddp)
             record = {"grad_norm": result.grad_norm, "updated": {}}
             for key, anchor in anchors.items():

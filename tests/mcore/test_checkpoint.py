@@ -30,7 +30,7 @@ import torch
 from megatron_empg.config import OptimizerConfig, ParallelConfig, load_model_config
 from megatron_empg.mcore import checkpoint as ckpt
 from tests.dist import run_distributed
-from tests.mcore.test_train_step import MODEL, OPTIM, SETTINGS, K, N, S
+from tests.mcore.test_train_step import MODEL, OPTIM, K, N, S, loss_fn
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
 
@@ -102,7 +102,7 @@ class _Run:
             mb["anchor_logprobs"] = stats["logprobs"] + mb["anchor_noise"]
             mb["topk_anchor_logprobs"] = stats["topk_logprobs"] + mb["topk_anchor_noise"]
         vocab = self.cfg.vocab_size
-        result = train_step(self.ddp, self.optimizer, self.scheduler, mbs, SETTINGS, vocab_size=vocab, groups=g)
+        result = train_step(self.ddp, self.optimizer, self.scheduler, mbs, loss_fn(vocab), groups=g)
         self.anchor.update()
         self.losses.append(result.metrics["loss"])
         self.cursor += 1

@@ -31,6 +31,15 @@ SETTINGS = LossConfig(
     entropy_coef=0.01,
     chunk_size=8,
 )
+
+
+def loss_fn(vocab_size: int):
+    """``SETTINGS`` bound as the trainer binds it (``trainer.build.bind_loss``)."""
+    from megatron_empg.trainer.build import bind_loss
+
+    return bind_loss(SETTINGS, vocab_size=vocab_size, topk=K)[0]
+
+
 OPTIM = dict(lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10, lr_decay_style="cosine", min_lr=1e-4, clip_grad=1.0)
 # fp32: layouts regroup matmuls and all-reduces; observed differences are ~1e-7
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -100,7 +109,7 @@ def _train(tp: int, pp: int, distopt: bool, full_state_dict: dict | None, num_mi
                     mb["topk_ids"] = stats["topk_ids"]
                     mb["anchor_logprobs"] = stats["logprobs"] + mb["anchor_noise"]
                     mb["topk_anchor_logprobs"] = stats["topk_logprobs"] + mb["topk_anchor_noise"]
-            result = train_step(ddp, optimizer, scheduler, mbs, SETTINGS, vocab_size=model_cfg.vocab_size, groups=groups)
+            result = train_step(ddp, optimizer, scheduler, mbs, loss_fn(model_cfg.vocab_size), groups=groups)
             history.append({"metrics": result.metrics, "grad_norm": result.grad_norm, "lr": result.lr})
         params = {}
         for chunk in chunks:
@@ -164,7 +173,8 @@ def _assert_same_params(rank_result: dict, reference_params: dict, what: str) ->
 
 def test_reference_trains_and_reports(reference):
     history = reference["main"]["history"]
-    assert [h["lr"] for h in history][:2] == pytest.approx([0.0, 5e-4])  # linear warmup from 0 over 2 steps
+    # linear warmup over 2 updates: the k-th update runs at lr * k / 2, the first one never at 0
+    assert [h["lr"] for h in history][:2] == pytest.approx([5e-4, 1e-3])
     # every step's norm exceeds clip_grad: the layouts below also agree on the clipped update
     assert all(h["grad_norm"] > OPTIM["clip_grad"] for h in history)
     assert {"loss", "policy_loss", "kl", "entropy", "ratio", "clipped_high", "clipped_low"} <= history[0]["metrics"].keys()
