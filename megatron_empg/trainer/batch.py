@@ -62,17 +62,6 @@ class PackedBatch:
     loss_mask: Tensor
     sampler_logprobs: Tensor
 
-    def micro_batches(self, size: int) -> list[dict[str, Tensor]]:
-        """Consecutive slices of ``size`` samples as dicts (``input_ids``, ``target_ids``, ``loss_mask``)."""
-        total = self.input_ids.size(0)
-        if total % size:
-            raise ValueError(f"{total} samples do not split into micro-batches of {size}")
-        return [
-            {"input_ids": self.input_ids[i : i + size], "target_ids": self.target_ids[i : i + size],
-             "loss_mask": self.loss_mask[i : i + size]}
-            for i in range(0, total, size)
-        ]  # fmt: skip
-
 
 def pack(samples: Sequence[Sample], *, pad_id: int, pad_multiple: int = 8, max_len: int | None = None) -> PackedBatch:
     """Right-padded tensors of ``samples`` (see the module docstring). ``max_len``: refuse longer."""
