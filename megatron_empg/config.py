@@ -799,7 +799,7 @@ class RolloutConfig:
     ``sleep_while_training`` (GPU, colocated) releases the engine's memory while the trainer
     trains: ``sleep_level`` 1 offloads the weights to host memory and drops the KV cache, 2 drops
     both (the weights are synced again before the next rollout anyway). ``engine``: a name of
-    ``rollout.engine.ENGINES`` (``vllm``; ``hf``, transformers in the trainer's process, for
+    ``rollout.engines.ENGINES`` (``vllm``; ``hf``, transformers in the trainer's process, for
     machines without vLLM). ``search_agent``: multi-turn rollouts with a search tool
     (``SearchAgentConfig``) instead of one response per sample.
     """

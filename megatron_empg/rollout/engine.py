@@ -6,15 +6,12 @@ forcing (``score``), takes new weights from the trainer between rollouts (``begi
 a GPU, frees its memory while the trainer runs (``sleep`` / ``wake_up``). Token ids are plain
 Python ints and log-probs plain floats (natural log), so results cross process boundaries freely.
 
-Pure Python and torch. ``ENGINES`` names the implementations (``rollout.engine``): ``vllm``
-(``rollout.vllm_engine.VllmEngine``) and ``hf`` (``rollout.hf_engine.HfEngine``, transformers in the
-trainer's process: for machines without vLLM, such as the GPU smoke test's); each is imported only
-when built.
+Pure Python and torch. ``rollout.engines.ENGINES`` names the implementations (``rollout.engine``
+in a config).
 """
 
 from __future__ import annotations
 
-import importlib
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,28 +54,6 @@ class Completion:
             raise ValueError(
                 f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}"
             )
-
-
-@dataclass(frozen=True)
-class EngineKind:
-    """A rollout-engine implementation: ``target`` (``module:Class``, imported when built; the
-    class takes ``(model_dir, rollout_config, *, load_format)``), whether it can run in its own
-    process (``rollout.in_process: false``) and whether it can share a training rank's process in a
-    world of several ranks (vLLM's in-process engine cannot: it would join the training world)."""
-
-    target: str
-    own_process: bool
-    in_process_beside_training: bool
-
-    def load(self) -> type:
-        module, _, name = self.target.partition(":")
-        return getattr(importlib.import_module(module), name)
-
-
-ENGINES: dict[str, EngineKind] = {
-    "vllm": EngineKind("megatron_empg.rollout.vllm_engine:VllmEngine", own_process=True, in_process_beside_training=False),
-    "hf": EngineKind("megatron_empg.rollout.hf_engine:HfEngine", own_process=False, in_process_beside_training=True),
-}
 
 
 class RolloutEngine(Protocol):

@@ -5,11 +5,11 @@
 
 ``bind`` reads the config, the registries (the only lists of names: ``core.advantages``,
 ``parallel.rl_loss.ALL_POLICY_LOSSES`` / ``KL_KINDS``, ``core.aggregation.AGG_MODES``,
-``rollout.rewards.REWARDS``, ``rollout.engine.ENGINES``, ``weight_sync.transport.TRANSPORTS``) and
+``rollout.rewards.REWARDS``, ``rollout.engines.ENGINES``, ``weight_sync.transport.TRANSPORTS``) and
 the first record of each data file; it starts nothing and touches no device. In order:
 
 1. the layout on ``world_size`` ranks (``trainer.layout``: heads and groups vs TP, layers vs PP,
-   the prompts' split over DP, the engine's TP);
+   the prompts' split over DP, the engine and its TP);
 2. each registry name, then each argument dict bound to its function's signature
    (``inspect.signature(...).bind``), then one update-pass loss on a tiny random batch through
    ``rl_loss`` with exactly the run's settings, forward and backward: the loss functions' own
@@ -40,9 +40,9 @@ from megatron_empg.core.kl import sampled_kl
 from megatron_empg.core.topk_kl import topk_kl_from_logprobs
 from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, KL_KINDS, RLMicroBatch, rl_loss
 from megatron_empg.rollout.data import DataError, check_first_record
-from megatron_empg.rollout.engine import ENGINES, EngineKind
+from megatron_empg.rollout.engines import EngineKind
 from megatron_empg.rollout.rewards import REWARDS, RewardFn
-from megatron_empg.trainer.layout import Layout, check_layout
+from megatron_empg.trainer.layout import Layout, check_layout, engine_kind
 from megatron_empg.weight_sync.transport import TRANSPORTS
 
 # Arguments the trainer passes itself: a config that sets them is an error.
@@ -104,8 +104,7 @@ def bind(config: RunConfig, world_size: int, *, check_paths: bool = True) -> Com
         raise ConfigError("algorithm.topk", f"must be <= model.vocab_size={model.vocab_size}, got {config.algorithm.topk}")
     loss_fn, stats = bind_loss(config.algorithm.loss, vocab_size=model.vocab_size, topk=config.algorithm.topk)
     reward = _registered("data.reward", config.data.reward, REWARDS)
-    engine = _registered("rollout.engine", config.rollout.engine, ENGINES)
-    _check_engine_process(config, engine, world_size)
+    engine = engine_kind(config)  # checked by check_layout
     transport = _registered("weight_sync.transport", config.weight_sync.transport, TRANSPORTS)
     _check_anchor(config)
     _check_lengths(config, model)
@@ -215,18 +214,6 @@ def _field_of(field: str, message: str, keywords: dict) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Engine, anchor, lengths, paths.
-
-
-def _check_engine_process(config: RunConfig, engine: EngineKind, world_size: int) -> None:
-    name = config.rollout.engine
-    if not config.rollout.in_process and not engine.own_process:
-        raise ConfigError("rollout.in_process", f"false needs an engine that runs in its own process; {name!r} does not")
-    if config.rollout.in_process and world_size > 1 and not engine.in_process_beside_training:
-        raise ConfigError(
-            "rollout.in_process",
-            f"true needs a world of one process with engine {name!r} (an in-process engine would join the "
-            f"training world of {world_size}); set rollout.in_process=false (and weight_sync.transport=shm_file)",
-        )
 
 
 def _check_anchor(config: RunConfig) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_empg.config import ConfigError, ModelConfig, RunConfig
+from megatron_empg.rollout.engines import ENGINES, EngineKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,16 +39,13 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
     - each step's prompts split into whole groups per replica, then whole micro-batches and
       mini-batches (advantages are per group; every replica takes the same number of optimizer
       steps);
-    - the engine's tensor parallelism splits the model as vLLM needs (heads; query groups split
-      or replicated).
+    - the engine (``rollout.engine``) can run where it is asked to (its own process, or a
+      training rank's), and its tensor parallelism splits the model as vLLM needs (heads; query
+      groups split or replicated).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
     parallel, train = config.parallel, config.train
-    try:
-        parallel.validate_for(model)
-    except ConfigError as error:
-        raise ConfigError(f"parallel.{error.field}", error.reason) from None
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise ConfigError(
@@ -55,6 +53,11 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
             f"the world of {world_size} processes is not divisible by parallel.tensor_model_parallel_size x "
             f"parallel.pipeline_model_parallel_size = {tp} x {pp}",
         )
+    _check_engine_process(config, engine_kind(config), world_size)
+    try:
+        parallel.validate_for(model)
+    except ConfigError as error:
+        raise ConfigError(f"parallel.{error.field}", error.reason) from None
     dp = world_size // (tp * pp)
     where = f"world {world_size} / (TP {tp} x PP {pp})"
     if train.prompts_per_step % dp:
@@ -80,6 +83,26 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
         )
     _check_engine_split(config, model)
     return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches)
+
+
+def engine_kind(config: RunConfig) -> EngineKind:
+    """The ``rollout.engines.ENGINES`` entry of ``rollout.engine``."""
+    name = config.rollout.engine
+    if name not in ENGINES:
+        raise ConfigError("rollout.engine", f"unknown name {name!r}; expected one of {sorted(ENGINES)}")
+    return ENGINES[name]
+
+
+def _check_engine_process(config: RunConfig, engine: EngineKind, world_size: int) -> None:
+    name = config.rollout.engine
+    if not config.rollout.in_process and not engine.own_process:
+        raise ConfigError("rollout.in_process", f"false needs an engine that runs in its own process; {name!r} does not")
+    if config.rollout.in_process and world_size > 1 and not engine.in_process_beside_training:
+        raise ConfigError(
+            "rollout.in_process",
+            f"true needs a world of one process with engine {name!r} (an in-process engine would join the "
+            f"training world of {world_size}); set rollout.in_process=false (and weight_sync.transport=shm_file)",
+        )
 
 
 def _check_engine_split(config: RunConfig, model: ModelConfig) -> None:

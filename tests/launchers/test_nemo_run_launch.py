@@ -90,8 +90,12 @@ SLURM_GPU = ["slurm", "--account", "acct", "--nodes", "2", "--gpus-per-node", "8
          "parallel.tensor_model_parallel_size: 16 does not divide the 8 tasks (GPUs) per node: a tensor-parallel group "
          "must sit within one node (checked for 2 nodes x 8 tasks, 8 GPUs per node)"),
         ([*SLURM_GPU, MATH, "parallel.tensor_model_parallel_size=3", "rollout.in_process=false"],
+         "parallel.tensor_model_parallel_size: 3 does not divide the 8 tasks (GPUs) per node"),
+        ([*SLURM_GPU, MATH, "parallel.pipeline_model_parallel_size=3", "rollout.in_process=false"],
          "parallel.tensor_model_parallel_size: the world of 16 processes is not divisible by "
-         "parallel.tensor_model_parallel_size x parallel.pipeline_model_parallel_size = 3 x 1"),
+         "parallel.tensor_model_parallel_size x parallel.pipeline_model_parallel_size = 1 x 3"),
+        ([*SLURM_GPU, MATH, "parallel.tensor_model_parallel_size=8", "rollout.in_process=false"],
+         "parallel.tensor_model_parallel_size: tensor_model_parallel_size=8 does not divide model.num_attention_heads=12"),
         ([*SLURM_GPU, "--ntasks-per-node", "16", MATH, "rollout.in_process=false"],
          "tasks per node: 16 exceeds the 8 GPUs per node (one rank per GPU)"),
         ([*SLURM_GPU, RECIPE], "rollout.in_process: true needs a world of one process"),

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from megatron_empg.rollout.engine import ENGINES, EngineKind
+from megatron_empg.rollout.engines import ENGINES, EngineKind
 from megatron_empg.rollout.hf_engine import HfEngine
 
 

@@ -80,7 +80,8 @@ def test_layout_module_imports_no_torch():
     "overrides, world, field, words",
     [
         (["algorithm.advantage=rpg_group_mean"], 1, "algorithm.advantage", "unknown name 'rpg_group_mean'"),
-        (["parallel.tensor_model_parallel_size=3", "train.prompts_per_step=3", "train.micro_batch_size=8"], 3,
+        (["parallel.tensor_model_parallel_size=3", "train.prompts_per_step=3", "train.micro_batch_size=8",
+          "rollout.in_process=false", "weight_sync.transport=shm_file"], 3,
          "parallel.tensor_model_parallel_size", "does not divide model.num_attention_heads=4"),
         (["weight_sync.transport=nccl"], 1, "weight_sync.transport", "expected one of ['in_process', 'shm_file']"),
         (["algorithm.loss.policy_loss=ppo"], 1, "algorithm.loss.policy_loss", "unknown name 'ppo'"),
