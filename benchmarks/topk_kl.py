@@ -43,6 +43,23 @@ for the update pass (vocab_parallel_topk_kl forward + backward = vocab_parallel_
 ids), the anchor pass (vocab_parallel_logprobs, no grad), the old/anchor top-k pass
 (vocab_parallel_topk) and, as the baseline, an actual full-vocab fp32 all-gather of the logits.
 Results are also checked against the single-device functions on the gathered vocabulary.
+
+GPU mode (``--device cuda``; default ``cpu``, whose behaviour and JSON are unchanged apart from
+``params.device``): the same variants, each in a fresh subprocess, with the inputs generated on the
+GPU. Times come from CUDA events around forward and backward (the stream drained before every
+repeat, no host synchronization inside the timed region) after ``--warmup`` runs, median and min
+over ``--repeats``; memory is the CUDA caching allocator's peak (``max_memory_allocated`` after
+``reset_peak_memory_stats``, taken once the inputs exist) minus the bytes allocated at that point,
+i.e. the peak extra memory above the inputs (``cuda_peak_extra_bytes``, the primary number of the
+ratios there); an allocation failure (``torch.cuda.OutOfMemoryError``) is recorded as OOM and the
+ours/naive comparison reruns at half the tokens as on CPU. No RLIMIT_AS, VmHWM or profiler there.
+Achieved bandwidth = the bytes a variant must at least move over its median time, against the
+device-to-device copy bandwidth measured in the same run (one large ``copy_``, bytes read +
+written). The byte model: forward reads the bf16 logits [T, V] once, backward reads them once and
+writes the gradient once (3 x T x V x 2 bytes; in place or not, the gradient is one [T, V] write),
+plus one read of the bf16 reference logits for the variants that take them (their anchor/reference
+pass); the [T, k] / [T] side tensors are left out. The TP part is skipped on CUDA (CPU/gloo only).
+Default output there: benchmarks/results/topk_kl_gpu.json.
 """
 
 from __future__ import annotations
@@ -107,6 +124,29 @@ BENCHMARKED_SOURCES = (
     "megatron_empg/core/checks.py",
     "megatron_empg/parallel/vocab_parallel.py",
 )
+GPU_ONLY_ARGS = ("copy_gb",)  # left out of the CPU report's params (its JSON stays as it was)
+CUDA_METHOD = {
+    "process": "each (variant, tokens, chunk) in a fresh subprocess (python benchmarks/topk_kl.py --_child ...); "
+    "inputs generated on the GPU (torch.Generator on cuda, chunks of 2048 rows), then gc + empty_cache, then the "
+    "allocator baseline",
+    "time": "CUDA events recorded before forward, between forward and backward (autograd.grad) and after backward; "
+    "torch.cuda.synchronize() before each repeat (so each repeat starts on an idle stream and the event span is "
+    "its wall time), none inside; elapsed times read after all repeats; median and min over --repeats after --warmup",
+    "cuda_peak_extra_bytes": "torch.cuda.max_memory_allocated() after the repeats minus memory_allocated() after the "
+    "inputs (reset_peak_memory_stats() at that point): the caching allocator's peak above the inputs over warmup + "
+    "repeats (the gradient of the out-of-place variants included); the primary memory number of the ratios. "
+    "cuda_peak_reserved_extra_bytes: the same for memory_reserved (segments the allocator holds)",
+    "oom": "torch.cuda.OutOfMemoryError (or an allocation-failure message) is recorded as oom=true; the ours/naive "
+    "comparison then reruns at half the tokens (down to --min-tokens)",
+    "min_bytes_moved": "bytes a variant must at least move through device memory: forward reads the bf16 logits "
+    "[T,V] once (T*V*2), backward reads them once and writes the [T,V] bf16 gradient once (2*T*V*2), in place or "
+    "not; + one read of the bf16 reference logits (T*V*2) in the forward of exact_kl/*_with_ref/*_with_anchor; "
+    "the [T,k]/[T] side tensors are not counted",
+    "achieved_bandwidth_GBps": "min_bytes_moved / median time (total, forward, backward); fraction_of_copy_bandwidth "
+    "divides it by device_copy_bandwidth.bandwidth_GBps",
+    "device_copy_bandwidth": "one dst.copy_(src) of --copy-gb GiB of bf16 random data, 3 warm-ups, median of 20 "
+    "CUDA-event timings, bytes read + bytes written; measured once per run in the info child",
+}
 MEM_SLACK = 1 << 30  # virtual-address slack on top of the memory budget of a child
 OOM_MARKERS = ("not enough memory", "can't allocate memory", "cannot allocate memory", "out of memory", "MemoryError")
 
@@ -229,40 +269,43 @@ def _make_inputs(spec: dict) -> dict:
     import torch
 
     T, V, K = spec["tokens"], spec["vocab"], spec["k"]
-    gen = torch.Generator().manual_seed(spec["seed"])
-    rows = 256
-    logits = torch.empty(T, V, dtype=torch.bfloat16)
+    # spec["device"] is only set in GPU mode: on CPU the calls below draw exactly what they always did
+    dev = torch.device(spec.get("device", "cpu"))
+    gen = torch.Generator(device=dev).manual_seed(spec["seed"])
+    rows = 256 if dev.type == "cpu" else 2048
+    logits = torch.empty(T, V, dtype=torch.bfloat16, device=dev)
     need_ref = spec["variant"] in NEEDS_REF_LOGITS
-    ref_logits = torch.empty(T, V, dtype=torch.bfloat16) if need_ref else None
-    q = torch.empty(T, K, dtype=torch.int64)
-    lse = torch.empty(T)
+    ref_logits = torch.empty(T, V, dtype=torch.bfloat16, device=dev) if need_ref else None
+    q = torch.empty(T, K, dtype=torch.int64, device=dev)
+    lse = torch.empty(T, device=dev)
     for s in range(0, T, rows):
         e = min(s + rows, T)
-        z = torch.randn(e - s, V, generator=gen).mul_(spec["logit_scale"])
+        z = torch.randn(e - s, V, generator=gen, device=dev).mul_(spec["logit_scale"])
         logits[s:e] = z
         zb = logits[s:e].float()
         q[s:e] = torch.topk(zb, K, dim=-1).indices  # top-k of "pi_old" (= the policy here)
         lse[s:e] = torch.logsumexp(zb, -1)
         if need_ref:  # reference = policy + noise
-            ref_logits[s:e] = z.add_(torch.randn(e - s, V, generator=gen), alpha=spec["ref_noise"])
+            ref_logits[s:e] = z.add_(torch.randn(e - s, V, generator=gen, device=dev), alpha=spec["ref_noise"])
         del z, zb
     # sampled tokens: half from the index set (in_head), half uniform over the vocabulary
-    pick = torch.randint(0, K, (T,), generator=gen)
+    pick = torch.randint(0, K, (T,), generator=gen, device=dev)
     token = torch.where(
-        torch.rand(T, generator=gen) < 0.5,
+        torch.rand(T, generator=gen, device=dev) < 0.5,
         q.gather(-1, pick[:, None]).squeeze(-1),
-        torch.randint(0, V, (T,), generator=gen),
+        torch.randint(0, V, (T,), generator=gen, device=dev),
     )
-    ar = torch.arange(T)
+    ar = torch.arange(T, device=dev)
     logp_tok = logits[ar, token].float() - lse
     inputs = {"logits": logits, "token": token, "q": q, "ar": ar}
-    inputs["old_logprobs"] = logp_tok + 0.05 * torch.randn(T, generator=gen)
+    inputs["old_logprobs"] = logp_tok + 0.05 * torch.randn(T, generator=gen, device=dev)
     if need_ref:
         inputs["ref_logits"] = ref_logits
     else:  # the reference side of an earlier pass: [T, K] bf16 logits, lse, log pi_ref(y)
-        ref_logits_k = (logits.gather(-1, q).float() + spec["ref_noise"] * torch.randn(T, K, generator=gen)).bfloat16()
-        ref_lse = lse + 0.05 * torch.randn(T, generator=gen)
-        ref_log_prob = logp_tok + spec["ref_noise"] * torch.randn(T, generator=gen)
+        noise_k = torch.randn(T, K, generator=gen, device=dev)
+        ref_logits_k = (logits.gather(-1, q).float() + spec["ref_noise"] * noise_k).bfloat16()
+        ref_lse = lse + 0.05 * torch.randn(T, generator=gen, device=dev)
+        ref_log_prob = logp_tok + spec["ref_noise"] * torch.randn(T, generator=gen, device=dev)
         inputs.update(
             ref_logits_k=ref_logits_k,
             ref_lse=ref_lse,
@@ -521,6 +564,153 @@ def child_bench(spec: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# child: the same measurement on a CUDA device (events, allocator stats)
+
+
+def min_bytes_moved(variant: str, tokens: int, vocab: int) -> dict:
+    """The byte model of the GPU mode (module docstring): bf16 logits read once in forward, read once
+    and the gradient written once in backward; + one read of the reference logits where they are an
+    input. The [T, k] / [T] side tensors are not counted."""
+    tv2 = tokens * vocab * 2
+    ref = tv2 if variant in NEEDS_REF_LOGITS else 0
+    return {"forward": tv2 + ref, "backward": 2 * tv2, "total": 3 * tv2 + ref}
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def child_bench_cuda(spec: dict) -> dict:
+    import torch
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    out = {
+        "variant": spec["variant"],
+        "tokens": spec["tokens"],
+        "chunk_size": spec["chunk_size"],
+        "device": torch.cuda.get_device_name(dev),
+    }
+    fwd_ms: list[float] = []
+    bwd_ms: list[float] = []
+    try:
+        t0 = time.perf_counter()
+        inp = _make_inputs(dict(spec, device="cuda"))
+        torch.cuda.synchronize()
+        out["setup_s"] = round(time.perf_counter() - t0, 3)
+        out["input_bytes"] = sum(t.numel() * t.element_size() for t in inp.values() if isinstance(t, torch.Tensor))
+        forward = _build_forward(spec, inp)
+        logits = inp["logits"]
+        inplace = spec["variant"] in INPLACE
+        state: dict = {}
+
+        def restore():
+            if inplace:
+                with torch.no_grad():
+                    logits.copy_(inp["pristine"])
+
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        out["cuda_allocated_after_inputs_bytes"] = base = torch.cuda.memory_allocated(dev)
+        out["cuda_reserved_after_inputs_bytes"] = base_reserved = torch.cuda.memory_reserved(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        n = spec["warmup"] + spec["repeats"]
+        events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]
+        for i in range(n):
+            restore()  # outside the timed region
+            torch.cuda.synchronize()  # every repeat starts on an idle stream
+            e0, e1, e2 = events[i]
+            e0.record()
+            loss = forward()
+            e1.record()
+            (grad,) = torch.autograd.grad(loss, logits)
+            e2.record()
+            if i == n - 1:
+                state["loss"], state["grad"] = loss.detach(), grad  # read after the loop
+            del loss, grad
+        torch.cuda.synchronize()
+        out["cuda_peak_allocated_bytes"] = peak = torch.cuda.max_memory_allocated(dev)
+        out["cuda_peak_extra_bytes"] = peak - base
+        out["cuda_peak_reserved_extra_bytes"] = torch.cuda.max_memory_reserved(dev) - base_reserved
+        for i in range(spec["warmup"], n):
+            e0, e1, e2 = events[i]
+            fwd_ms.append(e0.elapsed_time(e1))
+            bwd_ms.append(e1.elapsed_time(e2))
+        grad = state.pop("grad")
+        out["grad_aliases_logits"] = grad.data_ptr() == logits.data_ptr()
+        out["grad_dtype"] = str(grad.dtype)
+        out["grad_norm"] = _chunked_sq_norm(grad)
+        out["grad_finite"] = math.isfinite(out["grad_norm"])
+        out["loss"] = float(state["loss"])
+        del grad
+        out["ok"] = True
+    except (RuntimeError, MemoryError) as err:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        msg = f"{type(err).__name__}: {err}"
+        out["ok"] = False
+        out["oom"] = isinstance(err, torch.cuda.OutOfMemoryError) or any(m.lower() in msg.lower() for m in OOM_MARKERS)
+        out["error"] = msg[:500]
+        out["cuda_peak_allocated_bytes_at_failure"] = torch.cuda.max_memory_allocated(dev)
+    out["time_fwd_s"] = [round(x / 1e3, 6) for x in fwd_ms]
+    out["time_bwd_s"] = [round(x / 1e3, 6) for x in bwd_ms]
+    tot = [(f + b) / 1e3 for f, b in zip(fwd_ms, bwd_ms)]
+    if tot:
+        out["time_total_s"] = {
+            "median": round(_median(tot), 6), "min": round(min(tot), 6), "all": [round(x, 6) for x in tot],
+        }
+        need = min_bytes_moved(spec["variant"], spec["tokens"], spec["vocab"])
+        t_med, f_med, b_med = _median(tot), _median(fwd_ms) / 1e3, _median(bwd_ms) / 1e3
+        out["min_bytes_moved"] = need
+        out["achieved_bandwidth_GBps"] = {
+            "total": need["total"] / t_med / 1e9,
+            "forward": need["forward"] / f_med / 1e9 if f_med > 0 else None,
+            "backward": need["backward"] / b_med / 1e9 if b_med > 0 else None,
+        }
+        copy_bw = spec.get("copy_bandwidth_GBps")
+        if copy_bw:
+            out["fraction_of_copy_bandwidth"] = {
+                k: (v / copy_bw if v is not None else None) for k, v in out["achieved_bandwidth_GBps"].items()
+            }
+    return out
+
+
+def cuda_copy_bandwidth(nbytes: int, warmup: int = 3, repeats: int = 20) -> dict:
+    """Device-to-device ``copy_`` of ``nbytes`` (bf16 random data), timed with CUDA events; bandwidth
+    counts the bytes read plus the bytes written."""
+    import torch
+
+    n = nbytes // 2
+    src = torch.randn(n, device="cuda", dtype=torch.float32).bfloat16()
+    dst = torch.empty_like(src)
+    for _ in range(warmup):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for a, b in events:
+        a.record()
+        dst.copy_(src)
+        b.record()
+    torch.cuda.synchronize()
+    ms = [a.elapsed_time(b) for a, b in events]
+    ok = bool(torch.equal(dst[:1 << 20], src[:1 << 20])) and bool(torch.equal(dst[-(1 << 20):], src[-(1 << 20):]))
+    med = _median(ms) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return {
+        "bytes_copied": 2 * n,
+        "bytes_counted_read_plus_write": 4 * n,
+        "median_s": med,
+        "min_s": min(ms) / 1e3,
+        "bandwidth_GBps": 4 * n / med / 1e9,
+        "best_bandwidth_GBps": 4 * n / (min(ms) / 1e3) / 1e9,
+        "repeats": repeats,
+        "copy_verified": ok,
+    }
+
+
+# --------------------------------------------------------------------------------------------
 # child: small correctness cross-check of the variants (values and gradients)
 
 
@@ -551,12 +741,14 @@ def child_check(spec: dict) -> dict:
     from megatron_empg.parallel.vocab_parallel import vocab_parallel_topk_kl
 
     T, V = 32, 512
+    dev = torch.device(spec.get("device", "cpu"))  # drawn on the CPU, then moved (GPU mode)
     gen = torch.Generator().manual_seed(1)
-    z = torch.randn(T, V, generator=gen).mul_(2).bfloat16().requires_grad_(True)
-    r = (z.detach().float() + torch.randn(T, V, generator=gen)).bfloat16()
+    z = torch.randn(T, V, generator=gen).mul_(2).bfloat16()
+    r = (z.float() + torch.randn(T, V, generator=gen)).bfloat16().to(dev)
+    z = z.to(dev).requires_grad_(True)
     ex = exact_kl(z, r, direction="reverse")
-    q = torch.arange(V).expand(T, V).contiguous()
-    tok = torch.randint(0, V, (T,), generator=gen)
+    q = torch.arange(V, device=dev).expand(T, V).contiguous()
+    tok = torch.randint(0, V, (T,), generator=gen).to(dev)
     lr = full_log_softmax(r)
     kl, _ = vocab_parallel_topk_kl(
         z, tok, q, lr, lr.gather(-1, tok[:, None]).squeeze(-1),
@@ -569,6 +761,8 @@ def child_check(spec: dict) -> dict:
         for k_, v in res.items()
         if isinstance(v, dict) and "loss" in v
     ) and res["exact_kl_vs_ours_k_eq_V"]["max_abs_diff"] < tol
+    if dev.type != "cpu":
+        res["device"] = str(dev)
     res["note"] = (
         "tokens=64, V=2048, k=8, bf16 logits, chunk_size=16, tail_grad='reference' (the ema-pg surrogate); "
         "gradients are bf16, compared relative to their max (tol 1e-2); losses to 1e-4; "
@@ -824,8 +1018,19 @@ def _fmt_bytes(n) -> str:
 
 def _summary_line(r: dict) -> str:
     if not r.get("ok"):
-        return f"  {r.get('variant', r.get('kind')):<30} T={r.get('tokens')} FAILED: {r.get('error', '')[:200]}"
+        oom = " (OOM)" if r.get("oom") else ""
+        return f"  {r.get('variant', r.get('kind')):<30} T={r.get('tokens')} FAILED{oom}: {r.get('error', '')[:200]}"
     t = r["time_total_s"]
+    if "cuda_peak_extra_bytes" in r:  # GPU mode
+        frac = (r.get("fraction_of_copy_bandwidth") or {}).get("total")
+        return (
+            f"  {r['variant']:<30} T={r['tokens']:<6} chunk={r['chunk_size']:<5} time median {t['median'] * 1e3:.3f} ms "
+            f"(fwd {_median(r['time_fwd_s']) * 1e3:.3f}, bwd {_median(r['time_bwd_s']) * 1e3:.3f}) "
+            f"peak+ {_fmt_bytes(r['cuda_peak_extra_bytes'])} "
+            f"{r['achieved_bandwidth_GBps']['total']:.0f} GB/s"
+            + (f" ({100 * frac:.0f}% of copy)" if frac is not None else "")
+            + f" loss {r['loss']:.6g}"
+        )
     return (
         f"  {r['variant']:<30} T={r['tokens']:<6} chunk={r['chunk_size']:<5} time median {t['median']:.3f} s "
         f"(fwd {sorted(r['time_fwd_s'])[len(r['time_fwd_s']) // 2]:.3f}, bwd {sorted(r['time_bwd_s'])[len(r['time_bwd_s']) // 2]:.3f}) "
@@ -839,6 +1044,17 @@ def _ratios(ours: dict, naive: dict, same_quantity: bool = True) -> dict:
         return None if a is None or b in (None, 0) else a / b
 
     t = ratio(ours["time_total_s"]["median"], naive["time_total_s"]["median"])
+    if "cuda_peak_extra_bytes" in ours:  # GPU mode: the CUDA allocator's peak above the inputs
+        m_cuda = ratio(ours["cuda_peak_extra_bytes"], naive.get("cuda_peak_extra_bytes"))
+        return {
+            "tokens": ours["tokens"],
+            "time_median_ratio": t,
+            "time_min_ratio": ratio(ours["time_total_s"]["min"], naive["time_total_s"]["min"]),
+            "peak_extra_mem_ratio_cuda": m_cuda,
+            "target_mem_le_0.1x_met": None if m_cuda is None else m_cuda <= 0.1,
+            "target_time_le_0.5x_met": None if t is None else t <= 0.5,
+            "loss_abs_diff": abs(ours["loss"] - naive["loss"]) if same_quantity else None,
+        }
     m_tr = ratio(ours.get("tracked_peak_bytes"), naive.get("tracked_peak_bytes"))
     m_rss = ratio(ours["peak_rss_extra_bytes"], naive["peak_rss_extra_bytes"])
     primary = m_tr if m_tr is not None else m_rss
@@ -865,7 +1081,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--tp", default="1,2,4", help="comma list; sizes > 1 run the all-gather byte count")
     p.add_argument("--tp-tokens", type=int, default=256)
-    p.add_argument("--out", default=str(REPO / "benchmarks/results/topk_kl_cpu.json"))
+    p.add_argument("--out", default=None,
+                   help="default benchmarks/results/topk_kl_cpu.json (--device cpu) or topk_kl_gpu.json (cuda)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: GPU mode (CUDA events, allocator peak, bandwidth vs a measured copy; no TP part)")
+    p.add_argument("--copy-gb", type=float, default=2.0,
+                   help="GPU mode: GiB copied by the device-to-device copy that gives the reference bandwidth")
     p.add_argument("--variants", default=",".join(MAIN_VARIANTS))
     p.add_argument("--min-tokens", type=int, default=512, help="lowest token count tried after an OOM")
     p.add_argument("--sweep-tokens", type=int, default=None,
@@ -890,7 +1111,7 @@ def _child_entry(spec: dict) -> None:
     kind = spec.get("kind", "bench")
     try:
         if kind == "bench":
-            res = child_bench(spec)
+            res = child_bench_cuda(spec) if spec.get("device") == "cuda" else child_bench(spec)
         elif kind == "check":
             res = child_check(spec)
         elif kind == "tp":
@@ -902,6 +1123,15 @@ def _child_entry(spec: dict) -> None:
                    "interop_threads": torch.get_num_interop_threads(),
                    "default_chunk_size": __import__("megatron_empg.core.logprob", fromlist=["x"]).DEFAULT_CHUNK_SIZE,
                    "mkldnn": torch.backends.mkldnn.is_available(), "cuda": torch.cuda.is_available()}
+            if spec.get("device") == "cuda":
+                props = torch.cuda.get_device_properties(0)
+                res.update(
+                    torch_cuda_version=torch.version.cuda, device_name=props.name,
+                    device_total_memory_bytes=props.total_memory, multiprocessors=props.multi_processor_count,
+                    capability=list(torch.cuda.get_device_capability(0)),
+                    l2_cache_bytes=getattr(props, "L2_cache_size", None),
+                    copy_bandwidth=cuda_copy_bandwidth(int(spec["copy_gb"] * 2**30)),
+                )  # fmt: skip
         else:
             raise ValueError(kind)
     except Exception:  # noqa: BLE001 - the parent records it
@@ -916,12 +1146,17 @@ def main(argv=None) -> int:
         return 0
     if args.sweep_tokens is None:
         args.sweep_tokens = min(2048, args.tokens)
+    cuda = args.device == "cuda"
+    if args.out is None:
+        args.out = str(REPO / f"benchmarks/results/topk_kl_{'gpu' if cuda else 'cpu'}.json")
     t_start = time.perf_counter()
     variants = [v for v in args.variants.split(",") if v]
     unknown = (set(variants) | set(x for x in args.sweep_variants.split(",") if x)) - set(MAIN_VARIANTS)
     if unknown:
         raise SystemExit(f"unknown variants {sorted(unknown)}; known: {MAIN_VARIANTS}")
-    info = run_child({"kind": "info"}, 600)
+    info = run_child({"kind": "info", "device": "cuda", "copy_gb": args.copy_gb} if cuda else {"kind": "info"}, 600)
+    if cuda and not info.get("cuda"):
+        raise SystemExit(f"--device cuda, but the child sees no CUDA device: {json.dumps(info)[:1500]}")
     chunk = args.chunk_size or info.get("default_chunk_size", 1024)
     base = {
         "kind": "bench", "vocab": args.vocab, "k": args.k, "seed": args.seed, "repeats": args.repeats,
@@ -929,6 +1164,8 @@ def main(argv=None) -> int:
         "tracked": not args.no_tracked, "logit_scale": args.logit_scale, "ref_noise": 0.5,
         "mem_budget": None if args.mem_limit_gb is None else int(args.mem_limit_gb * 2**30),
     }
+    if cuda:
+        base.update(device="cuda", copy_bandwidth_GBps=info["copy_bandwidth"]["bandwidth_GBps"])
     report = {
         "benchmark": "topk_kl",
         "schema": SCHEMA,
@@ -937,7 +1174,8 @@ def main(argv=None) -> int:
         "machine": machine_info(),
         "torch": info,
         "git": git_info(),
-        "params": {k: v for k, v in vars(args).items() if k != "_child"} | {"chunk_size_used": chunk},
+        "params": {k: v for k, v in vars(args).items() if k != "_child" and (cuda or k not in GPU_ONLY_ARGS)}
+        | {"chunk_size_used": chunk},
         "method": {
             "process": "each (variant, tokens, chunk) in a fresh subprocess (python benchmarks/topk_kl.py --_child ...); "
             "inputs generated chunk-wise (no [T,V] fp32 transient), then gc, then the RSS baseline",
@@ -963,7 +1201,17 @@ def main(argv=None) -> int:
         "variants": {v: VARIANT_DOC[v] for v in variants},
         "results": [],
     }
-    print(f"torch {info.get('torch_version')} threads {info.get('torch_threads')}; chunk {chunk}", flush=True)
+    if cuda:
+        report["method"] = {**report["method"], **CUDA_METHOD}
+        for key in ("peak_rss_extra_bytes", "ru_maxrss_extra_bytes", "tracked_peak_bytes", "rlimit"):
+            report["method"].pop(key)
+        report["device_copy_bandwidth"] = info["copy_bandwidth"]
+        cb = info["copy_bandwidth"]
+        print(f"{info.get('device_name')}: torch {info.get('torch_version')} (CUDA {info.get('torch_cuda_version')}); "
+              f"device-to-device copy {cb['bandwidth_GBps']:.0f} GB/s (read + write, "
+              f"{cb['bytes_copied'] / 2**30:.1f} GiB copied, median of {cb['repeats']}); chunk {chunk}", flush=True)
+    else:
+        print(f"torch {info.get('torch_version')} threads {info.get('torch_threads')}; chunk {chunk}", flush=True)
 
     if not args.no_check:
         check = run_child({**base, "kind": "check"}, args.child_timeout)
@@ -974,10 +1222,16 @@ def main(argv=None) -> int:
     # main comparison. The ours/naive variants run at one token count: when one of them fails with
     # an allocation error, all of them are rerun at half the tokens (down to --min-tokens). The
     # other variants (exact_kl, *_with_ref/anchor) start at that count and halve on their own.
+    def write_partial() -> None:  # GPU mode: a run cut short by a time limit still leaves its results
+        if cuda:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({**report, "partial": True}, indent=1) + "\n")
+
     def attempt(v: str, tokens: int) -> dict:
         r = run_child({**base, "variant": v, "tokens": tokens, "chunk_size": chunk}, args.child_timeout)
         report["results"].append(r)
         print(_summary_line(r), flush=True)
+        write_partial()
         return r
 
     critical = [v for v in variants if v in OURS + NAIVE]
@@ -1024,12 +1278,17 @@ def main(argv=None) -> int:
             for c in [int(x) for x in args.sweep_chunks.split(",") if x]:
                 r = run_child({**base, "variant": v, "tokens": args.sweep_tokens, "chunk_size": c}, args.child_timeout)
                 report["chunk_sweep"].append(r)
+                write_partial()
                 print(_summary_line(r), flush=True)
 
     # TP all-gather bytes
     report["tp"] = []
     for world in [int(x) for x in args.tp.split(",") if x]:
         if world <= 1:
+            continue
+        if cuda:
+            report["tp_skipped"] = "the TP part runs on CPU/gloo only; not run with --device cuda"
+            print(f"TP={world}: skipped on CUDA (gloo/CPU only)", flush=True)
             continue
         r = run_child(
             {**base, "kind": "tp", "world": world, "tokens": args.tp_tokens, "chunk_size": chunk},
@@ -1053,7 +1312,11 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     h = comparison.get("headline")
-    if h:
+    if h and cuda:
+        print(f"headline {h['pair']} at T={h['tokens']}: time x{h['time_median_ratio']:.3f} "
+              f"(target <=0.5: {h['target_time_le_0.5x_met']}), peak extra mem (CUDA allocator) "
+              f"x{h['peak_extra_mem_ratio_cuda']} (target <=0.1: {h['target_mem_le_0.1x_met']})")
+    elif h:
         print(f"headline {h['pair']} at T={h['tokens']}: time x{h['time_median_ratio']:.3f} "
               f"(target <=0.5: {h['target_time_le_0.5x_met']}), peak extra mem tracked x{h['peak_extra_mem_ratio_tracked']} "
               f"rss x{h['peak_extra_mem_ratio_rss']:.3f} (target <=0.1: {h['target_mem_le_0.1x_met']})")

@@ -1,0 +1,222 @@
+#!/usr/bin/env bash
+# GPU smoke kit: one command on a lent GPU machine (one H100 80GB or H200; see benchmarks/README.md,
+# section "GPU smoke kit"). Through the device tool:  run(carry=[".whl"], command="bash benchmarks/gpu_smoke.sh")
+#
+#   0. installs the carried wheels (.whl/*.whl: megatron-core) into /tmp/site, prints the device
+#   a. python3 -m pytest -q -m gpu tests/gpu          (EMPG_GPU_RESULTS_DIR = the output folder)
+#   b. benchmarks/topk_kl.py --device cuda at 16,384 tokens            -> topk_kl_gpu.json
+#   c. benchmarks/train_step.py, R1-Distill-Qwen-1.5B bf16, 16 x 2048, micro-batch 1
+#                                                                      -> train_step_gpu.json
+#      and a longer point, 8 x 3072 (H100) / 8 x 4096 (>= 120 GiB)    -> train_step_gpu_long.json
+#   then a summary table (last in the output).
+#
+# Everything the steps print goes to smoke.log too; results land in ${OUT:-benchmarks/results}
+# (4 files from this script; the device tool returns at most 8). Each step has a time cap and the
+# whole run a budget (SMOKE_BUDGET_S, default 540 s) so that it ends inside the device tool's 10
+# minutes; a step that fails or runs out of time is recorded and the next one still runs. Exit
+# status: 0 when every step passed, 1 otherwise. SMOKE_CPU_DRY_RUN=1 runs the same flow on a CPU at
+# toy sizes (a check of this script, not a measurement).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO=$(pwd)
+OUT_DIR=${OUT:-benchmarks/results}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+LOG="$OUT_DIR/smoke.log"
+: >"$LOG"
+PY=${PYTHON:-python3}
+DRY=${SMOKE_CPU_DRY_RUN:-0}
+BUDGET=${SMOKE_BUDGET_S:-540}
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+
+log() { echo "$@" | tee -a "$LOG"; }
+
+# ---------------------------------------------------------------- 0. wheels, device
+if [[ "$DRY" != 1 ]] && compgen -G ".whl/*.whl" >/dev/null; then  # (a CPU dry run uses its own environment)
+    log "installing carried wheels: $(cd .whl && echo ./*.whl)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tee -a "$LOG"
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # the package is used from the checkout
+
+log "== device"
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG" || true
+    GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || true)
+    GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n1 | tr -dc '0-9' || true)
+    GPU_MIB=${GPU_MIB:-0}
+else
+    log "nvidia-smi: not found"
+    GPU_NAME=none
+    GPU_MIB=0
+fi
+"$PY" - <<'EOF' 2>&1 | tee -a "$LOG"
+import importlib, sys
+import torch
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA (torch) {torch.version.cuda}, "
+      f"cuda available {torch.cuda.is_available()}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device 0: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, "
+          f"capability {torch.cuda.get_device_capability(0)}")
+for name in ("megatron.core", "transformer_engine", "transformers", "triton", "vllm"):
+    try:
+        m = importlib.import_module(name)
+        print(f"{name} {getattr(m, '__version__', '?')} ({m.__file__})")
+    except Exception as err:  # noqa: BLE001
+        print(f"{name}: not importable ({type(err).__name__})")
+EOF
+if [[ "$DRY" != 1 ]] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    log "no CUDA device visible to torch: nothing to measure (SMOKE_CPU_DRY_RUN=1 checks the flow on a CPU)"
+    exit 1
+fi
+
+# peak dense bf16 TFLOP/s for the MFU (datasheet; SMOKE_PEAK_TFLOPS overrides)
+case "$GPU_NAME" in
+    *H200*) PEAK=989 ;;
+    *H100*PCIe*) PEAK=756 ;;
+    *H100*NVL*) PEAK=835 ;;
+    *H100*) PEAK=989 ;;
+    *) PEAK="" ;;
+esac
+PEAK=${SMOKE_PEAK_TFLOPS:-$PEAK}
+# the longer train_step point: 4096 tokens per sequence where the card has >= 120 GiB (H200),
+# else 3072 (4096 with micro-batch 1 is estimated at ~90 GB on the local spec: README)
+if ((GPU_MIB >= 122880)); then LONG_LEN=4096; else LONG_LEN=3072; fi
+LONG_LEN=${SMOKE_LONG_SEQ_LEN:-$LONG_LEN}
+
+MODEL=deepseek-r1-distill-qwen-1.5b
+TOPK_ARGS=(--device cuda --tokens 16384 --tp 1 --warmup 3 --repeats 10
+    --sweep-tokens 16384 --sweep-chunks "1024,4096" --sweep-variants ours_vp_inplace)
+TRAIN_ARGS=(--model "$MODEL" --dtype bf16 --micro-batch 1 --warmup 1 --repeats 3 ${PEAK:+--peak-tflops "$PEAK"})
+TRAIN1_ARGS=(--seqs 16 --seq-len 2048 --kl "topk,k3" --checkpoint once)
+TRAIN2_ARGS=(--seqs 8 --seq-len "$LONG_LEN" --kl topk --checkpoint none)
+if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
+    TOPK_ARGS=(--device cpu --tokens 256 --vocab 4096 --tp 1 --repeats 2 --sweep-tokens 256 --sweep-chunks 128
+        --sweep-variants ours_vp_inplace --no-tracked)
+    TRAIN_ARGS=(--model tiny-qwen2 --dtype fp32 --micro-batch 4 --warmup 1 --repeats 1)
+    TRAIN1_ARGS=(--seqs 8 --seq-len 64 --kl "topk,k3" --checkpoint once)
+    TRAIN2_ARGS=(--seqs 4 --seq-len 128 --kl topk --checkpoint none)
+fi
+
+# ---------------------------------------------------------------- steps
+STEPS=()
+step() {  # step NAME CAP_S CMD...: run with a time cap (within the budget), output into the log
+    local name=$1 cap=$2
+    shift 2
+    local left=$((BUDGET - (SECONDS - START)))
+    ((cap > left)) && cap=$left
+    if ((cap < 30)); then
+        log "== $name: SKIPPED (budget of ${BUDGET} s spent)"
+        STEPS+=("$name|skipped|0")
+        return 0
+    fi
+    log "== $name (cap ${cap} s): $*"
+    local t0=$SECONDS rc
+    set +e
+    timeout --kill-after=20 "$cap" "$@" 2>&1 | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}
+    set -e
+    local status=ok
+    ((rc == 124 || rc == 137)) && status="timeout (${cap} s)"
+    ((rc != 0 && rc != 124 && rc != 137)) && status="failed (rc $rc)"
+    log "== $name: $status in $((SECONDS - t0)) s"
+    STEPS+=("$name|$status|$((SECONDS - t0))")
+}
+
+step "gpu tests (pytest -m gpu tests/gpu)" 120 \
+    env EMPG_GPU_RESULTS_DIR="$OUT_DIR" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/gpu
+# pytest's own count (a skip on the GPU machine is no pass): appended to the step's status
+PYTEST_COUNTS=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)' "$LOG" | tail -n1 | tr -d '=' | sed -E 's/^ +| +$//g' || true)
+[[ -n "$PYTEST_COUNTS" ]] && STEPS[-1]="${STEPS[-1]%%|*}|$(cut -d'|' -f2 <<<"${STEPS[-1]}"): $PYTEST_COUNTS|${STEPS[-1]##*|}"
+step "topk_kl --device cuda" 150 \
+    "$PY" benchmarks/topk_kl.py "${TOPK_ARGS[@]}" --out "$OUT_DIR/topk_kl_gpu.json"
+# expandable segments: less fragmentation for the 1.5B model's long-lived states and activations
+step "train_step ${TRAIN1_ARGS[*]:0:4}" 180 \
+    env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
+    "$PY" benchmarks/train_step.py "${TRAIN_ARGS[@]}" "${TRAIN1_ARGS[@]}" --out "$OUT_DIR/train_step_gpu.json"
+step "train_step ${TRAIN2_ARGS[*]:0:4}" 120 \
+    env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
+    "$PY" benchmarks/train_step.py "${TRAIN_ARGS[@]}" "${TRAIN2_ARGS[@]}" --out "$OUT_DIR/train_step_gpu_long.json"
+
+# ---------------------------------------------------------------- summary (last in the output)
+"$PY" - "$OUT_DIR" "$GPU_NAME" "$((SECONDS - START))" "${STEPS[@]}" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, sys
+from pathlib import Path
+
+out, gpu, total, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+
+
+def load(name):
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def gib(n):
+    return "-" if n is None else f"{n / 2**30:.1f}"
+
+
+print(f"\n==================== GPU smoke summary: {gpu}, {total} s ====================")
+print(f"{'step':<58} {'status':<22} {'s':>5}")
+for s in steps:
+    name, status, secs = s.split("|")
+    print(f"{name:<58} {status:<22} {secs:>5}")
+
+t = load("topk_kl_gpu.json")
+if t:
+    cb = (t.get("device_copy_bandwidth") or {}).get("bandwidth_GBps")
+    p = t.get("params", {})
+    print(f"\ntopk_kl: T={p.get('tokens')} V={p.get('vocab')} k={p.get('k')} chunk={p.get('chunk_size_used')}; "
+          f"copy bandwidth {cb and round(cb)} GB/s{' (PARTIAL)' if t.get('partial') else ''}")
+    print(f"{'variant':<30} {'T':>6} {'chunk':>6} {'fwd+bwd ms':>11} {'peak+ GiB':>10} {'GB/s':>7} {'%copy':>6}")
+    for r in t.get("results", []) + t.get("chunk_sweep", []):
+        if not r.get("ok"):
+            print(f"{r.get('variant', '?'):<30} {r.get('tokens', ''):>6} {'':>6} "
+                  f"{'OOM' if r.get('oom') else 'FAILED':>11}")
+            continue
+        frac = (r.get("fraction_of_copy_bandwidth") or {}).get("total")
+        bw = (r.get("achieved_bandwidth_GBps") or {}).get("total")
+        print(f"{r['variant']:<30} {r['tokens']:>6} {r['chunk_size']:>6} {r['time_total_s']['median'] * 1e3:>11.2f} "
+              f"{gib(r.get('cuda_peak_extra_bytes', r.get('tracked_peak_bytes'))):>10} "
+              f"{'-' if bw is None else f'{bw:.0f}':>7} {'-' if frac is None else f'{100 * frac:.0f}':>6}")
+    h = (t.get("comparison") or {}).get("headline")
+    if h:
+        mem = h.get("peak_extra_mem_ratio_cuda", h.get("peak_extra_mem_ratio_tracked"))
+        print(f"headline {h['pair']}: time x{h['time_median_ratio']:.3f}, peak extra memory x{mem if mem is None else round(mem, 4)}")
+
+rows = []
+for name in ("train_step_gpu.json", "train_step_gpu_long.json"):
+    d = load(name)
+    for v in (d or {}).get("variants", []):
+        rows.append((d["params"], v))
+if rows:
+    print(f"\ntrain_step ({rows[0][0].get('model')}, {rows[0][0].get('dtype')}, micro-batch {rows[0][0].get('micro_batch')}, "
+          f"peak {rows[0][0].get('peak_tflops')} TFLOP/s):")
+    print(f"{'seqs x len':<12} {'kl':<5} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'EMA %':>6} {'step s':>7} "
+          f"{'ckpt s':>7} {'peak GiB':>9}")
+    for p, v in rows:
+        shape = f"{p['seqs']}x{p['seq_len']}"
+        peak = (v.get("cuda_memory") or {}).get("peak_allocated_bytes")
+        if not v.get("ok"):
+            what = "OOM" if v.get("oom") else "FAILED"
+            print(f"{shape:<12} {v['kl']:<5} {what:>9} at {v['failed_at']['stage']} step {v['failed_at']['step']}, "
+                  f"peak {gib(peak)} GiB")
+            continue
+        ck = v["stage_seconds_median"].get("checkpoint")
+        ck = "error" if v.get("checkpoint_errors") else ("-" if ck is None else f"{ck:.1f}")
+        mfu = v.get("mfu")
+        print(f"{shape:<12} {v['kl']:<5} {v['tokens_per_second']:>9.0f} {v['achieved_model_tflops']:>8.1f} "
+              f"{'-' if mfu is None else f'{100 * mfu:.1f}':>6} {100 * v['ema_update_share_of_step']:>6.2f} "
+              f"{v['step_seconds_without_checkpoint']:>7.3f} {ck:>7} {gib(peak):>9}")
+print(f"\nfiles in {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))}")
+EOF
+
+for s in "${STEPS[@]}"; do  # every step ok, and no test skipped on the GPU machine
+    [[ "$s" == *"|ok"* ]] || exit 1
+    [[ "$DRY" != 1 && "$s" == *"|ok:"*skipped* ]] && exit 1
+done
+exit 0
