@@ -13,7 +13,9 @@ in a config).
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -123,6 +125,102 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None:
         """Release the engine and its processes; it cannot be used afterwards."""
         ...
+
+
+class EngineState:
+    """The protocol's state rules, which every engine enforces with the same messages: no call after
+    ``shutdown``; after a failed weight update no call but ``shutdown`` (the weights are undefined);
+    no ``generate`` / ``score`` / ``sleep`` during an update, and no nested update; nothing that
+    needs a part of the engine (``WAKE_TAGS``) while that part sleeps.
+
+    An engine calls ``check`` (or ``check_idle``) first in each method, wraps each phase of an
+    update in ``update_phase``, and records ``sleep``/``wake_up`` with ``slept``/``woken``.
+    """
+
+    def __init__(self) -> None:
+        self.shut_down = False
+        self.broken: str | None = None  # why the weights are undefined after a failed update
+        self.update_open = False
+        self.asleep: set[str] = set()  # WAKE_TAGS still asleep
+        self.sleep_level = 0  # of the last sleep
+
+    def check(self, method: str, *, needs: Sequence[str] = WAKE_TAGS) -> None:
+        """Raise unless the engine runs, is unbroken and is awake for ``needs``."""
+        if self.shut_down:
+            raise RuntimeError(f"{method}: the engine was shut down")
+        if self.broken is not None:
+            raise RuntimeError(
+                f"{method}: a weight update failed ({self.broken}); the engine's weights are undefined: "
+                "shut it down and start a new one"
+            )
+        asleep = self.asleep & set(needs)
+        if asleep:
+            raise RuntimeError(f"{method}: the engine is asleep ({', '.join(sorted(asleep))}); call wake_up first")
+
+    def check_idle(self, method: str) -> None:
+        """``check``, and no weight update in progress (``generate``, ``score``, ``sleep``)."""
+        self.check(method)
+        if self.update_open:
+            raise RuntimeError(f"{method}: a weight update is in progress; call finish_weight_update first")
+
+    def check_update(self, method: str, *, opening: bool = False) -> None:
+        """Raise unless a weight update may take this step: none open when ``opening``
+        (``begin_weight_update``), else one open; the weights awake either way."""
+        self.check(method, needs=("weights",))
+        if opening and self.update_open:
+            raise RuntimeError(f"{method}: a weight update is already in progress; call finish_weight_update first")
+        if not opening and not self.update_open:
+            raise RuntimeError(f"{method}: no weight update in progress; call begin_weight_update first")
+
+    def update_phase(self, step: str, call: Callable[[], object]) -> None:
+        """Run one phase of a weight update; a failure leaves the weights undefined (``broken``)."""
+        try:
+            call()
+        except Exception as error:
+            self.broken = f"{step} raised {type(error).__name__}: {error}"
+            self.update_open = False
+            raise
+
+    def check_sleep(self, level: int) -> None:
+        """Raise unless ``sleep(level)`` may run."""
+        self.check_idle("sleep")
+        if level not in (1, 2):
+            raise ValueError(f"sleep: level must be 1 or 2, got {level!r}")
+
+    def slept(self, level: int) -> None:
+        self.asleep, self.sleep_level = set(WAKE_TAGS), level
+
+    def waking(self, tags: Sequence[str] | None) -> set[str]:
+        """The parts ``wake_up(tags)`` brings back (None: all), after checking that they sleep."""
+        self.check("wake_up", needs=())
+        wanted = set(WAKE_TAGS if tags is None else tags)
+        unknown = wanted - set(WAKE_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; expected some of {WAKE_TAGS}")
+        if not wanted <= self.asleep:
+            raise RuntimeError(f"wake_up: {sorted(wanted - self.asleep)} not asleep (asleep: {sorted(self.asleep)})")
+        return wanted
+
+
+def check_update_arguments(
+    named_tensors: Sequence[tuple[str, torch.Tensor]] | None, path: str | os.PathLike | None
+) -> list[tuple[str, torch.Tensor]] | None:
+    """``update_weights``' arguments checked: exactly one given; ``named_tensors`` as a non-empty
+    list of (str, tensor) pairs (returned), or ``path`` an existing file (None returned)."""
+    if (named_tensors is None) == (path is None):
+        given = "both" if named_tensors is not None else "neither"
+        raise ValueError(f"update_weights: expected exactly one of named_tensors and path, got {given}")
+    if named_tensors is None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"update_weights: path {str(path)!r} is not a file")
+        return None
+    pairs = list(named_tensors)
+    if not pairs:
+        raise ValueError("update_weights: named_tensors is empty; expected (hf_name, tensor) pairs")
+    for i, pair in enumerate(pairs):
+        if not (len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], torch.Tensor)):
+            raise TypeError(f"named_tensors[{i}]: expected a (str, torch.Tensor) pair, got {pair!r:.80}")
+    return pairs
 
 
 def check_token_sequences(

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,7 +47,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_empg.config import RolloutConfig, SamplingConfig
-from megatron_empg.rollout.engine import WAKE_TAGS, Completion, FinishReason, check_token_sequences
+from megatron_empg.rollout.engine import (
+    Completion,
+    EngineState,
+    FinishReason,
+    check_token_sequences,
+    check_update_arguments,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -159,12 +165,9 @@ class HfEngine:
         self._owners = dict(model.named_parameters())  # one name per parameter object
         self._shapes = {name: parameter.shape for name, parameter in self._owners.items()}
         self._offloads = self._device.type == "cuda"
-        self._update_open = False
         self._written: set[str] = set()  # owner names written since begin_weight_update
         self._must_write_all = False  # after a level-2 sleep, until an update wrote every parameter
-        self._asleep: set[str] = set()  # WAKE_TAGS still asleep
-        self._sleep_level = 0  # of the last sleep
-        self._broken: str | None = None  # why the weights are undefined after a failed update
+        self._state = EngineState()
 
     # ----------------------------------------------------------------------------------------
     # Sampling and scoring.
@@ -177,7 +180,8 @@ class HfEngine:
         ``logprobs`` are the processed sampler log-probs (module docstring). A response also ends
         with ``finish_reason="length"`` when prompt + response reach ``max_model_len``.
         """
-        model = self._ready("generate")
+        self._state.check_idle("generate")
+        model = self._model
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling: expected a SamplingConfig, got {type(sampling).__name__}")
         token_prompts = check_token_sequences(
@@ -280,7 +284,8 @@ class HfEngine:
         ``sequences``: ``[S][L_s]`` token ids (``1 <= L_s <= max_model_len - 1``). Returns
         ``[S][L_s - 1]`` floats: temperature 1, no top-k/top-p (the model's own distribution).
         """
-        model = self._ready("score")
+        self._state.check_idle("score")
+        model = self._model
         token_sequences = check_token_sequences(
             sequences, argument="sequences", vocab_size=self.vocab_size, max_length=self.max_model_len - 1
         )
@@ -296,12 +301,8 @@ class HfEngine:
 
     def begin_weight_update(self) -> None:
         """Start a weight update; ``generate`` / ``score`` are refused until it is finished."""
-        self._usable("begin_weight_update", needs=("weights",))
-        if self._update_open:
-            raise RuntimeError(
-                "begin_weight_update: a weight update is already in progress; call finish_weight_update first"
-            )
-        self._update_open = True
+        self._state.check_update("begin_weight_update", opening=True)
+        self._state.update_open = True
         self._written = set()
 
     def update_weights(
@@ -316,23 +317,11 @@ class HfEngine:
         on any device (cast to the engine's). ``path``: a safetensors file of such tensors
         (``safetensors.torch.save_file``), read one tensor at a time. Copied before this returns.
         """
-        self._usable("update_weights", needs=("weights",))
-        if not self._update_open:
-            raise RuntimeError("update_weights: no weight update in progress; call begin_weight_update first")
-        if (named_tensors is None) == (path is None):
-            given = "both" if named_tensors is not None else "neither"
-            raise ValueError(f"update_weights: expected exactly one of named_tensors and path, got {given}")
-        if named_tensors is not None:
-            pairs = list(named_tensors)
-            if not pairs:
-                raise ValueError("update_weights: named_tensors is empty; expected (hf_name, tensor) pairs")
-            for i, pair in enumerate(pairs):
-                if not (len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], torch.Tensor)):
-                    raise TypeError(f"named_tensors[{i}]: expected a (str, torch.Tensor) pair, got {pair!r:.80}")
-            self._update_step("update_weights", lambda: self._copy(pairs))
+        self._state.check_update("update_weights")
+        pairs = check_update_arguments(named_tensors, path)
+        if pairs is not None:
+            self._state.update_phase("update_weights", lambda: self._copy(pairs))
             return
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"update_weights: path {str(path)!r} is not a file")
 
         def copy_from_file() -> None:
             from safetensors import safe_open
@@ -340,7 +329,7 @@ class HfEngine:
             with safe_open(str(path), framework="pt", device="cpu") as file:
                 self._copy((name, file.get_tensor(name)) for name in file.keys())
 
-        self._update_step("update_weights", copy_from_file)
+        self._state.update_phase("update_weights", copy_from_file)
 
     def _copy(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
@@ -363,11 +352,10 @@ class HfEngine:
     def finish_weight_update(self, version: str) -> None:
         """Finalize the update and set ``weight_version = version``; after a level-2 sleep, raises
         unless the update wrote every parameter."""
-        self._usable("finish_weight_update", needs=("weights",))
+        self._state.check("finish_weight_update", needs=("weights",))
         if not isinstance(version, str) or not version:
             raise ValueError(f"finish_weight_update: version must be a non-empty string, got {version!r}")
-        if not self._update_open:
-            raise RuntimeError("finish_weight_update: no weight update in progress; call begin_weight_update first")
+        self._state.check_update("finish_weight_update")
 
         def check_complete() -> None:
             missing = sorted(set(self._owners) - self._written) if self._must_write_all else []
@@ -381,19 +369,10 @@ class HfEngine:
             if self._offloads:
                 torch.cuda.synchronize(self._device)  # the copies are done before the caller reuses its tensors
 
-        self._update_step("finish_weight_update", check_complete)
-        self._update_open = False
+        self._state.update_phase("finish_weight_update", check_complete)
+        self._state.update_open = False
         self._must_write_all = False
         self.weight_version = version
-
-    def _update_step(self, step: str, call: Callable[[], object]) -> None:
-        """Run one phase of a weight update; a failure leaves the weights undefined (as in vLLM)."""
-        try:
-            call()
-        except Exception as error:
-            self._broken = f"{step} raised {type(error).__name__}: {error}"
-            self._update_open = False
-            raise
 
     # ----------------------------------------------------------------------------------------
     # Memory and lifetime.
@@ -401,67 +380,34 @@ class HfEngine:
     def sleep(self, level: int = 1) -> None:
         """CUDA: level 1 moves the parameters to host memory, level 2 frees them. On CPU only the
         state is tracked. After level 2 the next weight update must write every parameter."""
-        self._usable("sleep")
-        if level not in (1, 2):
-            raise ValueError(f"sleep: level must be 1 or 2, got {level!r}")
-        if self._update_open:
-            raise RuntimeError("sleep: a weight update is in progress; call finish_weight_update first")
+        self._state.check_sleep(level)
         if self._offloads:
             for parameter in self._owners.values():
                 parameter.data = parameter.data.to("cpu") if level == 1 else parameter.data.new_empty(0)
             torch.cuda.empty_cache()
-        self._asleep = set(WAKE_TAGS)
-        self._sleep_level = level
+        self._state.slept(level)
         self._must_write_all = self._must_write_all or level == 2
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Undo ``sleep`` for ``tags`` (``WAKE_TAGS``; None: all). ``"weights"`` brings the
         parameters back (after level 2 uninitialised until a weight update); ``"kv_cache"`` has
         nothing to allocate (the KV cache exists only inside ``generate``)."""
-        self._usable("wake_up", needs=())
-        wanted = set(WAKE_TAGS if tags is None else tags)
-        unknown = wanted - set(WAKE_TAGS)
-        if unknown:
-            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; expected some of {WAKE_TAGS}")
-        if not wanted <= self._asleep:
-            raise RuntimeError(f"wake_up: {sorted(wanted - self._asleep)} not asleep (asleep: {sorted(self._asleep)})")
+        wanted = self._state.waking(tags)
         if self._offloads and "weights" in wanted:
             for name, parameter in self._owners.items():
-                if self._sleep_level == 1:  # the values kept in host memory
+                if self._state.sleep_level == 1:  # the values kept in host memory
                     parameter.data = parameter.data.to(self._device)
                 else:
                     parameter.data = torch.empty(self._shapes[name], dtype=parameter.dtype, device=self._device)
-        self._asleep -= wanted
+        self._state.asleep -= wanted
 
     def shutdown(self) -> None:
         """Free the model; every method but ``shutdown`` raises afterwards."""
-        if self._model is None:
+        if self._state.shut_down:
             return
+        self._state.shut_down = True
         self._model = None
         self._parameters, self._owners = {}, {}
         gc.collect()
         if self._offloads:
             torch.cuda.empty_cache()
-
-    # ----------------------------------------------------------------------------------------
-    # State checks.
-
-    def _usable(self, method: str, *, needs: Sequence[str] = WAKE_TAGS) -> PreTrainedModel:
-        """The model, if the engine is running, unbroken, and awake for ``needs`` (``WAKE_TAGS``)."""
-        if self._model is None:
-            raise RuntimeError(f"{method}: the engine was shut down")
-        if self._broken is not None:
-            raise RuntimeError(
-                f"{method}: a weight update failed ({self._broken}); the engine's weights are undefined: "
-                "shut it down and start a new one"
-            )
-        asleep = self._asleep & set(needs)
-        if asleep:
-            raise RuntimeError(f"{method}: the engine is asleep ({', '.join(sorted(asleep))}); call wake_up first")
-        return self._model
-
-    def _ready(self, method: str) -> PreTrainedModel:
-        model = self._usable(method)
-        if self._update_open:
-            raise RuntimeError(f"{method}: a weight update is in progress; call finish_weight_update first")
-        return model

@@ -39,14 +39,20 @@ import gc
 import multiprocessing
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_empg.config import RolloutConfig, SamplingConfig
-from megatron_empg.rollout.engine import FINISH_REASONS, WAKE_TAGS, Completion, check_token_sequences
+from megatron_empg.rollout.engine import (
+    FINISH_REASONS,
+    Completion,
+    EngineState,
+    check_token_sequences,
+    check_update_arguments,
+)
 from megatron_empg.rollout.vllm_weight_transfer import BACKEND_NAME, WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -200,9 +206,7 @@ class VllmEngine:
         self.vocab_size: int = self._llm.model_config.get_vocab_size()
         self.max_model_len: int = self._llm.model_config.max_model_len
         self.weight_version: str | None = None
-        self._update_open = False
-        self._asleep: set[str] = set()  # WAKE_TAGS still asleep
-        self._broken: str | None = None  # why the weights are undefined after a failed update
+        self._state = EngineState()
 
     # ----------------------------------------------------------------------------------------
     # Sampling and scoring.
@@ -215,7 +219,8 @@ class VllmEngine:
         ``logprobs`` are the processed sampler log-probs (module docstring). A response also ends
         with ``finish_reason="length"`` when prompt + response reach ``max_model_len``.
         """
-        llm = self._ready("generate")
+        self._state.check_idle("generate")
+        llm = self._llm
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling: expected a SamplingConfig, got {type(sampling).__name__}")
         if sampling.stop and self._skip_tokenizer_init:
@@ -261,7 +266,8 @@ class VllmEngine:
         ``sequences``: ``[S][L_s]`` token ids (``1 <= L_s <= max_model_len - 1``). Returns
         ``[S][L_s - 1]`` floats: temperature 1, no top-k/top-p (the model's own distribution).
         """
-        llm = self._ready("score")
+        self._state.check_idle("score")
+        llm = self._llm
         from vllm import SamplingParams
 
         token_sequences = check_token_sequences(
@@ -281,13 +287,9 @@ class VllmEngine:
 
     def begin_weight_update(self) -> None:
         """Start a weight update (vLLM's layerwise reload); ``generate`` / ``score`` wait for its end."""
-        llm = self._usable("begin_weight_update", needs=("weights",))
-        if self._update_open:
-            raise RuntimeError(
-                "begin_weight_update: a weight update is already in progress; call finish_weight_update first"
-            )
-        self._update_step("begin_weight_update", llm.start_weight_update)
-        self._update_open = True
+        self._state.check_update("begin_weight_update", opening=True)
+        self._state.update_phase("begin_weight_update", self._llm.start_weight_update)
+        self._state.update_open = True
 
     def update_weights(
         self,
@@ -302,56 +304,33 @@ class VllmEngine:
         ``path``: a safetensors file of such tensors (``safetensors.torch.save_file``), read one
         tensor at a time; the caller deletes it after ``finish_weight_update``.
         """
-        llm = self._usable("update_weights", needs=("weights",))
-        if not self._update_open:
-            raise RuntimeError("update_weights: no weight update in progress; call begin_weight_update first")
-        if (named_tensors is None) == (path is None):
-            given = "both" if named_tensors is not None else "neither"
-            raise ValueError(f"update_weights: expected exactly one of named_tensors and path, got {given}")
-        if named_tensors is not None:
-            if not self._in_process:
-                raise ValueError(
-                    "update_weights: named_tensors needs an in-process engine (rollout.in_process=True); "
-                    "an engine in another process takes path=<safetensors file>"
-                )
-            pairs = list(named_tensors)
-            if not pairs:
-                raise ValueError("update_weights: named_tensors is empty; expected (hf_name, tensor) pairs")
-            for i, pair in enumerate(pairs):
-                if not (len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], torch.Tensor)):
-                    raise TypeError(f"named_tensors[{i}]: expected a (str, torch.Tensor) pair, got {pair!r:.80}")
-            update_info: dict[str, Any] = {"named_tensors": pairs}
-        else:
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"update_weights: path {str(path)!r} is not a file")
-            update_info = {"path": str(path)}
-        self._update_step("update_weights", lambda: llm.update_weights({"update_info": update_info}))
+        self._state.check_update("update_weights")
+        if named_tensors is not None and not self._in_process:
+            raise ValueError(
+                "update_weights: named_tensors needs an in-process engine (rollout.in_process=True); "
+                "an engine in another process takes path=<safetensors file>"
+            )
+        pairs = check_update_arguments(named_tensors, path)
+        update_info: dict[str, Any] = {"named_tensors": pairs} if pairs is not None else {"path": str(path)}
+        llm = self._llm
+        self._state.update_phase("update_weights", lambda: llm.update_weights({"update_info": update_info}))
 
     def finish_weight_update(self, version: str) -> None:
         """Finalize the update, reset the prefix cache and set ``weight_version = version``."""
-        llm = self._usable("finish_weight_update", needs=("weights",))
+        self._state.check("finish_weight_update", needs=("weights",))
         if not isinstance(version, str) or not version:
             raise ValueError(f"finish_weight_update: version must be a non-empty string, got {version!r}")
-        if not self._update_open:
-            raise RuntimeError("finish_weight_update: no weight update in progress; call begin_weight_update first")
+        self._state.check_update("finish_weight_update")
+        llm = self._llm
 
         def finish_and_reset_prefix_cache() -> None:
             llm.finish_weight_update(weight_version=version)
             if not llm.reset_prefix_cache():  # refused while requests run; cached KV would be stale
                 raise RuntimeError("vLLM could not reset its prefix cache")
 
-        self._update_step("finish_weight_update", finish_and_reset_prefix_cache)
-        self._update_open = False
+        self._state.update_phase("finish_weight_update", finish_and_reset_prefix_cache)
+        self._state.update_open = False
         self.weight_version = version
-
-    def _update_step(self, step: str, call: Callable[[], object]) -> None:
-        """Run one phase of a weight update; a failure leaves the weights undefined."""
-        try:
-            call()
-        except Exception as error:
-            self._broken = f"{step} raised {type(error).__name__}: {error}"
-            self._update_open = False
-            raise
 
     # ----------------------------------------------------------------------------------------
     # Memory and lifetime.
@@ -359,33 +338,24 @@ class VllmEngine:
     def sleep(self, level: int = 1) -> None:
         """GPU with sleep mode: level 1 offloads the weights to host memory and drops the KV cache,
         level 2 drops both (vLLM keeps the model's buffers). Otherwise only the state is tracked."""
-        llm = self._usable("sleep")
-        if level not in (1, 2):
-            raise ValueError(f"sleep: level must be 1 or 2, got {level!r}")
-        if self._update_open:
-            raise RuntimeError("sleep: a weight update is in progress; call finish_weight_update first")
+        self._state.check_sleep(level)
         if self._sleep_mode:
-            llm.sleep(level=level)
-        self._asleep = set(WAKE_TAGS)
+            self._llm.sleep(level=level)
+        self._state.slept(level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Undo ``sleep`` for ``tags`` (``WAKE_TAGS``; None: all). After a level-1 sleep the weights
         are those from before it; after level 2 they are undefined until a weight update."""
-        llm = self._usable("wake_up", needs=())
-        wanted = set(WAKE_TAGS if tags is None else tags)
-        unknown = wanted - set(WAKE_TAGS)
-        if unknown:
-            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; expected some of {WAKE_TAGS}")
-        if not wanted <= self._asleep:
-            raise RuntimeError(f"wake_up: {sorted(wanted - self._asleep)} not asleep (asleep: {sorted(self._asleep)})")
+        wanted = self._state.waking(tags)
         if self._sleep_mode:
-            llm.wake_up(tags=sorted(wanted))
-        self._asleep -= wanted
+            self._llm.wake_up(tags=sorted(wanted))
+        self._state.asleep -= wanted
 
     def shutdown(self) -> None:
         """Stop the engine: its engine-core process exits (multiprocess) or its memory is freed."""
-        if self._llm is None:
+        if self._state.shut_down:
             return
+        self._state.shut_down = True
         llm, self._llm = self._llm, None
         llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         del llm
@@ -398,26 +368,3 @@ class VllmEngine:
         else:
             multiprocessing.active_children()  # reaps an engine-core process that had to be killed
         gc.collect()
-
-    # ----------------------------------------------------------------------------------------
-    # State checks.
-
-    def _usable(self, method: str, *, needs: Sequence[str] = WAKE_TAGS) -> LLM:
-        """The LLM, if it is running, unbroken, and awake for ``needs`` (``WAKE_TAGS``)."""
-        if self._llm is None:
-            raise RuntimeError(f"{method}: the engine was shut down")
-        if self._broken is not None:
-            raise RuntimeError(
-                f"{method}: a weight update failed ({self._broken}); the engine's weights are undefined: "
-                "shut it down and start a new one"
-            )
-        asleep = self._asleep & set(needs)
-        if asleep:
-            raise RuntimeError(f"{method}: the engine is asleep ({', '.join(sorted(asleep))}); call wake_up first")
-        return self._llm
-
-    def _ready(self, method: str) -> LLM:
-        llm = self._usable(method)
-        if self._update_open:
-            raise RuntimeError(f"{method}: a weight update is in progress; call finish_weight_update first")
-        return llm
