@@ -58,9 +58,13 @@ def __getattr__(name: str) -> type:
 
 
 def register_backend() -> None:
-    """Register ``BACKEND_NAME`` in vLLM's ``WeightTransferEngineFactory`` (idempotent)."""
+    """Register ``BACKEND_NAME`` in vLLM's ``WeightTransferEngineFactory`` (idempotent), and quiet
+    vLLM's repeating warnings in this process (``vllm_logging``)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from megatron_empg.rollout.vllm_logging import show_repeating_warnings_once
+
+    show_repeating_warnings_once()  # in an engine process of its own too, where this runs first
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, engine_class())
 

@@ -22,9 +22,10 @@
   Megatron-Core's own API) are notes for that package's callers, not for the run's user: they are
   logged at INFO. Other categories (``RuntimeWarning`` ...) and warnings raised in our code or a
   script stay WARNING. Each place warns once, as Python's default filters have it.
-* **vLLM warnings that repeat** on every weight sync or thread-count call (``REPEATING_LOGGERS``)
-  are shown once in this process (``show_repeating_warnings_once``). An engine in a process of its
-  own gets the environment only: its start-up warnings go as vLLM has them.
+* **vLLM warnings that repeat** on every weight sync or thread-count call are shown once
+  (``rollout.vllm_logging``: in this process, and in an engine process of its own, where the
+  weight-transfer backend installs the same filter). An engine in a process of its own gets the
+  environment otherwise: its start-up warnings go as vLLM has them.
 
 Errors (ERROR records, exceptions) stay visible at every ``third_party_level`` but CRITICAL. The
 step lines and the end-of-run summary are ``metrics_log.MetricsLogger``'s, on stdout. This module
@@ -39,6 +40,7 @@ import sys
 import warnings
 
 from megatron_empg.config import LOG_LEVELS, LoggingConfig
+from megatron_empg.rollout.vllm_logging import show_repeating_warnings_once
 
 OURS = __name__.split(".")[0]
 OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # wherever it is installed from
@@ -57,11 +59,6 @@ ENVIRONMENT_LEVELS = {
     "huggingface_hub": ("HF_HUB_VERBOSITY", str.lower),
 }
 VLLM_STREAM = ("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-# vLLM loggers that repeat a warning for the whole run: the layerwise weight reload warns
-# "RotaryEmbedding: Failed to load weights" after every weight sync (its cos/sin cache is no
-# checkpoint weight; vLLM puts its own back, and the sync's consistency gate checks the result);
-# vLLM's CPU worker replaces torch.set_num_threads by a warning, repeated on every call.
-REPEATING_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.cpu_worker")
 # Warnings that a package raises about its own API or set-up: addressed to its callers.
 NOTE_CATEGORIES = (DeprecationWarning, PendingDeprecationWarning, FutureWarning, UserWarning)
 
@@ -87,31 +84,6 @@ def configure_logging(settings: LoggingConfig, *, rank: int, world_size: int) ->
     os.environ.setdefault(*VLLM_STREAM)
     show_repeating_warnings_once()
     warnings.showwarning = _log_warning
-
-
-def show_repeating_warnings_once() -> None:
-    """Let the ``REPEATING_LOGGERS`` pass each of their messages once in this process (the trainer's,
-    where an in-process engine runs; code of ours that runs in vLLM's engine processes may call it
-    there too). A second call adds nothing."""
-    for name in REPEATING_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _Once) for f in logger.filters):
-            logger.addFilter(_Once())
-
-
-class _Once(logging.Filter):
-    """Passes each distinct message (level and text) once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._seen: set[tuple[int, str]] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        key = (record.levelno, record.getMessage())
-        if key in self._seen:
-            return False
-        self._seen.add(key)
-        return True
 
 
 def _log_warning(message, category, filename, lineno, file=None, line=None) -> None:
