@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import signal
 import statistics
 import time
@@ -31,8 +30,16 @@ import torch.distributed as dist
 
 from megatron_empg.config import ConfigError, RunConfig, to_yaml
 from megatron_empg.parallel.collectives import collective_device
+from megatron_empg.trainer import machine
 from megatron_empg.trainer.batch import PackedBatch, Sample, pack, training_micro_batches
 from megatron_empg.trainer.build import Components
+from megatron_empg.trainer.metrics import add_sums, all_reduce_sums, sample_means, sample_sums
+from megatron_empg.trainer.start import (
+    checkpoint_directory,
+    load_initial_weights,
+    load_tokenizer,
+    write_hf_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +71,7 @@ class Trainer:
         self.rank = dist.get_rank()
         if dist.get_world_size() != components.layout.world_size:
             raise ValueError(f"bound for {components.layout.world_size} ranks, running on {dist.get_world_size()}")
-        self.tokenizer = _load_tokenizer(config)
+        self.tokenizer = load_tokenizer(config)
         self._check_machine()
         self.agent = self._build_agent() if self.rank == ENGINE_RANK and config.rollout.search_agent else None
         self.engine = self._start_engine() if self.rank == ENGINE_RANK else None  # before seeding: vLLM seeds globally
@@ -88,13 +95,7 @@ class Trainer:
         anchor. A ``ConfigError`` on every rank together."""
         problem: list = [None]
         try:
-            if self.config.algorithm.anchor.fp8 == "te" and not _te_fp8_possible():
-                raise ConfigError("algorithm.anchor.fp8", "te needs a GPU and Transformer Engine (the NGC container); "
-                                  "use fp8: emulated or auto elsewhere")  # fmt: skip
-            if self.rank == ENGINE_RANK and self.config.weight_sync.transport == "shm_file":
-                from megatron_empg.weight_sync.transport import check_free_space
-
-                check_free_space(self.config.weight_sync.shm_dir, _bucket_file_bytes(self.config, self.model))
+            machine.check_machine(self.config, self.model, engine_rank=self.rank == ENGINE_RANK)
         except ConfigError as error:
             problem = [(error.field, error.reason)]
         if dist.get_world_size() > 1:
@@ -105,7 +106,7 @@ class Trainer:
     def _start_engine(self):
         engine_dir = self.run_dir / "engine_model"
         engine_dir.mkdir(parents=True, exist_ok=True)
-        _write_hf_config(self.model, engine_dir)
+        write_hf_config(self.model, engine_dir)
         self.tokenizer.save_pretrained(engine_dir)
         # The engine's processes (rollout.in_process=false) inherit an ignored SIGUSR1: torchrun and
         # Slurm signal whole process groups, and the trainer, which takes SIGUSR1 as "checkpoint after
@@ -137,7 +138,7 @@ class Trainer:
         cfg = self.config
         chunks = build_gpt_model(self.model, cfg.parallel, params_dtype=DTYPES[cfg.train.params_dtype])
         if cfg.checkpoint.init_from is not None:
-            _load_initial_weights(chunks, cfg.checkpoint.init_from, self.model, cfg, self.groups)
+            load_initial_weights(chunks, cfg.checkpoint.init_from, self.model, cfg, self.groups)
         self.models = wrap_with_ddp(chunks, cfg.optimizer)
         self.optimizer = build_optimizer(self.models, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer)
@@ -149,7 +150,7 @@ class Trainer:
         if algorithm.loss.kl is None:
             return None
         anchor = algorithm.anchor
-        te_fp8 = _te_fp8(self.config)
+        te_fp8 = machine.te_fp8(self.config)
         log.info("EMA anchor: tau %g every %d optimizer steps, %s weights%s", anchor.tau, anchor.period,
                  anchor.compute_dtype, " (Transformer Engine FP8)" if te_fp8 else
                  " (emulated FP8)" if anchor.compute_dtype == "float8_e4m3fn" else "")  # fmt: skip
@@ -293,9 +294,9 @@ class Trainer:
             for first in range(0, len(examples), settings.batch_size):
                 chunk = examples[first : first + settings.batch_size]
                 samples = _samples(chunk, self._sample([e.prompt_ids for e in chunk], sampling), range(len(chunk)))
-                _add(sums, sample_sums(samples, self.score_rewards(samples)))
+                add_sums(sums, sample_sums(samples, self.score_rewards(samples)))
             metrics.update({f"val/{source}/{k}": v for k, v in sample_means(sums).items()})
-            _add(totals, sums)
+            add_sums(totals, sums)
         metrics.update({f"val/{k}": v for k, v in sample_means(totals).items()})
         metrics["time/validation"] = time.perf_counter() - start
         log.info("validation at step %d: reward/mean %.4g over %d samples", self.step_index, metrics["val/reward/mean"],
@@ -428,7 +429,7 @@ class Trainer:
         all-reduce), the loss tokens per sample, throughput, and this rank's timings."""
         local = {**sample_sums(samples, reward_metrics), "loss_tokens": int(batch.loss_mask.sum()),
                  "no_loss": int((~batch.loss_mask.any(dim=-1)).sum())}  # fmt: skip
-        totals = _all_reduce_sums(local, self.groups.dp_group)
+        totals = all_reduce_sums(local, self.groups.dp_group)
         seconds = sum(times.values())
         return {
             **sample_means(totals),
@@ -473,7 +474,7 @@ class Trainer:
     def continue_from(self, path: str | Path) -> None:
         """Start from an earlier stage's checkpoint (``path``: a ``step_N`` directory or a checkpoint
         root, whose newest is taken): its training state, and this run's data order from its step."""
-        directory = _checkpoint_directory(path)
+        directory = checkpoint_directory(path)
         self._load_training_state(directory)
         log.info("continuing from %s at step %d (data: this run's order)", directory, self.step_index)
 
@@ -532,49 +533,11 @@ def check_fresh_start(config: RunConfig) -> None:
         )
 
 
-def _checkpoint_directory(path: str | Path) -> Path:
-    """A checkpoint root's newest complete checkpoint, or ``path`` itself (a ``step_N`` directory)."""
-    from megatron_empg.mcore.checkpoint import find_latest_checkpoint
-
-    found = find_latest_checkpoint(path)
-    return found.path if found is not None else Path(path)
-
-
 @contextlib.contextmanager
 def _timed(times: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     times[name] = time.perf_counter() - start
-
-
-def _te_fp8(config: RunConfig) -> bool:
-    """Whether the FP8 anchor stores Transformer Engine FP8 parameters (``algorithm.anchor.fp8``;
-    ``auto``: where TE and a GPU are there and the distributed optimizer is off)."""
-    anchor = config.algorithm.anchor
-    if anchor.compute_dtype != "float8_e4m3fn" or anchor.fp8 == "emulated":
-        return False
-    if anchor.fp8 == "te":
-        return True
-    return not config.optimizer.use_distributed_optimizer and _te_fp8_possible()
-
-
-def _te_fp8_possible() -> bool:
-    """A GPU and Transformer Engine (Megatron's import of it)."""
-    if not torch.cuda.is_available():
-        return False
-    from megatron_empg.mcore.model import te_available
-
-    return te_available()
-
-
-def _bucket_file_bytes(config: RunConfig, model) -> int:
-    """The largest weight-sync bucket file: ``weight_sync.bucket_size_mb``, or the whole model if
-    smaller, but never less than its largest tensor (a bucket holds at least one), plus a header."""
-    size = torch.empty((), dtype=DTYPES[config.train.params_dtype]).element_size()
-    largest = max(model.vocab_size, model.ffn_hidden_size, model.num_attention_heads * model.kv_channels)
-    largest *= model.hidden_size * size
-    whole = model.num_parameters() * size
-    return max(min(int(config.weight_sync.bucket_size_mb * 2**20), whole), largest) + 2**20
 
 
 def any_rank_signalled(signum: int | None, group) -> int | None:
@@ -596,90 +559,3 @@ def _samples(examples: list, payload: list[list[tuple]], prompts: range) -> list
     return [Sample(examples[p].prompt_ids, token_ids, logprobs, finish, group=p, example=examples[p],
                    response_mask=response_mask, stats=stats)
             for p in prompts for token_ids, logprobs, finish, response_mask, stats in payload[p]]  # fmt: skip
-
-
-def sample_sums(samples: list[Sample], reward_metrics: dict[str, float]) -> dict[str, float]:
-    """What per-sample means are made of, as sums that add up over batches and replicas: rewards
-    and their squares, correct answers, samples, response tokens, truncated responses, the search
-    agent's per-episode counts (``rollout/*``) and the reward function's counts and sums
-    (``reward_metrics``, ``reward/*``)."""
-    sums = {
-        "reward_sum": sum(s.reward for s in samples), "reward_sq_sum": sum(s.reward * s.reward for s in samples),
-        "correct": sum(s.correct for s in samples), "samples": len(samples),
-        "response_tokens": sum(len(s.response_ids) for s in samples),
-        "truncated": sum(s.finish_reason == "length" for s in samples),
-    }  # fmt: skip
-    for sample in samples:
-        _add(sums, {f"rollout/{key}": value for key, value in sample.stats.items()})
-    return {**sums, **reward_metrics}
-
-
-def sample_means(totals: dict[str, float]) -> dict[str, float]:
-    """Per-sample means of ``sample_sums``' totals: ``reward/mean``, ``reward/std``,
-    ``reward/accuracy``, ``response/length_mean``, ``response/truncated_fraction``, the agent's
-    ``rollout/*_mean`` and the reward function's metrics (``reward/f1`` the mean token F1,
-    ``reward/malformed`` a fraction)."""
-    n = max(totals["samples"], 1)
-    mean = totals["reward_sum"] / n
-    return {
-        "reward/mean": mean,
-        "reward/std": math.sqrt(max(totals["reward_sq_sum"] / n - mean * mean, 0.0)),
-        "reward/accuracy": totals["correct"] / n,
-        "response/length_mean": totals["response_tokens"] / n,
-        "response/truncated_fraction": totals["truncated"] / n,
-        **{f"{k}_mean": v / n for k, v in totals.items() if k.startswith("rollout/")},
-        **{k: v / n for k, v in totals.items() if k.startswith("reward/")},
-    }
-
-
-def _add(totals: dict[str, float], values: dict[str, float]) -> None:
-    for key, value in values.items():
-        totals[key] = totals.get(key, 0.0) + value
-
-
-def _all_reduce_sums(values: dict[str, float], group) -> dict[str, float]:
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=collective_device(group))
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return dict(zip(keys, t.tolist()))
-
-
-def _load_tokenizer(config: RunConfig):
-    from transformers import AutoTokenizer
-
-    source = config.tokenizer
-    if source is None:  # a HF directory, or a checkpoint (a step_N directory or a root) with its hf/ assets
-        init = Path(config.checkpoint.init_from or config.checkpoint.continue_from)
-        if not (init / "config.json").is_file() and not (init / "hf").is_dir():
-            init = _checkpoint_directory(init)
-        source = init / "hf" if (init / "hf").is_dir() else init
-    return AutoTokenizer.from_pretrained(str(source))
-
-
-def _write_hf_config(model, out_dir: Path) -> None:
-    from transformers import AutoConfig
-
-    AutoConfig.for_model(**{**model.to_hf_config(), "dtype": "float32"}).save_pretrained(out_dir)
-
-
-def _load_initial_weights(chunks, init_from: str, model, config: RunConfig, groups) -> None:
-    """The policy's first weights from a HF directory (``config.json`` + safetensors) or a
-    Megatron checkpoint (converted or from training: its model part only)."""
-    path = Path(init_from)
-    if (path / "config.json").is_file():
-        from safetensors import safe_open
-
-        from megatron_empg.mcore.model import load_full_state_dict
-        from megatron_empg.weight_sync import mapping
-
-        hf: dict[str, torch.Tensor] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                hf.update({name: f.get_tensor(name) for name in f.keys()})
-        full = mapping.to_megatron_state_dict(hf, model, config.parallel.padded_vocab_size(model.vocab_size))
-        load_full_state_dict(chunks, full, vocab_size=model.vocab_size, canonical_name=mapping.canonical_name)
-        return
-    from megatron_empg.mcore.checkpoint import load_checkpoint
-
-    load_checkpoint(_checkpoint_directory(path), models=chunks, groups=groups, strict=False)

@@ -56,7 +56,7 @@ def _te_named_view(chunk: torch.nn.Module) -> torch.nn.Module:
 def _load(rank: int, world_size: int, hf_dir: str) -> dict:
     from megatron_empg.mcore import parallel_state
     from megatron_empg.mcore.model import build_gpt_model, shard_full_state_dict
-    from megatron_empg.trainer.loop import _load_initial_weights
+    from megatron_empg.trainer.start import load_initial_weights
     from megatron_empg.weight_sync import mapping
 
     config = load_config(RunConfig, {"model": MODEL, "tokenizer": hf_dir, "train": {"params_dtype": "float32"}})
@@ -71,7 +71,7 @@ def _load(rank: int, world_size: int, hf_dir: str) -> dict:
         unmapped = "no error"
     except KeyError as error:
         unmapped = str(error)
-    _load_initial_weights([view], hf_dir, model, config, groups)  # what the trainer does
+    load_initial_weights([view], hf_dir, model, config, groups)  # what the trainer does
     ids = torch.arange(12).reshape(1, 12) % model.vocab_size
     with torch.no_grad():
         logits = chunk(ids, torch.arange(12)[None], torch.ones(1, 1, 12, 12, dtype=torch.bool).triu_(1))

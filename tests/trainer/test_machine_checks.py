@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from megatron_empg.config import load_model_config
-from megatron_empg.trainer.loop import _bucket_file_bytes
+from megatron_empg.trainer.machine import bucket_file_bytes
 from megatron_empg.weight_sync.transport import check_free_space
 from tests.trainer.demo_runs import REPO, train_command
 from tests.trainer.hf_runs import hf_engine_config, random_demo_model
@@ -48,12 +48,12 @@ def test_the_bucket_file_is_at_least_the_largest_tensor_and_at_most_the_model():
     from megatron_empg.config import RunConfig, load_config
 
     config = load_config(RunConfig, REPO / "recipes" / "r1_distill_qwen_1.5b_math_ema_pg.yaml")
-    assert _bucket_file_bytes(config, r1) == 512 * 2**20 + 2**20  # bucket_size_mb 512 > the 467 MB embedding
+    assert bucket_file_bytes(config, r1) == 512 * 2**20 + 2**20  # bucket_size_mb 512 > the 467 MB embedding
     small = load_config(RunConfig, REPO / "recipes" / "r1_distill_qwen_1.5b_math_ema_pg.yaml",
                         ["weight_sync.bucket_size_mb=64"])  # fmt: skip
-    assert _bucket_file_bytes(small, r1) == 151936 * 1536 * 2 + 2**20  # the embedding goes alone
+    assert bucket_file_bytes(small, r1) == 151936 * 1536 * 2 + 2**20  # the embedding goes alone
     tiny = load_model_config("tiny-qwen2")
-    assert _bucket_file_bytes(config, tiny) == 2 * tiny.num_parameters() + 2**20  # bf16: the whole model
+    assert bucket_file_bytes(config, tiny) == 2 * tiny.num_parameters() + 2**20  # bf16: the whole model
 
 
 def test_check_free_space_says_how_to_make_room(tmp_path):

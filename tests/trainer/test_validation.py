@@ -16,7 +16,8 @@ from megatron_empg.config import ConfigError, DataConfig, RunConfig, SamplingCon
 from megatron_empg.rollout.data import DataError, load_validation_sets
 from megatron_empg.rollout.engine import Completion
 from megatron_empg.rollout.rewards import REWARDS
-from megatron_empg.trainer.loop import Trainer, sample_means
+from megatron_empg.trainer.loop import Trainer
+from megatron_empg.trainer.metrics import sample_means
 from tools.make_tiny_model import char_tokenizer
 
 QA = DataConfig(source="files", reward="qa_em", train_files=["unused.jsonl"], prompt_key="question",

@@ -1,0 +1,53 @@
+"""What only the machine a run starts on can tell, checked before its engine starts (the config is
+``trainer.build``'s): room in ``weight_sync.shm_dir`` for a weight-sync bucket file, a GPU with
+Transformer Engine for a TE FP8 anchor; and which FP8 anchor ``algorithm.anchor.fp8: auto`` means here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_empg.config import ConfigError, ModelConfig, RunConfig
+
+
+def check_machine(config: RunConfig, model: ModelConfig, *, engine_rank: bool) -> None:
+    """``ConfigError`` naming the field this machine cannot serve: a TE FP8 anchor without a GPU
+    and Transformer Engine; on the engine's rank (``engine_rank``) with ``shm_file``, a
+    ``weight_sync.shm_dir`` without room for one bucket file."""
+    if config.algorithm.anchor.fp8 == "te" and not te_fp8_possible():
+        raise ConfigError("algorithm.anchor.fp8", "te needs a GPU and Transformer Engine (the NGC container); "
+                          "use fp8: emulated or auto elsewhere")  # fmt: skip
+    if engine_rank and config.weight_sync.transport == "shm_file":
+        from megatron_empg.weight_sync.transport import check_free_space
+
+        check_free_space(config.weight_sync.shm_dir, bucket_file_bytes(config, model))
+
+
+def te_fp8(config: RunConfig) -> bool:
+    """Whether the FP8 anchor stores Transformer Engine FP8 parameters (``algorithm.anchor.fp8``;
+    ``auto``: where TE and a GPU are there and the distributed optimizer is off)."""
+    anchor = config.algorithm.anchor
+    if anchor.compute_dtype != "float8_e4m3fn" or anchor.fp8 == "emulated":
+        return False
+    if anchor.fp8 == "te":
+        return True
+    return not config.optimizer.use_distributed_optimizer and te_fp8_possible()
+
+
+def te_fp8_possible() -> bool:
+    """A GPU and Transformer Engine (Megatron's import of it)."""
+    if not torch.cuda.is_available():
+        return False
+    from megatron_empg.mcore.model import te_available
+
+    return te_available()
+
+
+def bucket_file_bytes(config: RunConfig, model: ModelConfig) -> int:
+    """The largest weight-sync bucket file: ``weight_sync.bucket_size_mb``, or the whole model if
+    smaller, but never less than its largest tensor (a bucket holds at least one), plus a header."""
+    size = torch.empty((), dtype=getattr(torch, config.train.params_dtype)).element_size()
+    largest = max(model.vocab_size, model.ffn_hidden_size, model.num_attention_heads * model.kv_channels)
+    largest *= model.hidden_size * size
+    whole = model.num_parameters() * size
+    return max(min(int(config.weight_sync.bucket_size_mb * 2**20), whole), largest) + 2**20

@@ -1,0 +1,61 @@
+"""What a run starts from: the tokenizer, the HF config the engine is built from, the policy's
+first weights (a HF directory or a Megatron checkpoint), and a checkpoint root's newest directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_empg.config import ModelConfig, RunConfig
+
+
+def load_tokenizer(config: RunConfig):
+    """``config.tokenizer``, else the tokenizer of ``checkpoint.init_from`` / ``continue_from`` (a HF
+    directory, or a checkpoint with its ``hf/`` assets)."""
+    from transformers import AutoTokenizer
+
+    source = config.tokenizer
+    if source is None:  # a HF directory, or a checkpoint (a step_N directory or a root) with its hf/ assets
+        init = Path(config.checkpoint.init_from or config.checkpoint.continue_from)
+        if not (init / "config.json").is_file() and not (init / "hf").is_dir():
+            init = checkpoint_directory(init)
+        source = init / "hf" if (init / "hf").is_dir() else init
+    return AutoTokenizer.from_pretrained(str(source))
+
+
+def write_hf_config(model: ModelConfig, out_dir: Path) -> None:
+    """``model``'s HF ``config.json`` in ``out_dir`` (float32: the engine's dtype is its own setting)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(**{**model.to_hf_config(), "dtype": "float32"}).save_pretrained(out_dir)
+
+
+def load_initial_weights(chunks, init_from: str, model, config: RunConfig, groups) -> None:
+    """The policy's first weights from a HF directory (``config.json`` + safetensors) or a
+    Megatron checkpoint (converted or from training: its model part only)."""
+    path = Path(init_from)
+    if (path / "config.json").is_file():
+        from safetensors import safe_open
+
+        from megatron_empg.mcore.model import load_full_state_dict
+        from megatron_empg.weight_sync import mapping
+
+        hf: dict[str, torch.Tensor] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                hf.update({name: f.get_tensor(name) for name in f.keys()})
+        full = mapping.to_megatron_state_dict(hf, model, config.parallel.padded_vocab_size(model.vocab_size))
+        load_full_state_dict(chunks, full, vocab_size=model.vocab_size, canonical_name=mapping.canonical_name)
+        return
+    from megatron_empg.mcore.checkpoint import load_checkpoint
+
+    load_checkpoint(checkpoint_directory(path), models=chunks, groups=groups, strict=False)
+
+
+def checkpoint_directory(path: str | Path) -> Path:
+    """A checkpoint root's newest complete checkpoint, or ``path`` itself (a ``step_N`` directory)."""
+    from megatron_empg.mcore.checkpoint import find_latest_checkpoint
+
+    found = find_latest_checkpoint(path)
+    return found.path if found is not None else Path(path)
