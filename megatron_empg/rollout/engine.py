@@ -223,6 +223,21 @@ def check_update_arguments(
     return pairs
 
 
+def check_generate_arguments(
+    prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, vocab_size: int, max_model_len: int
+) -> list[list[int]]:
+    """``generate``'s arguments checked (a ``SamplingConfig``; prompts of at most ``max_model_len - 1``
+    tokens, as vLLM keeps room for one output token; stop token ids in the vocabulary); the prompts
+    as lists of ints."""
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling: expected a SamplingConfig, got {type(sampling).__name__}")
+    token_prompts = check_token_sequences(prompts, argument="prompts", vocab_size=vocab_size, max_length=max_model_len - 1)
+    bad_stop = [t for t in sampling.stop_token_ids if not 0 <= t < vocab_size]
+    if bad_stop:
+        raise ValueError(f"sampling.stop_token_ids: {bad_stop} outside [0, vocab_size={vocab_size})")
+    return token_prompts
+
+
 def check_token_sequences(
     sequences: Sequence[Sequence[int]], *, argument: str, vocab_size: int, max_length: int
 ) -> list[list[int]]:

@@ -51,6 +51,7 @@ from megatron_empg.rollout.engine import (
     Completion,
     EngineState,
     FinishReason,
+    check_generate_arguments,
     check_token_sequences,
     check_update_arguments,
 )
@@ -182,14 +183,8 @@ class HfEngine:
         """
         self._state.check_idle("generate")
         model = self._model
-        if not isinstance(sampling, SamplingConfig):
-            raise TypeError(f"sampling: expected a SamplingConfig, got {type(sampling).__name__}")
-        token_prompts = check_token_sequences(
-            prompts, argument="prompts", vocab_size=self.vocab_size, max_length=self.max_model_len - 1
-        )
-        bad_stop = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"sampling.stop_token_ids: {bad_stop} outside [0, vocab_size={self.vocab_size})")
+        token_prompts = check_generate_arguments(prompts, sampling, vocab_size=self.vocab_size,
+                                                 max_model_len=self.max_model_len)  # fmt: skip
         if sampling.temperature == 0 and sampling.n > 1:  # vLLM refuses it too
             raise ValueError(f"sampling: n must be 1 when using greedy sampling (temperature 0), got n={sampling.n}")
         rows = [prompt for prompt in token_prompts for _ in range(sampling.n)]  # row i * n + j

@@ -50,6 +50,7 @@ from megatron_empg.rollout.engine import (
     FINISH_REASONS,
     Completion,
     EngineState,
+    check_generate_arguments,
     check_token_sequences,
     check_update_arguments,
 )
@@ -221,20 +222,12 @@ class VllmEngine:
         """
         self._state.check_idle("generate")
         llm = self._llm
-        if not isinstance(sampling, SamplingConfig):
-            raise TypeError(f"sampling: expected a SamplingConfig, got {type(sampling).__name__}")
+        token_prompts = check_generate_arguments(prompts, sampling, vocab_size=self.vocab_size,
+                                                 max_model_len=self.max_model_len)  # fmt: skip
         if sampling.stop and self._skip_tokenizer_init:
             raise ValueError(
                 f"sampling.stop={sampling.stop!r}: stop strings need the tokenizer, and this engine was "
                 "started with skip_tokenizer_init=True (use sampling.stop_token_ids)"
-            )
-        token_prompts = check_token_sequences(
-            prompts, argument="prompts", vocab_size=self.vocab_size, max_length=self.max_model_len - 1
-        )
-        bad_stop = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise ValueError(
-                f"sampling.stop_token_ids: {bad_stop} outside [0, vocab_size={self.vocab_size})"
             )
         params = [self._sampling_params(sampling, prompt_index) for prompt_index in range(len(token_prompts))]
         outputs = llm.generate(

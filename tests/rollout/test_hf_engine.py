@@ -19,6 +19,7 @@ import torch
 from megatron_empg.config import RolloutConfig, SamplingConfig, load_model_config
 from megatron_empg.rollout.engine import Completion
 from megatron_empg.rollout.hf_engine import HfEngine
+from tests.rollout.engine_protocol import assert_update_protocol_enforced
 
 TOLERANCE = 1e-5
 ROLLOUT = RolloutConfig(dtype="float32")
@@ -400,29 +401,7 @@ def test_a_bad_tensor_fails_the_update_and_disables_the_engine(rig, named_tensor
 
 def test_weight_update_protocol_is_enforced(rig):
     engine = HfEngine(rig.model_dir, ROLLOUT)
-    with pytest.raises(RuntimeError, match="update_weights: no weight update in progress"):
-        engine.update_weights(path="/nonexistent")
-    with pytest.raises(RuntimeError, match="finish_weight_update: no weight update in progress"):
-        engine.finish_weight_update("v")
-    engine.begin_weight_update()
-    with pytest.raises(RuntimeError, match="begin_weight_update: a weight update is already in progress"):
-        engine.begin_weight_update()
-    with pytest.raises(ValueError, match="exactly one of named_tensors and path, got both"):
-        engine.update_weights(named_tensors=[("lm_head.weight", torch.zeros(1))], path="/nonexistent")
-    with pytest.raises(ValueError, match="exactly one of named_tensors and path, got neither"):
-        engine.update_weights()
-    with pytest.raises(ValueError, match="named_tensors is empty"):
-        engine.update_weights(named_tensors=[])
-    with pytest.raises(TypeError, match=r"named_tensors\[0\]: expected a \(str, torch.Tensor\) pair"):
-        engine.update_weights(named_tensors=[("lm_head.weight", [0.0])])
-    with pytest.raises(FileNotFoundError, match="path '/nonexistent' is not a file"):
-        engine.update_weights(path="/nonexistent")
-    for method, call in [("generate", lambda: engine.generate(rig.prompts, sampling())),
-                         ("score", lambda: engine.score(rig.probes)), ("sleep", engine.sleep)]:  # fmt: skip
-        with pytest.raises(RuntimeError, match=f"{method}: a weight update is in progress; call finish_weight_update"):
-            call()
-    with pytest.raises(ValueError, match="version must be a non-empty string"):
-        engine.finish_weight_update("")
+    assert_update_protocol_enforced(engine, rig.prompts, rig.probes, sampling())
     engine.finish_weight_update("v")  # an update that sent nothing keeps the weights (no level-2 sleep)
     assert_scores_equal(engine.score(rig.probes), [hf_score(rig.reference, p) for p in rig.probes])
 

@@ -19,6 +19,7 @@ import torch
 
 from megatron_empg.config import RolloutConfig, SamplingConfig
 from megatron_empg.rollout.engine import Completion
+from tests.rollout.engine_protocol import assert_update_protocol_enforced
 
 if TYPE_CHECKING:
     from megatron_empg.rollout.vllm_engine import VllmEngine
@@ -376,30 +377,7 @@ def test_bad_sampling_arguments_raise(rig):
 
 def test_weight_update_protocol_is_enforced(rig):
     engine = rig.engine
-    with pytest.raises(RuntimeError, match="update_weights: no weight update in progress"):
-        engine.update_weights(path="/nonexistent")
-    with pytest.raises(RuntimeError, match="finish_weight_update: no weight update in progress"):
-        engine.finish_weight_update("v")
-    engine.begin_weight_update()
-    with pytest.raises(RuntimeError, match="begin_weight_update: a weight update is already in progress"):
-        engine.begin_weight_update()
-    with pytest.raises(ValueError, match="exactly one of named_tensors and path, got both"):
-        engine.update_weights(named_tensors=[("lm_head.weight", torch.zeros(1))], path="/nonexistent")
-    with pytest.raises(ValueError, match="exactly one of named_tensors and path, got neither"):
-        engine.update_weights()
-    with pytest.raises(ValueError, match="named_tensors is empty"):
-        engine.update_weights(named_tensors=[])
-    with pytest.raises(TypeError, match=r"named_tensors\[0\]: expected a \(str, torch.Tensor\) pair"):
-        engine.update_weights(named_tensors=[("lm_head.weight", [0.0])])
-    with pytest.raises(FileNotFoundError, match="path '/nonexistent' is not a file"):
-        engine.update_weights(path="/nonexistent")
-    for call in (lambda: engine.generate(PROMPTS, sampling()), lambda: engine.score(PROBES)):
-        with pytest.raises(RuntimeError, match="a weight update is in progress; call finish_weight_update"):
-            call()
-    with pytest.raises(RuntimeError, match="sleep: a weight update is in progress"):
-        engine.sleep()
-    with pytest.raises(ValueError, match="version must be a non-empty string"):
-        engine.finish_weight_update("")
+    assert_update_protocol_enforced(engine, PROMPTS, PROBES, sampling())
     engine.finish_weight_update(rig.version)  # an update that sent nothing keeps the weights
     assert_scores_equal(engine.score(PROBES), [hf_score(rig.reference, p) for p in PROBES])
 
