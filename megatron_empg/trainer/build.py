@@ -180,12 +180,11 @@ def _dry_run(loss_fn: Callable, stats: StatsPlan, k: int, field: str) -> None:
     """One forward and backward of ``loss_fn`` on 2 x 3 tokens of random logits (float32), so that
     the loss functions check their argument values now; a failure names the argument it mentions."""
     vocab = loss_fn.keywords["vocab_size"]
-    width = max(k if stats.old_topk or stats.anchor_topk else 0, 2)
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, vocab, generator=generator, requires_grad=True)
     logprobs = torch.log_softmax(torch.randn(2, 3, vocab, generator=generator), dim=-1)
     targets = torch.randint(0, vocab, (2, 3), generator=generator)
-    topk = torch.arange(width).expand(2, 3, width) if stats.old_topk or stats.anchor_topk else None
+    topk = torch.arange(k).expand(2, 3, k) if stats.old_topk or stats.anchor_topk else None
     batch = RLMicroBatch(
         target_ids=targets, loss_mask=torch.tensor([[True, True, False], [True, False, False]]),
         advantages=torch.tensor([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]]),

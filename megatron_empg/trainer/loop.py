@@ -390,10 +390,16 @@ class Trainer:
         groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.groups.dp_rank == 0)
         shards = named_weight_shards(self.models)
         version = f"step-{self.step_index}"
-        self._wake_engine(["weights"])  # the new weights land before the KV cache takes its memory back
+        asleep = self._engine_asleep
+        if asleep:  # the new weights land before the KV cache takes its memory back
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # what the trainer's allocator holds goes back to the engine
+            self.engine.wake_up(["weights"])
         report = bridge.sync_weights(shards, self.model, groups, self.transport, version,
                                      bucket_bytes=int(sync.bucket_size_mb * 2**20), engine_rank=ENGINE_RANK)  # fmt: skip
-        self._wake_engine(["kv_cache"])
+        if asleep:
+            self.engine.wake_up(["kv_cache"])
+            self._engine_asleep = False
         self.synced_version = version
         metrics = {"sync/seconds": report.seconds, "sync/gbytes": report.num_bytes / 1e9}
         if sync.gate_tolerance is not None:
@@ -413,16 +419,6 @@ class Trainer:
             return
         self.engine.sleep(level=self.config.rollout.sleep_level)
         self._engine_asleep = True
-
-    def _wake_engine(self, tags: list[str]) -> None:
-        """Wake the sleeping engine's ``tags`` (after the trainer has returned its cached memory)."""
-        if not self._engine_asleep:
-            return
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        self.engine.wake_up(tags)
-        if tags == ["kv_cache"]:
-            self._engine_asleep = False
 
     def metrics(self, samples, batch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
         """Per-step metrics: ``sample_means`` of the samples' sums over data-parallel replicas (one
