@@ -70,10 +70,14 @@ class RolloutEngine(Protocol):
     weight_version: str | None
     """The policy step the engine's weights come from (None: the weights it was started with)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None
+    ) -> list[list[Completion]]:
         """Sample ``sampling.n`` responses to each prompt.
 
         ``prompts``: ``[P][L_p]`` token ids, each prompt non-empty, ids in ``[0, vocab_size)``.
+        Seeds: prompt ``i``'s request seed is ``seeds[i]`` (``[P]`` ints) if given, else
+        ``sampling.seed + i * n`` (None: unseeded); its sample ``j`` draws from request seed + ``j``.
         Returns ``[P][n]`` completions, in prompt order and sample order.
         """
         ...
@@ -224,18 +228,31 @@ def check_update_arguments(
 
 
 def check_generate_arguments(
-    prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, vocab_size: int, max_model_len: int
-) -> list[list[int]]:
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    seeds: Sequence[int] | None = None,
+) -> tuple[list[list[int]], list[int | None]]:
     """``generate``'s arguments checked (a ``SamplingConfig``; prompts of at most ``max_model_len - 1``
-    tokens, as vLLM keeps room for one output token; stop token ids in the vocabulary); the prompts
-    as lists of ints."""
+    tokens, as vLLM keeps room for one output token; stop token ids in the vocabulary; one int seed
+    per prompt if ``seeds`` is given). Returns the prompts as lists of ints and each prompt's
+    request seed (``seeds``, else ``sampling.seed + i * n``, else None)."""
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling: expected a SamplingConfig, got {type(sampling).__name__}")
     token_prompts = check_token_sequences(prompts, argument="prompts", vocab_size=vocab_size, max_length=max_model_len - 1)
     bad_stop = [t for t in sampling.stop_token_ids if not 0 <= t < vocab_size]
     if bad_stop:
         raise ValueError(f"sampling.stop_token_ids: {bad_stop} outside [0, vocab_size={vocab_size})")
-    return token_prompts
+    if seeds is not None:
+        seeds = list(seeds)
+        if len(seeds) != len(token_prompts) or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+            raise ValueError(f"seeds: expected {len(token_prompts)} ints (one per prompt), got {seeds!r}")
+        return token_prompts, seeds
+    if sampling.seed is None:
+        return token_prompts, [None] * len(token_prompts)
+    return token_prompts, [sampling.seed + i * sampling.n for i in range(len(token_prompts))]
 
 
 def check_token_sequences(

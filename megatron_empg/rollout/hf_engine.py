@@ -12,7 +12,7 @@ vLLM 0.32 with ``logprobs_mode="processed_logprobs"``:
   most likely tokens whose mass reaches ``top_p``, at least one), log-softmax; the token is drawn
   by ``torch.multinomial`` (vLLM races exponentials: the same distribution, other draws).
 * **Seeds**: seed s gives response ``j`` of prompt ``i`` its own generator, seeded ``s + i * n + j``
-  (vLLM's request seed ``s + i * n`` plus the sample index): a prompt's samples do not depend on
+  (vLLM's request seed ``s + i * n``, or ``seeds[i]``, plus the sample index): a prompt's samples do not depend on
   the rest of the batch (their log-probs only to rounding). No seed: torch's global generator.
 * **Stopping**, in vLLM's order, eos ids only without ``ignore_eos``: the tokenizer's eos ->
   ``"stop"``, stop_reason None; a ``stop_token_ids`` id, or another eos id of the generation config
@@ -173,28 +173,32 @@ class HfEngine:
     # ----------------------------------------------------------------------------------------
     # Sampling and scoring.
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None
+    ) -> list[list[Completion]]:
         """Sample ``sampling.n`` responses per prompt.
 
         ``prompts``: ``[P][L_p]`` token ids (``1 <= L_p <= max_model_len - 1``, ids in
-        ``[0, vocab_size)``). Returns ``[P][n]`` ``Completion`` s in prompt and sample order; their
+        ``[0, vocab_size)``); ``seeds``: ``[P]`` request seeds (default ``sampling.seed + i * n``,
+        module docstring). Returns ``[P][n]`` ``Completion`` s in prompt and sample order; their
         ``logprobs`` are the processed sampler log-probs (module docstring). A response also ends
         with ``finish_reason="length"`` when prompt + response reach ``max_model_len``.
         """
         self._state.check_idle("generate")
         model = self._model
-        token_prompts = check_generate_arguments(prompts, sampling, vocab_size=self.vocab_size,
-                                                 max_model_len=self.max_model_len)  # fmt: skip
+        token_prompts, request_seeds = check_generate_arguments(
+            prompts, sampling, vocab_size=self.vocab_size, max_model_len=self.max_model_len, seeds=seeds
+        )
         if sampling.temperature == 0 and sampling.n > 1:  # vLLM refuses it too
             raise ValueError(f"sampling: n must be 1 when using greedy sampling (temperature 0), got n={sampling.n}")
         rows = [prompt for prompt in token_prompts for _ in range(sampling.n)]  # row i * n + j
-        seeds = [None] * len(rows) if sampling.seed is None else range(sampling.seed, sampling.seed + len(rows))
+        row_seeds = [None if seed is None else seed + j for seed in request_seeds for j in range(sampling.n)]
         responses = [
             _Response(
                 limit=min(sampling.max_tokens, self.max_model_len - len(prompt)),
                 generator=None if seed is None else torch.Generator(self._device).manual_seed(seed),
             )
-            for prompt, seed in zip(rows, seeds)
+            for prompt, seed in zip(rows, row_seeds)
         ]
         with torch.inference_mode():
             self._decode(model, rows, responses, sampling)

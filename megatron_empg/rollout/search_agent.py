@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from megatron_empg.config import SamplingConfig, SearchAgentConfig
 from megatron_empg.rollout.engine import Completion, RolloutEngine
 from megatron_empg.rollout.retriever import Passage
+from megatron_empg.rollout.trajectory import Trajectory
 
 SEARCH_STOP = "</search>"
 ANSWER_STOP = "</answer>"
@@ -96,6 +97,9 @@ class Episode:
     def end(self, finish_reason: str) -> None:
         self.done, self.finish_reason = True, finish_reason
 
+    def trajectory(self) -> Trajectory:
+        return Trajectory(self.response_ids, self.sampler_logprobs, self.finish_reason, self.response_mask, self.stats())
+
     def stats(self) -> dict[str, float]:
         """Per-episode counts for the step's metrics (summed over samples, then averaged)."""
         observed = len(self.response_mask) - sum(self.response_mask)
@@ -142,23 +146,29 @@ class SearchAgent:
     ) -> list[list[Episode]]:
         """``sampling.n`` episodes per prompt: ``[P][n]``, in prompt and sample order.
 
-        ``sampling.seed`` s (or None): turn t of the run's ``E = P * n`` episodes uses seeds from
-        ``s + t * E`` on, so the seeds of a call are ``[s, s + E * turns_per_episode)``.
+        ``sampling.seed`` s (or None): episode ``j`` (``i * n + k``: prompt i, sample k) draws turn t
+        from seed ``s + j * turns_per_episode + t``, whichever episodes are still live, so the seeds
+        of a call are ``[s, s + P * n * turns_per_episode)`` and a prompt's episodes do not depend
+        on the other prompts of the call: splitting the prompts over engines, with ``s`` offset by
+        the first prompt's ``i * n * turns_per_episode``, gives the same episodes.
         """
         episodes = [Episode(list(prompt)) for prompt in prompts for _ in range(sampling.n)]
         for episode in episodes:  # later turns end an episode whenever no room is left (_take_turn, _observe)
             if episode.length >= self.max_length:
                 episode.end("length")
         stop = list(dict.fromkeys([*sampling.stop, SEARCH_STOP, ANSWER_STOP]))
-        for turn in range(self.turns_per_episode):
-            live = [e for e in episodes if not e.done]
+        turns = self.turns_per_episode
+        for turn in range(turns):
+            live = [j for j, e in enumerate(episodes) if not e.done]
             if not live:
                 break
             turn_sampling = dataclasses.replace(
-                sampling, n=1, stop=stop, max_tokens=min(sampling.max_tokens, max(self.max_length - e.length for e in live)),
-                seed=None if sampling.seed is None else sampling.seed + turn * len(episodes),
+                sampling, n=1, stop=stop, seed=None,
+                max_tokens=min(sampling.max_tokens, max(self.max_length - episodes[j].length for j in live)),
             )  # fmt: skip
-            completions = engine.generate([e.prompt_ids + e.response_ids for e in live], turn_sampling)
+            seeds = None if sampling.seed is None else [sampling.seed + j * turns + turn for j in live]
+            live = [episodes[j] for j in live]
+            completions = engine.generate([e.prompt_ids + e.response_ids for e in live], turn_sampling, seeds=seeds)
             searching: list[tuple[Episode, str]] = []
             for episode, [completion] in zip(live, completions):
                 query = self._take_turn(episode, completion, final=turn == self.config.max_turns)

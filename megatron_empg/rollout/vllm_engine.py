@@ -13,6 +13,8 @@ vLLM is imported only when an engine is built. What the engine does on top of ``
   ``score`` is unaffected: vLLM computes prompt log-probs from the raw logits in every mode.
 * **Seeds**: ``SamplingConfig.seed`` s gives prompt ``i`` the request seed ``s + i * n``; vLLM adds
   the sample index, so every response of a batch has its own seed and a batch is reproducible.
+  ``generate(..., seeds=)`` gives each prompt its own request seed instead (the search agent's
+  episodes, whose seeds follow them from turn to turn).
 * **Weight updates** go through vLLM's four-phase weight-transfer API with the ``"empg"`` backend
   (``vllm_weight_transfer``): tensors by reference for an in-process engine, a safetensors file
   for one in another process. ``finish_weight_update`` resets the prefix cache: otherwise a prompt
@@ -212,30 +214,34 @@ class VllmEngine:
     # ----------------------------------------------------------------------------------------
     # Sampling and scoring.
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None
+    ) -> list[list[Completion]]:
         """Sample ``sampling.n`` responses per prompt.
 
         ``prompts``: ``[P][L_p]`` token ids (``1 <= L_p <= max_model_len - 1``, ids in
-        ``[0, vocab_size)``). Returns ``[P][n]`` ``Completion`` s in prompt and sample order; their
+        ``[0, vocab_size)``); ``seeds``: ``[P]`` request seeds (default ``sampling.seed + i * n``,
+        module docstring). Returns ``[P][n]`` ``Completion`` s in prompt and sample order; their
         ``logprobs`` are the processed sampler log-probs (module docstring). A response also ends
         with ``finish_reason="length"`` when prompt + response reach ``max_model_len``.
         """
         self._state.check_idle("generate")
         llm = self._llm
-        token_prompts = check_generate_arguments(prompts, sampling, vocab_size=self.vocab_size,
-                                                 max_model_len=self.max_model_len)  # fmt: skip
+        token_prompts, request_seeds = check_generate_arguments(
+            prompts, sampling, vocab_size=self.vocab_size, max_model_len=self.max_model_len, seeds=seeds
+        )
         if sampling.stop and self._skip_tokenizer_init:
             raise ValueError(
                 f"sampling.stop={sampling.stop!r}: stop strings need the tokenizer, and this engine was "
                 "started with skip_tokenizer_init=True (use sampling.stop_token_ids)"
             )
-        params = [self._sampling_params(sampling, prompt_index) for prompt_index in range(len(token_prompts))]
+        params = [self._sampling_params(sampling, seed) for seed in request_seeds]
         outputs = llm.generate(
             [{"prompt_token_ids": prompt} for prompt in token_prompts], params, use_tqdm=False
         )
         return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
-    def _sampling_params(self, sampling: SamplingConfig, prompt_index: int) -> SamplingParams:
+    def _sampling_params(self, sampling: SamplingConfig, seed: int | None) -> SamplingParams:
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -248,7 +254,7 @@ class VllmEngine:
             stop=list(sampling.stop) or None,
             stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
-            seed=None if sampling.seed is None else sampling.seed + prompt_index * sampling.n,
+            seed=seed,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=bool(sampling.stop),  # stop strings are matched on the text
         )

@@ -43,15 +43,20 @@ class ScriptedEngine:
     """A ``RolloutEngine``'s ``generate`` for a scripted policy: ``policy(context text)`` is the text
     the model would write. As vLLM, a response ends at the first stop string (included), else at
     ``max_tokens``, else with eos. Log-probs are ``-0.01 * (k + 1)`` for the k-th token of a call's
-    response. ``calls`` records the number of prompts and the sampling of each call."""
+    response. ``calls`` records the number of prompts and the sampling of each call, ``seeds`` the
+    request seeds of each call."""
 
     def __init__(self, tokenizer, policy: Callable[[str], str]) -> None:
         self.tokenizer, self.policy = tokenizer, policy
         self.calls: list[tuple[int, SamplingConfig]] = []
+        self.seeds: list[list[int] | None] = []
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None
+    ) -> list[list[Completion]]:
         assert sampling.n == 1
         self.calls.append((len(prompts), sampling))
+        self.seeds.append(None if seeds is None else list(seeds))
         out = []
         for prompt in prompts:
             text = self.policy(self.tokenizer.decode(prompt))
@@ -125,8 +130,10 @@ def test_search_then_answer_exact_episode(tokenizer, retriever_url):
                                "observation_tokens": float(len(episode.response_mask) - sum(episode.response_mask))}
     assert second.response_ids == episode.response_ids  # the scripted policy is deterministic
 
-    # Two turns, each one generate call over both live episodes, seeds s + t * E (E = 2 episodes).
-    assert [(size, s.n, s.seed, s.max_tokens) for size, s in engine.calls] == [(2, 1, 7, 100), (2, 1, 9, 100)]
+    # Two turns, each one generate call over both live episodes; episode j's turn t: seed s + j * T + t.
+    turns = agent.turns_per_episode
+    assert [(size, s.n, s.max_tokens) for size, s in engine.calls] == [(2, 1, 100), (2, 1, 100)]
+    assert engine.seeds == [[7, 7 + turns], [8, 8 + turns]]
     assert engine.calls[0][1].stop == ["</search>", "</answer>"]
 
 
@@ -162,14 +169,31 @@ def test_live_episodes_are_batched_per_turn(tokenizer, retriever_url):
         return ANSWER if context.count("</information>") == 2 else SEARCH_THEN_ANSWER
 
     engine = ScriptedEngine(tokenizer, policy)
-    episodes = make_agent(tokenizer, retriever_url).rollout(
+    agent = make_agent(tokenizer, retriever_url)
+    episodes = agent.rollout(
         engine, [encode(tokenizer, "A: q\n"), encode(tokenizer, "B: q\n")], SamplingConfig(n=2, seed=0)
     )
     assert [size for size, _ in engine.calls] == [4, 2, 2]
     assert [e.turns for group in episodes for e in group] == [1, 1, 3, 3]
     assert [e.searches for group in episodes for e in group] == [0, 0, 2, 2]
     assert all(e.answered and e.finish_reason == "stop" for group in episodes for e in group)
-    assert [s.seed for _, s in engine.calls] == [0, 4, 8]
+    # Episode j's seed at turn t is j * T + t: B's episodes (2, 3) keep theirs when A's have ended.
+    t = agent.turns_per_episode
+    assert engine.seeds == [[0, t, 2 * t, 3 * t], [2 * t + 1, 3 * t + 1], [2 * t + 2, 3 * t + 2]]
+
+
+def test_episodes_do_not_depend_on_the_other_prompts(tokenizer, retriever_url):
+    """Prompt B alone, its seed offset by A's episodes, draws the seeds it draws beside A: what lets
+    engines split a step's prompts."""
+    engine = ScriptedEngine(tokenizer, lambda c: ANSWER if c.startswith("A") else SEARCH_THEN_ANSWER)
+    agent = make_agent(tokenizer, retriever_url)
+    both = agent.rollout(engine, [encode(tokenizer, "A: q\n"), encode(tokenizer, "B: q\n")], SamplingConfig(n=2, seed=5))
+    together = [seed for call in engine.seeds for seed in call if seed >= 5 + 2 * agent.turns_per_episode]
+    engine.seeds.clear()
+    alone = agent.rollout(engine, [encode(tokenizer, "B: q\n")],
+                          SamplingConfig(n=2, seed=5 + 2 * agent.turns_per_episode))  # fmt: skip
+    assert [seed for call in engine.seeds for seed in call] == together
+    assert [e.trajectory() for e in alone[0]] == [e.trajectory() for e in both[1]]
 
 
 def test_the_final_turn_cannot_search(tokenizer, retriever_url):
