@@ -1,9 +1,11 @@
-"""How buckets of HF-named tensors reach a rollout engine: one ``Transport`` interface, three ways.
+"""How buckets of HF-named tensors reach a rollout engine: one ``Transport`` interface, four ways.
 
 - ``InProcessTransport``: the engine lives in this process (CPU, or colocated on the same GPU):
   tensors go by reference.
 - ``SharedMemoryFileTransport``: the engine runs in another process; each bucket is written as a
   safetensors file in shared memory (``/dev/shm``), loaded by the engine, then deleted.
+- ``cuda_ipc.CudaIpcTransport``: the engine runs in another process on this rank's GPU; each bucket
+  goes through one GPU buffer that the engine maps by CUDA IPC (GPU only).
 - ``NcclTransport``: a disaggregated engine on other GPUs, through vLLM's NCCL weight-transfer
   backend (``NCCLTrainerWeightTransferEngine``); GPU only.
 
@@ -33,7 +35,9 @@ class WeightReceiver(Protocol):
 
     def begin_weight_update(self) -> None: ...
 
-    def update_weights(self, *, named_tensors: NamedTensors | None = None, path: str | None = None) -> None: ...
+    def update_weights(
+        self, *, named_tensors: NamedTensors | None = None, path: str | None = None, ipc: dict | None = None
+    ) -> None: ...
 
     def finish_weight_update(self, version: str) -> None: ...
 
@@ -145,10 +149,17 @@ def _shm_file_transport(engine: WeightReceiver, settings) -> SharedMemoryFileTra
     return SharedMemoryFileTransport(engine, settings.shm_dir)
 
 
+def _cuda_ipc_transport(engine: WeightReceiver, settings):
+    from megatron_empg.weight_sync.cuda_ipc import CudaIpcTransport  # it imports this module
+
+    return CudaIpcTransport(engine)
+
+
 # name -> build(engine, config.WeightSyncConfig)
 TRANSPORTS = {
     "in_process": lambda engine, settings: InProcessTransport(engine),
     "shm_file": _shm_file_transport,
+    "cuda_ipc": _cuda_ipc_transport,
 }
 
 
