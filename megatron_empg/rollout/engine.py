@@ -99,13 +99,16 @@ class RolloutEngine(Protocol):
         *,
         named_tensors: Sequence[tuple[str, torch.Tensor]] | None = None,
         path: str | None = None,
+        ipc: dict | None = None,
     ) -> None:
-        """Load one bucket of new weights: exactly one of the two arguments.
+        """Load one bucket of new weights: exactly one of the three arguments.
 
         ``named_tensors``: ``[(hf_name, tensor)]`` with Hugging Face parameter names and shapes
         (e.g. ``model.layers.0.self_attn.q_proj.weight``, ``[H * D, hidden]``), any float dtype
         (cast to the engine's). ``path``: a safetensors file of such tensors (an engine in another
-        process); the caller deletes it after ``finish_weight_update``.
+        process); the caller deletes it after ``finish_weight_update``. ``ipc``: such tensors in a
+        CUDA buffer of the trainer's, described as ``weight_sync.cuda_ipc`` says (an engine in
+        another process on the same GPU); copied out before this returns.
         """
         ...
 
@@ -207,13 +210,24 @@ class EngineState:
 
 
 def check_update_arguments(
-    named_tensors: Sequence[tuple[str, torch.Tensor]] | None, path: str | os.PathLike | None
+    named_tensors: Sequence[tuple[str, torch.Tensor]] | None,
+    path: str | os.PathLike | None,
+    ipc: dict | None = None,
 ) -> list[tuple[str, torch.Tensor]] | None:
     """``update_weights``' arguments checked: exactly one given; ``named_tensors`` as a non-empty
-    list of (str, tensor) pairs (returned), or ``path`` an existing file (None returned)."""
-    if (named_tensors is None) == (path is None):
-        given = "both" if named_tensors is not None else "neither"
-        raise ValueError(f"update_weights: expected exactly one of named_tensors and path, got {given}")
+    list of (str, tensor) pairs (returned), ``path`` an existing file or ``ipc`` a CUDA IPC bucket's
+    description (``weight_sync.cuda_ipc.check_description``; None returned for both)."""
+    arguments = {"named_tensors": named_tensors, "path": path, "ipc": ipc}
+    given = [name for name, value in arguments.items() if value is not None]
+    if len(given) != 1:
+        raise ValueError(
+            f"update_weights: expected exactly one of named_tensors, path and ipc, got {' and '.join(given) or 'none'}"
+        )
+    if ipc is not None:
+        from megatron_empg.weight_sync.cuda_ipc import check_description
+
+        check_description(ipc, argument="update_weights: ipc")
+        return None
     if named_tensors is None:
         if not Path(path).is_file():
             raise FileNotFoundError(f"update_weights: path {str(path)!r} is not a file")

@@ -309,15 +309,22 @@ class HfEngine:
         *,
         named_tensors: Sequence[tuple[str, torch.Tensor]] | None = None,
         path: str | os.PathLike | None = None,
+        ipc: dict | None = None,
     ) -> None:
         """Copy one bucket of HF-named weights into the model: ``named_tensors`` or ``path``.
 
         ``named_tensors``: ``[(hf_name, tensor)]``, Hugging Face names and shapes, any float dtype,
         on any device (cast to the engine's). ``path``: a safetensors file of such tensors
         (``safetensors.torch.save_file``), read one tensor at a time. Copied before this returns.
+        ``ipc`` (a CUDA IPC bucket) is refused: this engine runs in the trainer's process.
         """
         self._state.check_update("update_weights")
-        pairs = check_update_arguments(named_tensors, path)
+        pairs = check_update_arguments(named_tensors, path, ipc)
+        if ipc is not None:
+            raise ValueError(
+                "update_weights: HfEngine runs in the trainer's process and cannot map a CUDA IPC buffer exported "
+                "there; use weight_sync.transport=in_process (cuda_ipc is for the vllm engine in its own process)"
+            )
         if pairs is not None:
             self._state.update_phase("update_weights", lambda: self._copy(pairs))
             return

@@ -17,10 +17,10 @@ vLLM is imported only when an engine is built. What the engine does on top of ``
   episodes, whose seeds follow them from turn to turn).
 * **Weight updates** go through vLLM's four-phase weight-transfer API with the ``"empg"`` backend
   (``vllm_weight_transfer``): tensors by reference for an in-process engine, a safetensors file
-  for one in another process. ``finish_weight_update`` resets the prefix cache: otherwise a prompt
-  sharing a full KV block (128 tokens on CPU) with an earlier one reuses KV of the old weights. A
-  failed update leaves the weights undefined (vLLM's layerwise reload has moved layers away); the
-  engine then refuses all work except ``shutdown``.
+  or (on the trainer's GPU) a CUDA IPC buffer for one in another process. ``finish_weight_update``
+  resets the prefix cache: otherwise a prompt sharing a full KV block (128 tokens on CPU) with an
+  earlier one reuses KV of the old weights. A failed update leaves the weights undefined (vLLM's
+  layerwise reload has moved layers away); the engine then refuses all work except ``shutdown``.
 * **Environment** (read by vLLM when the engine starts): ``VLLM_ENABLE_V1_MULTIPROCESSING`` from
   ``rollout.in_process``, on CPU ``VLLM_CPU_KVCACHE_SPACE`` from ``rollout.kv_cache_gib`` (without
   it vLLM claims 92 % of the machine's RAM and refuses to start when that much is not free), and
@@ -295,13 +295,16 @@ class VllmEngine:
         *,
         named_tensors: Sequence[tuple[str, torch.Tensor]] | None = None,
         path: str | os.PathLike | None = None,
+        ipc: dict | None = None,
     ) -> None:
-        """Load one bucket of HF-named weights: ``named_tensors`` (in-process engine) or ``path``.
+        """Load one bucket of HF-named weights: ``named_tensors`` (in-process engine), ``path`` or ``ipc``.
 
         ``named_tensors``: ``[(hf_name, tensor)]``, Hugging Face names and shapes, any float dtype
         (cast to the engine's), on any device; kept by reference until ``finish_weight_update``.
         ``path``: a safetensors file of such tensors (``safetensors.torch.save_file``), read one
-        tensor at a time; the caller deletes it after ``finish_weight_update``.
+        tensor at a time; the caller deletes it after ``finish_weight_update``. ``ipc``: a CUDA IPC
+        bucket's description (``weight_sync.cuda_ipc``: an engine in another process on the
+        trainer's GPU); the engine has copied the tensors out when this returns.
         """
         self._state.check_update("update_weights")
         if named_tensors is not None and not self._in_process:
@@ -309,8 +312,19 @@ class VllmEngine:
                 "update_weights: named_tensors needs an in-process engine (rollout.in_process=True); "
                 "an engine in another process takes path=<safetensors file>"
             )
-        pairs = check_update_arguments(named_tensors, path)
-        update_info: dict[str, Any] = {"named_tensors": pairs} if pairs is not None else {"path": str(path)}
+        if ipc is not None and self._in_process:
+            raise ValueError(
+                "update_weights: ipc needs an engine in another process (rollout.in_process=False): CUDA "
+                "cannot map an IPC buffer in the process that exported it; an in-process engine takes named_tensors"
+            )
+        pairs = check_update_arguments(named_tensors, path, ipc)
+        update_info: dict[str, Any]
+        if pairs is not None:
+            update_info = {"named_tensors": pairs}
+        elif path is not None:
+            update_info = {"path": str(path)}
+        else:
+            update_info = {"ipc": ipc}
         llm = self._llm
         self._state.update_phase("update_weights", lambda: llm.update_weights({"update_info": update_info}))
 

@@ -23,9 +23,9 @@ def assert_update_protocol_enforced(
     engine.begin_weight_update()
     with pytest.raises(RuntimeError, match="begin_weight_update: a weight update is already in progress"):
         engine.begin_weight_update()
-    with pytest.raises(ValueError, match="exactly one of named_tensors and path, got both"):
+    with pytest.raises(ValueError, match="exactly one of named_tensors, path and ipc, got named_tensors and path"):
         engine.update_weights(named_tensors=[("lm_head.weight", torch.zeros(1))], path="/nonexistent")
-    with pytest.raises(ValueError, match="exactly one of named_tensors and path, got neither"):
+    with pytest.raises(ValueError, match="exactly one of named_tensors, path and ipc, got none"):
         engine.update_weights()
     with pytest.raises(ValueError, match="named_tensors is empty"):
         engine.update_weights(named_tensors=[])
