@@ -1,14 +1,17 @@
-"""The ``"empg"`` weight-transfer backend for vLLM: new weights from HF-named tensors or a file.
+"""The ``"empg"`` weight-transfer backend for vLLM: new weights from HF-named tensors, a file or a CUDA IPC buffer.
 
 vLLM's RL weight update runs in four phases on every worker: ``init_weight_transfer_engine``
 once, then per update ``start_weight_update`` -> ``update_weights`` (once per bucket) ->
 ``finish_weight_update``. The backend named in ``WeightTransferConfig(backend=...)`` moves the
-bytes. vLLM's own backends (``nccl``, ``ipc``) need CUDA; this one takes either
+bytes. vLLM's own backends (``nccl``, ``ipc``) need CUDA; this one takes one of
 
 * ``named_tensors``: ``[(hf_name, tensor)]`` passed by reference (an in-process engine only: across
-  processes vLLM serialises the update info and tensors arrive as lists), or
+  processes vLLM serialises the update info and tensors arrive as lists),
 * ``path``: a safetensors file of HF-named tensors, read lazily one tensor at a time (any process;
-  the caller owns and deletes the file),
+  the caller owns and deletes the file), or
+* ``ipc``: the description of a bucket in a CUDA buffer of the trainer's (``weight_sync.cuda_ipc``;
+  an engine process on the trainer's GPU): the worker maps the buffer on its own index of that GPU,
+  found by UUID, and copies the tensors onto its device before ``update_weights`` returns,
 
 and loads them with vLLM's layerwise reload, on CPU and GPU alike. Two things rule out simpler code:
 
@@ -83,16 +86,20 @@ def engine_class() -> type:
         initialize_layerwise_reload,
     )
 
+    from megatron_empg.weight_sync import cuda_ipc
+
     @dataclass
     class EmpgInitInfo(WeightTransferInitInfo):
         """Nothing to connect: the weights come with each update."""
 
     @dataclass
     class EmpgUpdateInfo(WeightTransferUpdateInfo):
-        """Exactly one of ``named_tensors`` (``[(hf_name, tensor)]``) and ``path`` (safetensors)."""
+        """Exactly one of ``named_tensors`` (``[(hf_name, tensor)]``), ``path`` (safetensors) and
+        ``ipc`` (a ``weight_sync.cuda_ipc`` bucket description)."""
 
         named_tensors: list[tuple[str, torch.Tensor]] | None = None
         path: str | None = None
+        ipc: dict | None = None
 
     class EmpgWeightTransferEngine(WeightTransferEngine[EmpgInitInfo, EmpgUpdateInfo]):
         init_info_cls = EmpgInitInfo
@@ -116,11 +123,16 @@ def engine_class() -> type:
                 torch.accelerator.synchronize()
 
         def receive_weights(self, update_info: EmpgUpdateInfo) -> None:
-            if (update_info.named_tensors is None) == (update_info.path is None):
-                raise ValueError("update_info: expected exactly one of 'named_tensors' and 'path'")
+            kinds = (update_info.named_tensors, update_info.path, update_info.ipc)
+            if sum(kind is not None for kind in kinds) != 1:
+                raise ValueError("update_info: expected exactly one of 'named_tensors', 'path' and 'ipc'")
             if update_info.path is not None:
                 with safe_open(update_info.path, framework="pt", device="cpu") as file:
                     self.model.load_weights((name, file.get_tensor(name)) for name in file.keys())
+            elif update_info.ipc is not None:
+                # Copies, not views of the trainer's buffer: the reload keeps tensors until their
+                # layer is complete, and the trainer refills the buffer with the next bucket.
+                self.model.load_weights(iter(cuda_ipc.receive_bucket(update_info.ipc, self.device)))
             else:
                 self.model.load_weights(iter(update_info.named_tensors))
 
