@@ -802,6 +802,11 @@ class RolloutConfig:
     ``rollout.engines.ENGINES`` (``vllm``; ``hf``, transformers in the trainer's process, for
     machines without vLLM). ``search_agent``: multi-turn rollouts with a search tool
     (``SearchAgentConfig``) instead of one response per sample.
+
+    ``engines``: how many engines sample a step (``parallel.placement``): ``per_replica`` (one per
+    data-parallel replica, on its first GPUs), ``single`` (one, on global rank 0, for the whole
+    world) or an int E dividing the data-parallel size (engine e serves replicas
+    ``[e*DP/E, (e+1)*DP/E)``). Each engine process takes ``kv_cache_gib`` / ``gpu_memory_utilization``.
     """
 
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -816,7 +821,13 @@ class RolloutConfig:
     sleep_level: Literal[1, 2] = 2
     seed: int = 0
     engine: str = "vllm"
+    engines: Literal["per_replica", "single"] | int = "per_replica"
     search_agent: SearchAgentConfig | None = None  # null: one response per sample, no tools
+
+    def num_engines(self, dp: int) -> int:
+        """E for a run of ``dp`` data-parallel replicas (``engines``; E need not divide ``dp`` here:
+        ``trainer.layout`` checks that)."""
+        return {"per_replica": dp, "single": 1}.get(self.engines, self.engines)  # type: ignore[arg-type]
 
     def validate(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -829,6 +840,8 @@ class RolloutConfig:
             )
         if self.kv_cache_gib < 1:
             raise ConfigError("kv_cache_gib", f"must be >= 1 (whole GiB), got {self.kv_cache_gib!r}")
+        if isinstance(self.engines, int) and self.engines < 1:
+            raise ConfigError("engines", f"must be per_replica, single or an int >= 1, got {self.engines!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -837,7 +850,8 @@ class WeightSyncConfig:
 
     ``transport``: a name of ``weight_sync.transport.TRANSPORTS``: ``in_process`` (tensors by
     reference: an in-process engine, CPU or colocated GPU), ``shm_file`` (a safetensors file per
-    bucket in ``shm_dir``, a tmpfs: an engine in another process). ``gate_tolerance``: the largest
+    bucket in ``shm_dir``, a tmpfs: an engine in another process), ``cuda_ipc`` (a CUDA IPC handle
+    of a GPU buffer per bucket: an engine process on its owner's GPU; engine TP 1). ``gate_tolerance``: the largest
     allowed |log-prob difference| between trainer and engine on the probe batch (null: no gate).
     """
 

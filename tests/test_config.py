@@ -391,12 +391,18 @@ def test_rollout_config_nested_errors_name_the_dotted_field():
 
     cfg = from_dict(RolloutConfig, {"sampling": {"n": 4, "stop": ["</answer>"]}, "dtype": "float32"})
     assert cfg.sampling.n == 4 and cfg.sampling.stop == ["</answer>"] and cfg.dtype == "float32"
+    assert (cfg.engines, cfg.num_engines(8)) == ("per_replica", 8)
+    assert from_dict(RolloutConfig, {"engines": "single"}).num_engines(8) == 1
+    assert from_dict(RolloutConfig, {"engines": 2}).num_engines(8) == 2
     for data, field in [
         ({"sampling": {"top_p": 2.0}}, "sampling.top_p"),
         ({"sampling": {"min_tokens": 9, "max_tokens": 8}}, "sampling.min_tokens"),
         ({"sampling": {"nn": 1}}, "sampling.nn"),
         ({"kv_cache_gib": 0}, "kv_cache_gib"),
         ({"dtype": "fp8"}, "dtype"),
+        ({"engines": 0}, "engines"),
+        ({"engines": "per_gpu"}, "engines"),
+        ({"engines": 2.0}, "engines"),
     ]:
         with pytest.raises(ConfigError) as e:
             from_dict(RolloutConfig, data)

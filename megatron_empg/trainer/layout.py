@@ -29,6 +29,7 @@ class Layout:
     prompts_per_replica: int
     samples_per_replica: int
     micro_batches_per_replica: int
+    engines: int  # rollout engines (``rollout.engines``), each serving dp / engines replicas
 
 
 def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layout:
@@ -41,7 +42,8 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
       steps);
     - the engine (``rollout.engine``) can run where it is asked to (its own process, or a
       training rank's), and its tensor parallelism splits the model as vLLM needs (heads; query
-      groups split or replicated).
+      groups split or replicated);
+    - the engines (``rollout.engines``) divide the replicas, each at the training TP.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
@@ -82,7 +84,28 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
             f"train.micro_batch_size={train.micro_batch_size} ({where}), got {config.algorithm.mini_batches}",
         )
     _check_engine_split(config, model)
-    return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches)
+    engines = _check_engine_placement(config, dp, where)
+    return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches, engines)
+
+
+def _check_engine_placement(config: RunConfig, dp: int, where: str) -> int:
+    """E (``rollout.engines``) divides the replicas; several engines run at the training TP (v1:
+    an engine's GPUs are its owner's tensor-parallel group, within one node)."""
+    engines = config.rollout.num_engines(dp)
+    if dp % engines:
+        raise ConfigError(
+            "rollout.engines",
+            f"{engines} engines must divide the data-parallel size {dp} ({where}): each engine serves whole "
+            f"replicas; use per_replica, single or a divisor of {dp}",
+        )
+    tp, engine_tp = config.parallel.tensor_model_parallel_size, config.rollout.tensor_parallel_size
+    if engines > 1 and engine_tp != tp:
+        raise ConfigError(
+            "rollout.tensor_parallel_size",
+            f"{engine_tp} must equal parallel.tensor_model_parallel_size={tp} with {engines} engines (each runs on "
+            f"its owner's tensor-parallel GPUs); set it to {tp}, or rollout.engines=single",
+        )
+    return engines
 
 
 def engine_kind(config: RunConfig) -> EngineKind:
@@ -95,6 +118,17 @@ def engine_kind(config: RunConfig) -> EngineKind:
 
 def _check_engine_process(config: RunConfig, engine: EngineKind, world_size: int) -> None:
     name = config.rollout.engine
+    if config.weight_sync.transport == "cuda_ipc":
+        if config.rollout.in_process:
+            raise ConfigError("rollout.in_process", "true cannot take weight_sync.transport=cuda_ipc (CUDA cannot open an "
+                              "IPC handle in the process that made it); set rollout.in_process=false")  # fmt: skip
+        if config.rollout.tensor_parallel_size > 1:
+            raise ConfigError(
+                "weight_sync.transport",
+                f"cuda_ipc serves engines of rollout.tensor_parallel_size 1 for now (got "
+                f"{config.rollout.tensor_parallel_size}: every engine worker would read whole buckets from one GPU); "
+                "use shm_file",
+            )
     if not config.rollout.in_process and not engine.own_process:
         raise ConfigError("rollout.in_process", f"false needs an engine that runs in its own process; {name!r} does not")
     if config.rollout.in_process and world_size > 1 and not engine.in_process_beside_training:

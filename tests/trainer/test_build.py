@@ -42,7 +42,11 @@ def test_layout_splits_the_step_over_replicas():
     layout = check_layout(config(), model, 2)
     assert (layout.dp, layout.prompts_per_replica, layout.samples_per_replica, layout.micro_batches_per_replica) == (
         2, 2, 8, 2)  # fmt: skip
-    assert check_layout(config(parallel={"tensor_model_parallel_size": 2}), model, 4).dp == 2
+    assert layout.engines == 2  # rollout.engines: per_replica
+    tp2 = check_layout(config(parallel={"tensor_model_parallel_size": 2}, rollout={"tensor_parallel_size": 2}), model, 4)
+    assert (tp2.dp, tp2.engines) == (2, 2)
+    assert check_layout(config(rollout={"engines": "single"}), model, 2).engines == 1
+    assert check_layout(config(rollout={"engines": 2}, train={"prompts_per_step": 8}), model, 4).engines == 2
     for world, sections, field, words in [
         (3, {"parallel": {"tensor_model_parallel_size": 2}}, "parallel.tensor_model_parallel_size",
          "world of 3 processes is not divisible by parallel.tensor_model_parallel_size x "
@@ -57,6 +61,17 @@ def test_layout_splits_the_step_over_replicas():
         (4, {"algorithm": {"mini_batches": 2}}, "algorithm.mini_batches", "each data-parallel replica's 1 micro-batches"),
         (1, {"rollout": {"in_process": False, "tensor_parallel_size": 3}}, "rollout.tensor_parallel_size",
          "does not divide model.num_attention_heads=4"),
+        (4, {"rollout": {"engines": 3}, "train": {"prompts_per_step": 12}}, "rollout.engines",
+         "3 engines must divide the data-parallel size 4"),
+        (4, {"parallel": {"tensor_model_parallel_size": 2}}, "rollout.tensor_parallel_size",
+         "1 must equal parallel.tensor_model_parallel_size=2 with 2 engines"),
+        (1, {"rollout": {"in_process": True}, "weight_sync": {"transport": "cuda_ipc"}}, "rollout.in_process",
+         "true cannot take weight_sync.transport=cuda_ipc"),
+        (2, {"parallel": {"tensor_model_parallel_size": 2}, "rollout": {"tensor_parallel_size": 2},
+             "weight_sync": {"transport": "cuda_ipc"}}, "weight_sync.transport",
+         "cuda_ipc serves engines of rollout.tensor_parallel_size 1 for now (got 2"),
+        (4, {"parallel": {"tensor_model_parallel_size": 2}, "rollout": {"engines": 2, "tensor_parallel_size": 1}},
+         "rollout.tensor_parallel_size", "must equal parallel.tensor_model_parallel_size=2"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError) as e:
             check_layout(config(**sections), model, world)
