@@ -6,7 +6,9 @@ Every rank of the job calls ``sync_weights`` together. Per pipeline stage, the *
 HF names and layouts (``mapping.to_hf``) and puts it into a bucket of ``bucket_bytes``. Stage 0's
 leader holds the engine (and the transport); the other stage leaders send their buckets to it
 over the pipeline group (a header object, then one flat byte buffer per bucket), stage by stage.
-The other data-parallel replicas only wait. Afterwards every rank returns the same ``SyncReport``.
+The other data-parallel replicas only wait. With several engines (``parallel.placement``) the
+first replica of each engine group does this for its engine, all of them at once, each on its
+own node. Afterwards every rank returns the same ``SyncReport`` as its engine's owner.
 
 The ``Transport`` (``weight_sync.transport``) says how a bucket reaches the engine; the engine
 drops its prefix cache when the update finishes, and serves ``version`` from then on.
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.config import ModelConfig
+from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.weight_sync import mapping
 from megatron_empg.weight_sync.transport import NamedTensors, Transport
 
@@ -45,7 +48,7 @@ class WeightShard(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class SyncGroups:
     """The process groups of the sync: TP and PP groups of this rank, and whether it belongs to
-    the data-parallel replica that sends (replica 0; the others wait)."""
+    the data-parallel replica that sends (one per engine: the first it serves; the others wait)."""
 
     tp_group: dist.ProcessGroup | None
     pp_group: dist.ProcessGroup | None
@@ -230,19 +233,27 @@ def sync_weights(
     *,
     bucket_bytes: int,
     engine_rank: int = 0,
+    placement: EnginePlacement | None = None,
 ) -> SyncReport:
-    """Push this rank's weights into the engine as ``version``; every rank calls it.
+    """Push this rank's weights into its engine as ``version``; every rank calls it.
 
-    ``transport`` is given on the engine rank (``groups.is_engine_rank``, global rank
-    ``engine_rank``: TP 0, PP 0 of DP replica 0, rank 0 in Megatron's rank order) and None
-    elsewhere. The engine rank broadcasts the report, so every rank returns the same one.
+    ``transport`` is given on the engine rank (``groups.is_engine_rank``) and None elsewhere. One
+    engine (``placement`` None): global rank ``engine_rank`` (TP 0, PP 0 of DP replica 0, rank 0 in
+    Megatron's rank order), which broadcasts the report to the world. Several engines
+    (``placement``): the owner of this rank's engine, fed by the replica with
+    ``groups.is_sending_replica`` (``placement.feeds_engine``); the engines sync in parallel and
+    each owner shares its report inside its engine group. Every rank of a group returns the same
+    report.
     """
+    if placement is not None:
+        engine_rank = placement.owner
     shards = [WeightShard(*shard) for shard in shards]  # plain (name, tensor, partition) tuples work too
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
     if groups.is_engine_rank != (transport is not None) or groups.is_engine_rank != (dist.get_rank() == engine_rank):
         raise ValueError(
-            f"rank {dist.get_rank()}: the engine rank {engine_rank} (TP 0, PP 0 of DP replica 0), and only it, "
+            f"rank {dist.get_rank()}: the engine rank {engine_rank} (TP 0, PP 0 of its engine's first DP replica), "
+            "and only it, "
             "needs a transport"
         )
     report = SyncReport(version=version)
@@ -270,10 +281,12 @@ def sync_weights(
             transport.finish(version)
             report.transport_seconds += time.perf_counter() - finished
             report.seconds = time.perf_counter() - start
-    return _share_report(report, engine_rank)
+    return _share_report(report, engine_rank, placement)
 
 
-def _share_report(report: SyncReport, engine_rank: int) -> SyncReport:
+def _share_report(report: SyncReport, engine_rank: int, placement: EnginePlacement | None) -> SyncReport:
+    if placement is not None:
+        return placement.broadcast_from_owner(report)
     if dist.get_world_size() == 1:
         return report
     box = [report if dist.get_rank() == engine_rank else None]

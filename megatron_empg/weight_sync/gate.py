@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.config import SamplingConfig
+from megatron_empg.parallel.collectives import collective_device
+from megatron_empg.parallel.placement import EnginePlacement
 
 
 class ProbeEngine(Protocol):
@@ -84,9 +86,14 @@ def max_difference(trainer_logprobs: Tensor, engine_logprobs: Tensor) -> tuple[f
 
 
 def mismatch_message(
-    version: str, where: tuple[float, int, int], tolerance: float, family_errors: dict[str, float] | None
+    version: str,
+    where: tuple[float, int, int],
+    tolerance: float,
+    family_errors: dict[str, float] | None,
+    engine: int | None = None,
 ) -> str:
-    """The gate's error: where the log-probs differ most, and the suspect tensor family."""
+    """The gate's error: where the log-probs differ most (in ``engine``, of several), and the
+    suspect tensor family."""
     worst, seq, token = where
     families = sorted((family_errors or {}).items(), key=lambda kv: -kv[1])
     if family_errors is None:
@@ -101,8 +108,9 @@ def mismatch_message(
             "every tensor family round-trips exactly, so the engine's loading, numerics (dtype) or "
             "cache are the suspects"
         )
+    which = "engine" if engine is None else f"engine {engine}"
     return (
-        f"weight sync {version}: engine and trainer log-probs differ by up to {worst:.3g} "
+        f"weight sync {version}: {which} and trainer log-probs differ by up to {worst:.3g} "
         f"(tolerance {tolerance:g}) at probe sequence {seq}, token {token}; {suspect}"
     )
 
@@ -139,26 +147,47 @@ def verify_sync(
     seed: int,
     diagnose: Callable[[], dict[str, float]] | None = None,
     engine_rank: int = 0,
+    placement: EnginePlacement | None = None,
 ) -> float:
     """The gate across all ranks; every rank calls it after ``sync_weights``.
 
     The engine rank (``engine`` given there, None elsewhere) runs ``engine_probe`` and shares the
     sequences; every rank runs ``trainer_score(sequences)`` (a collective forward pass giving the
-    [N, L+C-1] log-probs on every rank, e.g. ``mcore.step.score_sequences``); the engine rank
-    compares and shares the result. Above ``tolerance`` every rank runs ``diagnose()`` (a
-    collective, e.g. ``bridge.round_trip_errors``) and raises the same ``ConsistencyError``.
-    Returns the max difference.
+    [N, L+C-1] log-probs on every rank of a model replica, e.g. ``mcore.step.score_sequences``);
+    the engine rank compares. One engine (``placement`` None): global rank ``engine_rank``, which
+    broadcasts to the world. Several (``placement``): every owner probes its engine at once and
+    shares the sequences inside its engine group; then one MAX all-reduce of an [E, 3] table of
+    (difference, sequence, token) over the world gives every rank every engine's result. Above
+    ``tolerance`` every rank runs ``diagnose()`` (a collective, e.g.
+    ``bridge.round_trip_errors``) and raises the same ``ConsistencyError``, naming the worst
+    engine. Returns the max difference over the engines.
     """
+    if placement is not None:
+        engine_rank = placement.owner
     is_engine_rank = dist.get_rank() == engine_rank
     if is_engine_rank != (engine is not None):
         raise ValueError(f"rank {dist.get_rank()}: the engine rank {engine_rank}, and only it, passes the engine")
     sequences, engine_logprobs = engine_probe(engine, probe, continuation, seed) if is_engine_rank else (None, None)
-    box: list = [sequences]
-    dist.broadcast_object_list(box, src=engine_rank)
-    trainer_logprobs = trainer_score(box[0])
-    result: list = [max_difference(trainer_logprobs.cpu(), engine_logprobs) if is_engine_rank else None]
-    dist.broadcast_object_list(result, src=engine_rank)
-    where = result[0]
+    if placement is None:
+        box: list = [sequences]
+        dist.broadcast_object_list(box, src=engine_rank)
+        trainer_logprobs = trainer_score(box[0])
+        result: list = [max_difference(trainer_logprobs.cpu(), engine_logprobs) if is_engine_rank else None]
+        dist.broadcast_object_list(result, src=engine_rank)
+        where, worst_engine = result[0], None
+    else:
+        trainer_logprobs = trainer_score(placement.broadcast_from_owner(sequences))
+        table = torch.zeros(placement.num_engines, 3, dtype=torch.float64, device=collective_device())
+        if is_engine_rank:
+            table[placement.engine] = torch.tensor(max_difference(trainer_logprobs.cpu(), engine_logprobs))
+        if dist.get_world_size() > 1:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        table = table.cpu()
+        worst_engine = int(table[:, 0].argmax())
+        diff, seq, token = table[worst_engine].tolist()
+        where = (diff, int(seq), int(token))
+        worst_engine = worst_engine if placement.num_engines > 1 else None
     if not where[0] <= tolerance:
-        raise ConsistencyError(mismatch_message(version, where, tolerance, diagnose() if diagnose else None))
+        family_errors = diagnose() if diagnose else None
+        raise ConsistencyError(mismatch_message(version, where, tolerance, family_errors, worst_engine))
     return where[0]
