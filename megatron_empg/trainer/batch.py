@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from megatron_empg.core.advantages import token_advantages
+from megatron_empg.rollout.trajectory import Trajectory
 
 import torch
 from torch import Tensor
@@ -39,6 +40,12 @@ class Sample:
     stats: dict[str, float] = dataclasses.field(default_factory=dict)  # rollout counts (turns, searches)
     reward: float = 0.0
     correct: bool = False
+
+    @classmethod
+    def from_trajectory(cls, example, group: int, trajectory: Trajectory) -> Sample:
+        """The sample of ``trajectory``, a response to ``example`` (a ``PromptExample``), in ``group``."""
+        return cls(example.prompt_ids, trajectory.token_ids, trajectory.logprobs, trajectory.finish_reason, group=group,
+                   example=example, response_mask=trajectory.response_mask, stats=dict(trajectory.stats))  # fmt: skip
 
     @property
     def length(self) -> int:

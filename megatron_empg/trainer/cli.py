@@ -114,8 +114,8 @@ def _describe(components) -> str:
         f"ok: {components.model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp} x DP {layout.dp}); "
         f"per replica and step {layout.prompts_per_replica} prompts, {layout.samples_per_replica} samples in "
         f"{layout.micro_batches_per_replica} micro-batches; advantage {c.algorithm.advantage}, policy loss "
-        f"{loss.policy_loss}, KL {loss.kl or 'none'}, reward {c.data.reward}, engine {c.rollout.engine}, "
-        f"weight sync {c.weight_sync.transport}\n"
+        f"{loss.policy_loss}, KL {loss.kl or 'none'}, reward {c.data.reward}, engine {c.rollout.engine} "
+        f"x {layout.engines} ({layout.dp // layout.engines} replica(s) each), weight sync {c.weight_sync.transport}\n"
     )
 
 

@@ -3,10 +3,12 @@
     rollout -> rewards -> advantages -> old pass -> anchor pass -> update (per mini-batch)
     -> EMA update -> weight sync (+ consistency gate) -> metrics -> checkpoint
 
-each stage a short method. SPMD: every rank runs the same loop. The rollout engine lives on global
-rank 0 (TP 0, PP 0 of DP replica 0); it samples the whole global batch and every data-parallel
-replica takes its prompts' samples. With ``rollout.sleep_while_training`` the engine sleeps from
-the end of the rollout to the weight sync, which wakes its weights first and its KV cache after.
+each stage a short method. SPMD: every rank runs the same loop. The rollout stage
+(``trainer.rollout``) holds the engines where ``rollout.engines`` places them
+(``parallel.placement``: by default one per data-parallel replica, on its first rank): each
+samples its replicas' prompts, each is synced from its own replica, and the consistency gate
+probes all of them. With ``rollout.sleep_while_training`` the engines sleep from the end of the
+rollout to the weight sync, which wakes their weights first and their KV caches after.
 Step ``s`` (0-based) uses global prompt batch ``s``, so the step counter is the data cursor and a
 resumed run continues with the same prompts.
 
@@ -30,21 +32,17 @@ import torch.distributed as dist
 
 from megatron_empg.config import ConfigError, RunConfig, to_yaml
 from megatron_empg.parallel.collectives import collective_device
+from megatron_empg.parallel.placement import build_placement
 from megatron_empg.trainer import machine
 from megatron_empg.trainer.batch import PackedBatch, Sample, pack, training_micro_batches
 from megatron_empg.trainer.build import Components
-from megatron_empg.trainer.metrics import add_sums, all_reduce_sums, sample_means, sample_sums
-from megatron_empg.trainer.start import (
-    checkpoint_directory,
-    load_initial_weights,
-    load_tokenizer,
-    write_hf_config,
-)
+from megatron_empg.trainer.metrics import all_reduce_sums, sample_means, sample_sums
+from megatron_empg.trainer.rollout import RolloutStage
+from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
-ENGINE_RANK = 0
 
 
 class RunDirectoryError(ValueError):
@@ -72,64 +70,43 @@ class Trainer:
         if dist.get_world_size() != components.layout.world_size:
             raise ValueError(f"bound for {components.layout.world_size} ranks, running on {dist.get_world_size()}")
         self.tokenizer = load_tokenizer(config)
+        self.groups = groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
+        self.placement = build_placement(components.layout.engines, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
+                                         dp_rank=groups.dp_rank, dp_size=groups.dp_size)  # fmt: skip
         self._check_machine()
-        self.agent = self._build_agent() if self.rank == ENGINE_RANK and config.rollout.search_agent else None
-        self.engine = self._start_engine() if self.rank == ENGINE_RANK else None  # before seeding: vLLM seeds globally
-        self.groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
+        # The engines start before the policy is built (vLLM checks the free GPU memory it is given).
+        self.rollouts = RolloutStage(config, self.model, self.tokenizer, components.engine, self.placement,
+                                     run_dir=self.run_dir)  # fmt: skip
+        parallel_state.seed_everything(config.train.seed, groups.pp_rank)  # again: an in-process vLLM seeds globally
         self._build_policy()
         self.anchor = self._build_anchor()
         self._build_data()
-        self.transport = self._build_transport() if self.engine is not None else None
+        engine = self.rollouts.engine
+        self.transport = components.transport(engine, config.weight_sync) if engine is not None else None
         self.probe = self._probe_batch()
         self.step_index = 0
         self.optimizer_steps = 0
         self.synced_version: str | None = None
-        self._engine_asleep = False
         self._stop_signal: int | None = None
 
     # ------------------------------------------------------------------ setup
 
     def _check_machine(self) -> None:
-        """What only the machine can tell, before the engine starts: room in ``weight_sync.shm_dir``
-        for a bucket file (on the engine's rank), a GPU with Transformer Engine for a TE FP8
-        anchor. A ``ConfigError`` on every rank together."""
-        problem: list = [None]
+        """What only the machine can tell, before the engines start: room in ``weight_sync.shm_dir``
+        for a bucket file (on each engine's owner), a GPU with Transformer Engine for a TE FP8
+        anchor. A ``ConfigError`` on every rank together (the lowest rank's, if several)."""
+        problem = None
         try:
-            machine.check_machine(self.config, self.model, engine_rank=self.rank == ENGINE_RANK)
+            machine.check_machine(self.config, self.model, engine_rank=self.placement.is_owner)
         except ConfigError as error:
-            problem = [(error.field, error.reason)]
+            problem = (error.field, error.reason)
+        problems = [problem]
         if dist.get_world_size() > 1:
-            dist.broadcast_object_list(problem, src=ENGINE_RANK)
-        if problem[0] is not None:
-            raise ConfigError(*problem[0])
-
-    def _start_engine(self):
-        engine_dir = self.run_dir / "engine_model"
-        engine_dir.mkdir(parents=True, exist_ok=True)
-        write_hf_config(self.model, engine_dir)
-        self.tokenizer.save_pretrained(engine_dir)
-        # The engine's processes (rollout.in_process=false) inherit an ignored SIGUSR1: torchrun and
-        # Slurm signal whole process groups, and the trainer, which takes SIGUSR1 as "checkpoint after
-        # this step", still needs the engine for the step in flight (it shuts it down at the end).
-        previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        try:
-            engine_class = self.components.engine.load()
-            return engine_class(engine_dir, self.config.rollout, load_format="dummy")  # weights come by sync
-        finally:
-            signal.signal(signal.SIGUSR1, previous)
-
-    def _build_agent(self):
-        """The multi-turn search agent of ``rollout.search_agent``, after checking that its retriever
-        answers (a missing retriever fails here, before the engine starts, not at the first step)."""
-        from megatron_empg.rollout.retriever import RetrieverClient
-        from megatron_empg.rollout.search_agent import SearchAgent
-
-        settings = self.config.rollout.search_agent
-        client = RetrieverClient(settings.retriever_url, timeout_s=settings.timeout_s, retries=settings.retries)
-        health = client.health()
-        log.info("retriever at %s: %s", settings.retriever_url, health)
-        max_model_len = self.config.rollout.max_model_len or self.model.max_position_embeddings
-        return SearchAgent(settings, self.tokenizer, client, max_length=min(self.config.train.max_seq_len, max_model_len))
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+        found = next((p for p in problems if p is not None), None)
+        if found is not None:
+            raise ConfigError(*found)
 
     def _build_policy(self) -> None:
         from megatron_empg.mcore.model import build_gpt_model
@@ -171,9 +148,6 @@ class Trainer:
             load_validation_sets(self.config.data, validation.files, self.tokenizer, validation.max_prompts_per_source)
             if validation.files else {}
         )  # fmt: skip
-
-    def _build_transport(self):
-        return self.components.transport(self.engine, self.config.weight_sync)
 
     def _probe_batch(self) -> list[list[int]]:
         from megatron_empg.weight_sync.gate import probe_batch
@@ -223,8 +197,8 @@ class Trainer:
     def step(self) -> StepOutput:
         times: dict[str, float] = {}
         with _timed(times, "rollout"):
-            samples = self.rollout()
-            self._sleep_engine()
+            samples, rollout_metrics = self.rollout()
+            self.rollouts.sleep()
         with _timed(times, "rewards"):
             reward_metrics = self.score_rewards(samples)
         with _timed(times, "advantages"):
@@ -248,60 +222,21 @@ class Trainer:
         with _timed(times, "weight_sync"):
             sync_metrics = self.sync_weights()
         metrics = self.metrics(samples, batch, reward_metrics, update_metrics, sync_metrics, times)
+        metrics.update(rollout_metrics)
         metrics["anchor/updates"] = float(ema_updates)
         return StepOutput(self.step_index, metrics)
 
     # ------------------------------------------------------------------ stages
 
-    def rollout(self) -> list[Sample]:
-        """This DP replica's samples of global prompt batch ``step_index``."""
-        examples = self.batches.batch(self.step_index)
-        sampling = self.config.rollout.sampling
-        if sampling.seed is not None:  # each sample draws from `seeds_per_sample` seeds: no stream repeats across steps
-            seeds_per_sample = self.agent.turns_per_episode if self.agent is not None else 1  # (used on the engine rank)
-            step_offset = self.step_index * len(examples) * sampling.n * seeds_per_sample
-            sampling = dataclasses.replace(sampling, seed=sampling.seed + step_offset)
-        box = [self._sample([e.prompt_ids for e in examples], sampling) if self.engine is not None else None]
-        dist.broadcast_object_list(box, src=ENGINE_RANK)
-        per_rank = len(examples) // self.groups.dp_size
-        return _samples(examples, box[0], range(self.groups.dp_rank * per_rank, (self.groups.dp_rank + 1) * per_rank))
-
-    def _sample(self, prompts: list[list[int]], sampling) -> list[list[tuple]]:
-        """``[P][n]`` (token ids, sampler log-probs, finish reason, response mask, stats) from the engine:
-        one response per sample, or the search agent's episodes (their masks exclude observations)."""
-        if self.agent is None:
-            completions = self.engine.generate(prompts, sampling)
-            return [[(c.token_ids, c.logprobs, c.finish_reason, None, {}) for c in group] for group in completions]
-        episodes = self.agent.rollout(self.engine, prompts, sampling)
-        return [[(e.response_ids, e.sampler_logprobs, e.finish_reason, e.response_mask, e.stats()) for e in group]
-                for group in episodes]  # fmt: skip
+    def rollout(self) -> tuple[list[Sample], dict[str, float]]:
+        """This DP replica's samples of global prompt batch ``step_index``, and the engines' metrics."""
+        return self.rollouts.sample(self.step_index, self.batches.batch(self.step_index), dp_rank=self.groups.dp_rank,
+                                    dp_size=self.groups.dp_size)  # fmt: skip
 
     def validate(self) -> dict[str, float]:
-        """``val/...`` metrics of the validation prompts under the engine's weights, the same on
-        every rank: the engine rank samples and scores them all, the others wait for its broadcast."""
-        box = [self._validation_metrics() if self.engine is not None else None]
-        dist.broadcast_object_list(box, src=ENGINE_RANK)
-        return box[0]
-
-    def _validation_metrics(self) -> dict[str, float]:
-        settings = self.config.validation
-        sampling = settings.sampling(self.config.rollout.sampling)
-        start = time.perf_counter()
-        metrics: dict[str, float] = {}
-        totals: dict[str, float] = {}
-        for source, examples in self.validation_sets.items():
-            sums: dict[str, float] = {}
-            for first in range(0, len(examples), settings.batch_size):
-                chunk = examples[first : first + settings.batch_size]
-                samples = _samples(chunk, self._sample([e.prompt_ids for e in chunk], sampling), range(len(chunk)))
-                add_sums(sums, sample_sums(samples, self.score_rewards(samples)))
-            metrics.update({f"val/{source}/{k}": v for k, v in sample_means(sums).items()})
-            add_sums(totals, sums)
-        metrics.update({f"val/{k}": v for k, v in sample_means(totals).items()})
-        metrics["time/validation"] = time.perf_counter() - start
-        log.info("validation at step %d: reward/mean %.4g over %d samples", self.step_index, metrics["val/reward/mean"],
-                 totals["samples"])  # fmt: skip
-        return metrics
+        """``val/...`` metrics of the validation prompts under the engines' weights, the same on
+        every rank (``RolloutStage.validate``: the engines split the prompts)."""
+        return self.rollouts.validate(self.validation_sets, self.score_rewards, self.step_index)
 
     def score_rewards(self, samples: list[Sample]) -> dict[str, float]:
         texts = self.tokenizer.batch_decode([s.generated_ids for s in samples], skip_special_tokens=True)
@@ -387,38 +322,25 @@ class Trainer:
         from megatron_empg.weight_sync import bridge, gate
 
         sync = self.config.weight_sync
-        groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.groups.dp_rank == 0)
+        groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.placement.feeds_engine)
         shards = named_weight_shards(self.models)
         version = f"step-{self.step_index}"
-        asleep = self._engine_asleep
-        if asleep:  # the new weights land before the KV cache takes its memory back
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # what the trainer's allocator holds goes back to the engine
-            self.engine.wake_up(["weights"])
+        self.rollouts.wake_weights()  # the new weights land before the KV cache takes its memory back
         report = bridge.sync_weights(shards, self.model, groups, self.transport, version,
-                                     bucket_bytes=int(sync.bucket_size_mb * 2**20), engine_rank=ENGINE_RANK)  # fmt: skip
-        if asleep:
-            self.engine.wake_up(["kv_cache"])
-            self._engine_asleep = False
+                                     bucket_bytes=int(sync.bucket_size_mb * 2**20), placement=self.placement)  # fmt: skip
+        self.rollouts.wake_kv_cache()
         self.synced_version = version
         metrics = {"sync/seconds": report.seconds, "sync/gbytes": report.num_bytes / 1e9}
         if sync.gate_tolerance is not None:
             for model in self.models:
                 model.eval()
             metrics["sync/gate_max_logprob_diff"] = gate.verify_sync(
-                self.engine, self.probe, lambda seqs: score_sequences(self.models, seqs, self.model.vocab_size, self.groups),
+                self.rollouts.engine, self.probe,
+                lambda seqs: score_sequences(self.models, seqs, self.model.vocab_size, self.groups),
                 version, tolerance=sync.gate_tolerance, continuation=sync.probe_continuation, seed=sync.probe_seed,
-                diagnose=lambda: bridge.round_trip_errors(shards, self.model, groups), engine_rank=ENGINE_RANK,
+                diagnose=lambda: bridge.round_trip_errors(shards, self.model, groups), placement=self.placement,
             )  # fmt: skip
         return metrics
-
-    def _sleep_engine(self) -> None:
-        """After the rollout, with ``rollout.sleep_while_training``: the engine frees its memory
-        (``rollout.sleep_level``) until ``sync_weights`` wakes it."""
-        if self.engine is None or not self.config.rollout.sleep_while_training:
-            return
-        self.engine.sleep(level=self.config.rollout.sleep_level)
-        self._engine_asleep = True
 
     def metrics(self, samples, batch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
         """Per-step metrics: ``sample_means`` of the samples' sums over data-parallel replicas (one
@@ -451,7 +373,7 @@ class Trainer:
             cfg.dir, self.step_index, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler,
             anchor=self.anchor, extra_state=extra, groups=self.groups, keep_last=cfg.keep_last,
             model_name=self.model.name, optimizer_format=cfg.optimizer_format, model_config=self.model,
-            hf_assets=self.run_dir / "engine_model" if self.engine is not None else None,  # the tokenizer
+            hf_assets=self.rollouts.model_dir if self.rollouts.engine is not None else None,  # the tokenizer
         )  # fmt: skip
 
     def resume(self) -> bool:
@@ -506,9 +428,7 @@ class Trainer:
     def shutdown(self) -> None:
         from megatron_empg.mcore import parallel_state
 
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        self.rollouts.shutdown()
         parallel_state.destroy_model_parallel()
 
 
@@ -547,11 +467,3 @@ def any_rank_signalled(signum: int | None, group) -> int | None:
     flag = torch.tensor([signum or 0], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return int(flag.item()) or None
-
-
-def _samples(examples: list, payload: list[list[tuple]], prompts: range) -> list[Sample]:
-    """The ``Sample``s of ``prompts`` (indices into ``examples`` and the engine rank's ``_sample``
-    payload; a prompt's index is its samples' group)."""
-    return [Sample(examples[p].prompt_ids, token_ids, logprobs, finish, group=p, example=examples[p],
-                   response_mask=response_mask, stats=stats)
-            for p in prompts for token_ids, logprobs, finish, response_mask, stats in payload[p]]  # fmt: skip

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -46,15 +47,15 @@ def small_demo_config(tmp: Path, name: str, warm_start: Path | None, steps: int)
 
 
 def train_command(
-    config: dict, tmp: Path, name: str, *extra: str, nproc: int | None = None
+    config: dict, tmp: Path, name: str, *extra: str, nproc: int | None = None, env: dict[str, str] | None = None
 ) -> tuple[list[str], dict[str, str]]:
-    """Write ``config`` to ``tmp / name.yaml``; the command (and its environment) that trains on it:
-    ``python -m megatron_empg.trainer.cli train`` in one process (``nproc`` None), else
-    ``launchers/torchrun.sh`` on ``nproc`` ranks with this interpreter's ``python`` and ``torchrun``.
-    ``extra``: overrides and ``--resume``. Run it from ``REPO``."""
+    """Write ``config`` to ``tmp / name.yaml``; the command (and its environment: this one's, with
+    ``env``) that trains on it: ``python -m megatron_empg.trainer.cli train`` in one process
+    (``nproc`` None), else ``launchers/torchrun.sh`` on ``nproc`` ranks with this interpreter's
+    ``python`` and ``torchrun``. ``extra``: overrides and ``--resume``. Run it from ``REPO``."""
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc is None:
         return [sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(path), *extra], env
     env.update(NPROC_PER_NODE=str(nproc), PYTHON=sys.executable, TORCHRUN=str(Path(sys.executable).parent / "torchrun"))
@@ -62,11 +63,12 @@ def train_command(
 
 
 def run_train(
-    config: dict, tmp: Path, name: str, *extra: str, nproc: int | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess:
+    config: dict, tmp: Path, name: str, *extra: str, nproc: int | None = None, timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:  # fmt: skip
     """``train_command`` run to its end (output captured as text); after ``timeout`` seconds it is
     interrupted (``interrupt``) and ``subprocess.TimeoutExpired`` raised."""
-    command, env = train_command(config, tmp, name, *extra, nproc=nproc)
+    command, env = train_command(config, tmp, name, *extra, nproc=nproc, env=env)
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     with subprocess.Popen(command, cwd=REPO, env=env, **pipes) as proc:
         try:
@@ -88,3 +90,21 @@ def interrupt(proc: subprocess.Popen, grace: float = 30) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
+
+
+def processes_with(marker: str, settle_s: float = 10.0) -> list[int]:
+    """The pids of live processes whose environment holds ``marker`` (a ``NAME=value`` given to a
+    run with ``env``: every process of the run inherits it), after waiting up to ``settle_s`` for
+    them to exit."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        pids = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if marker.encode() in environ.read_bytes().split(b"\0"):
+                    pids.append(int(environ.parent.name))
+            except OSError:  # gone, or not ours
+                pass
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.5)

@@ -76,11 +76,14 @@ def test_search_agent_trains_end_to_end(one_process):
 
 @pytest.mark.dist
 def test_two_data_parallel_ranks_match_one_process(tmp_path, one_process, search_warm_start, retriever_url):
-    """The same run on two ranks (DP2; the engine and the agent on rank 0, in its own process): the
-    same episodes, so the same rollout, reward and validation metrics, and training statistics equal
-    to fp32 rounding."""
+    """The same run on two ranks (DP2, ``rollout.engines: per_replica``: an engine process and an
+    agent per rank, each sampling its replica's prompts and its half of the validation questions):
+    the same episodes, so the same rollout, reward and validation metrics, and training statistics
+    equal to fp32 rounding."""
     records = _run(tmp_path, search_warm_start, retriever_url, "dp2", nproc=2)
     assert [m["step"] for m in records] == [0, 1, 2]
+    assert [m["engines/count"] for m in records[1:]] == [2, 2]
+    assert records[1]["engines/samples_min"] == records[1]["engines/samples_max"] > 0
     for ours, ref in zip(records, one_process):
         exact = [k for k in ref if k.startswith(("val/", "rollout/", "reward/", "response/"))]
         assert exact and {k: ours[k] for k in exact} == {k: ref[k] for k in exact}, ours["step"]

@@ -2,17 +2,21 @@
 against the same run in one process.
 
 Three steps of the demo recipe (EMA-PG, reverse Top-k KL) from a short warm start, 4 prompts x 4
-samples per step. The vLLM engine lives on rank 0 in its own process (the launcher's CPU defaults:
-``rollout.in_process=false``, ``weight_sync.transport=shm_file``); the reference is one process with
-an in-process engine fed by reference, so the two runs share no transport code. Rank 0 samples
-every step with the same per-step seeds from weights equal up to fp32 rounding, so the rollouts are
-identical and the per-step metrics must agree: the rollout statistics exactly, the training
-statistics to fp32 rounding. Also checked: one metrics record per step (rank 0 writes them), the
-consistency gate after every sync (the engine serves the weights gathered from both TP shards or
-both pipeline stages: same byte count as the single process) and checkpoints recording the layout.
-At PP2 the run is pre-empted instead: SIGTERM to the launcher after two steps reaches every rank
-(as SIGUSR1: the engine's processes ignore it), all ranks stop after the same step and checkpoint
-it, and ``--resume`` continues with the next step, which must match the reference too.
+samples per step. The vLLM engines run in their own processes (the launcher's CPU defaults:
+``rollout.in_process=false``, ``weight_sync.transport=shm_file``): at DP2 two of them
+(``rollout.engines=2``, one per replica, each synced from its own rank and each sampling its
+replica's 2 prompts) or one on rank 0 for both (``single``); at TP2 and PP2 one (a single replica).
+The reference is one process with an in-process engine fed by reference, so the runs share no
+transport code. Seeds follow the global prompt index and the weights are equal up to fp32
+rounding, so the rollouts are identical and the per-step metrics must agree: the rollout
+statistics exactly, the training statistics to fp32 rounding. Also checked: one metrics record per
+step (rank 0 writes them), the consistency gate after every sync on every engine (each serves the
+weights gathered from both TP shards or both pipeline stages: same byte count as the single
+process), the engines' sample counts, and checkpoints recording the layout. At DP2 with two
+engines the run is pre-empted instead: SIGTERM to the launcher after two steps reaches every rank
+(as SIGUSR1: the engines' processes ignore it), all ranks stop after the same step and checkpoint
+it, no engine process and no weight file outlives the run, and ``--resume`` continues with the
+next step, which must match the reference too.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import pytest
 from megatron_empg.mcore.checkpoint import read_checkpoint_info
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.dist import run_distributed
-from tests.trainer.demo_runs import (CLOSE_ABS, CLOSE_REL, LAUNCH_TIMEOUT_S, REPO, interrupt, run_train,
-                                     small_demo_config, train_command)  # fmt: skip
+from tests.trainer.demo_runs import (CLOSE_ABS, CLOSE_REL, LAUNCH_TIMEOUT_S, REPO, interrupt, processes_with,
+                                     run_train, small_demo_config, train_command)  # fmt: skip
 
 STEPS = 3
 REFERENCE_STEPS = 6  # enough for the pre-empted run (stopped after step 2 or 3) and its resumed step
@@ -40,12 +44,13 @@ EXACT = ("reward/mean", "reward/std", "reward/accuracy", "reward/malformed", "re
 CLOSE = ("actor/loss", "actor/policy_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/ratio")
 GATE_TOLERANCE = 1e-4  # the recipe's weight_sync.gate_tolerance (fp32)
 
-LAYOUTS = {  # command-line overrides, and the layout the checkpoints must record
-    "tp2": (["parallel.tensor_model_parallel_size=2"], {"tp": 2, "pp": 1, "dp": 1}),
-    "pp2": (["parallel.pipeline_model_parallel_size=2"], {"tp": 1, "pp": 2, "dp": 1}),
-    "dp2": ([], {"tp": 1, "pp": 1, "dp": 2}),
+LAYOUTS = {  # command-line overrides, the layout the checkpoints must record, and the engines
+    "tp2": (["parallel.tensor_model_parallel_size=2"], {"tp": 2, "pp": 1, "dp": 1}, 1),
+    "pp2": (["parallel.pipeline_model_parallel_size=2"], {"tp": 1, "pp": 2, "dp": 1}, 1),
+    "dp2-engines2": (["rollout.engines=2"], {"tp": 1, "pp": 1, "dp": 2}, 2),
+    "dp2-single": (["rollout.engines=single"], {"tp": 1, "pp": 1, "dp": 2}, 1),
 }
-PREEMPTED = "pp2"  # SIGTERM to the launcher after step 2, then --resume (one layout: each launch costs ~40 s)
+PREEMPTED = "dp2-engines2"  # SIGTERM after step 2, then --resume (one layout: each launch costs ~40 s)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,11 @@ def _preempt_then_resume(tmp_path, warm_start, overrides) -> int:
     finish the step); then ``--resume`` for step N + 1. Returns N + 1, the steps run in all."""
     config = small_demo_config(tmp_path, PREEMPTED, warm_start, 1000)
     config["checkpoint"]["interval"] = 0  # checkpoints only at the end or on a signal
-    command, env = train_command(config, tmp_path, "long", *overrides, nproc=2)
+    shm = tmp_path / "shm"  # the engines' bucket files
+    shm.mkdir()
+    config["weight_sync"]["shm_dir"] = str(shm)
+    marker = f"EMPG_TEST_RUN={tmp_path.name}"  # every process of the run inherits it
+    command, env = train_command(config, tmp_path, "long", *overrides, nproc=2, env=dict([marker.split("=")]))
     metrics = tmp_path / PREEMPTED / "metrics.jsonl"
     log = tmp_path / "long.log"
     with log.open("w") as out:
@@ -92,12 +101,16 @@ def _preempt_then_resume(tmp_path, warm_start, overrides) -> int:
     assert sorted(rank for rank, _ in stops) == ["0", "1"] and stops[0][1] == stops[1][1], log.read_text()[-4000:]
     stopped = int(stops[0][1])
     assert len(read_metrics(metrics)) == stopped and stopped + 1 <= REFERENCE_STEPS
+    assert processes_with(marker) == [], "engine or rank processes outlived the pre-empted run"
+    assert list(shm.iterdir()) == []
     root = tmp_path / PREEMPTED / "checkpoints"
     assert sorted(p.name for p in root.glob("step_*")) == [f"step_{stopped:08d}"]
 
     config["train"]["steps"] = stopped + 1
-    done = run_train(config, tmp_path, "resume", *overrides, "--resume", nproc=2, timeout=LAUNCH_TIMEOUT_S)
+    done = run_train(config, tmp_path, "resume", *overrides, "--resume", nproc=2, timeout=LAUNCH_TIMEOUT_S,
+                     env=dict([marker.split("=")]))  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
+    assert processes_with(marker) == [] and list(shm.iterdir()) == []
     resumed = [line for line in done.stderr.splitlines() if "resumed from" in line]
     assert len(resumed) == 1 and resumed[0].endswith(f"step_{stopped:08d} at step {stopped}"), resumed  # rank 0's
     assert sorted(p.name for p in root.glob("step_*")) == [f"step_{stopped:08d}", f"step_{stopped + 1:08d}"]
@@ -110,7 +123,7 @@ def _preempt_then_resume(tmp_path, warm_start, overrides) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_ranks_match_one_process(layout, reference, tmp_path, warm_start):
-    overrides, expected_layout = LAYOUTS[layout]
+    overrides, expected_layout, engines = LAYOUTS[layout]
     root = tmp_path / layout / "checkpoints"
     if layout == PREEMPTED:
         steps = _preempt_then_resume(tmp_path, warm_start, overrides)
@@ -130,6 +143,10 @@ def test_two_ranks_match_one_process(layout, reference, tmp_path, warm_start):
         for key in CLOSE:
             assert ours[key] == pytest.approx(ref[key], rel=CLOSE_REL, abs=CLOSE_ABS), (step, key)
         assert 0.0 <= ours["sync/gate_max_logprob_diff"] <= GATE_TOLERANCE, step
+        # each engine samples its replicas' prompts: 16 samples per step in all
+        assert (ours["engines/count"], ours["engines/samples_min"], ours["engines/samples_max"]) == (
+            engines, 16 / engines, 16 / engines), step  # fmt: skip
+        assert ours["engines/tokens_min"] * engines <= ours["response/length_mean"] * 16 <= ours["engines/tokens_max"] * engines
 
     info = read_checkpoint_info(root / f"step_{steps:08d}")
     assert {k: info["layout"][k] for k in expected_layout} == expected_layout and info["layout"]["world_size"] == 2

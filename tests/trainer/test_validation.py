@@ -1,5 +1,5 @@
 """The validation pass (``validation`` section): its config checks, the validation sets by data
-source, and the metrics of ``Trainer._validation_metrics`` with a scripted engine whose answers are
+source, and the metrics of ``RolloutStage.validate`` with a scripted engine whose answers are
 known, against counts made by hand. The pass inside a real run (synced weights, the search agent,
 step-0 and interval records) is in ``test_search_agent_e2e.py``."""
 
@@ -16,7 +16,9 @@ from megatron_empg.config import ConfigError, DataConfig, RunConfig, SamplingCon
 from megatron_empg.rollout.data import DataError, load_validation_sets
 from megatron_empg.rollout.engine import Completion
 from megatron_empg.rollout.rewards import REWARDS
+from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.trainer.loop import Trainer
+from megatron_empg.trainer.rollout import RolloutStage
 from megatron_empg.trainer.metrics import sample_means
 from tools.make_tiny_model import char_tokenizer
 
@@ -142,13 +144,13 @@ def test_validation_metrics_per_source_and_overall(tmp_path, tokenizer):
                                             _question("Spain", "hotpotqa")])  # fmt: skip
     config = _run_config({"files": [path], "interval": 1, "n": 2, "batch_size": 2})
     engine = CountryEngine(tokenizer, {"France": "Paris", "Japan": "Tokyo", "Germany": "Berlin"})
-    trainer = types.SimpleNamespace(
-        config=config, engine=engine, agent=None, tokenizer=tokenizer, reward_fn=REWARDS["qa_em"], step_index=7,
-        validation_sets=load_validation_sets(QA, [path], tokenizer),
-    )  # fmt: skip
-    trainer._sample = lambda prompts, sampling: Trainer._sample(trainer, prompts, sampling)
-    trainer.score_rewards = lambda samples: Trainer.score_rewards(trainer, samples)
-    metrics = Trainer._validation_metrics(trainer)
+    trainer = types.SimpleNamespace(config=config, tokenizer=tokenizer, reward_fn=REWARDS["qa_em"])
+    stage = RolloutStage.__new__(RolloutStage)  # one engine, no process group: what validate reads
+    stage.config, stage.engine, stage.agent = config, engine, None
+    stage.placement = EnginePlacement(num_engines=1, engine=0, owners=(0,), members=((0,),), group=None,
+                                      feeds_engine=True, rank=0, node_slot=0, node_slots=1, local_rank=0)  # fmt: skip
+    metrics = stage.validate(load_validation_sets(QA, [path], tokenizer),
+                             lambda samples: Trainer.score_rewards(trainer, samples), step=7)  # fmt: skip
 
     assert engine.calls == [2, 1, 2]  # batch_size prompts per call, source by source
     assert metrics["val/nq/reward/accuracy"] == pytest.approx(2 / 3)  # Paris, Tokyo right; Atlantis wrong

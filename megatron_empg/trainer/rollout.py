@@ -1,0 +1,282 @@
+"""The rollout stage: the engines of a run (``parallel.placement``), what they sample each step and
+for validation, and their sleep and wake-up around training.
+
+Engine ``e`` samples the prompts of its replicas: a consecutive block of each global batch (GRPO
+groups whole). Seeds follow the global prompt index (``rollout.sampling.seed`` + step offset +
+first prompt x n, times the search agent's turns per episode), so E engines draw what one engine
+would. Each owner shares its trajectories inside its engine group only; every rank then takes its
+replica's samples. Validation prompts split over the engines the same way, and their metric sums
+are reduced once over the world.
+
+    stage = RolloutStage(config, model, tokenizer, engine_kind, placement, run_dir=...)  # every rank
+    samples, metrics = stage.sample(step, examples, dp_rank=..., dp_size=...)
+    stage.sleep(); ...; stage.wake_weights(); <sync>; stage.wake_kv_cache()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_empg.config import ModelConfig, RunConfig, SamplingConfig
+from megatron_empg.parallel.collectives import collective_device
+from megatron_empg.parallel.placement import EnginePlacement
+from megatron_empg.rollout.engines import EngineKind
+from megatron_empg.rollout.trajectory import Trajectory
+from megatron_empg.trainer.batch import Sample
+from megatron_empg.trainer.metrics import add_sums, sample_means, sample_sums
+from megatron_empg.trainer.start import write_hf_config
+
+log = logging.getLogger(__name__)
+
+RewardScorer = Callable[[list[Sample]], dict[str, float]]  # sets each sample's reward; returns reward/* sums
+
+
+class RolloutStage:
+    """The engines and their work. The owner of each engine (``placement.is_owner``) holds it in
+    ``engine`` (None elsewhere), with the search agent of ``rollout.search_agent``; every rank
+    calls ``sample`` and ``validate`` together."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        model: ModelConfig,
+        tokenizer,
+        engine_kind: EngineKind,
+        placement: EnginePlacement,
+        *,
+        run_dir: Path,
+    ) -> None:
+        self.config, self.placement = config, placement
+        self.model_dir = run_dir / f"engine_model_{placement.engine}"
+        self.agent = self._build_agent(model, tokenizer) if placement.is_owner and config.rollout.search_agent else None
+        self.engine = self._start(model, tokenizer, engine_kind) if placement.is_owner else None
+        self.asleep = False
+
+    # ------------------------------------------------------------------ setup
+
+    def _start(self, model: ModelConfig, tokenizer, engine_kind: EngineKind):
+        """This owner's engine, from dummy weights (the first sync brings the policy's)."""
+        self.model_dir.mkdir(parents=True, exist_ok=True)
+        write_hf_config(model, self.model_dir)
+        tokenizer.save_pretrained(self.model_dir)
+        rollout = self.config.rollout
+        environment = {} if rollout.in_process else engine_environment(self.placement, rollout.tensor_parallel_size)
+        log.info("engine %d of %d on rank %d%s", self.placement.engine, self.placement.num_engines, self.placement.rank,
+                 "".join(f", {k}={v}" for k, v in environment.items()))  # fmt: skip
+        # The engine's processes (rollout.in_process=false) inherit an ignored SIGUSR1: torchrun and
+        # Slurm signal whole process groups, and the trainer, which takes SIGUSR1 as "checkpoint after
+        # this step", still needs the engine for the step in flight (it shuts it down at the end).
+        previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        try:
+            with child_environment(environment):
+                return engine_kind.load()(self.model_dir, rollout, load_format="dummy")
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+
+    def _build_agent(self, model: ModelConfig, tokenizer):
+        """The multi-turn search agent of ``rollout.search_agent``, after checking that its retriever
+        answers (a missing retriever fails here, before the engine starts, not at the first step)."""
+        from megatron_empg.rollout.retriever import RetrieverClient
+        from megatron_empg.rollout.search_agent import SearchAgent
+
+        settings = self.config.rollout.search_agent
+        client = RetrieverClient(settings.retriever_url, timeout_s=settings.timeout_s, retries=settings.retries)
+        log.info("retriever at %s: %s", settings.retriever_url, client.health())
+        max_model_len = self.config.rollout.max_model_len or model.max_position_embeddings
+        return SearchAgent(settings, tokenizer, client, max_length=min(self.config.train.max_seq_len, max_model_len))
+
+    @property
+    def seeds_per_sample(self) -> int:
+        """Seeds one sample draws from: the agent's turns per episode, else 1 (the same on every rank)."""
+        agent = self.config.rollout.search_agent
+        return agent.max_turns + 1 if agent is not None else 1
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(self, step: int, examples: Sequence, *, dp_rank: int, dp_size: int) -> tuple[list[Sample], dict]:
+        """This replica's samples of global prompt batch ``step`` (``examples``, every rank's copy),
+        and the step's ``engines/*`` metrics (the same on every rank)."""
+        placement = self.placement
+        prompts = placement.prompts(len(examples))
+        sampling = self.config.rollout.sampling
+        if sampling.seed is not None:  # no seed stream repeats across steps or engines
+            first = step * len(examples) + prompts.start
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + first * sampling.n * self.seeds_per_sample)
+        payload, seconds = None, 0.0
+        if self.engine is not None:
+            start = time.perf_counter()
+            payload = self.generate([examples[p].prompt_ids for p in prompts], sampling)
+            seconds = time.perf_counter() - start
+        payload = placement.broadcast_from_owner(payload)
+        per_replica = len(examples) // dp_size
+        mine = range(dp_rank * per_replica, (dp_rank + 1) * per_replica)
+        samples = [Sample.from_trajectory(examples[p], p, t) for p in mine for t in payload[p - prompts.start]]
+        tokens = sum(len(t.token_ids) for group in payload for t in group) if self.engine is not None else 0
+        return samples, self._engine_metrics(seconds, len(prompts) * sampling.n, tokens)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Trajectory]]:
+        """``[P][n]`` trajectories from this owner's engine: one response per sample, or the search
+        agent's episodes (their masks exclude observations)."""
+        if self.agent is None:
+            return [[Trajectory.from_completion(c) for c in group] for group in self.engine.generate(prompts, sampling)]
+        return [[e.trajectory() for e in group] for group in self.agent.rollout(self.engine, prompts, sampling)]
+
+    def _engine_metrics(self, seconds: float, samples: int, tokens: int) -> dict[str, float]:
+        """Each engine's generate time, samples and tokens (one SUM all-reduce of an [E, 3] table
+        that only owners fill), as the spread over engines: ``engines/slowest`` is the slowest
+        engine's index, ``engines/slowest_share`` its share of all engines' seconds (1/E when they
+        are balanced; the others wait for it)."""
+        placement = self.placement
+        device = collective_device() if dist.is_initialized() else torch.device("cpu")
+        table = torch.zeros(placement.num_engines, 3, dtype=torch.float64, device=device)
+        if self.engine is not None:
+            table[placement.engine] = torch.tensor([seconds, samples, tokens], dtype=torch.float64)
+        if _world_size() > 1:
+            dist.all_reduce(table)
+        table = table.cpu()
+        slowest = int(table[:, 0].argmax())
+        total = float(table[:, 0].sum())
+        return {
+            "engines/count": float(placement.num_engines),
+            "engines/seconds_max": float(table[slowest, 0]),
+            "engines/seconds_mean": total / placement.num_engines,
+            "engines/slowest": float(slowest),
+            "engines/slowest_share": float(table[slowest, 0]) / total if total > 0 else 0.0,
+            "engines/samples_min": float(table[:, 1].min()),
+            "engines/samples_max": float(table[:, 1].max()),
+            "engines/tokens_min": float(table[:, 2].min()),
+            "engines/tokens_max": float(table[:, 2].max()),
+        }
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self, validation_sets: dict[str, list], score_rewards: RewardScorer, step: int) -> dict[str, float]:
+        """``val/...`` metrics of the validation prompts under the engines' weights, the same on every
+        rank: each engine samples and scores its share of every source (``placement.split``), in
+        calls of ``validation.batch_size`` prompts; the sums are reduced once over the world."""
+        settings = self.config.validation
+        sampling = settings.sampling(self.config.rollout.sampling)
+        start = time.perf_counter()
+        sums: dict[str, dict[str, float]] = {}
+        if self.engine is not None:
+            for source, examples in validation_sets.items():
+                sums[source] = {}
+                share = self.placement.split(len(examples))
+                for first in range(share.start, share.stop, settings.batch_size):
+                    chunk = examples[first : min(first + settings.batch_size, share.stop)]
+                    chunk_sampling = sampling if sampling.seed is None else dataclasses.replace(
+                        sampling, seed=sampling.seed + first * sampling.n * self.seeds_per_sample)  # fmt: skip
+                    payload = self.generate([e.prompt_ids for e in chunk], chunk_sampling)
+                    samples = [Sample.from_trajectory(e, i, t) for i, e in enumerate(chunk) for t in payload[i]]
+                    add_sums(sums[source], sample_sums(samples, score_rewards(samples)))
+        everyone: list = [sums]
+        if _world_size() > 1:  # a few dicts per validation pass
+            everyone = [None] * _world_size()
+            dist.all_gather_object(everyone, sums)
+        per_source: dict[str, dict[str, float]] = {source: {} for source in validation_sets}
+        for rank_sums in everyone:
+            for source, values in rank_sums.items():
+                add_sums(per_source[source], values)
+        metrics: dict[str, float] = {}
+        totals: dict[str, float] = {}
+        for source, values in per_source.items():
+            metrics.update({f"val/{source}/{k}": v for k, v in sample_means(values).items()})
+            add_sums(totals, values)
+        metrics.update({f"val/{k}": v for k, v in sample_means(totals).items()})
+        metrics["time/validation"] = time.perf_counter() - start
+        log.info("validation at step %d: reward/mean %.4g over %d samples", step, metrics["val/reward/mean"],
+                 totals["samples"])  # fmt: skip
+        return metrics
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self) -> None:
+        """After the rollout, with ``rollout.sleep_while_training``: the engine frees its memory
+        (``rollout.sleep_level``) until the sync wakes it."""
+        if self.engine is None or not self.config.rollout.sleep_while_training:
+            return
+        self.engine.sleep(level=self.config.rollout.sleep_level)
+        self.asleep = True
+
+    def wake_weights(self) -> None:
+        """Before a sync: the engine's weights come back first, so the new ones land before the KV
+        cache takes its memory back."""
+        if not self.asleep:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the trainer's allocator holds goes back to the engine
+        self.engine.wake_up(["weights"])
+
+    def wake_kv_cache(self) -> None:
+        """After a sync: the KV cache; the engine is awake again."""
+        if not self.asleep:
+            return
+        self.engine.wake_up(["kv_cache"])
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def engine_environment(placement: EnginePlacement, engine_tp: int) -> dict[str, str]:
+    """What an engine process needs to see of its node, set around its start by the owner:
+
+    - GPU: ``CUDA_VISIBLE_DEVICES``, the owner's tensor-parallel GPUs (``LOCAL_RANK`` .. +
+      ``engine_tp`` of the parent's visible list), so that the child lands on its replica's GPUs;
+    - CPU: ``VLLM_CPU_OMP_THREADS_BIND``, this engine's share of the node's cores (``node_slot`` of
+      ``node_slots``), one ``|``-separated list per engine TP rank, so that the engines on a node
+      do not bind the same cores (vLLM's ``auto`` would). A value the user set is kept; ``nobind``
+      when the node has fewer cores than engine ranks.
+    """
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        mine = devices[placement.local_rank : placement.local_rank + engine_tp]
+        if len(mine) < engine_tp:
+            raise RuntimeError(
+                f"engine {placement.engine} needs {engine_tp} GPUs from local rank {placement.local_rank}, but this "
+                f"process sees {len(devices)} ({','.join(devices)})"
+            )
+        return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < placement.node_slots * engine_tp:  # engines must share cores: let the OS schedule them
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    slot, slots = placement.node_slot, placement.node_slots
+    share = cores[slot * len(cores) // slots : (slot + 1) * len(cores) // slots]
+    per_rank = len(share) // engine_tp
+    lists = [share[r * per_rank : (r + 1) * per_rank] for r in range(engine_tp)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, ids)) for ids in lists)}
+
+
+@contextlib.contextmanager
+def child_environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` while an engine process starts (it inherits them), then the
+    parent's environment as it was (the trainer's CUDA context exists already: it is unaffected)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
