@@ -12,11 +12,14 @@ from megatron_empg.config import ConfigError, ModelConfig, RunConfig
 
 def check_machine(config: RunConfig, model: ModelConfig, *, engine_rank: bool) -> None:
     """``ConfigError`` naming the field this machine cannot serve: a TE FP8 anchor without a GPU
-    and Transformer Engine; on the engine's rank (``engine_rank``) with ``shm_file``, a
-    ``weight_sync.shm_dir`` without room for one bucket file."""
+    and Transformer Engine; on an engine's owner (``engine_rank``) with ``shm_file``, a
+    ``weight_sync.shm_dir`` without room for one bucket file, and ``cuda_ipc`` without a GPU."""
     if config.algorithm.anchor.fp8 == "te" and not te_fp8_possible():
         raise ConfigError("algorithm.anchor.fp8", "te needs a GPU and Transformer Engine (the NGC container); "
                           "use fp8: emulated or auto elsewhere")  # fmt: skip
+    if engine_rank and config.weight_sync.transport == "cuda_ipc" and not torch.cuda.is_available():
+        raise ConfigError("weight_sync.transport", "cuda_ipc hands the engine CUDA IPC handles and needs a GPU on "
+                          "every engine's owner; use shm_file without GPUs")  # fmt: skip
     if engine_rank and config.weight_sync.transport == "shm_file":
         from megatron_empg.weight_sync.transport import check_free_space
 

@@ -87,3 +87,16 @@ def test_the_fp8_anchor_from_yaml(tmp_path):
     out, _ = _train(tmp_path, config)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "EMA anchor: tau 0.95 every 2 optimizer steps, float8_e4m3fn weights (emulated FP8)" in out.stderr
+
+
+def test_cuda_ipc_needs_a_gpu_on_every_engine_owner():
+    from megatron_empg.config import RunConfig, load_config
+    from megatron_empg.trainer.machine import check_machine
+
+    config = load_config(RunConfig, REPO / "recipes" / "r1_distill_qwen_1.5b_math_ema_pg.yaml",
+                         ["weight_sync.transport=cuda_ipc"])  # fmt: skip
+    model = load_model_config("deepseek-r1-distill-qwen-1.5b")
+    check_machine(config, model, engine_rank=False)  # a rank without an engine sends no handle
+    with pytest.raises(Exception) as e:
+        check_machine(config, model, engine_rank=True)  # no GPU here
+    assert e.value.field == "weight_sync.transport" and "use shm_file without GPUs" in str(e.value)
