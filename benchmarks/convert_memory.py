@@ -44,7 +44,7 @@ def _run(argv: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
-    out, err = proc.stdout.read(), proc.stderr.read()
+    _, err = proc.stdout.read(), proc.stderr.read()  # both drained: a full pipe would block the child
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start

@@ -422,8 +422,6 @@ def _build_forward(spec: dict, inp: dict):
 
 
 def _chunked_sq_norm(t) -> float:
-    import torch
-
     total = 0.0
     for s in range(0, t.shape[0], 256):
         total += float(t[s : s + 256].float().pow(2).sum())

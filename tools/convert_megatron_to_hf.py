@@ -35,7 +35,6 @@ from tools.conversion import (  # noqa: E402
     ArgumentProblem,
     architecture_differences,
     hf_plan,
-    listed,
     resolve_dtype,
     run_cli,
 )

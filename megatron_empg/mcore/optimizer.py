@@ -21,7 +21,8 @@ from megatron.core.distributed import (  # noqa: E402  (after the pre-import shi
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig  # noqa: E402
+from megatron.core.optimizer import get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 def wrap_with_ddp(models: list[torch.nn.Module], settings: OptimizerConfig) -> list[DistributedDataParallel]:
@@ -50,7 +51,7 @@ def wrap_with_ddp(models: list[torch.nn.Module], settings: OptimizerConfig) -> l
 def build_optimizer(ddp_models: list[DistributedDataParallel], settings: OptimizerConfig):
     """``get_megatron_optimizer`` for Adam with the model's precision (bf16 params: fp32 main params)."""
     model_config = ddp_models[0].config
-    config = OptimizerConfig(
+    config = MegatronOptimizerConfig(
         optimizer="adam",
         lr=settings.lr,
         min_lr=settings.min_lr,
