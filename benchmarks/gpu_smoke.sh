@@ -3,7 +3,7 @@
 # section "GPU smoke kit"). Through the device tool:  run(carry=[".whl"], command="bash benchmarks/gpu_smoke.sh")
 #
 #   0. installs the carried wheels (.whl/*.whl: megatron-core) into /tmp/site, prints the device
-#   a. python3 -m pytest -q -m gpu tests/gpu          (EMPG_GPU_RESULTS_DIR = the output folder)
+#   a. python3 -m pytest -q -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py  (EMPG_GPU_RESULTS_DIR = the output folder)
 #   b. benchmarks/topk_kl.py --device cuda at 16,384 tokens            -> topk_kl_gpu.json
 #   c. benchmarks/train_step.py, R1-Distill-Qwen-1.5B bf16, 16 x 2048, micro-batch 1
 #                                                                      -> train_step_gpu.json
@@ -126,8 +126,8 @@ step() {  # step NAME CAP_S CMD...: run with a time cap (within the budget), out
     STEPS+=("$name|$status|$((SECONDS - t0))")
 }
 
-step "gpu tests (pytest -m gpu tests/gpu)" 120 \
-    env EMPG_GPU_RESULTS_DIR="$OUT_DIR" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/gpu
+step "gpu tests (pytest -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py)" 120 \
+    env EMPG_GPU_RESULTS_DIR="$OUT_DIR" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py
 # pytest's own count (a skip on the GPU machine is no pass): appended to the step's status
 PYTEST_COUNTS=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)' "$LOG" | tail -n1 | tr -d '=' | sed -E 's/^ +| +$//g' || true)
 [[ -n "$PYTEST_COUNTS" ]] && STEPS[-1]="${STEPS[-1]%%|*}|$(cut -d'|' -f2 <<<"${STEPS[-1]}"): $PYTEST_COUNTS|${STEPS[-1]##*|}"
