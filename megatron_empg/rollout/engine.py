@@ -107,7 +107,7 @@ class RolloutEngine(Protocol):
         (e.g. ``model.layers.0.self_attn.q_proj.weight``, ``[H * D, hidden]``), any float dtype
         (cast to the engine's). ``path``: a safetensors file of such tensors (an engine in another
         process); the caller deletes it after ``finish_weight_update``. ``ipc``: such tensors in a
-        CUDA buffer of the trainer's, described as ``weight_sync.cuda_ipc`` says (an engine in
+        CUDA buffer of the trainer's, described as ``parallel.cuda_ipc`` says (an engine in
         another process on the same GPU); copied out before this returns.
         """
         ...
@@ -216,7 +216,7 @@ def check_update_arguments(
 ) -> list[tuple[str, torch.Tensor]] | None:
     """``update_weights``' arguments checked: exactly one given; ``named_tensors`` as a non-empty
     list of (str, tensor) pairs (returned), ``path`` an existing file or ``ipc`` a CUDA IPC bucket's
-    description (``weight_sync.cuda_ipc.check_description``; None returned for both)."""
+    description (``parallel.cuda_ipc.check_description``; None returned for both)."""
     arguments = {"named_tensors": named_tensors, "path": path, "ipc": ipc}
     given = [name for name, value in arguments.items() if value is not None]
     if len(given) != 1:
@@ -224,7 +224,7 @@ def check_update_arguments(
             f"update_weights: expected exactly one of named_tensors, path and ipc, got {' and '.join(given) or 'none'}"
         )
     if ipc is not None:
-        from megatron_empg.weight_sync.cuda_ipc import check_description
+        from megatron_empg.parallel.cuda_ipc import check_description
 
         check_description(ipc, argument="update_weights: ipc")
         return None

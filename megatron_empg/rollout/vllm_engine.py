@@ -303,7 +303,7 @@ class VllmEngine:
         (cast to the engine's), on any device; kept by reference until ``finish_weight_update``.
         ``path``: a safetensors file of such tensors (``safetensors.torch.save_file``), read one
         tensor at a time; the caller deletes it after ``finish_weight_update``. ``ipc``: a CUDA IPC
-        bucket's description (``weight_sync.cuda_ipc``: an engine in another process on the
+        bucket's description (``parallel.cuda_ipc``: an engine in another process on the
         trainer's GPU); the engine has copied the tensors out when this returns.
         """
         self._state.check_update("update_weights")

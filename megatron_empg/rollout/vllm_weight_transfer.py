@@ -9,7 +9,7 @@ bytes. vLLM's own backends (``nccl``, ``ipc``) need CUDA; this one takes one of
   processes vLLM serialises the update info and tensors arrive as lists),
 * ``path``: a safetensors file of HF-named tensors, read lazily one tensor at a time (any process;
   the caller owns and deletes the file), or
-* ``ipc``: the description of a bucket in a CUDA buffer of the trainer's (``weight_sync.cuda_ipc``;
+* ``ipc``: the description of a bucket in a CUDA buffer of the trainer's (``parallel.cuda_ipc``;
   an engine process on the trainer's GPU): the worker maps the buffer on its own index of that GPU,
   found by UUID, and copies the tensors onto its device before ``update_weights`` returns,
 
@@ -86,7 +86,7 @@ def engine_class() -> type:
         initialize_layerwise_reload,
     )
 
-    from megatron_empg.weight_sync import cuda_ipc
+    from megatron_empg.parallel import cuda_ipc
 
     @dataclass
     class EmpgInitInfo(WeightTransferInitInfo):
@@ -95,7 +95,7 @@ def engine_class() -> type:
     @dataclass
     class EmpgUpdateInfo(WeightTransferUpdateInfo):
         """Exactly one of ``named_tensors`` (``[(hf_name, tensor)]``), ``path`` (safetensors) and
-        ``ipc`` (a ``weight_sync.cuda_ipc`` bucket description)."""
+        ``ipc`` (a ``parallel.cuda_ipc`` bucket description)."""
 
         named_tensors: list[tuple[str, torch.Tensor]] | None = None
         path: str | None = None

@@ -1,4 +1,4 @@
-"""The CUDA IPC weight transport (``weight_sync.cuda_ipc``) and the engines' ``update_weights(ipc=...)``.
+"""The CUDA IPC weight transport (``weight_sync.cuda_ipc``, its format ``parallel.cuda_ipc``) and the engines' ``update_weights(ipc=...)``.
 
 On CPU: the bucket's layout in the flat buffer (bit-exact round trips of several dtypes and shapes),
 the handle's plain form through vLLM's msgpack and its device rewrite by GPU UUID, the checks of a
@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from megatron_empg.config import ConfigError, WeightSyncConfig
 from megatron_empg.rollout.engine import EngineState, check_update_arguments
-from megatron_empg.weight_sync import cuda_ipc
+from megatron_empg.parallel import cuda_ipc
 from megatron_empg.weight_sync.transport import TRANSPORTS
 
 
