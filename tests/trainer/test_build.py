@@ -98,7 +98,7 @@ def test_layout_module_imports_no_torch():
         (["parallel.tensor_model_parallel_size=3", "train.prompts_per_step=3", "train.micro_batch_size=8",
           "rollout.in_process=false", "weight_sync.transport=shm_file"], 3,
          "parallel.tensor_model_parallel_size", "does not divide model.num_attention_heads=4"),
-        (["weight_sync.transport=nccl"], 1, "weight_sync.transport", "expected one of ['in_process', 'shm_file']"),
+        (["weight_sync.transport=nccl"], 1, "weight_sync.transport", "expected one of ['cuda_ipc', 'in_process', 'shm_file']"),
         (["algorithm.loss.policy_loss=ppo"], 1, "algorithm.loss.policy_loss", "unknown name 'ppo'"),
         (["algorithm.loss.policy_loss_args={clip_eps_low: -5}"], 1, "algorithm.loss.policy_loss_args.clip_eps_low",
          "must lie in [0, 1)"),
