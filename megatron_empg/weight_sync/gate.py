@@ -179,7 +179,8 @@ def verify_sync(
         trainer_logprobs = trainer_score(placement.broadcast_from_owner(sequences))
         table = torch.zeros(placement.num_engines, 3, dtype=torch.float64, device=collective_device())
         if is_engine_rank:
-            table[placement.engine] = torch.tensor(max_difference(trainer_logprobs.cpu(), engine_logprobs))
+            mine = max_difference(trainer_logprobs.cpu(), engine_logprobs)  # float64: the difference unrounded
+            table[placement.engine] = torch.tensor(mine, dtype=torch.float64)
         if dist.get_world_size() > 1:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         table = table.cpu()
