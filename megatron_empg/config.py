@@ -1032,7 +1032,13 @@ class AlgorithmConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The loop: ``steps`` RL steps of ``prompts_per_step`` prompts (x ``rollout.sampling.n``
-    responses), micro-batches of ``micro_batch_size`` sequences, packed to ``max_seq_len`` tokens."""
+    responses), micro-batches of ``micro_batch_size`` sequences, packed to ``max_seq_len`` tokens.
+
+    ``recompute``: activation recompute in the update pass (Megatron's): ``none``; ``selective``
+    (the core attention, whose [b, heads, s, s] scores dominate long sequences); ``full`` (whole
+    layers, ``recompute_num_layers`` per checkpointed unit: only their inputs are kept, each is run
+    again in the backward pass). The gradient is the same; the time goes up and the memory down.
+    """
 
     steps: int = 100
     prompts_per_step: int = 64
@@ -1040,9 +1046,11 @@ class TrainConfig:
     max_seq_len: int = 1024
     seed: int = 1234
     params_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_num_layers: int = 1
 
     def validate(self) -> None:
-        for name in ("steps", "prompts_per_step", "micro_batch_size"):
+        for name in ("steps", "prompts_per_step", "micro_batch_size", "recompute_num_layers"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)!r}")
         if self.max_seq_len < 2:

@@ -131,6 +131,18 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
+def recompute_overrides(mode: str, num_layers: int = 1) -> dict[str, Any]:
+    """``TransformerConfig`` fields for activation recompute (``train.recompute``): ``none``;
+    ``selective`` (core attention); ``full`` (every unit of ``num_layers`` layers, uniformly)."""
+    if mode == "none":
+        return {}
+    if mode == "selective":
+        return {"recompute_granularity": "selective"}
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": num_layers}
+    raise ValueError(f"recompute mode {mode!r}: expected none, selective or full")
+
+
 def layer_spec(model: ModelConfig, *, use_te: bool | None = None) -> ModuleSpec:
     """The TE layer spec when Transformer Engine is importable (or ``use_te=True``), else the local one."""
     _import_megatron()

@@ -84,8 +84,22 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
             f"train.micro_batch_size={train.micro_batch_size} ({where}), got {config.algorithm.mini_batches}",
         )
     _check_engine_split(config, model)
+    _check_recompute(config, model)
     engines = _check_engine_placement(config, dp, where)
     return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches, engines)
+
+
+def _check_recompute(config: RunConfig, model: ModelConfig) -> None:
+    """Full recompute checkpoints units of ``train.recompute_num_layers`` layers of a model chunk."""
+    train, parallel = config.train, config.parallel
+    chunks = parallel.pipeline_model_parallel_size * (parallel.virtual_pipeline_model_parallel_size or 1)
+    chunk_layers = model.num_layers // chunks
+    if train.recompute == "full" and train.recompute_num_layers > chunk_layers:
+        raise ConfigError(
+            "train.recompute_num_layers",
+            f"{train.recompute_num_layers} exceeds the {chunk_layers} layers of each model chunk (model.num_layers "
+            f"{model.num_layers} / PP / VPP)",
+        )
 
 
 def _check_engine_placement(config: RunConfig, dp: int, where: str) -> int:

@@ -2,7 +2,8 @@
 engine (``tests/trainer/recording_engine.py``: transformers, no vLLM): the engine sleeps from the end
 of each rollout to the weight sync, which wakes its weights, loads every tensor, then wakes its KV
 cache before the consistency gate; nothing is generated or scored while it sleeps (the engine would
-refuse). The first update of a warmup trains at a non-zero learning rate."""
+refuse). The first update of a warmup trains at a non-zero learning rate. One run trains with full
+activation recompute (``train.recompute``)."""
 
 from __future__ import annotations
 
@@ -33,12 +34,14 @@ def _calls(path) -> list[str]:
 def test_the_engine_sleeps_between_rollout_and_sync(tmp_path, sleep):
     config = hf_engine_config(tmp_path, "run", random_demo_model(tmp_path / "model"), steps=2)
     config["rollout"].update(engine="recording", sleep_while_training=sleep, sleep_level=2)
+    config["train"]["recompute"] = "none" if sleep else "full"  # the same calls: recompute is the trainer's
     command, env = train_command(config, tmp_path, "run")
     command[1:3] = ["-m", "tests.trainer.recording_engine"]
     log = tmp_path / "calls.jsonl"
     out = subprocess.run(command, cwd=REPO, env={**env, "EMPG_ENGINE_LOG": str(log)}, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
+    assert ("activation recompute: recompute_granularity=full" in out.stderr) == (not sleep)
     sync = ["begin_weight_update", "update_weights*", "finish_weight_update"]
     gate = ["score", "generate"]  # the probe scored, then its continuation sampled
     if sleep:
