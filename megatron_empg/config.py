@@ -1168,8 +1168,8 @@ class CheckpointConfig:
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
     """The process group. ``timeout_minutes``: how long a collective may wait before the NCCL
-    watchdog (or gloo) aborts the job. Phases that run on one rank while the others wait (the
-    rollout and validation passes on the engine's rank) must end within it."""
+    watchdog (or gloo) aborts the job. Phases that some ranks wait through (the rollout and
+    validation passes of the slowest engine) must end within it."""
 
     timeout_minutes: float = 60.0
 

@@ -23,7 +23,7 @@ import sys
 from megatron_empg.config import ConfigError
 
 # Without GPUs (gloo) the vLLM engine cannot live inside a training rank of a world > 1: the engine
-# core runs in its own process (on rank 0) and weights reach it through files in /dev/shm.
+# core runs in its own process (beside its owner rank) and weights reach it through files in /dev/shm.
 CPU_DEFAULTS = ("rollout.in_process=false", "weight_sync.transport=shm_file")
 
 
