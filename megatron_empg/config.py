@@ -773,6 +773,11 @@ class SearchAgentConfig:
     timeout_s: float = 10.0
     retries: int = 3
 
+    @property
+    def turns_per_episode(self) -> int:
+        """The most ``generate`` calls an episode takes (each draws from its own seed)."""
+        return self.max_turns + 1
+
     def validate(self) -> None:
         if not self.retriever_url.startswith(("http://", "https://")):
             raise ConfigError("retriever_url", f"expected an http(s) URL such as http://127.0.0.1:8000, got {self.retriever_url!r}")

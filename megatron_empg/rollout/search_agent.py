@@ -135,8 +135,8 @@ class SearchAgent:
 
     @property
     def turns_per_episode(self) -> int:
-        """The most ``generate`` calls an episode takes (each draws from its own seed)."""
-        return self.config.max_turns + 1
+        """The most ``generate`` calls an episode takes (``SearchAgentConfig.turns_per_episode``)."""
+        return self.config.turns_per_episode
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

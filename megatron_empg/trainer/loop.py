@@ -66,7 +66,6 @@ class Trainer:
         self.config = config = components.config
         self.model = components.model
         self.run_dir = Path(run_dir or config.logging.dir)
-        self.rank = dist.get_rank()
         if dist.get_world_size() != components.layout.world_size:
             raise ValueError(f"bound for {components.layout.world_size} ranks, running on {dist.get_world_size()}")
         self.tokenizer = load_tokenizer(config)

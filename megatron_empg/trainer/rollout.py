@@ -99,7 +99,7 @@ class RolloutStage:
     def seeds_per_sample(self) -> int:
         """Seeds one sample draws from: the agent's turns per episode, else 1 (the same on every rank)."""
         agent = self.config.rollout.search_agent
-        return agent.max_turns + 1 if agent is not None else 1
+        return agent.turns_per_episode if agent is not None else 1
 
     # ------------------------------------------------------------------ sampling
 
