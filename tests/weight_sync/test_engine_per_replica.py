@@ -21,33 +21,12 @@ from megatron_empg.config import ParallelConfig, RunConfig, from_dict
 from megatron_empg.weight_sync import gate, mapping
 from tests.dist import run_distributed
 from tests.weight_sync.test_bridge import swapped_gate_up
-from tests.weight_sync.test_vllm_sync import PROBE_LENGTH, SEED, TOLERANCE, _engine, _hf_state, vllm_model
+from tests.weight_sync.test_vllm_sync import (PROBE_LENGTH, SEED, TOLERANCE, _engine, _hf_state, _sync_and_check,
+                                              vllm_model)  # fmt: skip
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron, pytest.mark.vllm, pytest.mark.slow]
 
-BUCKET_BYTES = 200_000
 PROMPTS = [[5 + i, 17, 3 * i + 1, 40 + i] for i in range(4)]  # one step's global batch: 2 prompts per replica
-
-
-def _sync_and_gate(chunks, model, groups, placement, engine, transport, version, probe) -> dict:
-    """Sync both engines from their replicas, then the gate over both (tolerance 1e-4)."""
-    from megatron_empg.mcore.model import named_weight_shards
-    from megatron_empg.mcore.step import score_sequences
-    from megatron_empg.weight_sync.bridge import SyncGroups, round_trip_errors, sync_weights
-
-    shards = named_weight_shards(chunks)
-    sync_groups = SyncGroups(groups.tp_group, groups.pp_group, placement.feeds_engine)
-    report = sync_weights(shards, model, sync_groups, transport, version, bucket_bytes=BUCKET_BYTES, placement=placement)
-    result = {"report": report, "version": engine.weight_version}
-    try:
-        result["after"] = gate.verify_sync(
-            engine, probe, lambda seqs: score_sequences(chunks, seqs, model.vocab_size, groups), version,
-            tolerance=TOLERANCE, continuation=8, seed=1, placement=placement,
-            diagnose=lambda: round_trip_errors(shards, model, sync_groups),
-        )  # fmt: skip
-    except gate.ConsistencyError as error:
-        result["error"] = str(error)
-    return result
 
 
 def _stage(config: RunConfig, placement, engine):
@@ -82,7 +61,7 @@ def _two_engines(rank: int, world_size: int, model_dir: str, hf_state: dict) -> 
         engine = _engine(model_dir, in_process=False)  # every rank owns one: its own process
     transport = SharedMemoryFileTransport(engine)
     probe = gate.probe_batch(2, PROBE_LENGTH, model.vocab_size, seed=0)
-    out = {"synced": _sync_and_gate(chunks, model, groups, per_replica, engine, transport, "step-0", probe)}
+    out = {"synced": _sync_and_check(chunks, model, groups, engine, transport, "step-0", probe, per_replica)}
 
     config = from_dict(RunConfig, {"model": "tiny-qwen2", "tokenizer": model_dir, "rollout": {"sampling": {
         "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 11}}})  # fmt: skip
@@ -99,15 +78,15 @@ def _two_engines(rank: int, world_size: int, model_dir: str, hf_state: dict) -> 
     if rank == 1:
         mapping.split_gate_up = swapped_gate_up
     try:
-        out["swapped_gate_up_in_1"] = _sync_and_gate(chunks, model, groups, per_replica, engine, transport, "bug-1", probe)
+        out["swapped_gate_up_in_1"] = _sync_and_check(chunks, model, groups, engine, transport, "bug-1", probe, per_replica)
     finally:
         mapping.split_gate_up = correct
-    out["fixed"] = _sync_and_gate(chunks, model, groups, per_replica, engine, transport, "step-1", probe)
+    out["fixed"] = _sync_and_check(chunks, model, groups, engine, transport, "step-1", probe, per_replica)
     _perturb(chunks)
     if rank == 1:
         engine._llm.reset_prefix_cache = lambda: True  # an engine that forgot the reset
     try:
-        out["no_cache_reset_in_1"] = _sync_and_gate(chunks, model, groups, per_replica, engine, transport, "bug-2", probe)
+        out["no_cache_reset_in_1"] = _sync_and_check(chunks, model, groups, engine, transport, "bug-2", probe, per_replica)
     finally:
         if rank == 1:
             del engine._llm.reset_prefix_cache
@@ -132,6 +111,7 @@ def test_two_engines_sync_gate_and_sample_like_one(qwen2_dir):
         synced = out["synced"]
         assert "error" not in synced, synced.get("error")
         assert synced["after"] <= TOLERANCE and synced["version"] == "step-0", (rank, synced)
+        assert synced["before"] > 0.1, synced  # the engines started from other (dummy) weights
         assert synced["report"].num_buckets > 1 and synced["report"].num_bytes > 0  # each engine its own report
         assert "error" not in out["fixed"], out["fixed"].get("error")
 

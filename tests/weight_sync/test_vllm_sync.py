@@ -60,24 +60,27 @@ def _sgd_step(chunks, probe, groups, model) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _sync_and_check(chunks, model, groups, engine, transport, version, probe) -> dict:
+def _sync_and_check(chunks, model, groups, engine, transport, version, probe, placement=None) -> dict:
     """Gate with tolerance inf (the difference before; also fills the prefix cache), sync, gate;
-    returns the numbers on the engine rank for the parent to assert."""
+    returns the numbers on the engine rank for the parent to assert. ``placement``: several engines
+    (each fed by ``placement.feeds_engine``'s replica); None: one, on rank 0, fed by DP replica 0."""
     from megatron_empg.mcore.model import named_weight_shards
     from megatron_empg.mcore.step import score_sequences
-    from megatron_empg.weight_sync.bridge import round_trip_errors, sync_weights
+    from megatron_empg.weight_sync.bridge import SyncGroups, round_trip_errors, sync_weights
 
     shards = named_weight_shards(chunks)
+    feeding = sync_groups(groups) if placement is None else SyncGroups(groups.tp_group, groups.pp_group,
+                                                                         placement.feeds_engine)  # fmt: skip
 
     def trainer_score(sequences):
         return score_sequences(chunks, sequences, model.vocab_size, groups)
 
     def verify(version, tolerance):
         return gate.verify_sync(engine, probe, trainer_score, version, tolerance=tolerance, continuation=CONTINUATION,
-                                seed=1, diagnose=lambda: round_trip_errors(shards, model, sync_groups(groups)))
+                                seed=1, diagnose=lambda: round_trip_errors(shards, model, feeding), placement=placement)
 
     before = verify("before", math.inf)
-    report = sync_weights(shards, model, sync_groups(groups), transport, version, bucket_bytes=BUCKET_BYTES)
+    report = sync_weights(shards, model, feeding, transport, version, bucket_bytes=BUCKET_BYTES, placement=placement)
     result = {"before": before, "version": engine.weight_version if engine else None, "report": report}
     try:
         result["after"] = verify(version, TOLERANCE)
