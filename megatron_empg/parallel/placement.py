@@ -17,8 +17,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
+
+from megatron_empg.parallel.collectives import collective_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +79,19 @@ class EnginePlacement:
         base, extra = divmod(num_items, self.num_engines)
         start = e * base + min(e, extra)
         return range(start, start + base + (e < extra))
+
+    def engine_table(self, row: Sequence[float] | None, width: int, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+        """[E, width] float64 on the CPU, row e being engine e's owner's ``row`` (None elsewhere):
+        one all-reduce over the world of a table that only owners fill (``op`` SUM, or MAX for
+        values >= 0; without a process group, this rank's table)."""
+        distributed = dist.is_initialized()
+        device = collective_device() if distributed else torch.device("cpu")
+        table = torch.zeros(self.num_engines, width, dtype=torch.float64, device=device)
+        if row is not None:
+            table[self.engine] = torch.tensor(row, dtype=torch.float64)
+        if distributed and dist.get_world_size() > 1:
+            dist.all_reduce(table, op=op)
+        return table.cpu()
 
     def broadcast_from_owner(self, value):
         """The owner's ``value`` on every rank of its group (a pickled object broadcast inside the

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_empg.config import ModelConfig, RunConfig, SamplingConfig
-from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.rollout.engines import EngineKind
 from megatron_empg.rollout.trajectory import Trajectory
@@ -137,13 +136,7 @@ class RolloutStage:
         engine's index, ``engines/slowest_share`` its share of all engines' seconds (1/E when they
         are balanced; the others wait for it)."""
         placement = self.placement
-        device = collective_device() if dist.is_initialized() else torch.device("cpu")
-        table = torch.zeros(placement.num_engines, 3, dtype=torch.float64, device=device)
-        if self.engine is not None:
-            table[placement.engine] = torch.tensor([seconds, samples, tokens], dtype=torch.float64)
-        if _world_size() > 1:
-            dist.all_reduce(table)
-        table = table.cpu()
+        table = placement.engine_table([seconds, samples, tokens] if self.engine is not None else None, 3)
         slowest = int(table[:, 0].argmax())
         total = float(table[:, 0].sum())
         return {

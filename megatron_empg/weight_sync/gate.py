@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.config import SamplingConfig
-from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.placement import EnginePlacement
 
 
@@ -177,13 +176,8 @@ def verify_sync(
         where, worst_engine = result[0], None
     else:
         trainer_logprobs = trainer_score(placement.broadcast_from_owner(sequences))
-        table = torch.zeros(placement.num_engines, 3, dtype=torch.float64, device=collective_device())
-        if is_engine_rank:
-            mine = max_difference(trainer_logprobs.cpu(), engine_logprobs)  # float64: the difference unrounded
-            table[placement.engine] = torch.tensor(mine, dtype=torch.float64)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(table, op=dist.ReduceOp.MAX)
-        table = table.cpu()
+        mine = max_difference(trainer_logprobs.cpu(), engine_logprobs) if is_engine_rank else None
+        table = placement.engine_table(mine, 3, op=dist.ReduceOp.MAX)  # float64: the difference unrounded
         worst_engine = int(table[:, 0].argmax())
         diff, seq, token = table[worst_engine].tolist()
         where = (diff, int(seq), int(token))

@@ -28,8 +28,9 @@ def _place(rank: int, world_size: int, cases: dict) -> dict:
         coords = dict(tp_rank=rank % tp, dp_rank=(rank // tp) % dp, pp_rank=rank // (tp * dp))
         placement = build_placement(engines, dp_size=dp, **coords)
         token = placement.broadcast_from_owner(f"from {rank}")  # only the owner's value counts
+        table = placement.engine_table([rank + 1.0, 2.0] if placement.is_owner else None, 2).tolist()
         out[name] = (placement.owners, placement.members, placement.feeds_engine, placement.owner, token,
-                     placement.engine, placement.node_slot, placement.node_slots)  # fmt: skip
+                     placement.engine, placement.node_slot, placement.node_slots, table)  # fmt: skip
     return out
 
 
@@ -38,12 +39,13 @@ def test_owners_groups_and_feeding_replicas_on_four_ranks():
     results = run_distributed(_place, 4, CASES, timeout=180)
     for name, (_, owners, members, feeding) in CASES.items():
         for rank, result in enumerate(results):
-            got_owners, got_members, feeds, owner, token, engine, slot, slots = result[name]
+            got_owners, got_members, feeds, owner, token, engine, slot, slots, table = result[name]
             assert (got_owners, got_members) == (owners, members), name
             assert rank in members[engine] and owner == owners[engine], (name, rank)
             assert feeds == (rank in feeding), (name, rank)
             assert token == f"from {owner}", (name, rank)  # the owner's value, inside the group only
             assert (slot, slots) == (engine, len(owners)), (name, rank)  # one host: engines in order
+            assert table == [[o + 1.0, 2.0] for o in owners], (name, rank)  # row e: engine e's owner's
 
 
 def _placement(num_engines: int, engine: int, node_slot: int = 0, node_slots: int = 1) -> EnginePlacement:
