@@ -186,13 +186,17 @@ def _repeat(fn, warmup: int, repeats: int) -> tuple[list[float], list]:
 
 
 def _sync_measurement(shards, model, sgroups, make_transport, bucket_bytes, warmup, repeats) -> dict:
-    """``sync_weights`` repeated; seconds from its own ``SyncReport`` (engine-rank wall time)."""
+    """``sync_weights`` repeated (one process: one engine, here); seconds from its own ``SyncReport``
+    (engine-rank wall time)."""
+    from megatron_empg.parallel.placement import build_placement
     from megatron_empg.weight_sync.bridge import sync_weights
 
     counter = iter(range(10**9))
+    placement = build_placement(1, tp_rank=0, pp_rank=0, dp_rank=0, dp_size=1)
 
     def once():
-        return sync_weights(shards, model, sgroups, make_transport(), f"v{next(counter)}", bucket_bytes=bucket_bytes)
+        return sync_weights(shards, model, sgroups, make_transport(), f"v{next(counter)}", bucket_bytes=bucket_bytes,
+                            placement=placement)  # fmt: skip
 
     wall, reports = _repeat(once, warmup, repeats)
     last = reports[-1]

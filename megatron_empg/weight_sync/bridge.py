@@ -232,21 +232,17 @@ def sync_weights(
     version: str,
     *,
     bucket_bytes: int,
-    engine_rank: int = 0,
-    placement: EnginePlacement | None = None,
+    placement: EnginePlacement,
 ) -> SyncReport:
     """Push this rank's weights into its engine as ``version``; every rank calls it.
 
-    ``transport`` is given on the engine rank (``groups.is_engine_rank``) and None elsewhere. One
-    engine (``placement`` None): global rank ``engine_rank`` (TP 0, PP 0 of DP replica 0, rank 0 in
-    Megatron's rank order), which broadcasts the report to the world. Several engines
-    (``placement``): the owner of this rank's engine, fed by the replica with
-    ``groups.is_sending_replica`` (``placement.feeds_engine``); the engines sync in parallel and
-    each owner shares its report inside its engine group. Every rank of a group returns the same
-    report.
+    ``transport`` is given on the engine rank (``groups.is_engine_rank``: ``placement.owner``,
+    TP 0, PP 0 of the first DP replica its engine serves) and None elsewhere. The replica with
+    ``groups.is_sending_replica`` (``placement.feeds_engine``) feeds the engine; with several
+    engines they all sync at once, each from its own replica. Each owner shares its report inside
+    its engine group (the world for one engine), so every rank returns its engine's report.
     """
-    if placement is not None:
-        engine_rank = placement.owner
+    engine_rank = placement.owner
     shards = [WeightShard(*shard) for shard in shards]  # plain (name, tensor, partition) tuples work too
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
@@ -281,17 +277,7 @@ def sync_weights(
             transport.finish(version)
             report.transport_seconds += time.perf_counter() - finished
             report.seconds = time.perf_counter() - start
-    return _share_report(report, engine_rank, placement)
-
-
-def _share_report(report: SyncReport, engine_rank: int, placement: EnginePlacement | None) -> SyncReport:
-    if placement is not None:
-        return placement.broadcast_from_owner(report)
-    if dist.get_world_size() == 1:
-        return report
-    box = [report if dist.get_rank() == engine_rank else None]
-    dist.broadcast_object_list(box, src=engine_rank)
-    return box[0]
+    return placement.broadcast_from_owner(report)
 
 
 def round_trip_errors(shards: Sequence[WeightShard], model: ModelConfig, groups: SyncGroups) -> dict[str, float]:

@@ -145,44 +145,31 @@ def verify_sync(
     continuation: int,
     seed: int,
     diagnose: Callable[[], dict[str, float]] | None = None,
-    engine_rank: int = 0,
-    placement: EnginePlacement | None = None,
+    placement: EnginePlacement,
 ) -> float:
     """The gate across all ranks; every rank calls it after ``sync_weights``.
 
-    The engine rank (``engine`` given there, None elsewhere) runs ``engine_probe`` and shares the
-    sequences; every rank runs ``trainer_score(sequences)`` (a collective forward pass giving the
-    [N, L+C-1] log-probs on every rank of a model replica, e.g. ``mcore.step.score_sequences``);
-    the engine rank compares. One engine (``placement`` None): global rank ``engine_rank``, which
-    broadcasts to the world. Several (``placement``): every owner probes its engine at once and
-    shares the sequences inside its engine group; then one MAX all-reduce of an [E, 3] table of
-    (difference, sequence, token) over the world gives every rank every engine's result. Above
-    ``tolerance`` every rank runs ``diagnose()`` (a collective, e.g.
-    ``bridge.round_trip_errors``) and raises the same ``ConsistencyError``, naming the worst
-    engine. Returns the max difference over the engines.
+    Every engine's owner (``placement.owner``: ``engine`` given there, None elsewhere) runs
+    ``engine_probe`` and shares the sequences inside its engine group (the world for one engine);
+    every rank runs ``trainer_score(sequences)`` (a collective forward pass giving the [N, L+C-1]
+    log-probs on every rank of a model replica, e.g. ``mcore.step.score_sequences``); the owner
+    compares. One MAX all-reduce of an [E, 3] table of (difference, sequence, token) over the world
+    gives every rank every engine's result. Above ``tolerance`` every rank runs ``diagnose()`` (a
+    collective, e.g. ``bridge.round_trip_errors``) and raises the same ``ConsistencyError``, naming
+    the worst engine when there are several. Returns the max difference over the engines.
     """
-    if placement is not None:
-        engine_rank = placement.owner
-    is_engine_rank = dist.get_rank() == engine_rank
+    is_engine_rank = placement.is_owner
     if is_engine_rank != (engine is not None):
-        raise ValueError(f"rank {dist.get_rank()}: the engine rank {engine_rank}, and only it, passes the engine")
+        raise ValueError(f"rank {dist.get_rank()}: the engine rank {placement.owner}, and only it, passes the engine")
     sequences, engine_logprobs = engine_probe(engine, probe, continuation, seed) if is_engine_rank else (None, None)
-    if placement is None:
-        box: list = [sequences]
-        dist.broadcast_object_list(box, src=engine_rank)
-        trainer_logprobs = trainer_score(box[0])
-        result: list = [max_difference(trainer_logprobs.cpu(), engine_logprobs) if is_engine_rank else None]
-        dist.broadcast_object_list(result, src=engine_rank)
-        where, worst_engine = result[0], None
-    else:
-        trainer_logprobs = trainer_score(placement.broadcast_from_owner(sequences))
-        mine = max_difference(trainer_logprobs.cpu(), engine_logprobs) if is_engine_rank else None
-        table = placement.engine_table(mine, 3, op=dist.ReduceOp.MAX)  # float64: the difference unrounded
-        worst_engine = int(table[:, 0].argmax())
-        diff, seq, token = table[worst_engine].tolist()
-        where = (diff, int(seq), int(token))
-        worst_engine = worst_engine if placement.num_engines > 1 else None
+    trainer_logprobs = trainer_score(placement.broadcast_from_owner(sequences))
+    mine = max_difference(trainer_logprobs.cpu(), engine_logprobs) if is_engine_rank else None
+    table = placement.engine_table(mine, 3, op=dist.ReduceOp.MAX)  # float64: the difference unrounded
+    worst_engine = int(table[:, 0].argmax())
+    diff, seq, token = table[worst_engine].tolist()
+    where = (diff, int(seq), int(token))
     if not where[0] <= tolerance:
         family_errors = diagnose() if diagnose else None
-        raise ConsistencyError(mismatch_message(version, where, tolerance, family_errors, worst_engine))
+        named = worst_engine if placement.num_engines > 1 else None
+        raise ConsistencyError(mismatch_message(version, where, tolerance, family_errors, named))
     return where[0]

@@ -54,6 +54,14 @@ def sync_groups(groups):
     return SyncGroups(tp_group=groups.tp_group, pp_group=groups.pp_group, is_sending_replica=groups.dp_rank == 0)
 
 
+def single_engine(groups):
+    """The placement of one engine on rank 0 (``rollout.engines: single``); every rank calls it."""
+    from megatron_empg.parallel.placement import build_placement
+
+    return build_placement(1, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
+                           dp_size=groups.dp_size)  # fmt: skip
+
+
 def _sync_layouts(rank: int, world_size: int, layouts, hf_states: dict, probe: list) -> list:
     from megatron_empg.mcore import parallel_state
     from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict, named_weight_shards
@@ -71,7 +79,8 @@ def _sync_layouts(rank: int, world_size: int, layouts, hf_states: dict, probe: l
         receiver = RecordingReceiver() if rank == 0 else None
         transport = InProcessTransport(receiver) if rank == 0 else None
         shards = named_weight_shards(chunks)
-        report = sync_weights(shards, model, sync_groups(groups), transport, "step-7", bucket_bytes=BUCKET_BYTES)
+        report = sync_weights(shards, model, sync_groups(groups), transport, "step-7", bucket_bytes=BUCKET_BYTES,
+                              placement=single_engine(groups))  # fmt: skip
         trainer_logprobs = score_sequences(chunks, probe, model.vocab_size, groups)
         results.append({"report": report, "trainer_logprobs": trainer_logprobs,
                         "round_trip_errors": round_trip_errors(shards, model, sync_groups(groups)),

@@ -19,7 +19,7 @@ import torch
 from megatron_empg.config import ParallelConfig, RolloutConfig, load_model_config
 from megatron_empg.weight_sync import gate, mapping
 from tests.dist import run_distributed
-from tests.weight_sync.test_bridge import naive_split_qkv, swapped_gate_up, sync_groups
+from tests.weight_sync.test_bridge import naive_split_qkv, single_engine, swapped_gate_up
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron, pytest.mark.vllm]
 
@@ -62,15 +62,15 @@ def _sgd_step(chunks, probe, groups, model) -> None:
 
 def _sync_and_check(chunks, model, groups, engine, transport, version, probe, placement=None) -> dict:
     """Gate with tolerance inf (the difference before; also fills the prefix cache), sync, gate;
-    returns the numbers on the engine rank for the parent to assert. ``placement``: several engines
-    (each fed by ``placement.feeds_engine``'s replica); None: one, on rank 0, fed by DP replica 0."""
+    returns the numbers on the engine rank for the parent to assert. ``placement``: where the
+    engines are (None: one, on rank 0)."""
     from megatron_empg.mcore.model import named_weight_shards
     from megatron_empg.mcore.step import score_sequences
     from megatron_empg.weight_sync.bridge import SyncGroups, round_trip_errors, sync_weights
 
     shards = named_weight_shards(chunks)
-    feeding = sync_groups(groups) if placement is None else SyncGroups(groups.tp_group, groups.pp_group,
-                                                                         placement.feeds_engine)  # fmt: skip
+    placement = placement or single_engine(groups)
+    feeding = SyncGroups(groups.tp_group, groups.pp_group, placement.feeds_engine)
 
     def trainer_score(sequences):
         return score_sequences(chunks, sequences, model.vocab_size, groups)
