@@ -185,7 +185,8 @@ def _rank_run(rank: int, spec: dict) -> dict:
             window = time.perf_counter()
             dist.barrier()
             start = time.perf_counter()
-            samples, metrics = stage.sample(step, examples, dp_rank=rank, dp_size=WORLD)
+            replicas, metrics = stage.sample(step, examples, dp_size=WORLD)
+            samples = replicas[rank % len(replicas)]  # this rank's replica among its engine's
             seconds = time.perf_counter() - start
             entry = {"step": step, "timed": step >= spec["warmup"], "seconds": seconds, "metrics": metrics,
                      "samples": [[s.group, s.response_ids, s.sampler_logprobs] for s in samples]}  # fmt: skip

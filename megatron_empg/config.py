@@ -508,6 +508,12 @@ class ModelConfig:
 
     def num_parameters(self, *, padded_vocab_size: int | None = None) -> int:
         """Number of weights of the model (embedding rows = ``padded_vocab_size`` or ``vocab_size``)."""
+        embedding = (padded_vocab_size or self.vocab_size) * self.hidden_size
+        tied = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * self.parameters_per_layer() + self.hidden_size + embedding * tied
+
+    def parameters_per_layer(self) -> int:
+        """Weights of one transformer layer: attention, SwiGLU MLP and the two RMSNorms."""
         h, d = self.hidden_size, self.kv_channels
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
         attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
@@ -516,9 +522,7 @@ class ModelConfig:
         if self.qk_layernorm:
             attention += 2 * d
         mlp = 3 * h * self.ffn_hidden_size  # gate, up, down
-        layer = attention + mlp + 2 * h  # + input and pre-MLP RMSNorm
-        embedding = (padded_vocab_size or self.vocab_size) * h
-        return self.num_layers * layer + h + embedding * (1 if self.tie_word_embeddings else 2)
+        return attention + mlp + 2 * h  # + input and pre-MLP RMSNorm
 
     def to_hf_config(self) -> dict[str, Any]:
         """Keyword arguments for ``transformers.AutoConfig.for_model`` (transformers >= 5 spelling:
@@ -1037,7 +1041,15 @@ class AlgorithmConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The loop: ``steps`` RL steps of ``prompts_per_step`` prompts (x ``rollout.sampling.n``
-    responses), micro-batches of ``micro_batch_size`` sequences, packed to ``max_seq_len`` tokens.
+    responses) of at most ``max_seq_len`` tokens each, in micro-batches of ``micro_batch_size``
+    sequences, or (``max_tokens_per_microbatch``) of as many as fit that many tokens.
+
+    ``packing``: a micro-batch is one row of its sequences back to back, attention and positions
+    restarting at each (Megatron's THD layout), instead of one right-padded row per sequence.
+    ``max_tokens_per_microbatch`` needs it and must hold a sequence of ``max_seq_len``.
+    ``balance``: each mini-batch's samples are split between the replicas of one engine by
+    estimated compute (tokens plus the attention's quadratic term) rather than kept where they
+    were sampled; the gradient is the same.
 
     ``recompute``: activation recompute in the update pass (Megatron's): ``none``; ``selective``
     (the core attention, whose [b, heads, s, s] scores dominate long sequences); ``full`` (whole
@@ -1053,6 +1065,9 @@ class TrainConfig:
     params_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_num_layers: int = 1
+    packing: bool = True
+    max_tokens_per_microbatch: int | None = None
+    balance: bool = True
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "recompute_num_layers"):
@@ -1060,6 +1075,15 @@ class TrainConfig:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)!r}")
         if self.max_seq_len < 2:
             raise ConfigError("max_seq_len", f"must be >= 2, got {self.max_seq_len!r}")
+        budget = self.max_tokens_per_microbatch
+        if budget is not None:
+            if not self.packing:
+                raise ConfigError("max_tokens_per_microbatch", "needs packing: true (a token budget fills packed rows)")
+            if budget < self.max_seq_len:
+                raise ConfigError(
+                    "max_tokens_per_microbatch",
+                    f"{budget} cannot hold a sequence of max_seq_len={self.max_seq_len} tokens; set it to at least that",
+                )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,9 @@ Modes (verl's ``agg_loss`` names; values ``l[b, s]``, mask ``m[b, s]``, ``n_b = 
     token-mean:            sum_{b,s} m l / sum_{b,s} m
     seq-mean-token-sum:    sum_b [n_b > 0] sum_s m l / #{b : n_b > 0}
     seq-mean-token-mean:   sum_b [n_b > 0] (sum_s m l / n_b) / #{b : n_b > 0}
+
+Here b is a row, unless ``seq_ids`` says which sequence each position belongs to (packed rows of
+several sequences, ``core.microbatch``): then b runs over the sequences.
 """
 
 from __future__ import annotations
@@ -37,13 +40,15 @@ def masked_values(values: Tensor, loss_mask: Tensor) -> Tensor:
     return torch.where(loss_mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean") -> LossSum:
+def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean", seq_ids: Tensor | None = None) -> LossSum:
     """Reduce per-token values to a ``LossSum`` under one of ``AGG_MODES``.
 
     Args:
         values: [B, S] per-token losses (bf16 inputs are summed in float32).
         loss_mask: [B, S] bool, True where the token contributes.
         mode: one of ``AGG_MODES``.
+        seq_ids: [B, S] int64 >= 0, the sequence of each position (packed rows), or None (each
+            row is one sequence). Only the seq-mean modes read it.
 
     Returns:
         ``LossSum`` whose ``count`` is the number of tokens (token-mean) or of sequences with at
@@ -56,13 +61,25 @@ def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean") -> Lo
         raise ValueError(f"values must be [B, S], got shape {tuple(values.shape)}")
     values = values.to(torch.promote_types(values.dtype, torch.float32))
     masked = masked_values(values, loss_mask)  # [B, S]
-    tokens_per_seq = loss_mask.sum(dim=-1)  # [B] int64
     if mode == "token-mean":
-        return LossSum(masked.sum(), tokens_per_seq.sum())
-    per_seq = masked.sum(dim=-1)  # [B]
+        return LossSum(masked.sum(), loss_mask.sum())
+    if seq_ids is None:
+        per_seq, tokens_per_seq = masked.sum(dim=-1), loss_mask.sum(dim=-1)  # [B]
+    else:
+        per_seq, tokens_per_seq = _segment_sums(masked, loss_mask, seq_ids)  # [N]
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / tokens_per_seq.clamp(min=1).to(per_seq.dtype)
     return LossSum(per_seq.sum(), (tokens_per_seq > 0).sum())
+
+
+def _segment_sums(masked: Tensor, loss_mask: Tensor, seq_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """[N] sums of ``masked`` [B, S] and [N] int64 loss-token counts per sequence id (N = max id + 1)."""
+    check_same_shape(values=masked, seq_ids=seq_ids)
+    ids = seq_ids.reshape(-1)
+    count = int(ids.max()) + 1 if ids.numel() else 0
+    per_seq = masked.new_zeros(count).index_add(0, ids, masked.reshape(-1))
+    tokens = torch.zeros(count, dtype=torch.long, device=ids.device).index_add(0, ids, loss_mask.reshape(-1).long())
+    return per_seq, tokens
 
 
 def add(*parts: LossSum) -> LossSum:

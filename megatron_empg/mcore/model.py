@@ -144,13 +144,18 @@ def recompute_overrides(mode: str, num_layers: int = 1) -> dict[str, Any]:
 
 
 def layer_spec(model: ModelConfig, *, use_te: bool | None = None) -> ModuleSpec:
-    """The TE layer spec when Transformer Engine is importable (or ``use_te=True``), else the local one."""
+    """The TE layer spec when Transformer Engine is importable (or ``use_te=True``), else the local
+    one, whose core attention also takes packed (THD) rows (``mcore.packed_attention``)."""
     _import_megatron()
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from megatron_empg.mcore.packed_attention import PackedDotProductAttention
+
     if _resolve_use_te(use_te):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
 
 
 def _rotary_base(theta: float) -> int | float:

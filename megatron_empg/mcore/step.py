@@ -6,10 +6,11 @@
     update pass  forward + backward: ``parallel.rl_loss`` as a Megatron loss function returning
                  (sum, count, metrics); the optimizer step and the LR schedule
 
-A micro-batch is a dict of [b, s] tensors aligned with the logits positions (``target_ids`` is
-the input shifted left; see ``parallel.rl_loss.RLMicroBatch`` for the update-pass fields), on the
-model's device: the caller puts them there (``trainer.batch``), these passes move nothing. The
-logits never leave the loss function: only [b, s] and [b, s, k] tensors come out, and only on the
+A micro-batch is a ``core.microbatch.MicroBatch`` (padded rows, or one packed row of several
+sequences: Megatron's THD ``PackedSeqParams``), on the model's device: the caller puts it there
+(``trainer.batch``), these passes move nothing. Under pipeline parallelism every micro-batch of
+one call has the same [b, s] shape (the stages exchange fixed-size activations). The logits never
+leave the loss function: only [b, s] and [b, s, k] tensors come out, and only on the
 last pipeline stage (``None`` on the others; ``share_stats`` sends them to every stage with tensor
 broadcasts).
 
@@ -31,11 +32,13 @@ from megatron_empg.core.aggregation import LossSum
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.parallel.collectives import collective_device
-from megatron_empg.parallel.rl_loss import RLLoss, RLMicroBatch
+from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.parallel.rl_loss import RLLoss
 from megatron_empg.parallel.vocab_parallel import vocab_parallel_token_stats
 
 cpu_shims.install_pre_import()
 
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 
@@ -48,12 +51,17 @@ def causal_mask(seq_length: int, device: torch.device | None = None) -> Tensor:
     return torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device).triu_(1)
 
 
-def _model_forward(model, batch: dict) -> Tensor:
-    """[b, s] input_ids -> the model's output (logits [b, s, V_local] on the last stage)."""
-    input_ids = batch["input_ids"]
+def _model_forward(model, batch: MicroBatch) -> Tensor:
+    """[b, s] input_ids -> the model's output (logits [b, s, V_local] on the last stage). A packed
+    row goes in as THD: attention and RoPE positions restart at every ``cu_seqlens`` boundary."""
+    input_ids = batch.input_ids
     b, s = input_ids.shape
-    positions = torch.arange(s, device=input_ids.device).expand(b, s)
-    return model(input_ids, positions, causal_mask(s, input_ids.device))
+    if not batch.packed:
+        positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        return model(input_ids, positions, causal_mask(s, input_ids.device))
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
+                             max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)  # fmt: skip
+    return model(input_ids, batch.position_ids, None, packed_seq_params=packed)
 
 
 def _vocab_shard(logits: Tensor, groups: ParallelGroups) -> dict:
@@ -61,15 +69,15 @@ def _vocab_shard(logits: Tensor, groups: ParallelGroups) -> dict:
     return {"vocab_start": groups.tp_rank * width, "tp_group": groups.tp_group}
 
 
-def _data_iterators(microbatches: Sequence[dict], num_chunks: int):
+def _data_iterators(microbatches: Sequence[MicroBatch], num_chunks: int):
     """One iterator per model chunk (interleaved schedules walk every chunk over all micro-batches)."""
     if num_chunks == 1:
         return iter(microbatches)
     return [iter(microbatches) for _ in range(num_chunks)]
 
 
-def _run_schedule(models, microbatches: Sequence[dict], forward_step, *, forward_only: bool) -> list:
-    b, s = microbatches[0]["input_ids"].shape
+def _run_schedule(models, microbatches: Sequence[MicroBatch], forward_step, *, forward_only: bool) -> list:
+    b, s = microbatches[0].shape
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=_data_iterators(microbatches, len(models)),
@@ -91,7 +99,7 @@ class StatsRequest:
     Attributes:
         vocab_size: the real vocabulary (Megatron's padded columns are masked).
         k: top-k size (0: none).
-        extra_ids_key: micro-batch key of [b, s, M] global ids whose log-probs are wanted besides
+        extra_ids_key: ``MicroBatch`` field of [b, s, M] global ids whose log-probs are wanted besides
             the target's (the anchor pass of a reverse Top-k KL: the policy's top-k), or None.
         with_entropy: compute the entropy.
     """
@@ -103,11 +111,11 @@ class StatsRequest:
     chunk_size: int | None = None
 
 
-def _stats_loss(batch: dict, request: StatsRequest, groups: ParallelGroups, logits: Tensor):
+def _stats_loss(batch: MicroBatch, request: StatsRequest, groups: ParallelGroups, logits: Tensor):
     b, s, width = logits.shape
-    ids = batch["target_ids"].reshape(b * s, 1)
+    ids = batch.target_ids.reshape(b * s, 1)
     if request.extra_ids_key is not None:
-        extra = batch[request.extra_ids_key]
+        extra = getattr(batch, request.extra_ids_key)
         ids = torch.cat([ids, extra.reshape(b * s, -1)], dim=-1)
     kwargs = {"chunk_size": request.chunk_size} if request.chunk_size else {}
     stats = vocab_parallel_token_stats(
@@ -129,7 +137,7 @@ def _stats_loss(batch: dict, request: StatsRequest, groups: ParallelGroups, logi
 
 
 def forward_stats(
-    models, microbatches: Sequence[dict], request: StatsRequest, groups: ParallelGroups
+    models, microbatches: Sequence[MicroBatch], request: StatsRequest, groups: ParallelGroups
 ) -> list[dict[str, Tensor]] | None:
     """Forward-only pass: per micro-batch a dict of [b, s] / [b, s, k] float32 / int64 tensors
     (``logprobs``, ``lse``, ``entropy``, ``topk_logprobs``, ``topk_ids``, ``extra_logprobs``) on
@@ -148,7 +156,10 @@ def forward_stats(
 
 
 def share_stats(
-    outputs: list[dict[str, Tensor]] | None, microbatches: Sequence[dict], request: StatsRequest, groups: ParallelGroups
+    outputs: list[dict[str, Tensor]] | None,
+    microbatches: Sequence[MicroBatch],
+    request: StatsRequest,
+    groups: ParallelGroups,
 ) -> list[dict[str, Tensor]]:
     """``forward_stats``' outputs (on the last pipeline stage) on every stage, by one tensor
     broadcast per output over the pipeline group: shapes follow from the micro-batches and the
@@ -163,20 +174,20 @@ def share_stats(
         for name, shape, dtype in _stats_layout(batch, request):
             tensor = outputs[i][name].contiguous() if groups.is_last_stage else None
             if tensor is None:
-                tensor = torch.empty(shape, dtype=dtype, device=batch["input_ids"].device)
+                tensor = torch.empty(shape, dtype=dtype, device=batch.input_ids.device)
             dist.broadcast(tensor, src=source, group=groups.pp_group)
             out[name] = tensor
         shared.append(out)
     return shared
 
 
-def _stats_layout(batch: dict, request: StatsRequest) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+def _stats_layout(batch: MicroBatch, request: StatsRequest) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of each output ``_stats_loss`` gives for ``batch``."""
-    b, s = batch["input_ids"].shape
+    b, s = batch.shape
     layout = [("logprobs", (b, s), torch.float32), ("lse", (b, s), torch.float32),
               ("topk_logprobs", (b, s, request.k), torch.float32), ("topk_ids", (b, s, request.k), torch.int64)]  # fmt: skip
     if request.extra_ids_key is not None:
-        layout.append(("extra_logprobs", (b, s, batch[request.extra_ids_key].shape[-1]), torch.float32))
+        layout.append(("extra_logprobs", (b, s, getattr(batch, request.extra_ids_key).shape[-1]), torch.float32))
     if request.with_entropy:
         layout.append(("entropy", (b, s), torch.float32))
     return layout
@@ -193,7 +204,7 @@ def score_sequences(
     device = next(models[0].parameters()).device
     ids = torch.tensor(list(sequences), dtype=torch.long, device=device)
     targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # the last position is dropped
-    microbatches = [{"input_ids": ids[i : i + 1], "target_ids": targets[i : i + 1]} for i in range(len(ids))]
+    microbatches = [MicroBatch(ids[i : i + 1], targets[i : i + 1]) for i in range(len(ids))]
     outputs = forward_stats(models, microbatches, StatsRequest(vocab_size=vocab_size, with_entropy=False), groups)
     logprobs = torch.empty(ids.shape, dtype=torch.float32, device=device)
     if outputs is not None:
@@ -204,12 +215,11 @@ def score_sequences(
 
 
 LossFunction = Callable[..., RLLoss]
-"""``loss_fn(logits [b, s, V_local], batch: RLMicroBatch, *, vocab_start, tp_group) -> RLLoss``."""
+"""``loss_fn(logits [b, s, V_local], batch: MicroBatch, *, vocab_start, tp_group) -> RLLoss``."""
 
 
-def _update_loss(batch: dict, loss_fn: LossFunction, groups: ParallelGroups, logits: Tensor):
-    micro = RLMicroBatch(**{name: batch.get(name) for name in RLMicroBatch._fields})
-    out = loss_fn(logits, micro, **_vocab_shard(logits, groups))
+def _update_loss(batch: MicroBatch, loss_fn: LossFunction, groups: ParallelGroups, logits: Tensor):
+    out = loss_fn(logits, batch, **_vocab_shard(logits, groups))
     # Megatron accumulates the count in an int32 tensor and, with calculate_per_token_loss, divides
     # the gradients once by its global sum (finalize_model_grads).
     return out.loss.loss_sum, out.loss.count.to(torch.int), out.metrics
@@ -270,7 +280,7 @@ def train_step(
     ddp_models,
     optimizer,
     scheduler,
-    microbatches: Sequence[dict],
+    microbatches: Sequence[MicroBatch],
     loss_fn: LossFunction,
     *,
     groups: ParallelGroups,
@@ -282,8 +292,8 @@ def train_step(
 
     Args:
         ddp_models: the policy's model chunks wrapped by ``optimizer.wrap_with_ddp``.
-        microbatches: this DP rank's micro-batches (dicts of ``input_ids`` and the
-            ``RLMicroBatch`` fields, [b, s] / [b, s, K], on the model's device).
+        microbatches: this DP rank's micro-batches (``MicroBatch``) with their old (and anchor) statistics,
+            on the model's device. Their number may differ between DP ranks.
         loss_fn: the update-pass objective (``LossFunction``).
     """
     for model in ddp_models:

@@ -23,6 +23,7 @@ from megatron_empg.core.aggregation import LossSum, aggregate
 from megatron_empg.core.checks import check_choice
 from megatron_empg.core.kl import KL_ESTIMATORS, sampled_kl
 from megatron_empg.core.logprob import DEFAULT_CHUNK_SIZE
+from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.policy_loss import POLICY_LOSSES
 from megatron_empg.core.rpg import RPG_POLICY_LOSSES
 from megatron_empg.core.topk_kl import topk_kl_from_gathered, topk_kl_ids
@@ -30,29 +31,6 @@ from megatron_empg.parallel.vocab_parallel import vocab_parallel_logprobs
 
 ALL_POLICY_LOSSES = {**POLICY_LOSSES, **RPG_POLICY_LOSSES}
 KL_KINDS = (*KL_ESTIMATORS, "topk")
-
-
-class RLMicroBatch(NamedTuple):
-    """The per-token inputs of the update pass, aligned with the logits positions.
-
-    Attributes:
-        target_ids: [B, S] int64 token predicted at each position (the input shifted left).
-        loss_mask: [B, S] bool, True on response tokens that carry a loss.
-        advantages: [B, S] float32.
-        old_logprobs: [B, S] float32 log pi_old(target) from the old pass.
-        anchor_logprobs: [B, S] float32 log pi_ref(target) from the anchor pass, or None (no KL).
-        topk_ids: [B, S, K] int64 Top-k index set (reverse: top-k of pi_old, forward: of the
-            anchor), or None unless the KL is Top-k.
-        topk_anchor_logprobs: [B, S, K] float32 log pi_ref at ``topk_ids``, or None.
-    """
-
-    target_ids: Tensor
-    loss_mask: Tensor
-    advantages: Tensor
-    old_logprobs: Tensor
-    anchor_logprobs: Tensor | None = None
-    topk_ids: Tensor | None = None
-    topk_anchor_logprobs: Tensor | None = None
 
 
 class RLLoss(NamedTuple):
@@ -77,7 +55,7 @@ def check_rl_loss_options(policy_loss: str, kl: str | None, kl_coef: float, entr
 
 def rl_loss(
     vocab_parallel_logits: Tensor,
-    batch: RLMicroBatch,
+    batch: MicroBatch,
     *,
     vocab_start: int,
     vocab_size: int,
@@ -98,7 +76,10 @@ def rl_loss(
 
     Args:
         vocab_parallel_logits: [B, S, V_local] (bf16 or fp32), this TP rank's columns.
-        batch: ``RLMicroBatch`` of [B, S] (and [B, S, K]) tensors.
+        batch: the ``MicroBatch`` (padded or packed) with ``target_ids``, ``loss_mask``,
+            ``advantages``, ``old_logprobs`` and what the KL needs (``anchor_logprobs``, and
+            ``topk_ids`` / ``topk_anchor_logprobs`` for a Top-k KL); the seq-mean modes average
+            over its sequences (``seq_ids``), not its rows.
         vocab_start, vocab_size, tp_group: the vocab shard (see ``vocab_parallel_logprobs``).
         policy_loss: a key of ``ALL_POLICY_LOSSES`` (``ppo_clip`` covers GRPO, DAPO, dual-clip;
             ``rpg*`` the RPG surrogates); ``policy_loss_args``: its keyword arguments.
@@ -138,9 +119,10 @@ def rl_loss(
     logprobs = gathered[..., -1]  # [B, S] log pi(target)
     mask = batch.loss_mask
     old = batch.old_logprobs
+    seq_ids = batch.seq_ids
 
     pg = ALL_POLICY_LOSSES[policy_loss](logprobs, old, batch.advantages, **(policy_loss_args or {}), validate=validate)
-    total = aggregate(pg.values, mask, agg_mode)
+    total = aggregate(pg.values, mask, agg_mode, seq_ids)
     metrics = {"policy_loss": LossSum(total.loss_sum.detach(), total.count)}
     for name, values in pg.metrics.items():
         metrics[name] = aggregate(values, mask)
@@ -155,13 +137,14 @@ def rl_loss(
                 logprobs, batch.anchor_logprobs, estimator=kl, old_logprobs=old if use_iw else None,
                 validate=validate, **kl_args,
             )  # fmt: skip
-        kl_sum = aggregate(kl_values, mask, agg_mode)
+        kl_sum = aggregate(kl_values, mask, agg_mode, seq_ids)
         total = LossSum(total.loss_sum + kl_coef * kl_sum.loss_sum, total.count)
         metrics["kl"] = aggregate(kl_values.detach(), mask)
     if entropy is not None:
         entropy = entropy.reshape(lead)
         if entropy_coef > 0:
-            total = LossSum(total.loss_sum - entropy_coef * aggregate(entropy, mask, agg_mode).loss_sum, total.count)
+            bonus = aggregate(entropy, mask, agg_mode, seq_ids).loss_sum
+            total = LossSum(total.loss_sum - entropy_coef * bonus, total.count)
         metrics["entropy"] = aggregate(entropy.detach(), mask)
     metrics["loss"] = LossSum(total.loss_sum.detach(), total.count)
     return RLLoss(total, metrics)

@@ -1,29 +1,42 @@
-"""Rollout samples -> the padded [b, s] tensors the Megatron passes take.
+"""Rollout samples -> the micro-batches (``core.microbatch.MicroBatch``) of the Megatron passes.
 
 A sample is a prompt and one sampled response. Its tokens are ``prompt + response``; position t
 predicts token t + 1, so the response's log-probs sit at positions ``len(prompt) - 1 ..
 len(prompt) + len(response) - 2``: that is where ``loss_mask`` is True, except at the response
 tokens the policy did not generate (a multi-turn response's observations: ``response_mask``
-False), which get no loss, KL or entropy term. Sequences are right-padded
-to one length for the whole step (Megatron's schedule takes one ``seq_length`` per call), rounded
-up to a multiple of ``pad_multiple``.
+False), which get no loss, KL or entropy term, and except in a sample that does not train
+(``Sample.trains``: a truncated response under ``algorithm.mask_truncated``).
 
-``training_micro_batches`` cuts the padded batch into what the Megatron passes take: mini-batches
-of micro-batches, without the samples that carry no loss (a truncated response under
-``algorithm.mask_truncated``: its old, anchor and update passes would compute a zero loss), on the
-model's device. The loss is unchanged: a sample without loss tokens adds 0 to every (sum, count).
+``micro_batches`` turns the samples of one mini-batch into the micro-batches of one Megatron call
+(``MicroBatchPlan``):
+
+    grouping  ``micro_batch_size`` samples per micro-batch, or (``max_tokens``) as few
+              micro-batches as hold the samples within that many tokens each; either way the
+              groups are balanced by tokens (``balance.partition``)
+    layout    packed: one row of the group's sequences back to back (``MicroBatch`` docstring);
+              padded: one right-padded row per sample
+    shape     each micro-batch is cut to its own tokens, rounded up to ``pad_multiple``; under
+              pipeline parallelism (``fixed_shape``) to the call's largest, since the stages
+              exchange fixed-size activations
+
+``replica_shares`` says which samples each data-parallel replica trains on: with balancing, the samples
+of each mini-batch of all replicas of one engine (every rank of them holds them all) are split
+between those replicas by estimated compute, so that no replica waits for a heavier one; the
+union over replicas, and with it each optimizer step's gradient, is unchanged. Samples that do not
+train are left out of every pass: a sample without loss tokens adds 0 to every (sum, count).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
-
-from megatron_empg.core.advantages import token_advantages
-from megatron_empg.rollout.trajectory import Trajectory
+import math
+from typing import Any, Callable, Sequence
 
 import torch
-from torch import Tensor
+
+from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.rollout.trajectory import Trajectory
+from megatron_empg.trainer.balance import micro_batch_bins, partition
 
 
 @dataclasses.dataclass
@@ -40,6 +53,7 @@ class Sample:
     stats: dict[str, float] = dataclasses.field(default_factory=dict)  # rollout counts (turns, searches)
     reward: float = 0.0
     correct: bool = False
+    trains: bool = True  # False: no loss term (algorithm.mask_truncated on a truncated response)
 
     @classmethod
     def from_trajectory(cls, example, group: int, trajectory: Trajectory) -> Sample:
@@ -58,95 +72,151 @@ class Sample:
             return self.response_ids
         return [token for token, generated in zip(self.response_ids, self.response_mask) if generated]
 
-
-@dataclasses.dataclass
-class PackedBatch:
-    """``input_ids``/``target_ids`` [B, S] int64, ``loss_mask`` [B, S] bool, ``sampler_logprobs``
-    [B, S] float32 (0 off the mask), for B samples in their given order."""
-
-    input_ids: Tensor
-    target_ids: Tensor
-    loss_mask: Tensor
-    sampler_logprobs: Tensor
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens that carry a loss: the generated ones, if the sample trains."""
+        return len(self.generated_ids) if self.trains else 0
 
 
-def pack(samples: Sequence[Sample], *, pad_id: int, pad_multiple: int = 8, max_len: int | None = None) -> PackedBatch:
-    """Right-padded tensors of ``samples`` (see the module docstring). ``max_len``: refuse longer."""
-    if not samples:
-        raise ValueError("pack: no samples")
-    longest = max(s.length for s in samples)
-    if max_len is not None and longest > max_len:
-        raise ValueError(f"a sample has {longest} tokens, more than train.max_seq_len={max_len}")
-    width = -(-longest // pad_multiple) * pad_multiple
-    if max_len is not None:
-        width = min(width, max_len)
-    b = len(samples)
-    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
-    target_ids = torch.full((b, width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((b, width), dtype=torch.bool)
-    sampler = torch.zeros((b, width), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        tokens = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        n, p, r = tokens.numel(), len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, :n] = tokens
-        target_ids[i, : n - 1] = tokens[1:]
-        if r:
-            generated = torch.ones(r, dtype=torch.bool) if s.response_mask is None else torch.tensor(s.response_mask)
-            if generated.shape != (r,):
-                raise ValueError(f"sample {i}: response_mask has {generated.numel()} entries for {r} response tokens")
-            loss_mask[i, p - 1 : p - 1 + r] = generated
-            logprobs = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
-            sampler[i, p - 1 : p - 1 + r] = torch.where(generated, logprobs, 0.0)
-    return PackedBatch(input_ids, target_ids, loss_mask, sampler)
+@dataclasses.dataclass(frozen=True)
+class MicroBatchPlan:
+    """How one call's samples become micro-batches (module docstring).
 
-
-def training_micro_batches(
-    batch: PackedBatch,
-    advantages: Tensor,
-    *,
-    micro_batch_size: int,
-    mini_batches: int,
-    device: torch.device,
-    pad_multiple: int = 8,
-) -> list[list[dict[str, Tensor]]]:
-    """``[mini_batches][m]`` micro-batches (dicts of ``input_ids``, ``target_ids``, ``loss_mask``
-    [b, s] and ``advantages`` [b, s] float32, on ``device``) of ``batch``'s B samples and their
-    ``advantages`` [B].
-
-    Mini-batch j is samples ``[j * B / mini_batches, (j + 1) * B / mini_batches)`` (as sampled),
-    less those without a loss token, in micro-batches of ``micro_batch_size`` samples; a last
-    partial micro-batch is filled with loss-free samples of the same mini-batch, and a mini-batch
-    with no loss token keeps one micro-batch (every replica takes part in each optimizer step, and
-    pipeline stages exchange equal shapes). The width is cut to the kept samples' last loss token
-    (rounded up to ``pad_multiple``): positions after it cannot change the log-probs before it.
+    ``max_tokens``: a token budget per micro-batch (packed layout only) instead of
+    ``micro_batch_size`` samples. ``fixed_shape``: one [b, s] for every micro-batch of the call
+    (pipeline parallelism). ``count_multiple``: the number of micro-batches is a multiple of it
+    (the interleaved schedule runs them in groups of the pipeline size).
     """
-    total = batch.input_ids.size(0)
-    if total % mini_batches or (total // mini_batches) % micro_batch_size:
-        raise ValueError(
-            f"{total} samples do not split into {mini_batches} mini-batches of micro-batches of {micro_batch_size}"
-        )
-    per_mini = total // mini_batches
-    trains = batch.loss_mask.any(dim=-1).tolist()
-    plan = []
+
+    packing: bool = True
+    micro_batch_size: int = 8
+    max_tokens: int | None = None
+    fixed_shape: bool = False
+    count_multiple: int = 1
+    pad_multiple: int = 8
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and not self.packing:
+            raise ValueError("a token budget per micro-batch (max_tokens) needs the packed layout")
+
+
+def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: MicroBatchPlan) -> list[MicroBatch]:
+    """The micro-batches of one call (on the CPU) holding ``samples`` with their per-sample
+    ``advantages``; at least one (``plan.count_multiple``), padding-only if there are no samples.
+    A sample longer than ``plan.max_tokens`` is a ValueError naming ``train.max_tokens_per_microbatch``."""
+    if len(samples) != len(advantages):
+        raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
+    lengths = [s.length for s in samples]
+    if plan.max_tokens is not None:
+        bins = micro_batch_bins(lengths, plan.max_tokens, multiple_of=plan.count_multiple)
+    else:
+        count = _round_up(max(1, math.ceil(len(samples) / plan.micro_batch_size)), plan.count_multiple)
+        bins = partition(lengths, count, equal_count=True)
+    if plan.packing:
+        widths = [_round_up(max(sum(lengths[i] for i in b), 1), plan.pad_multiple) for b in bins]
+        rows = [1] * len(bins)
+    else:
+        widths = [_round_up(max([lengths[i] for i in b], default=1), plan.pad_multiple) for b in bins]
+        rows = [max(len(b), 1) for b in bins]
+    if plan.fixed_shape:
+        widths, rows = [max(widths)] * len(bins), [max(rows)] * len(bins)
+    build = _packed_row if plan.packing else _padded_rows
+    return [build([samples[i] for i in b], [float(advantages[i]) for i in b], width, row_count, plan.pad_id)
+            for b, width, row_count in zip(bins, widths, rows)]  # fmt: skip
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class _Rows:
+    """[rows, width] tensors being filled, one sequence at a time."""
+
+    def __init__(self, rows: int, width: int, pad_id: int) -> None:
+        self.input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+        self.target_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+        self.loss_mask = torch.zeros((rows, width), dtype=torch.bool)
+        self.advantages = torch.zeros((rows, width), dtype=torch.float32)
+        self.sampler = torch.zeros((rows, width), dtype=torch.float32)
+
+    def put(self, row: int, offset: int, sample: Sample, advantage: float) -> None:
+        """``sample``'s tokens at ``[row, offset : offset + length]``; its targets, loss mask,
+        advantage and sampler log-probs at the positions that predict its response."""
+        tokens = torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.long)
+        n, p, r = tokens.numel(), len(sample.prompt_ids), len(sample.response_ids)
+        self.input_ids[row, offset : offset + n] = tokens
+        self.target_ids[row, offset : offset + n - 1] = tokens[1:]
+        if not r:
+            return
+        mask = sample.response_mask
+        generated = torch.ones(r, dtype=torch.bool) if mask is None else torch.tensor(mask, dtype=torch.bool)
+        if generated.shape != (r,):
+            raise ValueError(f"a sample's response_mask has {generated.numel()} entries for {r} response tokens")
+        generated &= sample.trains
+        span = slice(offset + p - 1, offset + p - 1 + r)
+        self.loss_mask[row, span] = generated
+        self.advantages[row, span] = torch.where(generated, advantage, 0.0)
+        logprobs = torch.tensor(sample.sampler_logprobs, dtype=torch.float32)
+        self.sampler[row, span] = torch.where(generated, logprobs, 0.0)
+
+    def micro_batch(self, **layout) -> MicroBatch:
+        return MicroBatch(self.input_ids, self.target_ids, self.loss_mask, self.advantages, self.sampler, **layout)
+
+
+def _padded_rows(samples: Sequence[Sample], advantages: Sequence[float], width: int, rows: int, pad_id: int):
+    """One right-padded row per sample (and padding-only rows up to ``rows``)."""
+    out = _Rows(rows, width, pad_id)
+    for row, (sample, advantage) in enumerate(zip(samples, advantages)):
+        out.put(row, 0, sample, advantage)
+    return out.micro_batch()
+
+
+def _packed_row(samples: Sequence[Sample], advantages: Sequence[float], width: int, rows: int, pad_id: int):
+    """One row of the samples back to back, then padding (its own segment)."""
+    out = _Rows(1, width, pad_id)
+    lengths = [s.length for s in samples]
+    offset = 0
+    for sample, advantage in zip(samples, advantages):
+        out.put(0, offset, sample, advantage)
+        offset += sample.length
+    if offset < width:
+        lengths.append(width - offset)
+    bounds = torch.tensor([0, *lengths]).cumsum(0)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    positions = torch.arange(width) - bounds[seq_ids]
+    return out.micro_batch(position_ids=positions[None], seq_ids=seq_ids[None], cu_seqlens=bounds.to(torch.int32),
+                           max_seqlen=max(lengths))  # fmt: skip
+
+
+def replica_shares(
+    lengths: Sequence[Sequence[int]],
+    trains: Sequence[Sequence[bool]],
+    *,
+    mini_batches: int,
+    cost: Callable[[int], float] | None,
+) -> list[list[list[tuple[int, int]]]]:
+    """Which samples each of the R replicas of one engine trains on, ``[R][mini-batch]`` lists of
+    ``(replica r, sample i)`` pairs into ``lengths`` / ``trains`` ([R][B]).
+
+    Mini-batch j holds each replica's samples ``[j * B / mini_batches, (j + 1) * B / mini_batches)``
+    that train. ``cost`` None (or R = 1): each replica keeps its own. Else the pool of mini-batch j
+    over all R replicas is split into R parts of balanced ``cost`` (the sequence's estimated
+    compute, from its length), part k to replica k: every rank computes the same.
+    """
+    count, per_replica = len(lengths), len(lengths[0]) if lengths else 0
+    if per_replica % mini_batches:
+        raise ValueError(f"{per_replica} samples per replica do not split into {mini_batches} mini-batches")
+    size = per_replica // mini_batches
+    shares: list[list[list[tuple[int, int]]]] = [[] for _ in range(count)]
     for j in range(mini_batches):
-        members = range(j * per_mini, (j + 1) * per_mini)
-        kept = [i for i in members if trains[i]]
-        fill = -len(kept) % micro_batch_size if kept else micro_batch_size
-        plan.append(kept + [i for i in members if not trains[i]][:fill])
-    used = [i for indices in plan for i in indices]
-    positions = batch.loss_mask[used].any(dim=0).nonzero()
-    last = int(positions.max()) + 1 if positions.numel() else 1
-    width = min(-(-last // pad_multiple) * pad_multiple, batch.input_ids.size(1))
-    out = []
-    for indices in plan:
-        minis = []
-        for first in range(0, len(indices), micro_batch_size):
-            rows = torch.tensor(indices[first : first + micro_batch_size])
-            loss_mask = batch.loss_mask[rows, :width]
-            micro = {
-                "input_ids": batch.input_ids[rows, :width], "target_ids": batch.target_ids[rows, :width],
-                "loss_mask": loss_mask, "advantages": token_advantages(advantages[rows], loss_mask),
-            }  # fmt: skip
-            minis.append({name: tensor.to(device) for name, tensor in micro.items()})
-        out.append(minis)
-    return out
+        members = range(j * size, (j + 1) * size)
+        if cost is None or count == 1:
+            for r in range(count):
+                shares[r].append([(r, i) for i in members if trains[r][i]])
+            continue
+        pool = [(r, i) for r in range(count) for i in members if trains[r][i]]
+        parts = partition([cost(lengths[r][i]) for r, i in pool], count)
+        for r in range(count):
+            shares[r].append([pool[k] for k in parts[r]])
+    return shares

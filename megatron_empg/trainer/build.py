@@ -37,8 +37,9 @@ from megatron_empg.config import ConfigError, LossConfig, ModelConfig, RunConfig
 from megatron_empg.core.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from megatron_empg.core.aggregation import AGG_MODES
 from megatron_empg.core.kl import sampled_kl
+from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.topk_kl import topk_kl_from_logprobs
-from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, KL_KINDS, RLMicroBatch, rl_loss
+from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, KL_KINDS, rl_loss
 from megatron_empg.rollout.data import DataError, check_first_record
 from megatron_empg.rollout.engines import EngineKind
 from megatron_empg.rollout.rewards import REWARDS, RewardFn
@@ -185,8 +186,8 @@ def _dry_run(loss_fn: Callable, stats: StatsPlan, k: int, field: str) -> None:
     logprobs = torch.log_softmax(torch.randn(2, 3, vocab, generator=generator), dim=-1)
     targets = torch.randint(0, vocab, (2, 3), generator=generator)
     topk = torch.arange(k).expand(2, 3, k) if stats.old_topk or stats.anchor_topk else None
-    batch = RLMicroBatch(
-        target_ids=targets, loss_mask=torch.tensor([[True, True, False], [True, False, False]]),
+    batch = MicroBatch(
+        input_ids=targets, target_ids=targets, loss_mask=torch.tensor([[True, True, False], [True, False, False]]),
         advantages=torch.tensor([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]]),
         old_logprobs=logprobs.gather(-1, targets[..., None])[..., 0],
         anchor_logprobs=logprobs.gather(-1, targets[..., None])[..., 0] - 0.1 if stats.anchor else None,

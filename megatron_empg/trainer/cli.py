@@ -113,10 +113,17 @@ def _describe(components) -> str:
     return (
         f"ok: {components.model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp} x DP {layout.dp}); "
         f"per replica and step {layout.prompts_per_replica} prompts, {layout.samples_per_replica} samples in "
-        f"{layout.micro_batches_per_replica} micro-batches; advantage {c.algorithm.advantage}, policy loss "
+        f"{_micro_batches(c.train, layout)}; advantage {c.algorithm.advantage}, policy loss "
         f"{loss.policy_loss}, KL {loss.kl or 'none'}, reward {c.data.reward}, engine {c.rollout.engine} "
         f"x {layout.engines} ({layout.dp // layout.engines} replica(s) each), weight sync {c.weight_sync.transport}\n"
     )
+
+
+def _micro_batches(train, layout) -> str:
+    layout_name = "packed" if train.packing else "padded"
+    if layout.micro_batches_per_replica is None:
+        return f"{layout_name} micro-batches of at most {train.max_tokens_per_microbatch} tokens"
+    return f"{layout.micro_batches_per_replica} {layout_name} micro-batches"
 
 
 def _train(config: RunConfig, *, resume: bool) -> int:

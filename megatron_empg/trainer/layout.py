@@ -20,7 +20,8 @@ from megatron_empg.rollout.engines import ENGINES, EngineKind
 class Layout:
     """The grid of a run: ``world_size = tp * pp * dp`` processes; each data-parallel replica
     takes ``prompts_per_replica`` whole prompt groups per step, ``samples_per_replica`` samples in
-    ``micro_batches_per_replica`` micro-batches."""
+    ``micro_batches_per_replica`` micro-batches (None: as many as ``train.max_tokens_per_microbatch``
+    needs, which depends on the lengths sampled)."""
 
     world_size: int
     tp: int
@@ -28,7 +29,7 @@ class Layout:
     dp: int
     prompts_per_replica: int
     samples_per_replica: int
-    micro_batches_per_replica: int
+    micro_batches_per_replica: int | None
     engines: int  # rollout engines (``rollout.engines``), each serving dp / engines replicas
 
 
@@ -70,6 +71,25 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
         )
     prompts = train.prompts_per_step // dp
     samples = prompts * config.rollout.sampling.n
+    if train.max_tokens_per_microbatch is not None:
+        if samples % config.algorithm.mini_batches:
+            raise ConfigError(
+                "algorithm.mini_batches",
+                f"must divide each data-parallel replica's samples, train.prompts_per_step / {dp} x "
+                f"rollout.sampling.n = {samples} ({where}), got {config.algorithm.mini_batches}",
+            )
+        micro_batches = None
+    else:
+        micro_batches = _count_micro_batches(config, samples, dp, where)
+    _check_engine_split(config, model)
+    _check_recompute(config, model)
+    engines = _check_engine_placement(config, dp, where)
+    return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches, engines)
+
+
+def _count_micro_batches(config: RunConfig, samples: int, dp: int, where: str) -> int:
+    """Micro-batches of ``train.micro_batch_size`` samples: whole, and whole in every mini-batch."""
+    train = config.train
     if samples % train.micro_batch_size:
         raise ConfigError(
             "train.micro_batch_size",
@@ -83,10 +103,7 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
             f"must divide each data-parallel replica's {micro_batches} micro-batches of "
             f"train.micro_batch_size={train.micro_batch_size} ({where}), got {config.algorithm.mini_batches}",
         )
-    _check_engine_split(config, model)
-    _check_recompute(config, model)
-    engines = _check_engine_placement(config, dp, where)
-    return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches, engines)
+    return micro_batches
 
 
 def _check_recompute(config: RunConfig, model: ModelConfig) -> None:

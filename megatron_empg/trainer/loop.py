@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import statistics
@@ -34,7 +35,10 @@ from megatron_empg.config import ConfigError, RunConfig, to_yaml
 from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.placement import build_placement
 from megatron_empg.trainer import machine
-from megatron_empg.trainer.batch import PackedBatch, Sample, pack, training_micro_batches
+from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.trainer.balance import attention_quadratic, sequence_cost
+from megatron_empg.trainer.balance import imbalance
+from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
 from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.metrics import all_reduce_sums, sample_means, sample_sums
 from megatron_empg.trainer.rollout import RolloutStage
@@ -55,6 +59,18 @@ class StepOutput:
     metrics: dict[str, float]
 
 
+@dataclasses.dataclass
+class StepBatch:
+    """This replica's ``[mini-batch][micro-batch]`` of one step on the policy's device, with its
+    ``tokens`` (of the samples in them), ``slots`` (positions computed, padding included) and
+    ``imbalance`` (max / mean tokens over the replicas of this rank's engine; 1: balanced)."""
+
+    minis: list[list[MicroBatch]]
+    tokens: int
+    slots: int
+    imbalance: float
+
+
 class Trainer:
     """Everything one run holds. Build with ``Trainer(bind(config, world_size))`` on every rank
     (after ``torch.distributed`` is initialised), then ``run(resume=...)``."""
@@ -72,6 +88,8 @@ class Trainer:
         self.groups = groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
         self.placement = build_placement(components.layout.engines, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                                          dp_rank=groups.dp_rank, dp_size=groups.dp_size)  # fmt: skip
+        self.replica = groups.dp_rank % (groups.dp_size // components.layout.engines)  # among its engine's
+        self.plan = self._micro_batch_plan()
         self._check_machine()
         # The engines start before the policy is built (vLLM checks the free GPU memory it is given).
         self.rollouts = RolloutStage(config, self.model, self.tokenizer, components.engine, self.placement,
@@ -106,6 +124,15 @@ class Trainer:
         found = next((p for p in problems if p is not None), None)
         if found is not None:
             raise ConfigError(*found)
+
+    def _micro_batch_plan(self) -> MicroBatchPlan:
+        train, parallel = self.config.train, self.config.parallel
+        pp = parallel.pipeline_model_parallel_size
+        return MicroBatchPlan(
+            packing=train.packing, micro_batch_size=train.micro_batch_size, max_tokens=train.max_tokens_per_microbatch,
+            fixed_shape=pp > 1, count_multiple=pp if parallel.virtual_pipeline_model_parallel_size else 1,
+            pad_id=self.tokenizer.pad_token_id or 0,
+        )  # fmt: skip
 
     def _build_policy(self) -> None:
         from megatron_empg.mcore.model import build_gpt_model, recompute_overrides
@@ -199,25 +226,22 @@ class Trainer:
     def step(self) -> StepOutput:
         times: dict[str, float] = {}
         with _timed(times, "rollout"):
-            samples, rollout_metrics = self.rollout()
+            replicas, rollout_metrics = self.rollout()
             self.rollouts.sleep()
+        samples = replicas[self.replica]
         with _timed(times, "rewards"):
             reward_metrics = self.score_rewards(samples)
         with _timed(times, "advantages"):
             advantages = self.advantages(samples)
-        batch = pack(samples, pad_id=self.tokenizer.pad_token_id or 0, max_len=self.config.train.max_seq_len)
-        if self.config.algorithm.mask_truncated:
-            for i, sample in enumerate(samples):
-                if sample.finish_reason == "length":
-                    batch.loss_mask[i] = False
-        minis = self.micro_batches(batch, advantages)
-        micro = [mb for mini in minis for mb in mini]
+        with _timed(times, "batching"):
+            batch = self.micro_batches(replicas, advantages)
+        micro = [mb for mini in batch.minis for mb in mini]
         with _timed(times, "old_pass"):
             self.old_pass(micro)
         with _timed(times, "anchor_pass"):
             self.anchor_pass(micro)
         with _timed(times, "update"):
-            update_metrics = self.update(minis)
+            update_metrics = self.update(batch.minis)
         with _timed(times, "ema_update"):
             ema_updates = self.ema_update()
         self.step_index += 1
@@ -230,10 +254,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ stages
 
-    def rollout(self) -> tuple[list[Sample], dict[str, float]]:
-        """This DP replica's samples of global prompt batch ``step_index``, and the engines' metrics."""
-        return self.rollouts.sample(self.step_index, self.batches.batch(self.step_index), dp_rank=self.groups.dp_rank,
-                                    dp_size=self.groups.dp_size)  # fmt: skip
+    def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]:
+        """The samples of global prompt batch ``step_index`` of each replica of this rank's engine
+        (``[R][...]``; this replica's at ``self.replica``), and the engines' metrics."""
+        return self.rollouts.sample(self.step_index, self.batches.batch(self.step_index), dp_size=self.groups.dp_size)
 
     def validate(self) -> dict[str, float]:
         """``val/...`` metrics of the validation prompts under the engines' weights, the same on
@@ -253,16 +277,45 @@ class Trainer:
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         return self.components.advantage(rewards, groups)
 
-    def micro_batches(self, batch: PackedBatch, advantages: torch.Tensor) -> list[list[dict[str, torch.Tensor]]]:
-        """This replica's mini-batches of micro-batches on the policy's device, without the samples
-        that carry no loss (``trainer.batch.training_micro_batches``): every tensor that meets the
-        model is moved here, and only here."""
-        return training_micro_batches(
-            batch, advantages, micro_batch_size=self.config.train.micro_batch_size,
-            mini_batches=self.config.algorithm.mini_batches, device=next(self.models[0].parameters()).device,
-        )  # fmt: skip
+    def micro_batches(self, replicas: list[list[Sample]], advantages: torch.Tensor) -> StepBatch:
+        """This replica's mini-batches of micro-batches on the policy's device (``trainer.batch``):
+        the samples that train, balanced between the replicas of this engine with ``train.balance``
+        (their advantages, [B] per replica, are shared inside the engine group first). Every tensor
+        that meets the model is moved here, and only here."""
+        mask_truncated = self.config.algorithm.mask_truncated
+        for sample in (s for replica in replicas for s in replica):
+            sample.trains = bool(sample.generated_ids) and not (mask_truncated and sample.finish_reason == "length")
+        cost = None
+        if self.config.train.balance and len(replicas) > 1:
+            advantages_of = self._engine_advantages(advantages, len(replicas))
+            quadratic = attention_quadratic(self.model.hidden_size, self.model.parameters_per_layer())
+            cost = functools.partial(sequence_cost, quadratic=quadratic)
+        else:
+            advantages_of = {self.replica: advantages.tolist()}
+        shares = replica_shares([[s.length for s in r] for r in replicas], [[s.trains for s in r] for r in replicas],
+                                mini_batches=self.config.algorithm.mini_batches, cost=cost)  # fmt: skip
+        device = next(self.models[0].parameters()).device
+        minis = []
+        for items in shares[self.replica]:
+            calls = micro_batches([replicas[r][i] for r, i in items], [advantages_of[r][i] for r, i in items], self.plan)
+            minis.append([mb.to(device) for mb in calls])
+        tokens = [sum(replicas[r][i].length for mini in share for r, i in mini) for share in shares]
+        slots = sum(mb.input_ids.numel() for mini in minis for mb in mini)
+        return StepBatch(minis, tokens[self.replica], slots, imbalance(tokens))
 
-    def old_pass(self, micro: list[dict]) -> None:
+    def _engine_advantages(self, advantages: torch.Tensor, count: int) -> dict[int, list[float]]:
+        """``{r: [B] advantages}`` of the ``count`` replicas of this rank's engine, from one
+        all-gather inside its group (each rank sends its replica index and its [B] advantages)."""
+        group = self.placement.group
+        row = torch.cat([torch.tensor([float(self.replica)]), advantages.double()]).to(collective_device(group))
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, row, group=group)
+        out = {int(r[0]): r[1:].tolist() for r in rows}
+        if sorted(out) != list(range(count)):
+            raise RuntimeError(f"engine group advantages came from replicas {sorted(out)}, expected 0..{count - 1}")
+        return out
+
+    def old_pass(self, micro: list[MicroBatch]) -> None:
         """log pi_old at the targets (and the policy's top-k for a reverse Top-k KL) into ``micro``."""
         from megatron_empg.mcore.step import StatsRequest, forward_stats, share_stats
 
@@ -271,11 +324,11 @@ class Trainer:
                                chunk_size=self.config.algorithm.loss.chunk_size)  # fmt: skip
         outputs = share_stats(forward_stats(self.models, micro, request, self.groups), micro, request, self.groups)
         for mb, out in zip(micro, outputs):
-            mb["old_logprobs"] = out["logprobs"]
+            mb.old_logprobs = out["logprobs"]
             if plan.old_topk:
-                mb["topk_ids"] = out["topk_ids"]
+                mb.topk_ids = out["topk_ids"]
 
-    def anchor_pass(self, micro: list[dict]) -> None:
+    def anchor_pass(self, micro: list[MicroBatch]) -> None:
         """log pi_ref at the targets and at the Top-k ids (forward KL: the anchor's own top-k)."""
         from megatron_empg.mcore.step import StatsRequest, forward_stats, share_stats
 
@@ -289,13 +342,13 @@ class Trainer:
         )  # fmt: skip
         outputs = share_stats(forward_stats(self.anchor.models, micro, request, self.groups), micro, request, self.groups)
         for mb, out in zip(micro, outputs):
-            mb["anchor_logprobs"] = out["logprobs"]
+            mb.anchor_logprobs = out["logprobs"]
             if plan.anchor_at_old_topk:
-                mb["topk_anchor_logprobs"] = out["extra_logprobs"]
+                mb.topk_anchor_logprobs = out["extra_logprobs"]
             elif plan.anchor_topk:
-                mb["topk_ids"], mb["topk_anchor_logprobs"] = out["topk_ids"], out["topk_logprobs"]
+                mb.topk_ids, mb.topk_anchor_logprobs = out["topk_ids"], out["topk_logprobs"]
 
-    def update(self, minis: list[list[dict]]) -> dict[str, float]:
+    def update(self, minis: list[list[MicroBatch]]) -> dict[str, float]:
         """One optimizer step per mini-batch (of micro-batches); the mean of their metrics."""
         from megatron_empg.mcore.step import train_step
 
@@ -344,17 +397,23 @@ class Trainer:
             )  # fmt: skip
         return metrics
 
-    def metrics(self, samples, batch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
+    def metrics(self, samples, batch: StepBatch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
         """Per-step metrics: ``sample_means`` of the samples' sums over data-parallel replicas (one
-        all-reduce), the loss tokens per sample, throughput, and this rank's timings."""
-        local = {**sample_sums(samples, reward_metrics), "loss_tokens": int(batch.loss_mask.sum()),
-                 "no_loss": int((~batch.loss_mask.any(dim=-1)).sum())}  # fmt: skip
+        all-reduce), the loss tokens per sample, the micro-batches' padding, throughput, and this
+        rank's timings."""
+        local = {**sample_sums(samples, reward_metrics), "loss_tokens": sum(s.loss_tokens for s in samples),
+                 "no_loss": sum(s.loss_tokens == 0 for s in samples), "batch_tokens": batch.tokens,
+                 "batch_slots": batch.slots, "micro_batches": sum(len(mini) for mini in batch.minis),
+                 "imbalance": batch.imbalance}  # fmt: skip
         totals = all_reduce_sums(local, self.groups.dp_group)
         seconds = sum(times.values())
         return {
             **sample_means(totals),
             "response/loss_tokens_mean": totals["loss_tokens"] / max(totals["samples"], 1),
             "response/no_loss_fraction": totals["no_loss"] / max(totals["samples"], 1),
+            "batch/padding_fraction": 1.0 - totals["batch_tokens"] / max(totals["batch_slots"], 1),
+            "batch/micro_batches_mean": totals["micro_batches"] / self.groups.dp_size,
+            "batch/replica_imbalance": totals["imbalance"] / self.groups.dp_size,
             "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
             **{f"time/{k}": v for k, v in times.items()}, **update_metrics, **sync_metrics,
         }  # fmt: skip

@@ -4,12 +4,12 @@ for validation, and their sleep and wake-up around training.
 Engine ``e`` samples the prompts of its replicas: a consecutive block of each global batch (GRPO
 groups whole). Seeds follow the global prompt index (``rollout.sampling.seed`` + step offset +
 first prompt x n, times the search agent's turns per episode), so E engines draw what one engine
-would. Each owner shares its trajectories inside its engine group only; every rank then takes its
-replica's samples. Validation prompts split over the engines the same way, and their metric sums
+would. Each owner shares its trajectories inside its engine group only, so every rank holds the
+samples of all the replicas its engine serves (the trainer balances them between those replicas). Validation prompts split over the engines the same way, and their metric sums
 are reduced once over the world.
 
     stage = RolloutStage(config, model, tokenizer, engine_kind, placement, run_dir=...)  # every rank
-    samples, metrics = stage.sample(step, examples, dp_rank=..., dp_size=...)
+    replicas, metrics = stage.sample(step, examples, dp_size=...)   # [R][samples of a replica]
     stage.sleep(); ...; stage.wake_weights(); <sync>; stage.wake_kv_cache()
 """
 
@@ -102,9 +102,10 @@ class RolloutStage:
 
     # ------------------------------------------------------------------ sampling
 
-    def sample(self, step: int, examples: Sequence, *, dp_rank: int, dp_size: int) -> tuple[list[Sample], dict]:
-        """This replica's samples of global prompt batch ``step`` (``examples``, every rank's copy),
-        and the step's ``engines/*`` metrics (the same on every rank)."""
+    def sample(self, step: int, examples: Sequence, *, dp_size: int) -> tuple[list[list[Sample]], dict]:
+        """The samples of global prompt batch ``step`` (``examples``, every rank's copy) for each of
+        the R replicas this rank's engine serves, ``[R][prompts per replica x n]`` in replica order
+        (data-parallel rank ``first + r``), and the step's ``engines/*`` metrics (the same on every rank)."""
         placement = self.placement
         prompts = placement.prompts(len(examples))
         sampling = self.config.rollout.sampling
@@ -118,10 +119,13 @@ class RolloutStage:
             seconds = time.perf_counter() - start
         payload = placement.broadcast_from_owner(payload)
         per_replica = len(examples) // dp_size
-        mine = range(dp_rank * per_replica, (dp_rank + 1) * per_replica)
-        samples = [Sample.from_trajectory(examples[p], p, t) for p in mine for t in payload[p - prompts.start]]
+        replicas = [
+            [Sample.from_trajectory(examples[p], p, t) for p in range(first, first + per_replica)
+             for t in payload[p - prompts.start]]
+            for first in range(prompts.start, prompts.stop, per_replica)
+        ]  # fmt: skip
         tokens = sum(len(t.token_ids) for group in payload for t in group) if self.engine is not None else 0
-        return samples, self._engine_metrics(seconds, len(prompts) * sampling.n, tokens)
+        return replicas, self._engine_metrics(seconds, len(prompts) * sampling.n, tokens)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Trajectory]]:
         """``[P][n]`` trajectories from this owner's engine: one response per sample, or the search

@@ -193,3 +193,29 @@ def test_bf16_values_are_summed_in_float32():
 def test_add_without_parts_raises():
     with pytest.raises(ValueError, match="at least one"):
         add()
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_packed_sequences_aggregate_per_sequence_not_per_row(mode):
+    """Rows of [B, S] laid back to back in one row with ``seq_ids``: the same sum, count and
+    gradient as the rows (a sequence without loss tokens counts in no mode)."""
+    g = torch.Generator().manual_seed(4)
+    lengths = [5, 2, 7, 3]
+    values = torch.randn(4, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(4, 7, generator=g) < 0.6
+    mask[1] = False
+    for row, n in enumerate(lengths):
+        mask[row, n:] = False
+    padded = aggregate(values, mask, mode)
+    flat = torch.cat([values[row, :n] for row, n in enumerate(lengths)] + [values.new_zeros(3)])[None]
+    flat_mask = torch.cat([mask[row, :n] for row, n in enumerate(lengths)] + [torch.zeros(3, dtype=torch.bool)])[None]
+    seq_ids = torch.repeat_interleave(torch.arange(5), torch.tensor([*lengths, 3]))[None]  # + a padding segment
+    packed = aggregate(flat, flat_mask, mode, seq_ids)
+    assert packed.count.item() == padded.count.item() == (int(mask.sum()) if mode == "token-mean" else 3)
+    torch.testing.assert_close(packed.loss_sum, padded.loss_sum, rtol=1e-12, atol=0)
+    (grad_padded,) = torch.autograd.grad(padded.loss_sum, values)
+    (grad_packed,) = torch.autograd.grad(packed.loss_sum, values)
+    torch.testing.assert_close(grad_packed, grad_padded, rtol=1e-12, atol=0)
+    # the rows themselves as one sequence would differ in the seq-mean modes
+    if mode != "token-mean":
+        assert aggregate(flat, flat_mask, mode).count.item() == 1

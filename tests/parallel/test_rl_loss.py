@@ -10,6 +10,8 @@ same metrics and its columns of the reference gradient.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +21,8 @@ from megatron_empg.core.kl import sampled_kl
 from megatron_empg.core.policy_loss import ppo_clip_loss
 from megatron_empg.core.rpg import rpg_reinforce_clip_loss
 from megatron_empg.core.topk_kl import topk_kl_from_logprobs
-from megatron_empg.parallel.rl_loss import RLMicroBatch, rl_loss
+from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.parallel.rl_loss import rl_loss
 from tests.dist import run_distributed
 
 B, S, V, K = 3, 5, 37, 4
@@ -63,7 +66,8 @@ def _inputs(seed: int = 0) -> dict:
     topk_ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(B * S)]).reshape(B, S, K)
     return {
         "logits": logits,
-        "batch": RLMicroBatch(
+        "batch": MicroBatch(
+            input_ids=target,
             target_ids=target,
             loss_mask=mask,
             advantages=torch.randn(B, S, generator=g),
@@ -75,7 +79,7 @@ def _inputs(seed: int = 0) -> dict:
     }
 
 
-def _reference(logits: torch.Tensor, batch: RLMicroBatch, case: dict) -> dict:
+def _reference(logits: torch.Tensor, batch: MicroBatch, case: dict) -> dict:
     leaf = logits[..., :V].clone().requires_grad_(True)
     log_p = torch.log_softmax(leaf, -1)
     logprobs = log_p.gather(-1, batch.target_ids[..., None])[..., 0]
@@ -171,6 +175,6 @@ def test_rl_loss_bad_options_raise_naming_the_option(inputs):
     with pytest.raises(ValueError, match="^kl_coef=0.1 needs a kl estimator"):
         rl_loss(logits, inputs["batch"], kl_coef=0.1, **kw)
     with pytest.raises(ValueError, match="kl='topk' needs batch.topk_ids"):
-        rl_loss(logits, inputs["batch"]._replace(topk_ids=None), kl="topk", kl_coef=0.1, **kw)
+        rl_loss(logits, dataclasses.replace(inputs["batch"], topk_ids=None), kl="topk", kl_coef=0.1, **kw)
     with pytest.raises(ValueError, match="^entropy_coef="):
         rl_loss(logits, inputs["batch"], entropy_coef=-1.0, **kw)

@@ -18,7 +18,7 @@ from megatron_empg.rollout.engine import Completion
 from megatron_empg.rollout.retriever import RetrieverClient, RetrieverUnavailable
 from megatron_empg.rollout.rewards import qa_em_reward, qa_f1_reward
 from megatron_empg.rollout.search_agent import INVALID_ACTION, Episode, SearchAgent
-from megatron_empg.trainer.batch import Sample, pack
+from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches
 from tests.dist import free_port
 from tests.rollout.retriever_service import serve_retriever
 from tools.make_tiny_model import char_tokenizer
@@ -276,7 +276,7 @@ def test_pack_puts_the_loss_mask_on_generated_tokens_only(tokenizer, retriever_u
     )
     sample = Sample(prompt, episode.response_ids, episode.sampler_logprobs, episode.finish_reason, group=0,
                     response_mask=episode.response_mask)  # fmt: skip
-    batch = pack([sample], pad_id=0)
+    (batch,) = micro_batches([sample], [1.0], MicroBatchPlan(packing=False))
     p = len(prompt)
     # position p - 1 + j predicts response token j
     assert batch.loss_mask[0, p - 1 : p - 1 + len(episode.response_ids)].tolist() == episode.response_mask
@@ -285,7 +285,7 @@ def test_pack_puts_the_loss_mask_on_generated_tokens_only(tokenizer, retriever_u
     assert targets == sample.generated_ids
     assert batch.sampler_logprobs[0][~batch.loss_mask[0]].abs().sum() == 0
     with pytest.raises(ValueError, match="response_mask has 3 entries"):
-        pack([dataclasses.replace(sample, response_mask=[True] * 3)], pad_id=0)
+        micro_batches([dataclasses.replace(sample, response_mask=[True] * 3)], [1.0], MicroBatchPlan())
 
 
 def test_max_obs_tokens_must_leave_room_for_passages(tokenizer):

@@ -1,5 +1,9 @@
-"""``trainer.batch.training_micro_batches``: samples without a loss token skip the Megatron passes,
-the tensors land on the model's device, and the optimizer step is the same as with every sample."""
+"""``trainer.batch``: samples -> micro-batches. The packed row holds each sample's tokens, targets,
+loss mask, advantages and sampler log-probs exactly where its padded row has them (shifted), with
+per-sequence positions and ``cu_seqlens``; a token budget bounds every row and names its field when
+a sample cannot fit; pipeline calls get one shape; ``replica_shares`` drops samples without loss
+and balances the rest between replicas without changing their union; dropping loss-free samples
+leaves the optimizer step unchanged (Megatron, one rank)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ import pytest
 import torch
 
 from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
-from megatron_empg.trainer.batch import Sample, pack, training_micro_batches
+from megatron_empg.trainer.balance import imbalance
+from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
 from tests.dist import run_distributed
 
 MODEL = "tiny-qwen2"
@@ -22,58 +27,90 @@ def _samples(no_loss: set[int], count: int = 8, vocab: int = 50) -> list[Sample]
         prompt = torch.randint(2, vocab, (3 + i % 4,), generator=g).tolist()
         response = torch.randint(2, vocab, (2 + (7 * i) % 8,), generator=g).tolist()
         mask = [i not in no_loss] * len(response)
-        out.append(Sample(prompt, response, [-1.0] * len(response), "stop", group=i // 2, response_mask=mask))
+        logprobs = (-torch.rand(len(response), generator=g)).tolist()
+        out.append(Sample(prompt, response, logprobs, "stop", group=i // 2, response_mask=mask))
     return out
 
 
-def test_samples_without_loss_leave_their_micro_batches():
-    samples = _samples(no_loss={1, 2, 5})
-    batch = pack(samples, pad_id=0)
-    advantages = torch.arange(8, dtype=torch.float32)
-    minis = training_micro_batches(batch, advantages, micro_batch_size=2, mini_batches=2, device=torch.device("cpu"))
-    # mini-batch 0 (samples 0-3) keeps 0 and 3; mini-batch 1 (4-7) keeps 4, 6, 7 and fills with 5
-    rows = [[int(mb["advantages"].amax(dim=1).max(dim=0).values) for mb in mini] for mini in minis]
-    assert [len(mini) for mini in minis] == [1, 2]
-    kept = [[0, 3], [4, 6], [7, 5]]
-    for mb, indices in zip([mb for mini in minis for mb in mini], kept):
-        width = mb["input_ids"].shape[1]
-        torch.testing.assert_close(mb["input_ids"], batch.input_ids[indices, :width], rtol=0, atol=0)
-        torch.testing.assert_close(mb["loss_mask"], batch.loss_mask[indices, :width], rtol=0, atol=0)
-        expected = torch.where(batch.loss_mask[indices, :width], advantages[indices, None], 0.0)
-        torch.testing.assert_close(mb["advantages"], expected, rtol=0, atol=0)
-    assert rows == [[3], [6, 7]]
-    # the width is cut after the last loss token of the kept samples (rounded up to 8)
-    last = max(len(s.prompt_ids) + len(s.response_ids) - 2 for i, s in enumerate(samples) if i not in {1, 2, 5})
-    assert minis[0][0]["input_ids"].shape[1] == -(-(last + 1) // 8) * 8 <= batch.input_ids.shape[1]
-    assert not batch.loss_mask[:, minis[0][0]["input_ids"].shape[1] :].any()
+def test_a_packed_row_holds_each_sample_as_its_padded_row_does():
+    samples = _samples(no_loss={2})
+    samples[5].response_mask[1] = False  # an observation token inside a response
+    samples[6].trains = False  # masked truncation: tokens present, no loss
+    advantages = [float(i) - 3.5 for i in range(8)]
+    (padded,) = micro_batches(samples, advantages, MicroBatchPlan(packing=False, micro_batch_size=8, pad_id=1))
+    (packed,) = micro_batches(samples, advantages, MicroBatchPlan(packing=True, micro_batch_size=8, pad_id=1))
+    lengths = [s.length for s in samples]
+    total = sum(lengths)
+    assert padded.shape == (8, -(-max(lengths) // 8) * 8) and not padded.packed
+    assert packed.shape == (1, -(-total // 8) * 8) and packed.packed
+    # the samples back to back in their order, then one padding segment
+    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    assert packed.cu_seqlens.tolist() == bounds + ([packed.shape[1]] if total % 8 else [])
+    assert packed.cu_seqlens.dtype == torch.int32 and packed.max_seqlen == max(max(lengths), packed.shape[1] - total)
+    for row, (first, n) in enumerate(zip(bounds, lengths)):
+        span = slice(first, first + n)
+        assert packed.position_ids[0, span].tolist() == list(range(n))
+        assert packed.seq_ids[0, span].tolist() == [row] * n
+        assert packed.input_ids[0, span].tolist() == padded.input_ids[row, :n].tolist()
+        # the last position of a sequence predicts nothing (the pad id), as in its padded row
+        assert packed.target_ids[0, span].tolist() == padded.target_ids[row, :n].tolist()
+        assert packed.target_ids[0, first + n - 1] == 1
+        for name in ("loss_mask", "advantages", "sampler_logprobs"):
+            assert getattr(packed, name)[0, span].tolist() == getattr(padded, name)[row, :n].tolist(), name
+            assert not getattr(padded, name)[row, n:].any(), name
+    assert not packed.loss_mask[0, total:].any() and packed.position_ids[0, total:].tolist() == list(
+        range(packed.shape[1] - total))
+    loss_tokens = sum(len(s.response_ids) for i, s in enumerate(samples) if i not in (2, 6)) - 1
+    assert int(padded.loss_mask.sum()) == int(packed.loss_mask.sum()) == sum(s.loss_tokens for s in samples) == loss_tokens
+    assert not padded.loss_mask[2].any() and not padded.loss_mask[6].any()
+    expected = torch.tensor(advantages)[:, None].expand_as(padded.advantages)
+    torch.testing.assert_close(padded.advantages, torch.where(padded.loss_mask, expected, 0.0), rtol=0, atol=0)
+    assert padded.sampler_logprobs[padded.loss_mask].lt(0).all()
 
 
-def test_a_mini_batch_without_loss_keeps_one_micro_batch_and_tensors_go_to_the_device():
-    batch = pack(_samples(no_loss={0, 1, 2, 3}), pad_id=0)
-    minis = training_micro_batches(batch, torch.ones(8), micro_batch_size=2, mini_batches=2, device=torch.device("cpu"))
-    assert [len(mini) for mini in minis] == [1, 2] and not minis[0][0]["loss_mask"].any()
-    # the only move to the model's device ("meta" here: any device other than the host's)
-    minis = training_micro_batches(batch, torch.ones(8), micro_batch_size=2, mini_batches=2, device=torch.device("meta"))
-    assert {t.device.type for mini in minis for mb in mini for t in mb.values()} == {"meta"}
-    with pytest.raises(ValueError, match="do not split into 3 mini-batches"):
-        training_micro_batches(batch, torch.ones(8), micro_batch_size=2, mini_batches=3, device=torch.device("cpu"))
+def test_a_token_budget_bounds_every_row_and_names_its_field():
+    samples = _samples(no_loss=set(), count=8)
+    lengths = [s.length for s in samples]
+    budget = 24
+    micro = micro_batches(samples, [1.0] * 8, MicroBatchPlan(max_tokens=budget))
+    held = [int((mb.input_ids != 0).sum()) for mb in micro]  # sample tokens are >= 2, the pad id 0
+    assert all(h <= budget for h in held) and sum(held) == sum(lengths) == 80
+    assert len(micro) == 4  # ceil(80 / 24): as few as the tokens need (they fit here)
+    assert all(mb.shape[1] == -(-h // 8) * 8 for mb, h in zip(micro, held))
+    with pytest.raises(ValueError, match=r"train\.max_tokens_per_microbatch=10"):
+        micro_batches(samples, [1.0] * 8, MicroBatchPlan(max_tokens=10))
+    with pytest.raises(ValueError, match="needs the packed layout"):
+        MicroBatchPlan(packing=False, max_tokens=64)
 
 
-# --------------------------------------------------------------------------------------------
-# The optimizer step with and without the loss-free samples (Megatron, one rank).
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_pipeline_call_has_one_shape_and_a_multiple_of_micro_batches(packing):
+    samples = _samples(no_loss=set(), count=7)
+    plan = MicroBatchPlan(packing=packing, micro_batch_size=2, fixed_shape=True, count_multiple=3)
+    micro = micro_batches(samples, [1.0] * 7, plan)
+    assert len(micro) == 6 and len({mb.shape for mb in micro}) == 1  # ceil(7 / 2) = 4 -> 6
+    assert sum(int(mb.loss_mask.sum()) for mb in micro) == sum(s.loss_tokens for s in samples)
+    # no samples: padding-only micro-batches, still a multiple of the pipeline's group
+    empty = micro_batches([], [], plan)
+    assert len(empty) == 3 and not any(mb.loss_mask.any() for mb in empty)
 
 
-def _naive(batch, advantages, micro_batch_size: int) -> list[dict]:
-    """Every sample, the whole padded width: the micro-batches before samples were dropped."""
-    from megatron_empg.core.advantages import token_advantages
-
-    out = []
-    for first in range(0, batch.input_ids.shape[0], micro_batch_size):
-        rows = slice(first, first + micro_batch_size)
-        out.append({"input_ids": batch.input_ids[rows], "target_ids": batch.target_ids[rows],
-                    "loss_mask": batch.loss_mask[rows],
-                    "advantages": token_advantages(advantages[rows], batch.loss_mask[rows])})  # fmt: skip
-    return out
+def test_replica_share_drops_loss_free_samples_and_balances_without_changing_the_union():
+    g = torch.Generator().manual_seed(3)
+    replicas, per_replica, mini_batches = 4, 8, 2
+    # skewed: replica 0 sampled the long responses
+    lengths = [[int(x) for x in (torch.rand(per_replica, generator=g) * 300 + (4000 if r == 0 else 200))]
+               for r in range(replicas)]  # fmt: skip
+    trains = [[(r + i) % 5 != 0 for i in range(per_replica)] for r in range(replicas)]
+    own = replica_shares(lengths, trains, mini_batches=mini_batches, cost=None)
+    balanced = replica_shares(lengths, trains, mini_batches=mini_batches, cost=float)  # cost: the tokens
+    for j in range(mini_batches):
+        members = range(j * 4, (j + 1) * 4)
+        want = sorted((r, i) for r in range(replicas) for i in members if trains[r][i])
+        assert sorted(own[r][j] == [(r, i) for i in members if trains[r][i]] for r in range(replicas)) == [True] * 4
+        assert sorted(pair for r in range(replicas) for pair in balanced[r][j]) == want  # the same union
+        tokens = [[sum(lengths[r][i] for r, i in share[j]) for share in shares] for shares in (own, balanced)]
+        assert imbalance(tokens[1]) < imbalance(tokens[0]) - 0.5  # 4k-token samples spread over replicas
 
 
 def _step(rank: int, world_size: int, agg_mode: str) -> dict:
@@ -86,24 +123,27 @@ def _step(rank: int, world_size: int, agg_mode: str) -> dict:
     model = load_model_config(MODEL)
     loss = LossConfig(kl="k3", kl_coef=0.1, agg_mode=agg_mode, policy_loss_args={"clip_eps_low": 0.2})
     loss_fn, _ = bind_loss(loss, vocab_size=model.vocab_size, topk=1)
-    batch = pack(_samples(no_loss={1, 2, 5}, vocab=model.vocab_size), pad_id=0)
-    advantages = torch.linspace(-1, 1, 8)
+    samples = _samples(no_loss={1, 2, 5}, vocab=model.vocab_size)
+    advantages = torch.linspace(-1, 1, 8).tolist()
+    plan = MicroBatchPlan(packing=False, micro_batch_size=2)
     results = {}
     for name in ("all", "dropped"):
         groups = initialize_model_parallel(ParallelConfig(), seed=5)  # the same initial weights each time
         try:
-            settings = OptimizerConfig(lr=1e-3, clip_grad=0.0)
+            settings = OptimizerConfig(lr=1e-3, clip_grad=0.0, adam_eps=1e-6)  # see the test's last comment
             ddp = wrap_with_ddp(build_gpt_model(model, ParallelConfig()), settings)
             optimizer, scheduler = (opt := build_optimizer(ddp, settings)), build_scheduler(opt, settings)
             if name == "all":
-                micro = _naive(batch, advantages, 2)
+                micro = micro_batches(samples, advantages, plan)
             else:
-                (micro,) = training_micro_batches(batch, advantages, micro_batch_size=2, mini_batches=1,
-                                                  device=torch.device("cpu"))  # fmt: skip
+                ((micro_items,),) = replica_shares([[s.length for s in samples]], [[s.loss_tokens > 0 for s in samples]],
+                                                   mini_batches=1, cost=None)  # fmt: skip
+                micro = micro_batches([samples[i] for _, i in micro_items], [advantages[i] for _, i in micro_items],
+                                      plan)  # fmt: skip
             stats = forward_stats(ddp, micro, StatsRequest(vocab_size=model.vocab_size, with_entropy=False), groups)
             for mb, out in zip(micro, stats):
-                mb["old_logprobs"] = out["logprobs"] + 0.05 * mb["advantages"]  # a ratio != 1
-                mb["anchor_logprobs"] = out["logprobs"] - 0.1
+                mb.old_logprobs = out["logprobs"] + 0.05 * mb.advantages  # a ratio != 1
+                mb.anchor_logprobs = out["logprobs"] - 0.1
             result = train_step(ddp, optimizer, scheduler, micro, loss_fn, groups=groups)
             results[name] = {"micro_batches": len(micro), "metrics": result.metrics, "grad_norm": result.grad_norm,
                              "params": {n: p.detach().clone() for n, p in ddp[0].module.named_parameters()}}  # fmt: skip
@@ -118,12 +158,13 @@ def _step(rank: int, world_size: int, agg_mode: str) -> dict:
 def test_dropping_loss_free_samples_leaves_the_update_unchanged(agg_mode):
     (results,) = run_distributed(_step, 1, agg_mode)
     full, dropped = results["all"], results["dropped"]
-    assert (full["micro_batches"], dropped["micro_batches"]) == (4, 3)  # 8 samples, 3 without loss: 5 + 1 filler
+    assert (full["micro_batches"], dropped["micro_batches"]) == (4, 3)  # 8 samples; 5 with a loss
     for key in ("loss", "policy_loss", "kl", "entropy"):
         assert dropped["metrics"][key] == pytest.approx(full["metrics"][key], rel=1e-5, abs=1e-7), key
     assert dropped["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-5)
     assert full["grad_norm"] > 0
-    # fp32, the two differ only by matmul shapes; Adam's first update is about lr * sign(grad), so a
-    # rounding-level gradient near 0 may move its weight by up to 2 lr: 1e-5 is 1% of lr (1e-3)
+    # fp32, the two differ only by matmul shapes and grouping; Adam's first update is about
+    # lr * g / (|g| + eps), so with eps 1e-8 a rounding-level gradient near 0 may move its weight by
+    # up to 2 lr (seen: 1.1e-5): eps is 1e-6 here, and 1e-5 is 1% of lr (1e-3)
     for name, param in full["params"].items():
         torch.testing.assert_close(dropped["params"][name], param, rtol=0, atol=1e-5)

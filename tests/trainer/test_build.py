@@ -157,7 +157,8 @@ def test_bind_resolves_the_registries_and_what_the_passes_compute(tmp_path):
 
 
 def test_the_bound_loss_is_rl_loss_with_the_configs_arguments(tmp_path):
-    from megatron_empg.parallel.rl_loss import RLMicroBatch, rl_loss
+    from megatron_empg.core.microbatch import MicroBatch
+    from megatron_empg.parallel.rl_loss import rl_loss
 
     config = demo(tmp_path, "algorithm.loss.kl=k3", "algorithm.loss.kl_args={importance_weight: true}",
                   "algorithm.loss.policy_loss_args={clip_eps_low: 0.1, clip_c: 3.0}", "algorithm.loss.entropy_coef=0.01",
@@ -167,8 +168,8 @@ def test_the_bound_loss_is_rl_loss_with_the_configs_arguments(tmp_path):
     logits = torch.randn(2, 5, 256, generator=g)
     targets = torch.randint(0, 256, (2, 5), generator=g)
     logprobs = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
-    batch = RLMicroBatch(targets, torch.rand(2, 5, generator=g) > 0.3, torch.randn(2, 5, generator=g),
-                         logprobs + 0.1 * torch.randn(2, 5, generator=g), logprobs - 0.2)  # fmt: skip
+    batch = MicroBatch(targets, targets, torch.rand(2, 5, generator=g) > 0.3, torch.randn(2, 5, generator=g),
+                       old_logprobs=logprobs + 0.1 * torch.randn(2, 5, generator=g), anchor_logprobs=logprobs - 0.2)
     got = loss_fn(logits.clone(), batch, vocab_start=0, tp_group=None)
     want = rl_loss(logits.clone(), batch, vocab_start=0, vocab_size=256, tp_group=None, policy_loss="ppo_clip",
                    policy_loss_args={"clip_eps_low": 0.1, "clip_c": 3.0}, kl="k3", kl_coef=0.001,

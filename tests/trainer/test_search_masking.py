@@ -1,6 +1,6 @@
 """Retrieved tokens get no gradient: multi-turn samples (generated runs with observation runs between
-them, ``Sample.response_mask``) packed by ``trainer.batch.pack`` and put through the update pass's
-objective (``parallel.rl_loss``: policy loss + KL + entropy bonus). The gradient of the loss with
+them, ``Sample.response_mask``) laid out by ``trainer.batch.micro_batches`` (padded and packed) and
+put through the update pass's objective (``parallel.rl_loss``: policy loss + KL + entropy bonus). The gradient of the loss with
 respect to the logits is exactly zero at every position that predicts an observation token (and at
 the prompt and padding), and nonzero at every position that predicts a generated token."""
 
@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_empg.core.advantages import token_advantages
-from megatron_empg.parallel.rl_loss import RLMicroBatch, rl_loss
-from megatron_empg.trainer.batch import Sample, pack
+from megatron_empg.parallel.rl_loss import rl_loss
+from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches
 
 V = 32
 K = 4
@@ -33,9 +32,10 @@ def multi_turn_samples() -> list[Sample]:
 @pytest.mark.parametrize("kl, kl_args", [("topk", {"direction": "reverse"}), ("topk", {"direction": "forward"}),
                                          ("k3", {}), ("k1", {"importance_weight": True})])  # fmt: skip
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
-def test_no_observation_token_gets_gradient(kl, kl_args, agg_mode):
+@pytest.mark.parametrize("packing", [False, True])
+def test_no_observation_token_gets_gradient(kl, kl_args, agg_mode, packing):
     samples = multi_turn_samples()
-    batch = pack(samples, pad_id=0)
+    (batch,) = micro_batches(samples, [1.0, -0.7], MicroBatchPlan(packing=packing, micro_batch_size=2))
     b, s = batch.input_ids.shape
     torch.manual_seed(1)
     logits = torch.randn(b, s, V, requires_grad=True)
@@ -43,14 +43,10 @@ def test_no_observation_token_gets_gradient(kl, kl_args, agg_mode):
         old = torch.log_softmax(logits + 0.1 * torch.randn(b, s, V), -1)
         anchor = torch.log_softmax(logits + 0.3 * torch.randn(b, s, V), -1)
         topk_ids = anchor.topk(K, dim=-1).indices
-    micro = RLMicroBatch(
-        target_ids=batch.target_ids, loss_mask=batch.loss_mask,
-        advantages=token_advantages(torch.tensor([1.0, -0.7]), batch.loss_mask),
-        old_logprobs=old.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1),
-        anchor_logprobs=anchor.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1),
-        topk_ids=topk_ids, topk_anchor_logprobs=anchor.gather(-1, topk_ids),
-    )  # fmt: skip
-    out = rl_loss(logits, micro, vocab_start=0, vocab_size=V, tp_group=None, kl=kl, kl_coef=0.5, kl_args=kl_args,
+    batch.old_logprobs = old.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1)
+    batch.anchor_logprobs = anchor.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1)
+    batch.topk_ids, batch.topk_anchor_logprobs = topk_ids, anchor.gather(-1, topk_ids)
+    out = rl_loss(logits, batch, vocab_start=0, vocab_size=V, tp_group=None, kl=kl, kl_coef=0.5, kl_args=kl_args,
                   entropy_coef=0.01, agg_mode=agg_mode)  # fmt: skip
     out.loss.loss_sum.backward()
     per_position = logits.grad.abs().sum(-1)  # [B, S]

@@ -66,8 +66,9 @@ def _two_engines(rank: int, world_size: int, model_dir: str, hf_state: dict) -> 
     config = from_dict(RunConfig, {"model": "tiny-qwen2", "tokenizer": model_dir, "rollout": {"sampling": {
         "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 11}}})  # fmt: skip
     examples = [types.SimpleNamespace(prompt_ids=p) for p in PROMPTS]
-    split, split_metrics = _stage(config, per_replica, engine).sample(1, examples, dp_rank=rank, dp_size=2)
-    whole, _ = _stage(config, single, engine if rank == 0 else None).sample(1, examples, dp_rank=rank, dp_size=2)
+    (split,), split_metrics = _stage(config, per_replica, engine).sample(1, examples, dp_size=2)
+    whole, _ = _stage(config, single, engine if rank == 0 else None).sample(1, examples, dp_size=2)
+    whole = whole[rank]  # the single engine's group holds both replicas' samples
     out["split"] = [(s.group, s.response_ids, s.sampler_logprobs) for s in split]
     out["whole"] = [(s.group, s.response_ids, s.sampler_logprobs) for s in whole]
     out["split_metrics"] = split_metrics

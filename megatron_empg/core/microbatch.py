@@ -1,0 +1,80 @@
+"""``MicroBatch``: the tokens of one forward (and backward) call, and everything per token that
+the passes compute about them. The trainer builds it (``trainer.batch``); the Megatron passes
+(``mcore.step``) read its ids and layout and fill in the old and anchor statistics; the update
+objective (``parallel.rl_loss``) reads the rest. Position t of a row predicts ``target_ids[t]``.
+
+Two layouts of [b, s] rows:
+
+    padded   b rows, one sequence each, right-padded; positions 0 .. s-1; ``seq_ids``,
+             ``position_ids`` and ``cu_seqlens`` are None.
+    packed   one row (b = 1) of several sequences back to back, then padding: ``position_ids``
+             restart at 0 for every sequence, ``seq_ids`` numbers the sequences, and ``cu_seqlens``
+             holds their boundaries (Megatron's THD ``PackedSeqParams``). The padding after the
+             last sequence is one more segment of its own, so that ``cu_seqlens[-1] == s`` and
+             attention never crosses into or out of it.
+
+Every per-token tensor follows the layout, so a loss that sums over a sequence reads ``seq_ids``
+(``core.aggregation.aggregate``), never the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One call's tokens and per-token values (module docstring); B = rows, S = row length.
+
+    Attributes:
+        input_ids: [B, S] int64.
+        target_ids: [B, S] int64, the token position t predicts (the pad id where nothing is).
+        loss_mask: [B, S] bool, True at the response tokens that carry a loss.
+        advantages: [B, S] float32, the sequence's advantage on its loss tokens, 0 elsewhere.
+        sampler_logprobs: [B, S] float32, the engine's log-prob of the target on loss tokens, 0 elsewhere.
+        position_ids: [B, S] int64 per-sequence positions (packed), or None (padded: 0 .. S-1).
+        seq_ids: [B, S] int64 index of the sequence each position belongs to (packed), or None
+            (padded: the row is the sequence).
+        cu_seqlens: [N + 1] int32 boundaries of the N segments of the packed row (the sequences,
+            then the padding if any), or None.
+        max_seqlen: the longest segment of ``cu_seqlens`` (0 when padded).
+        old_logprobs: [B, S] float32 log pi_old(target), from the old pass.
+        anchor_logprobs: [B, S] float32 log pi_ref(target), from the anchor pass (a KL only).
+        topk_ids: [B, S, K] int64 Top-k index set (a Top-k KL only).
+        topk_anchor_logprobs: [B, S, K] float32 log pi_ref at ``topk_ids`` (a Top-k KL only).
+    """
+
+    input_ids: Tensor
+    target_ids: Tensor
+    loss_mask: Tensor | None = None
+    advantages: Tensor | None = None
+    sampler_logprobs: Tensor | None = None
+    position_ids: Tensor | None = None
+    seq_ids: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int = 0
+    old_logprobs: Tensor | None = None
+    anchor_logprobs: Tensor | None = None
+    topk_ids: Tensor | None = None
+    topk_anchor_logprobs: Tensor | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(B, S)."""
+        return tuple(self.input_ids.shape)
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """A copy with every tensor on ``device``."""
+        moved = {
+            field.name: value.to(device) if isinstance(value, Tensor) else value
+            for field in dataclasses.fields(self)
+            for value in [getattr(self, field.name)]
+        }
+        return MicroBatch(**moved)
