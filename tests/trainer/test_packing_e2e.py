@@ -1,0 +1,69 @@
+"""``empg train`` on the CPU demo (its warm start; the transformers engine, so no vLLM start-up):
+packed rows in token-budget micro-batches train exactly as padded rows over 3 steps, and on two
+data-parallel ranks sharing one engine, balancing the samples between the replicas changes which
+replica trains on what, never the result."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_empg.trainer.metrics_log import read_metrics
+from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, demo_config, run_train
+
+# Per step: every metric of the update (losses, KL, entropy, grad norm) and of the rollouts (the
+# same samples, as the synced weights agree to rounding).
+COMPARED = ("actor/loss", "actor/policy_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/mean",
+            "response/length_mean")  # fmt: skip
+
+
+def _config(tmp_path, name, warm_start, **train) -> dict:
+    config = demo_config(tmp_path, name, warm_start, steps=3)
+    config["rollout"]["engine"] = "hf"
+    config["train"].update(train)
+    return config
+
+
+def _metrics(config, tmp_path, name, *overrides, nproc=None) -> list[dict]:
+    out = run_train(config, tmp_path, name, *overrides, nproc=nproc, timeout=400)
+    assert out.returncode == 0, out.stderr[-4000:]
+    records = read_metrics(tmp_path / name / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    return records
+
+
+def _assert_same_training(a: list[dict], b: list[dict]) -> None:
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        for key in COMPARED:
+            assert y[key] == pytest.approx(x[key], rel=CLOSE_REL, abs=CLOSE_ABS), (step, key)
+
+
+@pytest.mark.megatron
+@pytest.mark.timeout(600)
+def test_packing_on_equals_packing_off_over_three_steps(tmp_path, warm_start):
+    padded = _metrics(_config(tmp_path, "padded", warm_start, packing=False), tmp_path, "padded")
+    packed = _metrics(_config(tmp_path, "packed", warm_start, packing=True, max_tokens_per_microbatch=160),
+                      tmp_path, "packed")  # fmt: skip
+    _assert_same_training(padded, packed)
+    for x, y in zip(padded, packed):
+        # 128 samples of 7-19 tokens: padded to the micro-batch's longest (a multiple of 8), packed
+        # to a multiple of 8 per row of ~160 tokens
+        assert y["batch/padding_fraction"] < 0.1 < x["batch/padding_fraction"]
+        assert y["batch/micro_batches_mean"] > x["batch/micro_batches_mean"] == 2  # 128 / 64; 160-token rows
+
+
+@pytest.mark.dist
+@pytest.mark.megatron
+@pytest.mark.timeout(600)
+def test_balancing_two_replicas_of_one_engine_leaves_training_unchanged(tmp_path, warm_start):
+    runs = {}
+    for balance in (False, True):
+        name = f"balance_{balance}"
+        config = _config(tmp_path, name, warm_start, balance=balance, max_tokens_per_microbatch=160)
+        config["rollout"]["engines"] = "single"  # both replicas' samples on both ranks
+        # the transformers engine lives in rank 0's process (the launcher's CPU default is vLLM's)
+        runs[balance] = _metrics(config, tmp_path, name, "rollout.in_process=true", "weight_sync.transport=in_process",
+                                 nproc=2)  # fmt: skip
+    _assert_same_training(runs[False], runs[True])
+    imbalance = [(k["batch/replica_imbalance"], b["batch/replica_imbalance"]) for k, b in zip(runs[False], runs[True])]
+    assert all(balanced <= kept for kept, balanced in imbalance) and any(b < k for k, b in imbalance), imbalance
+    assert all(balanced < 1.01 for _, balanced in imbalance), imbalance
