@@ -1,14 +1,17 @@
 """The RL loop of ``../shared/DESIGN.md``: one ``Trainer.step`` is
 
-    rollout -> rewards -> advantages -> old pass -> anchor pass -> update (per mini-batch)
-    -> EMA update -> weight sync (+ consistency gate) -> metrics -> checkpoint
+    rollout -> rewards -> advantages -> micro-batches -> old pass -> anchor pass
+    -> update (per mini-batch) -> EMA update -> weight sync (+ consistency gate) -> metrics
+    -> checkpoint
 
 each stage a short method. SPMD: every rank runs the same loop. The rollout stage
 (``trainer.rollout``) holds the engines where ``rollout.engines`` places them
 (``parallel.placement``: by default one per data-parallel replica, on its first rank): each
 samples its replicas' prompts, each is synced from its own replica, and the consistency gate
 probes all of them. With ``rollout.sleep_while_training`` the engines sleep from the end of the
-rollout to the weight sync, which wakes their weights first and their KV caches after.
+rollout to the weight sync, which wakes their weights first and their KV caches after. The
+micro-batches (``trainer.batch``) are packed rows by default, balanced between the replicas that
+share an engine (each holds all their samples).
 Step ``s`` (0-based) uses global prompt batch ``s``, so the step counter is the data cursor and a
 resumed run continues with the same prompts.
 
