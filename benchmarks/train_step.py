@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_empg.config import ParallelConfig, load_model_config  # noqa: E402
+from megatron_empg.core.microbatch import MicroBatch  # noqa: E402
 
 STAGES = ("old_pass", "anchor_pass", "update", "ema_update", "checkpoint")
 CUDA = torch.cuda.is_available()
@@ -88,7 +89,7 @@ def model_flops_per_token(model_cfg, seq_len: int) -> dict:
     return {"forward": forward, "update": 3 * forward, "matmul_params": n}
 
 
-def _batch(vocab_size: int, seqs: int, seq_len: int, micro_batch: int, device) -> list[dict]:
+def _batch(vocab_size: int, seqs: int, seq_len: int, micro_batch: int, device) -> list[MicroBatch]:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab_size, (seqs, seq_len + 1), generator=g)
     mask = torch.zeros(seqs, seq_len, dtype=torch.bool)
@@ -100,7 +101,7 @@ def _batch(vocab_size: int, seqs: int, seq_len: int, micro_batch: int, device) -
         "advantages": torch.randn(seqs, 1, generator=g).expand(seqs, seq_len).clone(),
     }
     full = {k: v.to(device) for k, v in full.items()}
-    return [{k: v[i : i + micro_batch] for k, v in full.items()} for i in range(0, seqs, micro_batch)]
+    return [MicroBatch(**{k: v[i : i + micro_batch] for k, v in full.items()}) for i in range(0, seqs, micro_batch)]
 
 
 def run_variant(args, kl: str, ckpt_root: Path, progress: dict, checkpoint_steps: set[int]) -> dict:
@@ -149,16 +150,16 @@ def run_variant(args, kl: str, ckpt_root: Path, progress: dict, checkpoint_steps
                 lambda: forward_stats(ddp, mbs, StatsRequest(vocab_size=vocab, k=k), groups), peaks, "old_pass"
             )
             for mb, stats in zip(mbs, old, strict=True):
-                mb["old_logprobs"] = stats["logprobs"]
+                mb.old_logprobs = stats["logprobs"]
                 if k:
-                    mb["topk_ids"] = stats["topk_ids"]
+                    mb.topk_ids = stats["topk_ids"]
             request = StatsRequest(vocab_size=vocab, extra_ids_key="topk_ids" if k else None, with_entropy=False)
             progress["stage"] = "anchor_pass"
             ref, t_anchor = _timed(lambda: forward_stats(anchor.models, mbs, request, groups), peaks, "anchor_pass")
             for mb, stats in zip(mbs, ref, strict=True):
-                mb["anchor_logprobs"] = stats["logprobs"]
+                mb.anchor_logprobs = stats["logprobs"]
                 if k:
-                    mb["topk_anchor_logprobs"] = stats["extra_logprobs"]
+                    mb.topk_anchor_logprobs = stats["extra_logprobs"]
             progress["stage"] = "update"
             _, t_update = _timed(
                 lambda: train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups), peaks, "update"

@@ -10,9 +10,9 @@ False), which get no loss, KL or entropy term, and except in a sample that does 
 ``micro_batches`` turns the samples of one mini-batch into the micro-batches of one Megatron call
 (``MicroBatchPlan``):
 
-    grouping  ``micro_batch_size`` samples per micro-batch, or (``max_tokens``) as few
-              micro-batches as hold the samples within that many tokens each; either way the
-              groups are balanced by tokens (``balance.partition``)
+    grouping  ``micro_batch_size`` samples per micro-batch, or (``max_tokens``, packed only) as
+              few micro-batches as hold the samples within that many tokens each; packed rows
+              are balanced by tokens (``balance.partition``), padded rows group similar lengths
     layout    packed: one row of the group's sequences back to back (``MicroBatch`` docstring);
               padded: one right-padded row per sample
     shape     each micro-batch is cut to its own tokens, rounded up to ``pad_multiple``; under
@@ -112,7 +112,7 @@ def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: 
         bins = micro_batch_bins(lengths, plan.max_tokens, multiple_of=plan.count_multiple)
     else:
         count = _round_up(max(1, math.ceil(len(samples) / plan.micro_batch_size)), plan.count_multiple)
-        bins = partition(lengths, count, equal_count=True)
+        bins = partition(lengths, count, equal_count=True) if plan.packing else _similar_lengths(lengths, count)
     if plan.packing:
         widths = [_round_up(max(sum(lengths[i] for i in b), 1), plan.pad_multiple) for b in bins]
         rows = [1] * len(bins)
@@ -124,6 +124,13 @@ def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: 
     build = _packed_row if plan.packing else _padded_rows
     return [build([samples[i] for i in b], [float(advantages[i]) for i in b], width, row_count, plan.pad_id)
             for b, width, row_count in zip(bins, widths, rows)]  # fmt: skip
+
+
+def _similar_lengths(lengths: Sequence[int], count: int) -> list[list[int]]:
+    """``count`` groups of consecutive lengths in sorted order (sizes within 1): padded rows of a
+    group pad only to its longest."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return [sorted(order[j * len(order) // count : (j + 1) * len(order) // count]) for j in range(count)]
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -31,6 +31,7 @@ import torch
 
 from megatron_empg.config import ParallelConfig, load_model_config
 from megatron_empg.core.ema import ema_update_
+from megatron_empg.core.microbatch import MicroBatch
 from tests.dist import run_distributed
 
 MODEL = "tiny-qwen2"
@@ -283,12 +284,12 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
         steps, counts = [], {}
         for step, batch in enumerate(batches[:STEPS], start=1):
             mine = {k: v[groups.dp_rank * rows : (groups.dp_rank + 1) * rows] for k, v in batch.items()}
-            mbs = [{k: v[i::2] for k, v in mine.items()} for i in range(2)]
+            mbs = [MicroBatch(**{k: v[i::2] for k, v in mine.items()}) for i in range(2)]
             old = forward_stats(ddp, mbs, request, groups)
             ref = forward_stats(anchors["ema_p1"].models, mbs, request, groups)
             if old is not None:
                 for mb, o, r in zip(mbs, old, ref, strict=True):
-                    mb["old_logprobs"], mb["anchor_logprobs"] = o["logprobs"], r["logprobs"]
+                    mb.old_logprobs, mb.anchor_logprobs = o["logprobs"], r["logprobs"]
             result = train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups)
             main = _main_snapshot(ddp)
             record = {"grad_norm": result.grad_norm, "updated": {}}
@@ -350,7 +351,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
             out["roundtrip_missing_key"] = str(e)
 
         # The anchor pass on a probe batch and the master in global names (for the TP1 check).
-        probe = [{k: v[i::2] for k, v in batches[STEPS].items()} for i in range(2)]
+        probe = [MicroBatch(**{k: v[i::2] for k, v in batches[STEPS].items()}) for i in range(2)]
         stats = forward_stats(b.models, probe, request, groups)
         out["probe_logprobs"] = None if stats is None else [s["logprobs"] for s in stats]
         master = []
@@ -425,7 +426,7 @@ def _tp1_logprobs(results: dict, full_state_dict: dict) -> dict:
     groups = initialize_model_parallel(parallel, seed=1234)
     try:
         chunks = mcore_model.build_gpt_model(model_cfg, parallel)
-        probe = [{k: v[i::2] for k, v in _batches(model_cfg.vocab_size)[STEPS].items()} for i in range(2)]
+        probe = [MicroBatch(**{k: v[i::2] for k, v in _batches(model_cfg.vocab_size)[STEPS].items()}) for i in range(2)]
         out = {}
         for name, per_rank in results.items():
             pieces: dict[str, dict[int, torch.Tensor]] = {}

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from megatron_empg.config import OptimizerConfig, ParallelConfig, load_model_config
+from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.mcore import checkpoint as ckpt
 from tests.dist import run_distributed
 from tests.mcore.test_train_step import MODEL, OPTIM, K, N, S, loss_fn
@@ -94,13 +95,14 @@ class _Run:
         from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
 
         g = self.groups
-        mbs = _split(_global_batch(self.cursor, self.cfg.vocab_size), g.dp_rank, g.dp_size)
+        parts = _split(_global_batch(self.cursor, self.cfg.vocab_size), g.dp_rank, g.dp_size)
+        mbs = [MicroBatch(p["input_ids"], p["target_ids"], p["loss_mask"], p["advantages"]) for p in parts]
         old = forward_stats(self.ddp, mbs, StatsRequest(vocab_size=self.cfg.vocab_size, k=K), g)
-        for mb, stats in zip(mbs, old or [], strict=old is not None):  # None before the last stage
-            mb["old_logprobs"] = stats["logprobs"]
-            mb["topk_ids"] = stats["topk_ids"]
-            mb["anchor_logprobs"] = stats["logprobs"] + mb["anchor_noise"]
-            mb["topk_anchor_logprobs"] = stats["topk_logprobs"] + mb["topk_anchor_noise"]
+        for mb, part, stats in zip(mbs, parts, old or [], strict=old is not None):  # None before the last stage
+            mb.old_logprobs = stats["logprobs"]
+            mb.topk_ids = stats["topk_ids"]
+            mb.anchor_logprobs = stats["logprobs"] + part["anchor_noise"]
+            mb.topk_anchor_logprobs = stats["topk_logprobs"] + part["topk_anchor_noise"]
         vocab = self.cfg.vocab_size
         result = train_step(self.ddp, self.optimizer, self.scheduler, mbs, loss_fn(vocab), groups=g)
         self.anchor.update()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
+from megatron_empg.core.microbatch import MicroBatch
 from tests.dist import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
@@ -101,14 +102,15 @@ def _train(tp: int, pp: int, distopt: bool, full_state_dict: dict | None, num_mi
         scheduler = build_scheduler(optimizer, settings)
         history = []
         for batch in _global_batches(model_cfg.vocab_size):
-            mbs = _split(batch, groups.dp_rank, groups.dp_size, num_microbatches)
+            parts = _split(batch, groups.dp_rank, groups.dp_size, num_microbatches)
+            mbs = [MicroBatch(p["input_ids"], p["target_ids"], p["loss_mask"], p["advantages"]) for p in parts]
             old = forward_stats(ddp, mbs, StatsRequest(vocab_size=model_cfg.vocab_size, k=K), groups)
             if old is not None:  # last stage: the loss inputs
-                for mb, stats in zip(mbs, old, strict=True):
-                    mb["old_logprobs"] = stats["logprobs"]
-                    mb["topk_ids"] = stats["topk_ids"]
-                    mb["anchor_logprobs"] = stats["logprobs"] + mb["anchor_noise"]
-                    mb["topk_anchor_logprobs"] = stats["topk_logprobs"] + mb["topk_anchor_noise"]
+                for mb, part, stats in zip(mbs, parts, old, strict=True):
+                    mb.old_logprobs = stats["logprobs"]
+                    mb.topk_ids = stats["topk_ids"]
+                    mb.anchor_logprobs = stats["logprobs"] + part["anchor_noise"]
+                    mb.topk_anchor_logprobs = stats["topk_logprobs"] + part["topk_anchor_noise"]
             result = train_step(ddp, optimizer, scheduler, mbs, loss_fn(model_cfg.vocab_size), groups=groups)
             history.append({"metrics": result.metrics, "grad_norm": result.grad_norm, "lr": result.lr})
         params = {}

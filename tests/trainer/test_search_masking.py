@@ -56,8 +56,9 @@ def test_no_observation_token_gets_gradient(kl, kl_args, agg_mode, packing):
     assert torch.all(per_position[~batch.loss_mask] == 0)
     assert torch.all(per_position[batch.loss_mask] > 0)
     for i, sample in enumerate(samples):  # the observation positions by name, not through loss_mask
-        p = len(sample.prompt_ids)
+        row, first = (0, int(batch.cu_seqlens[i])) if packing else (i, 0)
+        p = first + len(sample.prompt_ids)
         observed = [p - 1 + j for j, m in enumerate(sample.response_mask) if not m]
-        assert observed and torch.all(per_position[i, observed] == 0)
+        assert observed and torch.all(per_position[row, observed] == 0)
     if agg_mode == "token-mean":
         assert int(out.loss.count) == generated
