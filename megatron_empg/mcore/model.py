@@ -118,6 +118,13 @@ def transformer_config(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        # The interleaved schedule sends activations and gradients to both neighbours in one call.
+        # Batched, the ops go out in a fixed order (send prev, recv prev, send next, recv next): at
+        # PP 2 both neighbours are one rank, whose sends and receives then pair up crossed (a
+        # gradient lands where an activation was expected: silently wrong, seen on gloo with more
+        # micro-batches than stages). Unbatched, Megatron orders them by rank parity (as
+        # Megatron-LM does for VPP, where overlap_p2p_comm turns batching off).
+        batch_p2p_comm=not parallel.virtual_pipeline_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         transformer_impl="transformer_engine" if te else "local",
         bias_activation_fusion=False,
