@@ -1,6 +1,7 @@
 """Packed rows (``train.packing``) train exactly like padded rows: Megatron on gloo ranks in
 float32, the same samples laid out both ways (``trainer.batch.micro_batches``), through the old pass
-and 3 optimizer steps (``mcore.step``), at TP1, TP2, PP2 and DP2 and in every aggregation mode.
+and 3 optimizer steps (``mcore.step``), at TP1, TP2, PP2, PP2 x VPP2 and DP2, in every aggregation
+mode, with a sampled (K3) and a reverse Top-k KL.
 
 Compared: the per-token log-probs of the old pass at every loss token (read per sample, since the
 layouts put them at different places), each step's loss, policy loss, KL and entropy, the
@@ -54,7 +55,7 @@ def _old_logprobs_per_sample(micro, samples_in_order) -> list[list[float]]:
     return out
 
 
-def _train(rank: int, world_size: int, parallel: ParallelConfig, agg_modes: list[str]) -> dict:
+def _train(rank: int, world_size: int, parallel: ParallelConfig, agg_modes: list[str], kl: str) -> dict:
     from megatron_empg.mcore.model import build_gpt_model
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -62,15 +63,18 @@ def _train(rank: int, world_size: int, parallel: ParallelConfig, agg_modes: list
     from megatron_empg.trainer.build import bind_loss
 
     model = load_model_config(MODEL)
-    pp = parallel.pipeline_model_parallel_size
+    pp, vpp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    multiple = pp if vpp else 1  # the interleaved schedule runs micro-batches in groups of PP
     plans = {
-        "padded": MicroBatchPlan(packing=False, micro_batch_size=2, fixed_shape=pp > 1),
-        "packed": MicroBatchPlan(packing=True, max_tokens=96, fixed_shape=pp > 1),
+        "padded": MicroBatchPlan(packing=False, micro_batch_size=2, fixed_shape=pp > 1, count_multiple=multiple),
+        "packed": MicroBatchPlan(packing=True, max_tokens=96, fixed_shape=pp > 1, count_multiple=multiple),
     }
+    k = 4 if kl == "topk" else 0
     results = {}
     for agg_mode in agg_modes:
-        loss = LossConfig(kl="k3", kl_coef=0.1, agg_mode=agg_mode, entropy_coef=0.01)
-        loss_fn, _ = bind_loss(loss, vocab_size=model.vocab_size, topk=1)
+        loss = LossConfig(kl=kl, kl_coef=0.1, agg_mode=agg_mode, entropy_coef=0.01,
+                          kl_args={"direction": "reverse"} if kl == "topk" else {})  # fmt: skip
+        loss_fn, _ = bind_loss(loss, vocab_size=model.vocab_size, topk=k or 1)
         for name, plan in plans.items():
             groups = initialize_model_parallel(parallel, seed=5)  # the same initial weights each time
             samples = _samples(groups.dp_rank)
@@ -80,11 +84,13 @@ def _train(rank: int, world_size: int, parallel: ParallelConfig, agg_modes: list
                 ddp = wrap_with_ddp(build_gpt_model(model, parallel), settings)
                 optimizer, scheduler = (opt := build_optimizer(ddp, settings)), build_scheduler(opt, settings)
                 micro = micro_batches(samples, advantages, plan)
-                request = StatsRequest(vocab_size=model.vocab_size, with_entropy=False)
+                request = StatsRequest(vocab_size=model.vocab_size, k=k, with_entropy=False)
                 stats = share_stats(forward_stats(ddp, micro, request, groups), micro, request, groups)
                 for mb, out in zip(micro, stats):
                     mb.old_logprobs = out["logprobs"] + 0.05 * mb.advantages  # a ratio != 1
                     mb.anchor_logprobs = out["logprobs"] - 0.1 * mb.loss_mask
+                    if k:  # a reverse Top-k KL: the old policy's top-k, the anchor below it
+                        mb.topk_ids, mb.topk_anchor_logprobs = out["topk_ids"], out["topk_logprobs"] - 0.1
                 old = _old_logprobs_per_sample(
                     [type(mb)(**{**mb.__dict__, "old_logprobs": out["logprobs"]}) for mb, out in zip(micro, stats)],
                     samples,
@@ -104,11 +110,13 @@ def _sorted_old(old: list[list[float]]) -> list[list[float]]:
     return sorted(old, key=lambda values: (len(values), values[0]))
 
 
-CASES = {
-    "tp1": (1, ParallelConfig(), list(AGG_MODES)),
-    "tp2": (2, ParallelConfig(tensor_model_parallel_size=2), ["seq-mean-token-mean"]),
-    "pp2": (2, ParallelConfig(pipeline_model_parallel_size=2), ["token-mean"]),
-    "dp2": (2, ParallelConfig(), ["seq-mean-token-sum"]),
+CASES = {  # world size, layout, aggregation modes, KL
+    "tp1": (1, ParallelConfig(), list(AGG_MODES), "k3"),
+    "tp2": (2, ParallelConfig(tensor_model_parallel_size=2), ["seq-mean-token-mean"], "topk"),
+    "pp2": (2, ParallelConfig(pipeline_model_parallel_size=2), ["token-mean"], "k3"),
+    "pp2vpp2": (2, ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                ["seq-mean-token-mean"], "topk"),
+    "dp2": (2, ParallelConfig(), ["seq-mean-token-sum"], "k3"),
 }
 
 
@@ -117,8 +125,8 @@ CASES = {
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_rows_train_like_padded_rows(case):
-    world_size, parallel, modes = CASES[case]
-    per_rank = run_distributed(_train, world_size, parallel, modes, timeout=360)
+    world_size, parallel, modes, kl = CASES[case]
+    per_rank = run_distributed(_train, world_size, parallel, modes, kl, timeout=360)
     for rank, results in enumerate(per_rank):
         for mode in modes:
             padded, packed = results[mode, "padded"], results[mode, "packed"]
@@ -127,6 +135,8 @@ def test_packed_rows_train_like_padded_rows(case):
             assert all(b == 1 for b, _ in packed["shapes"])
             if parallel.pipeline_model_parallel_size > 1:
                 assert len(set(packed["shapes"])) == 1 and len(set(padded["shapes"])) == 1
+            if parallel.virtual_pipeline_model_parallel_size:
+                assert packed["micro_batches"] % 2 == 0 and padded["micro_batches"] % 2 == 0
             old_padded, old_packed = _sorted_old(padded["old"]), _sorted_old(packed["old"])
             assert [len(v) for v in old_padded] == [len(v) for v in old_packed]
             for a, b in zip(old_padded, old_packed):
