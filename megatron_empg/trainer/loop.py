@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import signal
 import statistics
@@ -39,9 +38,8 @@ from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.placement import build_placement
 from megatron_empg.trainer import machine
 from megatron_empg.core.microbatch import MicroBatch
-from megatron_empg.trainer.balance import attention_quadratic, sequence_cost
-from megatron_empg.trainer.balance import imbalance
-from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
+from megatron_empg.trainer.batch import Sample
+from megatron_empg.trainer.batching import BatchStage, StepBatch
 from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.metrics import all_reduce_sums, sample_means, sample_sums
 from megatron_empg.trainer.rollout import RolloutStage
@@ -62,18 +60,6 @@ class StepOutput:
     metrics: dict[str, float]
 
 
-@dataclasses.dataclass
-class StepBatch:
-    """This replica's ``[mini-batch][micro-batch]`` of one step on the policy's device, with its
-    ``tokens`` (of the samples in them), ``slots`` (positions computed, padding included) and
-    ``imbalance`` (max / mean tokens over the replicas of this rank's engine; 1: balanced)."""
-
-    minis: list[list[MicroBatch]]
-    tokens: int
-    slots: int
-    imbalance: float
-
-
 class Trainer:
     """Everything one run holds. Build with ``Trainer(bind(config, world_size))`` on every rank
     (after ``torch.distributed`` is initialised), then ``run(resume=...)``."""
@@ -91,8 +77,8 @@ class Trainer:
         self.groups = groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
         self.placement = build_placement(components.layout.engines, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                                          dp_rank=groups.dp_rank, dp_size=groups.dp_size)  # fmt: skip
-        self.replica = groups.dp_rank % (groups.dp_size // components.layout.engines)  # among its engine's
-        self.plan = self._micro_batch_plan()
+        self.batching = BatchStage(config, self.model, self.placement, groups,
+                                   pad_id=self.tokenizer.pad_token_id or 0)  # fmt: skip
         self._check_machine()
         # The engines start before the policy is built (vLLM checks the free GPU memory it is given).
         self.rollouts = RolloutStage(config, self.model, self.tokenizer, components.engine, self.placement,
@@ -127,15 +113,6 @@ class Trainer:
         found = next((p for p in problems if p is not None), None)
         if found is not None:
             raise ConfigError(*found)
-
-    def _micro_batch_plan(self) -> MicroBatchPlan:
-        train, parallel = self.config.train, self.config.parallel
-        pp = parallel.pipeline_model_parallel_size
-        return MicroBatchPlan(
-            packing=train.packing, micro_batch_size=train.micro_batch_size, max_tokens=train.max_tokens_per_microbatch,
-            fixed_shape=pp > 1, count_multiple=pp if parallel.virtual_pipeline_model_parallel_size else 1,
-            pad_id=self.tokenizer.pad_token_id or 0,
-        )  # fmt: skip
 
     def _build_policy(self) -> None:
         from megatron_empg.mcore.model import build_gpt_model, recompute_overrides
@@ -231,13 +208,13 @@ class Trainer:
         with _timed(times, "rollout"):
             replicas, rollout_metrics = self.rollout()
             self.rollouts.sleep()
-        samples = replicas[self.replica]
+        samples = replicas[self.batching.replica]
         with _timed(times, "rewards"):
             reward_metrics = self.score_rewards(samples)
         with _timed(times, "advantages"):
             advantages = self.advantages(samples)
         with _timed(times, "batching"):
-            batch = self.micro_batches(replicas, advantages)
+            batch = self.batching.build(replicas, advantages, device=next(self.models[0].parameters()).device)
         micro = [mb for mini in batch.minis for mb in mini]
         with _timed(times, "old_pass"):
             self.old_pass(micro)
@@ -259,7 +236,7 @@ class Trainer:
 
     def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """The samples of global prompt batch ``step_index`` of each replica of this rank's engine
-        (``[R][...]``; this replica's at ``self.replica``), and the engines' metrics."""
+        (``[R][...]``; this replica's at ``self.batching.replica``), and the engines' metrics."""
         return self.rollouts.sample(self.step_index, self.batches.batch(self.step_index), dp_size=self.groups.dp_size)
 
     def validate(self) -> dict[str, float]:
@@ -279,44 +256,6 @@ class Trainer:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         return self.components.advantage(rewards, groups)
-
-    def micro_batches(self, replicas: list[list[Sample]], advantages: torch.Tensor) -> StepBatch:
-        """This replica's mini-batches of micro-batches on the policy's device (``trainer.batch``):
-        the samples that train, balanced between the replicas of this engine with ``train.balance``
-        (their advantages, [B] per replica, are shared inside the engine group first). Every tensor
-        that meets the model is moved here, and only here."""
-        mask_truncated = self.config.algorithm.mask_truncated
-        for sample in (s for replica in replicas for s in replica):
-            sample.trains = bool(sample.generated_ids) and not (mask_truncated and sample.finish_reason == "length")
-        cost = None
-        if self.config.train.balance and len(replicas) > 1:
-            advantages_of = self._engine_advantages(advantages, len(replicas))
-            quadratic = attention_quadratic(self.model.hidden_size, self.model.parameters_per_layer())
-            cost = functools.partial(sequence_cost, quadratic=quadratic)
-        else:
-            advantages_of = {self.replica: advantages.tolist()}
-        shares = replica_shares([[s.length for s in r] for r in replicas], [[s.trains for s in r] for r in replicas],
-                                mini_batches=self.config.algorithm.mini_batches, cost=cost)  # fmt: skip
-        device = next(self.models[0].parameters()).device
-        minis = []
-        for items in shares[self.replica]:
-            calls = micro_batches([replicas[r][i] for r, i in items], [advantages_of[r][i] for r, i in items], self.plan)
-            minis.append([mb.to(device) for mb in calls])
-        tokens = [sum(replicas[r][i].length for mini in share for r, i in mini) for share in shares]
-        slots = sum(mb.input_ids.numel() for mini in minis for mb in mini)
-        return StepBatch(minis, tokens[self.replica], slots, imbalance(tokens))
-
-    def _engine_advantages(self, advantages: torch.Tensor, count: int) -> dict[int, list[float]]:
-        """``{r: [B] advantages}`` of the ``count`` replicas of this rank's engine, from one
-        all-gather inside its group (each rank sends its replica index and its [B] advantages)."""
-        group = self.placement.group
-        row = torch.cat([torch.tensor([float(self.replica)]), advantages.double()]).to(collective_device(group))
-        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(rows, row, group=group)
-        out = {int(r[0]): r[1:].tolist() for r in rows}
-        if sorted(out) != list(range(count)):
-            raise RuntimeError(f"engine group advantages came from replicas {sorted(out)}, expected 0..{count - 1}")
-        return out
 
     def old_pass(self, micro: list[MicroBatch]) -> None:
         """log pi_old at the targets (and the policy's top-k for a reverse Top-k KL) into ``micro``."""

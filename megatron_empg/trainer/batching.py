@@ -1,0 +1,96 @@
+"""The batching stage of a step: the samples of this rank's engine -> this replica's mini-batches
+of micro-batches on the policy's device (``trainer.batch`` does the layout).
+
+Every rank holds the samples of all R replicas its engine serves (``trainer.rollout``), but only
+its own replica's advantages. With ``train.balance`` and R > 1 the advantages are shared inside
+the engine group first (one all-gather), then each mini-batch's samples are split between the R
+replicas by estimated compute (``batch.replica_shares``, cost ``balance.sequence_cost`` with the
+model's attention term); every rank computes the same split. Samples that do not train are left
+out; the rest become micro-batches as ``train.packing`` / ``max_tokens_per_microbatch`` /
+``micro_batch_size`` say, one shape per call under pipeline parallelism.
+
+    stage = BatchStage(config, model, placement, groups, pad_id=...)
+    batch = stage.build(replicas, advantages, device=...)   # StepBatch
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_empg.config import ModelConfig, RunConfig
+from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.parallel.collectives import collective_device
+from megatron_empg.parallel.placement import EnginePlacement
+from megatron_empg.trainer.balance import attention_quadratic, imbalance, sequence_cost
+from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """This replica's ``[mini-batch][micro-batch]`` of one step on the policy's device, with its
+    ``tokens`` (of the samples in them), ``slots`` (positions computed, padding included) and
+    ``imbalance`` (max / mean tokens over the replicas of this rank's engine; 1: balanced)."""
+
+    minis: list[list[MicroBatch]]
+    tokens: int
+    slots: int
+    imbalance: float
+
+
+class BatchStage:
+    """What one rank needs to build its micro-batches each step (module docstring). ``groups``:
+    Megatron's (``mcore.parallel_state.ParallelGroups``)."""
+
+    def __init__(self, config: RunConfig, model: ModelConfig, placement: EnginePlacement, groups, *, pad_id: int):
+        self.config, self.placement = config, placement
+        self.replicas = groups.dp_size // placement.num_engines  # R: the replicas of one engine
+        self.replica = groups.dp_rank % self.replicas  # this rank's among them
+        train, parallel = config.train, config.parallel
+        pp, tp = parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size
+        self.plan = MicroBatchPlan(
+            packing=train.packing, micro_batch_size=train.micro_batch_size, max_tokens=train.max_tokens_per_microbatch,
+            fixed_shape=pp > 1, count_multiple=pp if parallel.virtual_pipeline_model_parallel_size else 1,
+            pad_multiple=math.lcm(8, tp) if parallel.sequence_parallel else 8,  # rows split over TP
+            pad_id=pad_id,
+        )  # fmt: skip
+        quadratic = attention_quadratic(model.hidden_size, model.parameters_per_layer())
+        balance = train.balance and self.replicas > 1
+        self.cost = functools.partial(sequence_cost, quadratic=quadratic) if balance else None
+
+    def build(self, replicas: list[list[Sample]], advantages: torch.Tensor, *, device: torch.device) -> StepBatch:
+        """This replica's micro-batches of ``replicas`` ([R][B] samples of this rank's engine) and
+        ``advantages`` ([B] float32, this replica's samples). Marks each sample's ``trains``
+        (``algorithm.mask_truncated``); every rank of the engine group calls it together."""
+        mask_truncated = self.config.algorithm.mask_truncated
+        for sample in (s for replica in replicas for s in replica):
+            sample.trains = bool(sample.generated_ids) and not (mask_truncated and sample.finish_reason == "length")
+        if self.cost is not None:
+            advantages_of = self._engine_advantages(advantages)
+        else:
+            advantages_of = {self.replica: advantages.tolist()}
+        shares = replica_shares([[s.length for s in r] for r in replicas], [[s.trains for s in r] for r in replicas],
+                                mini_batches=self.config.algorithm.mini_batches, cost=self.cost)  # fmt: skip
+        minis = []
+        for items in shares[self.replica]:
+            calls = micro_batches([replicas[r][i] for r, i in items], [advantages_of[r][i] for r, i in items], self.plan)
+            minis.append([mb.to(device) for mb in calls])
+        tokens = [sum(replicas[r][i].length for mini in share for r, i in mini) for share in shares]
+        slots = sum(mb.input_ids.numel() for mini in minis for mb in mini)
+        return StepBatch(minis, tokens[self.replica], slots, imbalance(tokens))
+
+    def _engine_advantages(self, advantages: torch.Tensor) -> dict[int, list[float]]:
+        """``{r: [B] advantages}`` of the R replicas of this rank's engine, from one all-gather
+        inside its group (each rank sends its replica index and its [B] advantages)."""
+        group = self.placement.group
+        row = torch.cat([torch.tensor([float(self.replica)]), advantages.double()]).to(collective_device(group))
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, row, group=group)
+        out = {int(r[0]): r[1:].tolist() for r in rows}
+        if sorted(out) != list(range(self.replicas)):
+            raise RuntimeError(f"engine group advantages came from replicas {sorted(out)}, expected 0..{self.replicas - 1}")
+        return out
