@@ -110,6 +110,8 @@ def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: 
     lengths = [s.length for s in samples]
     if plan.max_tokens is not None:
         bins = micro_batch_bins(lengths, plan.max_tokens, multiple_of=plan.count_multiple)
+        if plan.fixed_shape:
+            bins = _fewest_slots(lengths, bins, plan)
     else:
         count = _round_up(max(1, math.ceil(len(samples) / plan.micro_batch_size)), plan.count_multiple)
         bins = partition(lengths, count, equal_count=True) if plan.packing else _similar_lengths(lengths, count)
@@ -124,6 +126,25 @@ def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: 
     build = _packed_row if plan.packing else _padded_rows
     return [build([samples[i] for i in b], [float(advantages[i]) for i in b], width, row_count, plan.pad_id)
             for b, width, row_count in zip(bins, widths, rows)]  # fmt: skip
+
+
+def _fewest_slots(lengths: Sequence[int], bins: list[list[int]], plan: MicroBatchPlan) -> list[list[int]]:
+    """Under one shape per call every row is as long as the fullest: a few more rows than the
+    budget needs can be shorter in all (fewer slots). The partition with the fewest
+    ``count x longest row`` among the budget's count and the next ``_EXTRA_ROWS`` multiples."""
+
+    def slots(candidate: list[list[int]]) -> int:
+        return len(candidate) * _round_up(max(sum(lengths[i] for i in b) for b in candidate), plan.pad_multiple)
+
+    best = bins
+    for extra in range(1, _EXTRA_ROWS + 1):
+        candidate = partition(lengths, len(bins) + extra * plan.count_multiple)
+        if max(sum(lengths[i] for i in b) for b in candidate) <= plan.max_tokens and slots(candidate) < slots(best):
+            best = candidate
+    return best
+
+
+_EXTRA_ROWS = 4
 
 
 def _similar_lengths(lengths: Sequence[int], count: int) -> list[list[int]]:

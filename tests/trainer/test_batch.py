@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
-from megatron_empg.trainer.balance import imbalance
+from megatron_empg.trainer.balance import imbalance, micro_batch_bins
 from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
 from tests.dist import run_distributed
 
@@ -168,3 +168,18 @@ def test_dropping_loss_free_samples_leaves_the_update_unchanged(agg_mode):
     # up to 2 lr (seen: 1.1e-5): eps is 1e-6 here, and 1e-5 is 1% of lr (1e-3)
     for name, param in full["params"].items():
         torch.testing.assert_close(dropped["params"][name], param, rtol=0, atol=1e-5)
+
+
+def test_one_shape_per_call_takes_a_few_more_rows_when_that_computes_fewer_slots():
+    g = torch.Generator().manual_seed(9)
+    lengths = [int(x) for x in torch.randint(20, 90, (24,), generator=g)] + [150] * 6  # some at the "cap"
+    samples = [Sample([1] * 4, [2] * (n - 4), [-1.0] * (n - 4), "stop", group=0) for n in lengths]
+    budget = 200
+    plan = MicroBatchPlan(max_tokens=budget, fixed_shape=True)
+    micro = micro_batches(samples, [0.0] * len(samples), plan)
+    fewest = micro_batch_bins(lengths, budget)  # the fewest rows within the budget
+    widest = -(-max(sum(lengths[i] for i in b) for b in fewest) // 8) * 8
+    assert len({mb.shape for mb in micro}) == 1 and micro[0].shape[1] <= budget
+    # measured: 15 rows of 152 (2280 slots) instead of 12 of 200 (2400)
+    assert len(micro) > len(fewest) and len(micro) * micro[0].shape[1] < len(fewest) * widest
+    assert sum(int((mb.input_ids != 0).sum()) for mb in micro) == sum(lengths)  # every sample, once
