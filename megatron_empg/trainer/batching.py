@@ -41,6 +41,17 @@ class StepBatch:
     slots: int
     imbalance: float
 
+    def sampler_gap(self) -> tuple[float, int]:
+        """(sum, count) of |log pi_old - the engine's log-prob| over the loss tokens, after the old
+        pass: how far the trainer's policy and the engine's sampling disagree (0 with exact weights
+        and numerics)."""
+        total, count = 0.0, 0
+        for mb in (mb for mini in self.minis for mb in mini):
+            gap = (mb.old_logprobs - mb.sampler_logprobs).abs()
+            total += float(torch.where(mb.loss_mask, gap, 0.0).sum())
+            count += int(mb.loss_mask.sum())
+        return total, count
+
 
 class BatchStage:
     """What one rank needs to build its micro-batches each step (module docstring). ``groups``:

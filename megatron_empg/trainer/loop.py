@@ -341,12 +341,13 @@ class Trainer:
 
     def metrics(self, samples, batch: StepBatch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
         """Per-step metrics: ``sample_means`` of the samples' sums over data-parallel replicas (one
-        all-reduce), the loss tokens per sample, the micro-batches' padding, throughput, and this
-        rank's timings."""
+        all-reduce), the loss tokens per sample, the micro-batches' padding, the mean gap between
+        the old pass's and the engine's log-probs, throughput, and this rank's timings."""
         local = {**sample_sums(samples, reward_metrics), "loss_tokens": sum(s.loss_tokens for s in samples),
                  "no_loss": sum(s.loss_tokens == 0 for s in samples), "batch_tokens": batch.tokens,
                  "batch_slots": batch.slots, "micro_batches": sum(len(mini) for mini in batch.minis),
                  "imbalance": batch.imbalance}  # fmt: skip
+        local["sampler_gap"], local["sampler_gap_tokens"] = batch.sampler_gap()
         totals = all_reduce_sums(local, self.groups.dp_group)
         seconds = sum(times.values())
         return {
@@ -356,6 +357,7 @@ class Trainer:
             "batch/padding_fraction": 1.0 - totals["batch_tokens"] / max(totals["batch_slots"], 1),
             "batch/micro_batches_mean": totals["micro_batches"] / self.groups.dp_size,
             "batch/replica_imbalance": totals["imbalance"] / self.groups.dp_size,
+            "batch/sampler_logprob_gap": totals["sampler_gap"] / max(totals["sampler_gap_tokens"], 1),
             "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
             **{f"time/{k}": v for k, v in times.items()}, **update_metrics, **sync_metrics,
         }  # fmt: skip

@@ -49,6 +49,8 @@ def test_packing_on_equals_packing_off_over_three_steps(tmp_path, warm_start):
         # to a multiple of 8 per row of ~160 tokens
         assert y["batch/padding_fraction"] < 0.1 < x["batch/padding_fraction"]
         assert y["batch/micro_batches_mean"] > x["batch/micro_batches_mean"] == 2  # 128 / 64; 160-token rows
+        # the engine (transformers, fp32) and the old pass agree on every sampled token's log-prob
+        assert x["batch/sampler_logprob_gap"] < 1e-4 and y["batch/sampler_logprob_gap"] < 1e-4
 
 
 @pytest.mark.dist
