@@ -687,8 +687,11 @@ class LossConfig:
     loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(entropy). ``policy_loss`` is
     a key of ``parallel.rl_loss.ALL_POLICY_LOSSES`` (``ppo_clip``: GRPO / DAPO / dual-clip;
     ``rpg``, ``rpg_reinforce*``, ``rpg_dual_clip``) with ``policy_loss_args`` its keyword arguments;
-    ``kl`` is null, a sampled estimator (``k1`` .. ``k5``, ``k3pp``) or ``topk``, with ``kl_args``
-    (``importance_weight``, ``iw_clip``; for ``topk`` also ``direction``, ``tail``, ``tail_grad``);
+    ``kl`` is null, a sampled estimator (``k1`` .. ``k5``, ``k3pp``), ``topk``, an RPG penalty
+    (``rpg_fkl``, ``rpg_rkl``, ``rpg_ufkl``, ``rpg_urkl``, ``rpg_ujs``: d(pi / pi_anchor)) or
+    ``grpo_corrected`` (RPG's importance-weighted GRPO KL), with ``kl_args`` (``importance_weight``,
+    ``iw_clip``; for ``topk`` also ``direction``, ``tail``, ``tail_grad``; for the RPG terms
+    ``max_abs_value``);
     ``agg_mode`` one of ``core.aggregation.AGG_MODES``. The names and arguments are resolved and
     checked by ``trainer.build.bind`` (``empg check``), before anything starts.
     """

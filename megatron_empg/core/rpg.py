@@ -40,6 +40,7 @@ paper and from that function's ``*_clip_ppo`` branch; see each docstring for the
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -408,6 +409,14 @@ def corrected_grpo_kl(
     if max_abs_value is not None:
         values = values.clamp(-max_abs_value, max_abs_value)
     return values
+
+
+# KL terms of the update objective (``algorithm.loss.kl``) beside ``kl.sampled_kl`` and the Top-k
+# KL: RPG's penalties d(pi / pi_anchor) (``rpg_<divergence>``) and the corrected GRPO KL.
+RPG_KL_TERMS: dict[str, Callable[..., Tensor]] = {
+    **{f"rpg_{name}": functools.partial(rpg_kl_penalty, divergence=name) for name in DIVERGENCES},
+    "grpo_corrected": corrected_grpo_kl,
+}
 
 
 RPG_POLICY_LOSSES = {

@@ -25,12 +25,12 @@ from megatron_empg.core.kl import KL_ESTIMATORS, sampled_kl
 from megatron_empg.core.logprob import DEFAULT_CHUNK_SIZE
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.policy_loss import POLICY_LOSSES
-from megatron_empg.core.rpg import RPG_POLICY_LOSSES
+from megatron_empg.core.rpg import RPG_KL_TERMS, RPG_POLICY_LOSSES, corrected_grpo_kl
 from megatron_empg.core.topk_kl import topk_kl_from_gathered, topk_kl_ids
 from megatron_empg.parallel.vocab_parallel import vocab_parallel_logprobs
 
 ALL_POLICY_LOSSES = {**POLICY_LOSSES, **RPG_POLICY_LOSSES}
-KL_KINDS = (*KL_ESTIMATORS, "topk")
+KL_KINDS = (*KL_ESTIMATORS, "topk", *RPG_KL_TERMS)
 
 
 class RLLoss(NamedTuple):
@@ -84,8 +84,10 @@ def rl_loss(
         policy_loss: a key of ``ALL_POLICY_LOSSES`` (``ppo_clip`` covers GRPO, DAPO, dual-clip;
             ``rpg*`` the RPG surrogates); ``policy_loss_args``: its keyword arguments.
         kl: None, a sampled estimator of ``core.kl`` (``k1`` .. ``k5``, ``k3pp``) on log pi(y) vs
-            log pi_ref(y), or ``topk``; ``kl_args``: keyword arguments of ``sampled_kl`` (``old_logprobs``
-            is passed when ``kl_args["importance_weight"]`` is true) or of ``topk_kl_from_logprobs``.
+            log pi_ref(y), ``topk``, an RPG penalty ``rpg_<divergence>`` (``core.rpg.rpg_kl_penalty``)
+            or ``grpo_corrected`` (``core.rpg.corrected_grpo_kl``, which weighs by pi/pi_old
+            itself); ``kl_args``: keyword arguments of that function (``old_logprobs`` is passed to
+            a sampled or Top-k KL when ``kl_args["importance_weight"]`` is true).
         kl_coef: beta >= 0. entropy_coef: the entropy bonus c >= 0.
         log_entropy: compute the entropy for the metrics even when ``entropy_coef`` is 0.
         agg_mode: ``core.aggregation.AGG_MODES``.
@@ -132,6 +134,10 @@ def rl_loss(
                 gathered, batch.topk_ids, batch.target_ids, batch.topk_anchor_logprobs, batch.anchor_logprobs,
                 old_logprobs=old if use_iw else None, validate=validate, **kl_args,
             ).values  # fmt: skip
+        elif kl == "grpo_corrected":  # its importance weight w_old is part of the term
+            kl_values = corrected_grpo_kl(logprobs, old, batch.anchor_logprobs, validate=validate, **kl_args)
+        elif kl in RPG_KL_TERMS:
+            kl_values = RPG_KL_TERMS[kl](logprobs, batch.anchor_logprobs, validate=validate, **kl_args)
         else:
             kl_values = sampled_kl(
                 logprobs, batch.anchor_logprobs, estimator=kl, old_logprobs=old if use_iw else None,

@@ -38,6 +38,7 @@ from megatron_empg.core.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimat
 from megatron_empg.core.aggregation import AGG_MODES
 from megatron_empg.core.kl import sampled_kl
 from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.core.rpg import RPG_KL_TERMS
 from megatron_empg.core.topk_kl import topk_kl_from_logprobs
 from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, KL_KINDS, rl_loss
 from megatron_empg.rollout.data import DataError, check_first_record
@@ -147,6 +148,14 @@ def bind_loss(loss: LossConfig, *, vocab_size: int, topk: int) -> tuple[Callable
             reverse = direction == "reverse"
             stats = StatsPlan(old_topk=k if reverse else 0, anchor_topk=0 if reverse else k,
                               anchor_at_old_topk=reverse, anchor=True)  # fmt: skip
+        elif loss.kl in RPG_KL_TERMS:
+            if loss.kl_args.get("importance_weight"):
+                raise ConfigError(f"{field}.kl_args.importance_weight", f"does not apply to {loss.kl} (RPG's "
+                                  "penalties are exact under pi_old; grpo_corrected carries its own weight)")  # fmt: skip
+            positional = 3 if loss.kl == "grpo_corrected" else 2
+            _bind_arguments(f"{field}.kl_args", RPG_KL_TERMS[loss.kl], args, (*_KL_INPUTS, "divergence"),
+                            positional=positional)  # fmt: skip
+            stats = StatsPlan(anchor=True)
         else:
             _bind_arguments(f"{field}.kl_args", sampled_kl, args, _KL_INPUTS, positional=2)
             stats = StatsPlan(anchor=True)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_empg.core.aggregation import aggregate
 from megatron_empg.core.kl import sampled_kl
 from megatron_empg.core.policy_loss import ppo_clip_loss
-from megatron_empg.core.rpg import rpg_reinforce_clip_loss
+from megatron_empg.core.rpg import corrected_grpo_kl, rpg_kl_penalty, rpg_reinforce_clip_loss
 from megatron_empg.core.topk_kl import topk_kl_from_logprobs
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.rl_loss import rl_loss
@@ -45,6 +45,17 @@ CASES = {
     "topk_forward_reference_seqsum": dict(
         policy_loss="ppo_clip", kl="topk", kl_coef=0.2, kl_args={"direction": "forward", "tail_grad": "reference"},
         entropy_coef=0.02, agg_mode="seq-mean-token-sum",
+    ),
+    "dualclip_rpg_urkl_seqmean": dict(
+        policy_loss="ppo_clip", policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28, "clip_c": 10.0},
+        kl="rpg_urkl", kl_coef=0.1, agg_mode="seq-mean-token-mean",
+    ),
+    "rpg_fkl_unclamped_entropy": dict(
+        policy_loss="ppo_clip", kl="rpg_fkl", kl_coef=0.3, kl_args={"max_abs_value": None}, entropy_coef=0.01,
+        agg_mode="token-mean",
+    ),
+    "grpo_corrected_seqsum": dict(
+        policy_loss="ppo_clip", kl="grpo_corrected", kl_coef=0.2, agg_mode="seq-mean-token-sum",
     ),
     "rpg_clip_no_kl": dict(
         policy_loss="rpg_reinforce_clip", policy_loss_args={"divergence": "ufkl", "kl_coef": 0.1},
@@ -97,6 +108,10 @@ def _reference(logits: torch.Tensor, batch: MicroBatch, case: dict) -> dict:
         kl = topk_kl_from_logprobs(
             head, batch.topk_anchor_logprobs, logprobs, batch.anchor_logprobs, in_head, old_logprobs=old, **kl_args
         ).values
+    elif case.get("kl") == "grpo_corrected":
+        kl = corrected_grpo_kl(logprobs, batch.old_logprobs, batch.anchor_logprobs, **kl_args)
+    elif str(case.get("kl")).startswith("rpg_"):
+        kl = rpg_kl_penalty(logprobs, batch.anchor_logprobs, divergence=case["kl"].removeprefix("rpg_"), **kl_args)
     elif case.get("kl"):
         kl = sampled_kl(logprobs, batch.anchor_logprobs, estimator=case["kl"], old_logprobs=old, **kl_args)
     if case.get("kl"):

@@ -121,6 +121,13 @@ def test_layout_module_imports_no_torch():
         (["algorithm.loss.kl=k3", "algorithm.loss.kl_args={tail: true}"], 1, "algorithm.loss.kl_args",
          "unexpected keyword argument 'tail'"),
         (["algorithm.loss.agg_mode=token-sum"], 1, "algorithm.loss.agg_mode", "unknown name 'token-sum'"),
+        (["algorithm.loss.kl=rpg_urkl", "algorithm.loss.kl_args={importance_weight: true}"], 1,
+         "algorithm.loss.kl_args.importance_weight", "does not apply to rpg_urkl"),
+        (["algorithm.loss.kl=rpg_urkl", "algorithm.loss.kl_args={divergence: fkl}"], 1,
+         "algorithm.loss.kl_args.divergence", "is set by the trainer"),
+        (["algorithm.loss.kl=grpo_corrected", "algorithm.loss.kl_args={direction: reverse}"], 1,
+         "algorithm.loss.kl_args", "unexpected keyword argument 'direction'"),
+        (["algorithm.loss.kl=rpg_kl", "algorithm.loss.kl_args={}"], 1, "algorithm.loss.kl", "unknown name 'rpg_kl'"),
         (["algorithm.topk=300"], 1, "algorithm.topk", "<= model.vocab_size"),
         (["data.reward=math_verify", "data.source=files", "data.train_files=[x.jsonl]"], 1, "data.reward",
          "unknown name 'math_verify'"),
@@ -152,6 +159,9 @@ def test_bind_resolves_the_registries_and_what_the_passes_compute(tmp_path):
     forward = bind(demo(tmp_path, "algorithm.loss.kl_args.direction=forward"), 1).stats
     assert forward == StatsPlan(anchor_topk=8, anchor=True)
     assert bind(demo(tmp_path, "algorithm.loss.kl=k3", "algorithm.loss.kl_args={}"), 1).stats == StatsPlan(anchor=True)
+    for rpg_kl in ("rpg_fkl", "rpg_urkl", "grpo_corrected"):  # RPG's terms need the anchor's log-probs only
+        assert bind(demo(tmp_path, f"algorithm.loss.kl={rpg_kl}", "algorithm.loss.kl_args={max_abs_value: 20}"),
+                    1).stats == StatsPlan(anchor=True)  # fmt: skip
     assert bind(demo(tmp_path, "algorithm.loss.kl=null", "algorithm.loss.kl_coef=0", "algorithm.loss.kl_args={}"),
                 1).stats == StatsPlan()  # fmt: skip
 
