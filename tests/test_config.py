@@ -285,7 +285,8 @@ def test_padded_vocab_size_rejects_bad_arguments():
 # model_configs/*.yaml
 
 YAMLS = sorted(MODEL_CONFIG_DIR.glob("*.yaml"))
-REAL = ["deepseek-r1-distill-qwen-1.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "llama3.1-8b"]
+REAL = ["deepseek-r1-distill-qwen-1.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-4b", "qwen3-8b",
+        "llama3.1-8b"]
 TINY_MODELS = ["tiny-qwen2", "tiny-llama", "tiny-qwen3"]
 LOCAL = ["demo-qwen2"]  # built locally (tools/make_demo_model.py), no HF model id
 
@@ -293,7 +294,7 @@ LOCAL = ["demo-qwen2"]  # built locally (tools/make_demo_model.py), no HF model 
 # Qwen model cards' "Number of Parameters (Non-Embedding)").
 PUBLISHED_TOTAL = {
     "deepseek-r1-distill-qwen-1.5b": 1.78, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62,
-    "qwen3-8b": 8.19, "llama3.1-8b": 8.03,
+    "qwen3-4b": 4.02, "qwen3-8b": 8.19, "llama3.1-8b": 8.03,
 }  # fmt: skip
 PUBLISHED_NON_EMBEDDING = {"qwen2.5-1.5b": 1.31, "qwen2.5-3b": 2.77, "qwen2.5-7b": 6.53, "qwen3-8b": 6.95}
 
