@@ -1025,6 +1025,9 @@ class AlgorithmConfig:
     ``loss.kl`` null trains without a reference (no anchor is built). ``mini_batches``: optimizer
     steps per rollout batch (the old log-probs are computed once, before the first).
     ``mask_truncated``: responses cut by ``max_tokens`` carry no loss (DAPO's overlong filter).
+    ``overlong_buffer`` > 0: DAPO's soft overlong punishment, a response of L tokens loses
+    ``overlong_penalty * (L - (rollout.sampling.max_tokens - overlong_buffer)) / overlong_buffer`` of
+    its reward when L passes ``max_tokens - overlong_buffer`` (``rollout.rewards.overlong_penalty``).
     """
 
     advantage: str = "grpo"
@@ -1033,12 +1036,18 @@ class AlgorithmConfig:
     topk: int = 32
     mini_batches: int = 1
     mask_truncated: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def validate(self) -> None:
         if self.topk < 1:
             raise ConfigError("topk", f"must be >= 1, got {self.topk!r}")
         if self.mini_batches < 1:
             raise ConfigError("mini_batches", f"must be >= 1, got {self.mini_batches!r}")
+        if self.overlong_buffer < 0:
+            raise ConfigError("overlong_buffer", f"must be >= 0 (0: off), got {self.overlong_buffer!r}")
+        if self.overlong_penalty < 0:
+            raise ConfigError("overlong_penalty", f"must be >= 0, got {self.overlong_penalty!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ per sample). ``REWARDS`` names them (= ``config.REWARD_NAMES``):
   the last number; checked against the gold answer(s) by math-verify (symbolic and numeric
   equivalence: ``\\frac{1}{2}`` = ``0.5``) in a small process pool, each sample at most
   ``timeout_s`` seconds (a timeout scores 0 and is counted). Score 1 or 0, as rLLM's math reward.
+* ``math_dapo``: the same check, scored +1 or -1 (DAPO's and RPG's ``math_dapo``).
 * ``qa_em`` / ``qa_f1``: Search-R1's QA reward: the answer is the text of the response's last
   ``<answer>...</answer>`` (none: score 0), compared with each gold answer after SQuAD normalization
   (lowercase, no punctuation, no articles, single spaces); exact match (1/0) or token F1, the best
@@ -332,8 +333,9 @@ class MathReward:
     raised, or its worker died).
     """
 
-    def __init__(self, *, num_workers: int = 2, timeout_s: float = 5.0) -> None:
+    def __init__(self, *, num_workers: int = 2, timeout_s: float = 5.0, incorrect_score: float = 0.0) -> None:
         self.pool = MathVerifierPool(num_workers=num_workers, timeout_s=timeout_s)
+        self.incorrect_score = incorrect_score  # a correct answer scores 1
 
     def __call__(self, responses: list[str], examples: list[PromptExample]) -> RewardResult:
         _check_batch(responses, examples)
@@ -359,7 +361,8 @@ class MathReward:
             "timeouts": float(outcomes.count("timeout")),
             "verify_errors": float(outcomes.count("error")),
         }
-        return RewardResult(scores=[float(c) for c in correct], correct=correct, metrics=metrics)
+        scores = [1.0 if c else self.incorrect_score for c in correct]
+        return RewardResult(scores=scores, correct=correct, metrics=metrics)
 
     def close(self) -> None:
         self.pool.close()
@@ -463,8 +466,15 @@ def arithmetic_reward(responses: list[str], examples: list[PromptExample]) -> Re
     return RewardResult(scores=[float(c) for c in correct], correct=correct, metrics=metrics)
 
 
+def overlong_penalty(length: int, *, max_length: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (<= 0): 0 up to ``max_length - buffer`` tokens, then falling
+    linearly to ``-factor`` at ``max_length`` (and below it beyond)."""
+    return min(-(length - (max_length - buffer)) / buffer * factor, 0.0)
+
+
 REWARDS: dict[str, RewardFn] = {
     "math": MathReward(),
+    "math_dapo": MathReward(incorrect_score=-1.0),
     "qa_em": qa_em_reward,
     "qa_f1": qa_f1_reward,
     "arithmetic": arithmetic_reward,

@@ -253,6 +253,11 @@ def _check_lengths(config: RunConfig, model: ModelConfig) -> None:
             f"probe_length + probe_continuation = {sync.probe_length + sync.probe_continuation} must be <= "
             f"rollout.max_model_len - 1 = {max_model_len - 1}",
         )
+    if config.algorithm.overlong_buffer >= rollout.sampling.max_tokens:
+        raise ConfigError(
+            "algorithm.overlong_buffer",
+            f"{config.algorithm.overlong_buffer} must be < rollout.sampling.max_tokens={rollout.sampling.max_tokens}",
+        )
     if rollout.sampling.max_tokens >= train.max_seq_len:
         raise ConfigError(
             "rollout.sampling.max_tokens",

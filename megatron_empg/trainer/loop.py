@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_empg.config import ConfigError, RunConfig, to_yaml
+from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.placement import build_placement
+from megatron_empg.rollout.rewards import overlong_penalty
 from megatron_empg.trainer import machine
-from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.batching import BatchStage, StepBatch
 from megatron_empg.trainer.build import Components
@@ -245,11 +246,22 @@ class Trainer:
         return self.rollouts.validate(self.validation_sets, self.score_rewards, self.step_index)
 
     def score_rewards(self, samples: list[Sample]) -> dict[str, float]:
+        """Each sample's reward (``data.reward``, then ``algorithm.overlong_buffer``'s penalty) and
+        whether it is correct; the reward's metric sums as ``reward/*``."""
         texts = self.tokenizer.batch_decode([s.generated_ids for s in samples], skip_special_tokens=True)
         result = self.reward_fn(texts, [s.example for s in samples])
         for sample, score, correct in zip(samples, result.scores, result.correct):
             sample.reward, sample.correct = float(score), bool(correct)
-        return {f"reward/{k}": float(v) for k, v in result.metrics.items()}
+        metrics = {f"reward/{k}": float(v) for k, v in result.metrics.items()}
+        algorithm = self.config.algorithm
+        if algorithm.overlong_buffer:
+            penalties = [overlong_penalty(len(s.response_ids), max_length=self.config.rollout.sampling.max_tokens,
+                                          buffer=algorithm.overlong_buffer, factor=algorithm.overlong_penalty)
+                         for s in samples]  # fmt: skip
+            for sample, penalty in zip(samples, penalties):
+                sample.reward += penalty
+            metrics["reward/overlong_penalty"] = sum(penalties)
+        return metrics
 
     def advantages(self, samples: list[Sample]) -> torch.Tensor:
         """[B] per-sample advantages (groups are this replica's prompts: whole groups never split)."""

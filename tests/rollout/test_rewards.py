@@ -24,6 +24,7 @@ from megatron_empg.rollout.rewards import (
     extract_tagged_answer,
     last_boxed,
     normalize_answer,
+    overlong_penalty,
     qa_em_reward,
     qa_f1_reward,
     token_f1,
@@ -37,8 +38,8 @@ def examples(*answers: str | list[str]) -> list[PromptExample]:
 
 
 def test_the_registry_has_every_reward():
-    assert sorted(REWARDS) == ["arithmetic", "math", "qa_em", "qa_f1"]
-    assert isinstance(REWARDS["math"], MathReward)
+    assert sorted(REWARDS) == ["arithmetic", "math", "math_dapo", "qa_em", "qa_f1"]
+    assert isinstance(REWARDS["math"], MathReward) and isinstance(REWARDS["math_dapo"], MathReward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,6 +113,22 @@ def test_math_reward_checks_equivalence_with_math_verify(math_reward):
     assert result.correct == [c[2] for c in MATH_CASES]
     assert result.scores == [float(c[2]) for c in MATH_CASES]
     assert result.metrics == {"no_answer": 1.0, "timeouts": 0.0, "verify_errors": 0.0}
+
+
+def test_math_dapo_scores_plus_or_minus_one():
+    reward = MathReward(incorrect_score=-1.0)
+    try:  # an exact match and no answer at all: neither needs a math-verify worker
+        result = reward(["so \\boxed{42}", "no idea", "\\boxed{3}"], examples("42", "5", "3"))
+    finally:
+        reward.close()
+    assert result.scores == [1.0, -1.0, 1.0] and result.correct == [True, False, True]
+
+
+@pytest.mark.parametrize(("length", "expected"), [(100, 0.0), (3584, 0.0), (3840, -0.5), (4096, -1.0), (4224, -1.25)])
+def test_overlong_penalty_is_dapos(length, expected):
+    # DAPO's recipe: 4096 response tokens, a buffer of 512, factor 1: linear from 3584 to 4096
+    assert overlong_penalty(length, max_length=4096, buffer=512, factor=1.0) == pytest.approx(expected)
+    assert overlong_penalty(length, max_length=4096, buffer=512, factor=0.5) == pytest.approx(expected / 2)
 
 
 def test_math_reward_checks_its_batch(math_reward):

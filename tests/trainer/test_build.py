@@ -128,6 +128,8 @@ def test_layout_module_imports_no_torch():
         (["algorithm.loss.kl=grpo_corrected", "algorithm.loss.kl_args={direction: reverse}"], 1,
          "algorithm.loss.kl_args", "unexpected keyword argument 'direction'"),
         (["algorithm.loss.kl=rpg_kl", "algorithm.loss.kl_args={}"], 1, "algorithm.loss.kl", "unknown name 'rpg_kl'"),
+        (["algorithm.overlong_buffer=48"], 1, "algorithm.overlong_buffer", "must be < rollout.sampling.max_tokens"),
+        (["algorithm.overlong_buffer=-1"], 1, "algorithm.overlong_buffer", "must be >= 0"),
         (["algorithm.topk=300"], 1, "algorithm.topk", "<= model.vocab_size"),
         (["data.reward=math_verify", "data.source=files", "data.train_files=[x.jsonl]"], 1, "data.reward",
          "unknown name 'math_verify'"),
