@@ -72,9 +72,5 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         """A copy with every tensor on ``device``."""
-        moved = {
-            field.name: value.to(device) if isinstance(value, Tensor) else value
-            for field in dataclasses.fields(self)
-            for value in [getattr(self, field.name)]
-        }
-        return MicroBatch(**moved)
+        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, Tensor)})

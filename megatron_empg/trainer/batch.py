@@ -123,9 +123,14 @@ def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: 
         rows = [max(len(b), 1) for b in bins]
     if plan.fixed_shape:
         widths, rows = [max(widths)] * len(bins), [max(rows)] * len(bins)
-    build = _packed_row if plan.packing else _padded_rows
-    return [build([samples[i] for i in b], [float(advantages[i]) for i in b], width, row_count, plan.pad_id)
-            for b, width, row_count in zip(bins, widths, rows)]  # fmt: skip
+    out = []
+    for members, width, row_count in zip(bins, widths, rows):
+        chosen, chosen_advantages = [samples[i] for i in members], [float(advantages[i]) for i in members]
+        if plan.packing:
+            out.append(_packed_row(chosen, chosen_advantages, width, plan.pad_id))
+        else:
+            out.append(_padded_rows(chosen, chosen_advantages, width, row_count, plan.pad_id))
+    return out
 
 
 def _fewest_slots(lengths: Sequence[int], bins: list[list[int]], plan: MicroBatchPlan) -> list[list[int]]:
@@ -200,7 +205,7 @@ def _padded_rows(samples: Sequence[Sample], advantages: Sequence[float], width: 
     return out.micro_batch()
 
 
-def _packed_row(samples: Sequence[Sample], advantages: Sequence[float], width: int, rows: int, pad_id: int):
+def _packed_row(samples: Sequence[Sample], advantages: Sequence[float], width: int, pad_id: int):
     """One row of the samples back to back, then padding (its own segment)."""
     out = _Rows(1, width, pad_id)
     lengths = [s.length for s in samples]

@@ -183,3 +183,13 @@ def test_one_shape_per_call_takes_a_few_more_rows_when_that_computes_fewer_slots
     # measured: 15 rows of 152 (2280 slots) instead of 12 of 200 (2400)
     assert len(micro) > len(fewest) and len(micro) * micro[0].shape[1] < len(fewest) * widest
     assert sum(int((mb.input_ids != 0).sum()) for mb in micro) == sum(lengths)  # every sample, once
+
+
+def test_a_micro_batch_moves_every_tensor_to_the_device():
+    (packed,) = micro_batches(_samples(no_loss=set(), count=3), [1.0, 0.0, -1.0], MicroBatchPlan(micro_batch_size=3))
+    packed.old_logprobs = torch.zeros(packed.shape)
+    moved = packed.to(torch.device("meta"))  # any device other than the host's
+    tensors = {name: value for name, value in vars(moved).items() if isinstance(value, torch.Tensor)}
+    assert {"input_ids", "cu_seqlens", "seq_ids", "old_logprobs"} <= set(tensors)
+    assert {t.device.type for t in tensors.values()} == {"meta"} and moved.max_seqlen == packed.max_seqlen
+    assert packed.input_ids.device.type == "cpu"  # a copy
