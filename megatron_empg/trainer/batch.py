@@ -34,6 +34,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megatron_empg.core.advantages import token_advantages
+from megatron_empg.core.aggregation import masked_values
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.rollout.trajectory import Trajectory
 from megatron_empg.trainer.balance import micro_batch_bins, partition
@@ -189,9 +191,8 @@ class _Rows:
         generated &= sample.trains
         span = slice(offset + p - 1, offset + p - 1 + r)
         self.loss_mask[row, span] = generated
-        self.advantages[row, span] = torch.where(generated, advantage, 0.0)
-        logprobs = torch.tensor(sample.sampler_logprobs, dtype=torch.float32)
-        self.sampler[row, span] = torch.where(generated, logprobs, 0.0)
+        self.advantages[row, span] = token_advantages(torch.tensor([advantage]), generated[None])[0]
+        self.sampler[row, span] = masked_values(torch.tensor(sample.sampler_logprobs, dtype=torch.float32), generated)
 
     def micro_batch(self, **layout) -> MicroBatch:
         return MicroBatch(self.input_ids, self.target_ids, self.loss_mask, self.advantages, self.sampler, **layout)
