@@ -1016,6 +1016,31 @@ class AnchorConfig:
             raise ConfigError("fp8", f"te stores FP8 weights: it needs compute_dtype float8_e4m3fn, got {self.compute_dtype}")
 
 
+DYNAMIC_SAMPLING_METRICS = ("acc", "reward")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): a group whose responses all
+    score the same ``metric`` (``acc``: all correct or all wrong; ``reward``: one reward, the
+    overlong penalty included) has no advantage, so it is dropped and more prompts are sampled,
+    ``prompts_per_gen_batch`` at a time (verl's ``gen_batch_size``; null: ``train.prompts_per_step``),
+    until every replica holds its ``train.prompts_per_step`` / DP groups, for at most
+    ``max_num_gen_batches`` generation batches a step. If they are spent, the dropped groups fill
+    what is missing (they add no policy gradient) and a warning says how many; verl stops the run
+    instead."""
+
+    metric: Literal["acc", "reward"] = "acc"
+    prompts_per_gen_batch: int | None = None
+    max_num_gen_batches: int = 20
+
+    def validate(self) -> None:
+        if self.max_num_gen_batches < 1:
+            raise ConfigError("max_num_gen_batches", f"must be >= 1, got {self.max_num_gen_batches!r}")
+        if self.prompts_per_gen_batch is not None and self.prompts_per_gen_batch < 1:
+            raise ConfigError("prompts_per_gen_batch", f"must be >= 1 or null, got {self.prompts_per_gen_batch!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     """What one RL step optimizes: advantages (``advantage``: a name of ``core.advantages``'
@@ -1028,6 +1053,7 @@ class AlgorithmConfig:
     ``overlong_buffer`` > 0: DAPO's soft overlong punishment, a response of L tokens loses
     ``overlong_penalty * (L - (rollout.sampling.max_tokens - overlong_buffer)) / overlong_buffer`` of
     its reward when L passes ``max_tokens - overlong_buffer`` (``rollout.rewards.overlong_penalty``).
+    ``dynamic_sampling``: DAPO's group filter (``DynamicSamplingConfig``); null: every group trains.
     """
 
     advantage: str = "grpo"
@@ -1038,6 +1064,7 @@ class AlgorithmConfig:
     mask_truncated: bool = False
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    dynamic_sampling: DynamicSamplingConfig | None = None
 
     def validate(self) -> None:
         if self.topk < 1:

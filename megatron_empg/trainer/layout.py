@@ -69,6 +69,16 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
             f"must be divisible by the data-parallel size {dp} ({where}: each replica takes whole prompt groups), "
             f"got {train.prompts_per_step}",
         )
+    dynamic = config.algorithm.dynamic_sampling
+    if dynamic is not None and dynamic.prompts_per_gen_batch is not None:
+        field = "algorithm.dynamic_sampling.prompts_per_gen_batch"
+        if dynamic.prompts_per_gen_batch % dp:
+            raise ConfigError(field, f"must be divisible by the data-parallel size {dp} ({where}), "
+                                     f"got {dynamic.prompts_per_gen_batch}")  # fmt: skip
+        if dynamic.prompts_per_gen_batch * dynamic.max_num_gen_batches < train.prompts_per_step:
+            raise ConfigError(field, f"x max_num_gen_batches {dynamic.max_num_gen_batches} = "
+                                     f"{dynamic.prompts_per_gen_batch * dynamic.max_num_gen_batches} prompts cannot "
+                                     f"fill train.prompts_per_step={train.prompts_per_step}")  # fmt: skip
     prompts = train.prompts_per_step // dp
     samples = prompts * config.rollout.sampling.n
     if train.max_tokens_per_microbatch is not None:

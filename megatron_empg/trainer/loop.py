@@ -12,7 +12,8 @@ probes all of them. With ``rollout.sleep_while_training`` the engines sleep from
 rollout to the weight sync, which wakes their weights first and their KV caches after. The
 micro-batches (``trainer.batch``) are packed rows by default, balanced between the replicas that
 share an engine (each holds all their samples).
-Step ``s`` (0-based) uses global prompt batch ``s``, so the step counter is the data cursor and a
+A step uses the data cursor's next global prompt batch (with ``algorithm.dynamic_sampling``, as
+many as it takes to fill the batch with informative groups); the cursor is checkpointed, so a
 resumed run continues with the same prompts.
 
 A ``Trainer`` is built from what ``trainer.build.bind`` resolved (``Components``): it branches on
@@ -42,6 +43,7 @@ from megatron_empg.trainer import machine
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.batching import BatchStage, StepBatch
 from megatron_empg.trainer.build import Components
+from megatron_empg.trainer.dynamic_sampling import DynamicSampler, dynamic_batch_prompts
 from megatron_empg.trainer.metrics import all_reduce_sums, sample_means, sample_sums
 from megatron_empg.trainer.rollout import RolloutStage
 from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer
@@ -58,6 +60,19 @@ class RunDirectoryError(ValueError):
 @dataclasses.dataclass
 class StepOutput:
     step: int
+    metrics: dict[str, float]
+
+
+@dataclasses.dataclass
+class StepRollout:
+    """A step's rollout: ``replicas`` ([R][samples], scored) of this rank's engine, the samples
+    this replica drew (``sampled``: with dynamic sampling, dropped groups too) and their sums
+    (``trainer.metrics.sample_sums``, with ``dynamic_sampling/*`` counts), and the metrics that
+    are the same on every rank (``engines/*``, ``dynamic_sampling/gen_batches``)."""
+
+    replicas: list[list[Sample]]
+    sampled: list[Sample]
+    sums: dict[str, float]
     metrics: dict[str, float]
 
 
@@ -151,7 +166,13 @@ class Trainer:
         from megatron_empg.rollout.data import PromptBatches, build_prompt_source, load_validation_sets
 
         source = build_prompt_source(self.config.data, self.tokenizer)
-        self.batches = PromptBatches(source, batch_size=self.config.train.prompts_per_step)  # global batches
+        dynamic = self.config.algorithm.dynamic_sampling
+        prompts = self.config.train.prompts_per_step
+        self.batches = PromptBatches(source, batch_size=dynamic_batch_prompts(dynamic, prompts))  # global batches
+        self.dynamic_sampler = None if dynamic is None else DynamicSampler(
+            dynamic, quota=prompts // self.groups.dp_size, replica=self.batching.replica,
+            replicas=self.batching.replicas,
+        )  # fmt: skip
         self.reward_fn = self.components.reward
         validation = self.config.validation
         self.validation_sets = (  # read on every rank: a bad file stops them all at start-up
@@ -207,15 +228,14 @@ class Trainer:
     def step(self) -> StepOutput:
         times: dict[str, float] = {}
         with _timed(times, "rollout"):
-            replicas, rollout_metrics = self.rollout()
+            rollout = self.rollout(times)
             self.rollouts.sleep()
-        samples = replicas[self.batching.replica]
-        with _timed(times, "rewards"):
-            reward_metrics = self.score_rewards(samples)
+        times["rollout"] -= times.get("rewards", 0.0)  # scored inside it (between generation batches)
+        samples = rollout.replicas[self.batching.replica]
         with _timed(times, "advantages"):
             advantages = self.advantages(samples)
         with _timed(times, "batching"):
-            batch = self.batching.build(replicas, advantages, device=next(self.models[0].parameters()).device)
+            batch = self.batching.build(rollout.replicas, advantages, device=next(self.models[0].parameters()).device)
         micro = [mb for mini in batch.minis for mb in mini]
         with _timed(times, "old_pass"):
             self.old_pass(micro)
@@ -228,17 +248,39 @@ class Trainer:
         self.step_index += 1
         with _timed(times, "weight_sync"):
             sync_metrics = self.sync_weights()
-        metrics = self.metrics(samples, batch, reward_metrics, update_metrics, sync_metrics, times)
-        metrics.update(rollout_metrics)
+        metrics = self.metrics(rollout, samples, batch, update_metrics, sync_metrics, times)
         metrics["anchor/updates"] = float(ema_updates)
         return StepOutput(self.step_index, metrics)
 
     # ------------------------------------------------------------------ stages
 
-    def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]:
-        """The samples of global prompt batch ``step_index`` of each replica of this rank's engine
-        (``[R][...]``; this replica's at ``self.batching.replica``), and the engines' metrics."""
-        return self.rollouts.sample(self.step_index, self.batches.batch(self.step_index), dp_size=self.groups.dp_size)
+    def rollout(self, times: dict[str, float]) -> StepRollout:
+        """This step's samples of each replica of this rank's engine, scored: the data cursor's
+        next global prompt batch, or with ``algorithm.dynamic_sampling`` as many as it takes
+        (``trainer.dynamic_sampling``). Scoring time goes to ``times["rewards"]``."""
+        dp_size, replica = self.groups.dp_size, self.batching.replica
+
+        def draw(_: int) -> list[list[Sample]]:
+            index = self.batches.cursor
+            replicas, metrics = self.rollouts.sample(index, next(self.batches), dp_size=dp_size)
+            engine_metrics.append(metrics)
+            return replicas
+
+        def score(samples: list[Sample]) -> dict[str, float]:
+            start = time.perf_counter()
+            try:
+                return self.score_rewards(samples)
+            finally:
+                times["rewards"] = times.get("rewards", 0.0) + time.perf_counter() - start
+
+        engine_metrics: list[dict[str, float]] = []
+        if self.dynamic_sampler is None:
+            replicas = draw(0)
+            sampled = replicas[replica]
+            return StepRollout(replicas, sampled, sample_sums(sampled, score(sampled)), engine_metrics[0])
+        collected = self.dynamic_sampler.collect(draw, score)
+        metrics = {**merge_engine_metrics(engine_metrics), "dynamic_sampling/gen_batches": float(collected.gen_batches)}
+        return StepRollout(collected.replicas, collected.sampled, {**collected.sums, **collected.counts}, metrics)
 
     def validate(self) -> dict[str, float]:
         """``val/...`` metrics of the validation prompts under the engines' weights, the same on
@@ -351,28 +393,36 @@ class Trainer:
             )  # fmt: skip
         return metrics
 
-    def metrics(self, samples, batch: StepBatch, reward_metrics, update_metrics, sync_metrics, times) -> dict[str, float]:
-        """Per-step metrics: ``sample_means`` of the samples' sums over data-parallel replicas (one
-        all-reduce), the loss tokens per sample, the micro-batches' padding, the mean gap between
-        the old pass's and the engine's log-probs, throughput, and this rank's timings."""
-        local = {**sample_sums(samples, reward_metrics), "loss_tokens": sum(s.loss_tokens for s in samples),
+    def metrics(self, rollout: StepRollout, samples: list[Sample], batch: StepBatch, update_metrics, sync_metrics,
+                times) -> dict[str, float]:  # fmt: skip
+        """Per-step metrics: ``sample_means`` of what this replica sampled (``rollout.sums``, all
+        generation batches) over data-parallel replicas (one all-reduce), the loss tokens per
+        trained sample (``samples``), dynamic sampling's group counts, the micro-batches' padding,
+        the mean gap between the old pass's and the engine's log-probs, throughput, and this
+        rank's timings."""
+        local = {**rollout.sums, "loss_tokens": sum(s.loss_tokens for s in samples), "trained": len(samples),
                  "no_loss": sum(s.loss_tokens == 0 for s in samples), "batch_tokens": batch.tokens,
                  "batch_slots": batch.slots, "micro_batches": sum(len(mini) for mini in batch.minis),
                  "imbalance": batch.imbalance}  # fmt: skip
         local["sampler_gap"], local["sampler_gap_tokens"] = batch.sampler_gap()
         totals = all_reduce_sums(local, self.groups.dp_group)
         seconds = sum(times.values())
-        return {
+        metrics = {
             **sample_means(totals),
-            "response/loss_tokens_mean": totals["loss_tokens"] / max(totals["samples"], 1),
-            "response/no_loss_fraction": totals["no_loss"] / max(totals["samples"], 1),
+            "response/loss_tokens_mean": totals["loss_tokens"] / max(totals["trained"], 1),
+            "response/no_loss_fraction": totals["no_loss"] / max(totals["trained"], 1),
             "batch/padding_fraction": 1.0 - totals["batch_tokens"] / max(totals["batch_slots"], 1),
             "batch/micro_batches_mean": totals["micro_batches"] / self.groups.dp_size,
             "batch/replica_imbalance": totals["imbalance"] / self.groups.dp_size,
             "batch/sampler_logprob_gap": totals["sampler_gap"] / max(totals["sampler_gap_tokens"], 1),
             "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
-            **{f"time/{k}": v for k, v in times.items()}, **update_metrics, **sync_metrics,
+            **{f"time/{k}": v for k, v in times.items()}, **rollout.metrics, **update_metrics, **sync_metrics,
         }  # fmt: skip
+        if self.dynamic_sampler is not None:
+            drawn = max(totals["dynamic_sampling/drawn_groups"], 1)
+            metrics["dynamic_sampling/informative_fraction"] = totals["dynamic_sampling/informative_groups"] / drawn
+            metrics["dynamic_sampling/filled_groups"] = totals["dynamic_sampling/filled_groups"]
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -383,7 +433,7 @@ class Trainer:
         extra = {
             "optimizer_steps": self.optimizer_steps,
             "anchor_num_updates": self.anchor.num_updates if self.anchor is not None else 0,
-            "data": self.batches.state_dict() | {"cursor": self.step_index},
+            "data": self.batches.state_dict(),
             "config_yaml": to_yaml(self.config),
         }
         return save_checkpoint(
@@ -411,6 +461,7 @@ class Trainer:
         root, whose newest is taken): its training state, and this run's data order from its step."""
         directory = checkpoint_directory(path)
         self._load_training_state(directory)
+        self.batches.cursor = self.step_index
         log.info("continuing from %s at step %d (data: this run's order)", directory, self.step_index)
 
     def _load_training_state(self, directory: Path) -> dict:
@@ -471,6 +522,16 @@ def _timed(times: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     times[name] = time.perf_counter() - start
+
+
+def merge_engine_metrics(batches: list[dict[str, float]]) -> dict[str, float]:
+    """The ``engines/*`` metrics of a step that drew several generation batches: seconds, samples
+    and tokens add up; the engine count and which engine was slowest are the last batch's."""
+    merged = dict(batches[-1])
+    for key in merged:
+        if key not in ("engines/count", "engines/slowest", "engines/slowest_share"):
+            merged[key] = sum(b[key] for b in batches)
+    return merged
 
 
 def any_rank_signalled(signum: int | None, group) -> int | None:
