@@ -154,3 +154,39 @@ def test_search_recipe_has_the_published_hyperparameters():
     # capped: the whole test set (~51k episodes) on the engine's rank would outlast the collectives' timeout
     assert val.max_prompts_per_source == 500 and config.distributed.timeout_minutes == 120
     assert val.sampling(sampling) == dataclasses.replace(sampling, n=1, temperature=0.0, top_p=1.0)
+
+
+RPG = "qwen3_4b_dapo_math_rpg"
+
+
+@pytest.mark.parametrize("variant", ["urkl", "reinforce"])
+def test_rpg_recipes_have_the_papers_hyperparameters(variant):
+    """../shared/research/rpg.md sections 5-7: Qwen3-4B, DAPO-Math-17k, 512 prompts x 16, mini-batch
+    32 prompts, AdamW wd 0.1, clip (0.2, 0.28) with c = 10, beta 1e-4, 2048 + 2048 tokens, DAPO's
+    dynamic sampling and overlong punishment, 400 steps, AIME/AMC validation at Mean@32."""
+    config = load_config(RunConfig, RECIPES / f"{RPG}_{variant}.yaml")
+    assert config.model_config().hf_model_id == "Qwen/Qwen3-4B"
+    assert (config.train.steps, config.train.prompts_per_step, config.rollout.sampling.n) == (400, 512, 16)
+    assert config.train.prompts_per_step // config.algorithm.mini_batches == 32  # prompts per optimizer step
+    assert (config.data.max_prompt_tokens, config.rollout.sampling.max_tokens, config.train.max_seq_len) == (2048, 2048, 4096)
+    opt = config.optimizer
+    assert (opt.weight_decay, opt.clip_grad, opt.lr_decay_style) == (0.1, 1.0, "constant")
+    assert opt.lr_warmup_steps == 10 * config.algorithm.mini_batches  # 10 RL steps
+    assert config.algorithm.advantage == "rpg" and config.data.reward == "math_dapo"
+    assert (config.algorithm.overlong_buffer, config.algorithm.overlong_penalty) == (512, 1.0)
+    dynamic = config.algorithm.dynamic_sampling
+    assert (dynamic.metric, dynamic.prompts_per_gen_batch, dynamic.max_num_gen_batches) == ("acc", 1536, 20)
+    loss = config.algorithm.loss
+    assert loss.agg_mode == "token-mean" and loss.entropy_coef == 0
+    clip = {k: loss.policy_loss_args[k] for k in ("clip_eps_low", "clip_eps_high", "clip_c")}
+    assert clip == {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "clip_c": 10.0}
+    if variant == "urkl":  # dual-clip PPO + beta * rpg_urkl to the iterative reference
+        assert (loss.policy_loss, loss.kl, loss.kl_coef, opt.lr) == ("ppo_clip", "rpg_urkl", 1e-4, 1e-6)
+        # tau 0 once per step (after its mini_batches optimizer steps): the anchor is the next pi_old
+        assert (config.algorithm.anchor.tau, config.algorithm.anchor.period) == (0.0, config.algorithm.mini_batches)
+    else:  # RPG-Style Clip; the KL is to pi_old inside the loss, so no anchor
+        assert (loss.policy_loss, loss.kl, opt.lr) == ("rpg_reinforce_clip", None, 5e-7)
+        assert loss.policy_loss_args["divergence"] == "urkl" and loss.policy_loss_args["kl_coef"] == 1e-4
+    validation = config.validation
+    assert [Path(f).stem for f in validation.files] == ["aime24", "aime25", "amc23"]
+    assert (validation.n, validation.temperature, validation.interval) == (32, 1.0, 10)

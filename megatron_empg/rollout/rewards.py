@@ -5,10 +5,11 @@ Every reward has one signature, ``reward_fn(responses, examples) -> RewardResult
 per sample). ``REWARDS`` names them (= ``config.REWARD_NAMES``):
 
 * ``math``: the final answer of the response (after its last ``</think>``): the last
-  ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces), else "#### X", else "the answer is X", else
-  the last number; checked against the gold answer(s) by math-verify (symbolic and numeric
-  equivalence: ``\\frac{1}{2}`` = ``0.5``) in a small process pool, each sample at most
-  ``timeout_s`` seconds (a timeout scores 0 and is counted). Score 1 or 0, as rLLM's math reward.
+  ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces), else "#### X", else the last "Answer: X"
+  (DAPO's prompt asks for it), else "the answer is X", else the last number; checked against the
+  gold answer(s) by math-verify (symbolic and numeric equivalence: ``\\frac{1}{2}`` = ``0.5``) in
+  a small process pool, each sample at most ``timeout_s`` seconds (a timeout scores 0 and is
+  counted). Score 1 or 0, as rLLM's math reward.
 * ``math_dapo``: the same check, scored +1 or -1 (DAPO's and RPG's ``math_dapo``).
 * ``qa_em`` / ``qa_f1``: Search-R1's QA reward: the answer is the text of the response's last
   ``<answer>...</answer>`` (none: score 0), compared with each gold answer after SQuAD normalization
@@ -77,6 +78,7 @@ def gold_answers(answer: str | list[str]) -> list[str]:
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)")
 _HASHES = re.compile(r"####\s*(.+)")
+_ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)  # DAPO's prompt: "Answer: $Answer"
 _ANSWER_IS = re.compile(r"answer is\s*:?\s*(.+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
@@ -121,7 +123,7 @@ def extract_math_answer(response: str) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    for pattern in (_HASHES, _ANSWER_IS):
+    for pattern in (_HASHES, _ANSWER_LINE, _ANSWER_IS):
         matches = pattern.findall(text)
         if matches and (answer := _clean_inline_answer(matches[-1])):
             return answer

@@ -66,6 +66,9 @@ def test_last_boxed(text, expected):
     ("so #### 1,234", "1,234"),
     ("The final answer is: $\\frac{1}{2}$.", "\\frac{1}{2}"),
     ("the answer is 7\nand then 9", "7"),  # "the answer is" before the last number
+    # DAPO's format: the last "Answer:" line, whole (the last number would be 2)
+    ("Answer: 3\nso...\nAnswer: $\\frac{1}{2}$", "\\frac{1}{2}"),
+    ("the answer is 5, so\nAnswer: 6", "6"),
     ("I got 3, then -2.5 in the end", "-2.5"),
     ("1/2 of 10 is 5", "5"),
     ("1,000,000 stars", "1000000"),
