@@ -76,6 +76,10 @@ def test_layout_splits_the_step_over_replicas():
          "cuda_ipc serves engines of rollout.tensor_parallel_size 1 for now (got 2"),
         (4, {"parallel": {"tensor_model_parallel_size": 2}, "rollout": {"engines": 2, "tensor_parallel_size": 1}},
          "rollout.tensor_parallel_size", "must equal parallel.tensor_model_parallel_size=2"),
+        (2, {"algorithm": {"dynamic_sampling": {"prompts_per_gen_batch": 3}}},
+         "algorithm.dynamic_sampling.prompts_per_gen_batch", "divisible by the data-parallel size 2"),
+        (2, {"algorithm": {"dynamic_sampling": {"prompts_per_gen_batch": 2, "max_num_gen_batches": 1}}},
+         "algorithm.dynamic_sampling.prompts_per_gen_batch", "= 2 prompts cannot fill train.prompts_per_step=4"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError) as e:
             check_layout(config(**sections), model, world)

@@ -1,0 +1,50 @@
+"""``Trainer.score_rewards``: the reward function's scores, then DAPO's overlong punishment
+(``algorithm.overlong_buffer``) added to each sample's reward, and their metric sums."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_empg.config import RunConfig, load_config
+from megatron_empg.rollout.rewards import RewardResult
+from megatron_empg.trainer.batch import Sample
+from megatron_empg.trainer.loop import Trainer
+from tests.trainer.demo_runs import DEMO_RECIPE
+
+
+class _Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens):
+        return [" ".join(map(str, row)) for row in ids]
+
+
+def _trainer(*overrides: str) -> Trainer:
+    """A Trainer with only what ``score_rewards`` reads (no model, engine or process group)."""
+    trainer = object.__new__(Trainer)
+    trainer.config = load_config(RunConfig, DEMO_RECIPE, list(overrides))  # rollout.sampling.max_tokens 12
+    trainer.tokenizer = _Tokenizer()
+    # correct iff the response has an even length; +1 / -1 as math_dapo
+    trainer.reward_fn = lambda texts, examples: RewardResult(
+        [1.0 if len(t.split()) % 2 == 0 else -1.0 for t in texts], [len(t.split()) % 2 == 0 for t in texts],
+        {"no_answer": 1.0})  # fmt: skip
+    return trainer
+
+
+def _samples(lengths):
+    return [Sample([1, 2], [7] * n, [0.0] * n, "length" if n == 12 else "stop", group=0) for n in lengths]
+
+
+def test_overlong_penalty_adds_to_the_reward():
+    samples = _samples([4, 8, 9, 10, 12])
+    metrics = _trainer("algorithm.overlong_buffer=4", "algorithm.overlong_penalty=0.5").score_rewards(samples)
+    # past 12 - 4 = 8 tokens, -0.5 x (L - 8) / 4
+    penalties = [0.0, 0.0, -0.125, -0.25, -0.5]
+    base = [1.0, 1.0, -1.0, 1.0, 1.0]
+    assert [s.reward for s in samples] == pytest.approx([b + p for b, p in zip(base, penalties)])
+    assert [s.correct for s in samples] == [True, True, False, True, True]  # correctness is the reward's
+    assert metrics == pytest.approx({"reward/no_answer": 1.0, "reward/overlong_penalty": sum(penalties)})
+
+
+def test_no_buffer_no_penalty():
+    samples = _samples([4, 12])
+    metrics = _trainer().score_rewards(samples)
+    assert [s.reward for s in samples] == [1.0, 1.0] and metrics == {"reward/no_answer": 1.0}
