@@ -889,7 +889,7 @@ class WeightSyncConfig:
             raise ConfigError("probe_continuation", f"must be >= 0, got {self.probe_continuation!r}")
 
 
-DATA_SOURCES = ("files", "arithmetic")
+DATA_SOURCES = ("files", "arithmetic")  # = tasks.registry.PROMPT_SOURCES (config imports no task)
 DATA_FILE_SUFFIXES = (".parquet", ".jsonl")
 ARITHMETIC_OPS = ("+", "-", "*")
 
@@ -903,12 +903,12 @@ def _check_data_files(field: str, paths: list[str]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Training prompts and the reward that scores their responses (``rollout.data``, ``rollout.tasks``).
+    """Training prompts and the reward that scores their responses (``rollout.data``, ``tasks``).
 
     ``source``: ``files`` reads ``train_files`` (parquet or JSONL, one record per row);
     ``arithmetic`` generates small arithmetic problems ("12+7=") from ``seed`` on the fly, with
-    operands of up to ``arithmetic_digits`` digits and the operators ``arithmetic_ops``. ``reward``
-    is a key of ``rollout.rewards.REWARDS``.
+    operands of up to ``arithmetic_digits`` digits and the operators ``arithmetic_ops``
+    (``tasks.arithmetic``). ``reward`` is a key of ``tasks.registry.REWARDS`` (checked at bind).
 
     A record's ``prompt_key`` holds a string or a list of chat messages (``{role, content}``), its
     ``answer_key`` a string, an int or a list of strings (several gold answers); a dotted key
@@ -947,7 +947,7 @@ class DataConfig:
             if not self.train_files:
                 raise ConfigError("train_files", "source 'files' needs at least one .parquet or .jsonl file")
             _check_data_files("train_files", self.train_files)
-        else:
+        elif self.source == "arithmetic":
             if self.train_files:
                 raise ConfigError("train_files", "source 'arithmetic' generates its prompts: leave train_files empty")
             if self.reward != "arithmetic":

@@ -10,7 +10,8 @@ distributed`` is ``torch.distributed``), relative imports are resolved, ``import
 module (``torch.distributed.all_reduce`` after ``import torch``) counts as a use of that module.
 
 To add a layer or loosen a row, edit the tables; keep the direction downward
-(config/core -> parallel -> mcore / rollout / weight_sync -> trainer).
+(config/core -> parallel -> mcore / rollout / weight_sync -> trainer, with tasks on top of rollout:
+a task builds on rollout's generic data and rewards, and rollout never imports a task).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ MODULE_LEVEL: dict[str, dict[str, bool]] = {
         "megatron_empg.core": True, "megatron_empg.parallel": True,
         "megatron_empg.weight_sync": True, "megatron_empg.config": True,
     },
+    "tasks": {
+        STDLIB: True, "torch": True,
+        "megatron_empg.core": True, "megatron_empg.rollout": True,
+        "megatron_empg.tasks": True, "megatron_empg.config": True,
+    },
     "trainer": {
         STDLIB: True, THIRD_PARTY: True, "megatron": False, **dict.fromkeys(ENGINES, False),
         "megatron_empg": True,
@@ -67,6 +73,7 @@ MODULE_LEVEL: dict[str, dict[str, bool]] = {
 INSIDE_FUNCTIONS: dict[str, dict[str, bool]] = {
     "mcore": {THIRD_PARTY: True, **dict.fromkeys(ENGINES, False)},
     "rollout": {THIRD_PARTY: True, "megatron": False},
+    "tasks": {THIRD_PARTY: True, "megatron": False, **dict.fromkeys(ENGINES, False)},
     "weight_sync": {THIRD_PARTY: True, "megatron": False},
     "trainer": dict.fromkeys(ENGINES, True),
 }
@@ -303,6 +310,15 @@ VIOLATIONS = [
      "vllm"),
     ("megatron_empg.rollout.x", "def f():\n    from megatron.core import mpu", "megatron.core"),
     ("megatron_empg.rollout.x", "from megatron_empg.trainer import loop", "megatron_empg.trainer"),
+    ("megatron_empg.rollout.x", "from megatron_empg.tasks.arithmetic import ArithmeticTask",
+     "megatron_empg.tasks"),
+    ("megatron_empg.rollout.x", "def f():\n    from megatron_empg.tasks import registry",
+     "megatron_empg.tasks"),
+    ("megatron_empg.tasks.x", "from megatron_empg.trainer.build import bind", "megatron_empg.trainer"),
+    ("megatron_empg.tasks.x", "from megatron_empg.mcore import model", "megatron_empg.mcore"),
+    ("megatron_empg.tasks.x", "from megatron_empg.weight_sync import transport", "megatron_empg.weight_sync"),
+    ("megatron_empg.tasks.x", "import numpy", "numpy"),
+    ("megatron_empg.tasks.x", "def f():\n    import vllm", "vllm"),
     ("megatron_empg.weight_sync.x", "import importlib\nm = importlib.import_module('vllm')",
      "vllm"),
     ("megatron_empg.weight_sync.x", "from megatron_empg.mcore.export import f",
@@ -336,6 +352,9 @@ ALLOWED = [
     ("megatron_empg.rollout.x", "from __future__ import annotations\n"
      "from typing import TYPE_CHECKING\n"
      "if TYPE_CHECKING:\n    import vllm\nclass Engine:\n    llm: vllm.LLM"),
+    ("megatron_empg.tasks.x", "from megatron_empg.rollout.data import PromptExample\n"
+     "from megatron_empg.rollout.rewards import RewardResult\nfrom megatron_empg.config import DataConfig\n"
+     "from megatron_empg.tasks.task import Task\ndef f():\n    from math_verify import parse"),
     ("megatron_empg.weight_sync.x", "import torch.distributed as dist\n"
      "def f():\n    import importlib\n    return importlib.import_module('vllm')"),
     ("megatron_empg.trainer.x", "import yaml\nfrom megatron_empg.mcore import model\n"

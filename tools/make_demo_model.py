@@ -10,9 +10,9 @@ A randomly initialised model never samples a correct answer, so RL from it has n
 tool builds the model with ``tools/make_tiny_model.py`` (random weights, character tokenizer;
 ``model_configs/demo-qwen2.yaml``: 2 layers, hidden 128, 4 heads of 32, 2 KV groups, ffn 512,
 vocabulary 128, 525k parameters), trains it with plain torch (AdamW, warmup + cosine over
-``--steps``, CPU) on ``rollout.tasks.ArithmeticTask`` prompts followed by the answer, "\n" and
+``--steps``, CPU) on ``tasks.arithmetic.ArithmeticTask`` prompts followed by the answer, "\n" and
 eos, with the loss on those answer tokens only, and measures it with the demo's reward
-(``rollout.rewards.arithmetic_reward``) on ``EVAL_PROBLEMS`` held-out problems (their own
+(``tasks.arithmetic.arithmetic_reward``) on ``EVAL_PROBLEMS`` held-out problems (their own
 stream, ``EVAL_DATA_SEED``): greedy accuracy, and the accuracy of ``EVAL_SAMPLES`` samples per
 problem at temperature 1, each response at most ``EVAL_MAX_TOKENS`` tokens.
 
@@ -70,8 +70,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch  # noqa: E402
 
 from megatron_empg.config import DataConfig, ModelConfig, load_model_config, to_yaml  # noqa: E402
-from megatron_empg.rollout.rewards import arithmetic_reward  # noqa: E402
-from megatron_empg.rollout.tasks import ArithmeticTask  # noqa: E402
+from megatron_empg.tasks.arithmetic import ArithmeticTask, arithmetic_reward  # noqa: E402
 from tools.make_tiny_model import NUM_BASE_TOKENS, char_tokenizer, tiny_hf_model  # noqa: E402
 
 DEMO_MODEL = "demo-qwen2"  # model_configs/demo-qwen2.yaml, the model recipes/demo_cpu.yaml trains

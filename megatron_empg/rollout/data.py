@@ -1,7 +1,7 @@
 """Training prompts: records of parquet or JSONL files -> tokenized prompts with their gold answers,
 and a deterministic, resumable, data-parallel-sharded iterator over batches of them.
 
-    source = build_prompt_source(config.data, tokenizer)    # files: every row read, checked, tokenized
+    source = load_prompt_dataset(config.data, tokenizer)    # every row read, checked, tokenized
     batches = PromptBatches(source, batch_size=64, rank=dp_rank, world_size=dp_size)
     examples = next(batches)                                  # 64 // dp_size PromptExamples
     state = batches.state_dict()                              # {"cursor": batches served, ...}
@@ -12,8 +12,10 @@ rank ``r`` gets its ``r``-th contiguous block of ``batch_size // world_size``, s
 are disjoint and together make up the batch, and a checkpoint resumes at another world size too. A
 file dataset serves epochs: each epoch is a permutation of the dataset drawn from (seed, epoch) (or
 the file order without ``shuffle``), cut into ``len // batch_size`` batches; the last
-``len % batch_size`` examples of an epoch's order wait for a later epoch's permutation. The
-synthetic task of ``rollout.tasks`` is an infinite source with the same cursor.
+``len % batch_size`` examples of an epoch's order wait for a later epoch's permutation. Any
+``PromptSource`` is served the same way: ``tasks.arithmetic``'s is an infinite one. Which source a
+config gets is ``tasks.registry.build_prompt_source``'s choice (tasks import this module, never
+the reverse).
 
 Records: ``prompt_key`` holds a string or a list of chat messages (``{role, content}``),
 ``answer_key`` a string, an int or a non-empty list of strings; a dotted key reaches into nested
@@ -418,15 +420,6 @@ def load_validation_sets(
         if max_per_source is None or len(examples) < max_per_source:
             examples.append(example)
     return sets
-
-
-def build_prompt_source(config: DataConfig, tokenizer: Any) -> PromptSource:
-    """The prompts ``config`` describes: a ``PromptDataset`` of its files or an ``ArithmeticTask``."""
-    if config.source == "files":
-        return load_prompt_dataset(config, tokenizer)
-    from megatron_empg.rollout.tasks import ArithmeticTask  # tasks imports this module
-
-    return ArithmeticTask(config, tokenizer)
 
 
 class PromptBatches:

@@ -23,7 +23,7 @@ on the tokens the policy generated and False on observation tokens: the trainer'
 loss, no KL, no entropy on retrieved text).
 
 Pure Python over the engine protocol and a retriever with ``search(queries, topk)``
-(``rollout.retriever.RetrieverClient``); a retriever outage raises its ``RetrieverUnavailable``.
+(``rollout.retriever.client.RetrieverClient``); a retriever outage raises its ``RetrieverUnavailable``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from megatron_empg.config import SamplingConfig, SearchAgentConfig
 from megatron_empg.rollout.engine import Completion, RolloutEngine
-from megatron_empg.rollout.retriever import Passage
+from megatron_empg.rollout.retriever.client import Passage
 from megatron_empg.rollout.trajectory import Trajectory
 
 SEARCH_STOP = "</search>"

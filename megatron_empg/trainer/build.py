@@ -5,7 +5,7 @@
 
 ``bind`` reads the config, the registries (the only lists of names: ``core.advantages``,
 ``parallel.rl_loss.ALL_POLICY_LOSSES`` / ``KL_KINDS``, ``core.aggregation.AGG_MODES``,
-``rollout.rewards.REWARDS``, ``rollout.engines.ENGINES``, ``weight_sync.transport.TRANSPORTS``) and
+``tasks.registry.REWARDS``, ``rollout.engines.ENGINES``, ``weight_sync.transport.TRANSPORTS``) and
 the first record of each data file; it starts nothing and touches no device. In order:
 
 1. the layout on ``world_size`` ranks (``trainer.layout``: heads and groups vs TP, layers vs PP,
@@ -43,7 +43,8 @@ from megatron_empg.core.topk_kl import topk_kl_from_logprobs
 from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, KL_KINDS, rl_loss
 from megatron_empg.rollout.data import DataError, check_first_record
 from megatron_empg.rollout.engines import EngineKind
-from megatron_empg.rollout.rewards import REWARDS, RewardFn
+from megatron_empg.rollout.rewards import RewardFn
+from megatron_empg.tasks.registry import REWARDS
 from megatron_empg.trainer.layout import Layout, check_layout, engine_kind
 from megatron_empg.weight_sync.transport import TRANSPORTS
 

@@ -140,7 +140,7 @@ def _train(config: RunConfig, *, resume: bool) -> int:
 
     import torch.distributed as dist
 
-    from megatron_empg.rollout.retriever import RetrieverError
+    from megatron_empg.rollout.retriever.client import RetrieverError
     from megatron_empg.trainer.loop import RunDirectoryError, Trainer, check_fresh_start
     from megatron_empg.trainer.metrics_log import MetricsLogger
 

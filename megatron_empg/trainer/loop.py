@@ -163,7 +163,8 @@ class Trainer:
         )  # fmt: skip
 
     def _build_data(self) -> None:
-        from megatron_empg.rollout.data import PromptBatches, build_prompt_source, load_validation_sets
+        from megatron_empg.rollout.data import PromptBatches, load_validation_sets
+        from megatron_empg.tasks.registry import build_prompt_source
 
         source = build_prompt_source(self.config.data, self.tokenizer)
         dynamic = self.config.algorithm.dynamic_sampling

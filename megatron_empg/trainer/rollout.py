@@ -85,7 +85,7 @@ class RolloutStage:
     def _build_agent(self, model: ModelConfig, tokenizer):
         """The multi-turn search agent of ``rollout.search_agent``, after checking that its retriever
         answers (a missing retriever fails here, before the engine starts, not at the first step)."""
-        from megatron_empg.rollout.retriever import RetrieverClient
+        from megatron_empg.rollout.retriever.client import RetrieverClient
         from megatron_empg.rollout.search_agent import SearchAgent
 
         settings = self.config.rollout.search_agent

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_empg.rollout.retriever import RetrieverClient, RetrieverUnavailable
+from megatron_empg.rollout.retriever.client import RetrieverClient, RetrieverUnavailable
 from tests.dist import free_port
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "search_corpus.jsonl"

@@ -21,7 +21,6 @@ from megatron_empg.rollout.data import (
     PromptBatches,
     PromptDataset,
     PromptExample,
-    build_prompt_source,
     load_prompt_dataset,
 )
 from tools.make_tiny_model import char_tokenizer
@@ -373,11 +372,3 @@ def test_batch_arguments_are_checked():
         PromptBatches(dataset, batch_size=0)
     with pytest.raises(ValueError, match=r"batch_size=8 is larger than the dataset \(6 prompts\)"):
         next(PromptBatches(dataset, batch_size=8))
-
-
-def test_build_prompt_source_reads_files_or_makes_the_arithmetic_task(tmp_path):
-    from megatron_empg.rollout.tasks import ArithmeticTask
-
-    path = write_jsonl(tmp_path / "t.jsonl", [GOOD])
-    assert isinstance(build_prompt_source(files_config(path), plain_tokenizer()), PromptDataset)
-    assert isinstance(build_prompt_source(DataConfig(), plain_tokenizer()), ArithmeticTask)

@@ -16,14 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_empg.rollout.retriever import (
-    Bm25Index,
-    Passage,
-    RetrieverClient,
-    RetrieverError,
-    RetrieverServer,
-    RetrieverUnavailable,
-)
+from megatron_empg.rollout.retriever.client import Passage, RetrieverClient, RetrieverError, RetrieverUnavailable
+from megatron_empg.rollout.retriever.index import Bm25Index
+from megatron_empg.rollout.retriever.server import RetrieverServer
 from tests.dist import free_port
 from tests.rollout.retriever_service import CORPUS, serve_retriever
 
@@ -195,7 +190,7 @@ def test_building_an_index_leaves_llvmlite_unimported_and_numba_importable():
     # scan of sys.modules fails on llvmlite's objects), and bm25s imports numba -> llvmlite when it can
     script = (
         "import sys\n"
-        "from megatron_empg.rollout.retriever import Bm25Index\n"
+        "from megatron_empg.rollout.retriever.index import Bm25Index\n"
         "index = Bm25Index([{'id': 'a', 'contents': 'Paris is the capital of France'},\n"
         "                   {'id': 'b', 'contents': 'Berlin is the capital of Germany'}])\n"
         "[[(best, _)]] = index.search(['capital of France'], 1)\n"

@@ -18,14 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_empg.rollout.retriever import (
-    DenseIndex,
-    E5Encoder,
-    RetrieverClient,
-    _import_faiss,
-    main,
-    read_corpus,
-)
+from megatron_empg.rollout.retriever.cli import main
+from megatron_empg.rollout.retriever.client import RetrieverClient
+from megatron_empg.rollout.retriever.index import DenseIndex, E5Encoder, import_faiss, read_corpus
 from tests.rollout.retriever_service import CORPUS, serve_retriever
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,7 +136,7 @@ def test_save_index_then_index_gives_identical_results(index, model_dir, documen
 
 
 def test_an_index_of_the_wrong_size_or_dimension_is_a_clear_error(index, model_dir, documents, tmp_path, capsys):
-    faiss = _import_faiss()
+    faiss = import_faiss()
     rng = np.random.default_rng(0)
     for name, dim, rows, message in [
         ("short.index", HIDDEN, 39, r"--index .*short.index: 39 vectors, but the corpus has 40 documents"),
@@ -203,7 +198,7 @@ def test_serve_flag_errors_exit_2_naming_the_flag(extra, message, capsys):
 def test_without_faiss_the_dense_backend_says_pip_install_faiss_cpu(monkeypatch, model_dir, documents, capsys):
     monkeypatch.setitem(sys.modules, "faiss", None)  # `import faiss` raises ImportError
     with pytest.raises(ImportError, match="pip install faiss-cpu"):
-        _import_faiss()
+        import_faiss()
     with pytest.raises(ImportError, match="pip install faiss-cpu"):
         DenseIndex(documents, E5Encoder(model_dir))
     with pytest.raises(SystemExit) as info:
@@ -215,7 +210,7 @@ def test_building_a_dense_index_leaves_llvmlite_and_numba_unimported(model_dir):
     # vllm 0.32 cannot start an engine in a process where llvmlite is imported (see _import_bm25s)
     script = (
         "import sys\n"
-        "from megatron_empg.rollout.retriever import DenseIndex, E5Encoder\n"
+        "from megatron_empg.rollout.retriever.index import DenseIndex, E5Encoder\n"
         f"index = DenseIndex([{{'id': 'a', 'contents': 'Paris'}}, {{'id': 'b', 'contents': 'Berlin'}}], E5Encoder({model_dir!r}))\n"
         "[[(best, _)]] = index.search(['Paris'], 1)\n"
         "print(len(index), 'faiss' in sys.modules, 'llvmlite' in sys.modules, 'numba' in sys.modules)\n"

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from megatron_empg.config import ConfigError, load_model_config
-from megatron_empg.rollout.rewards import arithmetic_reward
-from megatron_empg.rollout.tasks import ArithmeticTask
+from megatron_empg.tasks.arithmetic import ArithmeticTask, arithmetic_reward
 from tools.make_tiny_model import char_tokenizer
 from tools.make_demo_model import (
     TrainingStream,
@@ -97,7 +96,7 @@ def test_short_run_loads_in_transformers(short_run):
     # the loaded model is the trained one: its greedy answers score as demo_model.json says
     examples = evaluation_examples(2, ["+", "-"], tokenizer, 32)
     responses = hf_generate(model, [e.prompt_ids for e in examples], eos_id=0, max_tokens=16, temperature=0.0)
-    from megatron_empg.rollout.rewards import arithmetic_reward
+    from megatron_empg.tasks.arithmetic import arithmetic_reward
 
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     accuracy = sum(arithmetic_reward(texts, examples).correct) / len(examples)

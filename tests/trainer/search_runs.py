@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_empg.rollout.retriever import Bm25Index, Passage
+from megatron_empg.rollout.retriever.client import Passage
+from megatron_empg.rollout.retriever.index import Bm25Index
 from megatron_empg.rollout.search_agent import INFORMATION_CLOSE, INFORMATION_OPEN, format_passages
 from tests.rollout.retriever_service import CORPUS
 from tests.trainer.demo_runs import demo_config

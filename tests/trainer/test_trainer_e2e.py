@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_empg.rollout.rewards import arithmetic_reward
+from megatron_empg.tasks.arithmetic import arithmetic_reward
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.trainer.demo_runs import REPO, demo_config, run_train, train_command
 from tools.make_demo_model import evaluation_examples, hf_generate

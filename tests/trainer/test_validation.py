@@ -15,8 +15,8 @@ import pytest
 from megatron_empg.config import ConfigError, DataConfig, RunConfig, SamplingConfig, from_dict
 from megatron_empg.rollout.data import DataError, load_validation_sets
 from megatron_empg.rollout.engine import Completion
-from megatron_empg.rollout.rewards import REWARDS
 from megatron_empg.parallel.placement import EnginePlacement
+from megatron_empg.tasks.registry import REWARDS
 from megatron_empg.trainer.loop import Trainer
 from megatron_empg.trainer.rollout import RolloutStage
 from megatron_empg.trainer.metrics import sample_means

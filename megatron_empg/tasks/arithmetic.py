@@ -1,4 +1,4 @@
-"""A synthetic verifiable task for the CPU demo: small arithmetic problems ("12+7=" -> "19").
+"""The CPU demo's task: small synthetic arithmetic problems ("12+7=" -> "19") and the ``arithmetic`` reward.
 
 Problem ``index`` of seed ``s`` is drawn from its own ``random.Random(f"arithmetic:{s}:{index}")``,
 so any problem is regenerated from (seed, index) alone, in any order and on any rank: the stream is
@@ -6,18 +6,24 @@ infinite, global batch ``step`` holds problems ``[step * B, (step + 1) * B)``, a
 ``rollout.data.PromptBatches`` serves it with the same cursor as a file dataset. Each operand is
 uniform in ``[0, 10**digits)``; the operator is uniform over ``ops``; "-" puts the larger operand
 first, so answers are never negative. Prompts and answers are digits and "+-*=", all in the
-character-level tokenizer's alphabet (``tools/make_tiny_model.py``). The reward is
-``rollout.rewards.arithmetic_reward``: exact integer match of the response's first line.
+character-level tokenizer's alphabet (``tools/make_tiny_model.py``).
+
+The ``arithmetic`` reward: the response's first line, stripped, must be an integer equal to the
+answer. Score 1 or 0. ``data.source: arithmetic`` (``DataConfig`` checks at load time that it comes
+with this reward and no files) uses ``data.seed``, ``arithmetic_digits`` and ``arithmetic_ops``.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_empg.config import DataConfig
 from megatron_empg.rollout.data import PromptExample, PromptFormatter
+from megatron_empg.rollout.rewards import RewardResult, check_batch, gold_answers
+from megatron_empg.tasks.task import Task
 
 
 @dataclass(frozen=True)
@@ -93,3 +99,32 @@ class ArithmeticTask:
             "source": "arithmetic", "seed": self.config.seed, "digits": self.config.arithmetic_digits,
             "ops": "".join(self.config.arithmetic_ops),
         }  # fmt: skip
+
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def parse_integer_response(response: str) -> int | None:
+    """The integer a response states on its first line (surrounding spaces allowed), or None."""
+    text = response.split("\n", 1)[0].strip()
+    return int(text) if _INTEGER.fullmatch(text) else None
+
+
+def arithmetic_reward(responses: list[str], examples: list[PromptExample]) -> RewardResult:
+    """The ``arithmetic`` reward: 1 if the first line is the answer's integer, else 0.
+
+    metrics: ``malformed`` (first line not an integer).
+    """
+    check_batch(responses, examples)
+    values = [parse_integer_response(r) for r in responses]
+    correct = []
+    for i, (value, example) in enumerate(zip(values, examples)):
+        golds = gold_answers(example.answer)
+        if not all(_INTEGER.fullmatch(gold.strip()) for gold in golds):
+            raise ValueError(f"arithmetic reward: examples[{i}].answer must be an integer, got {example.answer!r}")
+        correct.append(value is not None and any(value == int(gold) for gold in golds))
+    metrics = {"malformed": float(values.count(None))}
+    return RewardResult(scores=[float(c) for c in correct], correct=correct, metrics=metrics)
+
+
+TASK = Task("arithmetic", rewards={"arithmetic": arithmetic_reward}, source="arithmetic", build_source=ArithmeticTask)

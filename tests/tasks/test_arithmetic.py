@@ -1,4 +1,4 @@
-"""The synthetic arithmetic task (``megatron_empg.rollout.tasks``) and its reward.
+"""The synthetic arithmetic task (``megatron_empg.tasks.arithmetic``) and its reward.
 
 Problems are checked against Python's own evaluation of their text; prompts against the
 character tokenizer's encoding; the stream's cursor against an uninterrupted iterator; the reward
@@ -11,8 +11,13 @@ import pytest
 
 from megatron_empg.config import DataConfig
 from megatron_empg.rollout.data import PromptBatches, PromptExample
-from megatron_empg.rollout.rewards import arithmetic_reward, parse_integer_response
-from megatron_empg.rollout.tasks import ArithmeticProblem, ArithmeticTask, arithmetic_problem
+from megatron_empg.tasks.arithmetic import (
+    ArithmeticProblem,
+    ArithmeticTask,
+    arithmetic_problem,
+    arithmetic_reward,
+    parse_integer_response,
+)
 from tests.rollout.test_data import chat_tokenizer, plain_tokenizer
 from tools.make_tiny_model import CHARACTERS
 
