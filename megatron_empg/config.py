@@ -1066,6 +1066,13 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0
     dynamic_sampling: DynamicSamplingConfig | None = None
 
+    @property
+    def anchor_is_behaviour_policy(self) -> bool:
+        """Whether the anchor is, at every step, the policy that sampled it: tau 0 once per step
+        (after its ``mini_batches`` optimizer steps), RPG's iterative reference."""
+        anchor = self.anchor
+        return anchor.tau == 0 and anchor.period == self.mini_batches and anchor.first_update in (None, anchor.period)
+
     def validate(self) -> None:
         if self.topk < 1:
             raise ConfigError("topk", f"must be >= 1, got {self.topk!r}")

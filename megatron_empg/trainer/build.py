@@ -66,12 +66,16 @@ class StatsPlan:
     ``anchor_topk``: k of the anchor's own top-k (a forward Top-k KL's index set), 0: none.
     ``anchor_at_old_topk``: the anchor pass also scores the old pass's top-k ids (reverse).
     ``anchor``: whether there is an anchor pass at all (a KL term).
+    ``anchor_is_old``: the KL's anchor is each step's behaviour policy (RPG's iterative reference,
+    ``AlgorithmConfig.anchor_is_behaviour_policy``), so the old pass's log-probs (and top-k
+    log-probs) serve the KL: no anchor model, no anchor pass (``anchor`` False).
     """
 
     old_topk: int = 0
     anchor_topk: int = 0
     anchor_at_old_topk: bool = False
     anchor: bool = False
+    anchor_is_old: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +110,9 @@ def bind(config: RunConfig, world_size: int, *, check_paths: bool = True) -> Com
     if config.algorithm.loss.kl == "topk" and not config.algorithm.topk <= model.vocab_size:
         raise ConfigError("algorithm.topk", f"must be <= model.vocab_size={model.vocab_size}, got {config.algorithm.topk}")
     loss_fn, stats = bind_loss(config.algorithm.loss, vocab_size=model.vocab_size, topk=config.algorithm.topk)
+    if stats.anchor and not stats.anchor_topk and algorithm.anchor_is_behaviour_policy:
+        # a forward Top-k KL needs the anchor's own top-k, which the old pass does not compute
+        stats = dataclasses.replace(stats, anchor=False, anchor_is_old=True)
     reward = _registered("data.reward", config.data.reward, REWARDS)
     engine = engine_kind(config)  # checked by check_layout
     transport = _registered("weight_sync.transport", config.weight_sync.transport, TRANSPORTS)

@@ -149,7 +149,10 @@ class Trainer:
         from megatron_empg.mcore.anchor import EmaAnchor
 
         algorithm = self.config.algorithm
-        if algorithm.loss.kl is None:
+        if self.components.stats.anchor_is_old:
+            log.info("iterative reference: the KL's anchor is each step's behaviour policy (tau 0 every %d optimizer "
+                     "steps), so the old pass's log-probs serve it; no anchor model is kept", algorithm.mini_batches)
+        if not self.components.stats.anchor:
             return None
         anchor = algorithm.anchor
         te_fp8 = machine.te_fp8(self.config)
@@ -313,7 +316,8 @@ class Trainer:
         return self.components.advantage(rewards, groups)
 
     def old_pass(self, micro: list[MicroBatch]) -> None:
-        """log pi_old at the targets (and the policy's top-k for a reverse Top-k KL) into ``micro``."""
+        """log pi_old at the targets (and the policy's top-k for a reverse Top-k KL) into ``micro``;
+        they are the anchor's too when it is the behaviour policy (``StatsPlan.anchor_is_old``)."""
         from megatron_empg.mcore.step import StatsRequest, forward_stats, share_stats
 
         plan = self.components.stats
@@ -324,6 +328,10 @@ class Trainer:
             mb.old_logprobs = out["logprobs"]
             if plan.old_topk:
                 mb.topk_ids = out["topk_ids"]
+            if plan.anchor_is_old:
+                mb.anchor_logprobs = out["logprobs"]
+                if plan.old_topk:
+                    mb.topk_anchor_logprobs = out["topk_logprobs"]
 
     def anchor_pass(self, micro: list[MicroBatch]) -> None:
         """log pi_ref at the targets and at the Top-k ids (forward KL: the anchor's own top-k)."""
