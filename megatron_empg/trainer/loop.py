@@ -65,13 +65,12 @@ class StepOutput:
 
 @dataclasses.dataclass
 class StepRollout:
-    """A step's rollout: ``replicas`` ([R][samples], scored) of this rank's engine, the samples
-    this replica drew (``sampled``: with dynamic sampling, dropped groups too) and their sums
-    (``trainer.metrics.sample_sums``, with ``dynamic_sampling/*`` counts), and the metrics that
-    are the same on every rank (``engines/*``, ``dynamic_sampling/gen_batches``)."""
+    """A step's rollout: ``replicas`` ([R][samples], scored) of this rank's engine, the sums of the
+    samples this replica drew (``trainer.metrics.sample_sums``; with dynamic sampling, dropped
+    groups too, and ``dynamic_sampling/*`` counts), and the metrics that are the same on every
+    rank (``engines/*``, ``dynamic_sampling/gen_batches``)."""
 
     replicas: list[list[Sample]]
-    sampled: list[Sample]
     sums: dict[str, float]
     metrics: dict[str, float]
 
@@ -281,10 +280,10 @@ class Trainer:
         if self.dynamic_sampler is None:
             replicas = draw(0)
             sampled = replicas[replica]
-            return StepRollout(replicas, sampled, sample_sums(sampled, score(sampled)), engine_metrics[0])
+            return StepRollout(replicas, sample_sums(sampled, score(sampled)), engine_metrics[0])
         collected = self.dynamic_sampler.collect(draw, score)
         metrics = {**merge_engine_metrics(engine_metrics), "dynamic_sampling/gen_batches": float(collected.gen_batches)}
-        return StepRollout(collected.replicas, collected.sampled, {**collected.sums, **collected.counts}, metrics)
+        return StepRollout(collected.replicas, {**collected.sums, **collected.counts}, metrics)
 
     def validate(self) -> dict[str, float]:
         """``val/...`` metrics of the validation prompts under the engines' weights, the same on
