@@ -42,6 +42,8 @@ class MicroBatch:
             then the padding if any), or None.
         max_seqlen: the longest segment of ``cu_seqlens`` (0 when padded).
         old_logprobs: [B, S] float32 log pi_old(target), from the old pass.
+        behavior_weights: [B, S] float32 importance weights of the sampled-token terms against the
+            engine's policy (``core.behavior_is``; 1.0 off the loss tokens), or None (no correction).
         anchor_logprobs: [B, S] float32 log pi_ref(target), from the anchor pass (a KL only).
         topk_ids: [B, S, K] int64 Top-k index set (a Top-k KL only).
         topk_anchor_logprobs: [B, S, K] float32 log pi_ref at ``topk_ids`` (a Top-k KL only).
@@ -57,6 +59,7 @@ class MicroBatch:
     cu_seqlens: Tensor | None = None
     max_seqlen: int = 0
     old_logprobs: Tensor | None = None
+    behavior_weights: Tensor | None = None
     anchor_logprobs: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_anchor_logprobs: Tensor | None = None

@@ -13,6 +13,9 @@ b_j = log pi_ref(j), l = a_y, l_r = b_y, r = exp(l - sg l), s = sg(pi_theta(y)/p
         tail = 1[y not in q] * sg(w) log w                                               ("unbiased")
     value = head + s * tail      (tail off = "truncated" Top-k KL: value = head)
 
+``tail_weights`` w_mu [*] (the behaviour-policy correction, ``core.behavior_is``) multiplies the
+sampled tail only: value = head + w_mu * s * tail. The head is an exact sum at the position.
+
 Both tail forms have the same value, so E[value] is the exact KL for any fixed q (with s, also
 when y ~ pi_old). The gradients differ: the reference surrogate's expected gradient is
 grad KL + grad pi_theta(q) (reverse) or grad KL + grad pi_theta(V \\ q) (forward), because
@@ -37,7 +40,8 @@ TAIL_GRADS = ("unbiased", "reference")
 
 
 class TopkKL(NamedTuple):
-    """Per-token Top-k KL parts, each [*]: ``values`` = ``head`` + s * ``tail`` (the surrogate)."""
+    """Per-token Top-k KL parts, each [*]: ``values`` = ``head`` + w_mu * s * ``tail`` (the
+    surrogate; w_mu = ``tail_weights``, 1 when None)."""
 
     values: Tensor
     head: Tensor
@@ -72,6 +76,7 @@ def topk_kl_from_logprobs(
     tail_grad: str = "unbiased",
     old_logprobs: Tensor | None = None,
     iw_clip: tuple[float | None, float | None] = (None, None),
+    tail_weights: Tensor | None = None,
     validate: bool = True,
 ) -> TopkKL:
     """Top-k KL from log-probs already gathered at the index set (see the module docstring).
@@ -90,6 +95,7 @@ def topk_kl_from_logprobs(
         tail_grad: "unbiased" (default) or "reference" (reproduces ema-pg, biased gradient).
         old_logprobs: [*] log pi_old(y); when given, the tail is weighted by sg(pi_theta/pi_old).
         iw_clip: optional (low, high) clip of that importance weight.
+        tail_weights: [*] further weights of the tail (no gradient is taken), or None.
         validate: check inputs for NaN/inf (one host sync).
 
     Returns:
@@ -98,7 +104,10 @@ def topk_kl_from_logprobs(
     check_choice("direction", direction, DIRECTIONS)
     check_choice("tail_grad", tail_grad, TAIL_GRADS)
     check_same_shape(head_logprobs=head_logprobs, head_anchor_logprobs=head_anchor_logprobs)
-    check_same_shape(logprobs=logprobs, anchor_logprobs=anchor_logprobs, in_head=in_head, old_logprobs=old_logprobs)
+    check_same_shape(
+        logprobs=logprobs, anchor_logprobs=anchor_logprobs, in_head=in_head, old_logprobs=old_logprobs,
+        tail_weights=tail_weights,
+    )  # fmt: skip
     check_bool("in_head", in_head)
     if head_logprobs.shape[:-1] != logprobs.shape:
         raise ValueError(
@@ -112,6 +121,7 @@ def topk_kl_from_logprobs(
             logprobs=logprobs,
             anchor_logprobs=anchor_logprobs,
             old_logprobs=old_logprobs,
+            tail_weights=tail_weights,
         )
     a, b = head_logprobs, head_anchor_logprobs.detach()
     if direction == "reverse":
@@ -127,6 +137,8 @@ def topk_kl_from_logprobs(
     weighted_tail = tail_values
     if old_logprobs is not None:
         weighted_tail = tail_values * importance_weight(logprobs, old_logprobs, iw_clip)
+    if tail_weights is not None:
+        weighted_tail = weighted_tail * tail_weights.detach()
     return TopkKL(head + weighted_tail, head, tail_values)
 
 

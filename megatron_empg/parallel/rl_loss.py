@@ -6,6 +6,9 @@ is Top-k; the entropy only when it has a coefficient or is logged), then the ``c
 
     loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(H)
 
+With ``batch.behavior_weights`` w (``core.behavior_is``: samples drawn by an engine whose policy
+mu is not pi_old), every term that is an expectation over the sampled token is multiplied by w.
+
 All three terms use the same aggregation mode, so they share one count, and the result is a
 ``LossSum`` (sum, count): the caller divides once by the count summed over micro-batches and
 data-parallel ranks (Megatron's ``calculate_per_token_loss``). Metrics are token-mean
@@ -20,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.core.aggregation import LossSum, aggregate
-from megatron_empg.core.checks import check_choice
+from megatron_empg.core.checks import check_choice, check_same_shape
 from megatron_empg.core.kl import KL_ESTIMATORS, sampled_kl
 from megatron_empg.core.logprob import DEFAULT_CHUNK_SIZE
 from megatron_empg.core.microbatch import MicroBatch
@@ -78,8 +81,9 @@ def rl_loss(
         vocab_parallel_logits: [B, S, V_local] (bf16 or fp32), this TP rank's columns.
         batch: the ``MicroBatch`` (padded or packed) with ``target_ids``, ``loss_mask``,
             ``advantages``, ``old_logprobs`` and what the KL needs (``anchor_logprobs``, and
-            ``topk_ids`` / ``topk_anchor_logprobs`` for a Top-k KL); the seq-mean modes average
-            over its sequences (``seq_ids``), not its rows.
+            ``topk_ids`` / ``topk_anchor_logprobs`` for a Top-k KL), and ``behavior_weights``
+            (or None: no correction); the seq-mean modes average over its sequences (``seq_ids``),
+            not its rows.
         vocab_start, vocab_size, tp_group: the vocab shard (see ``vocab_parallel_logprobs``).
         policy_loss: a key of ``ALL_POLICY_LOSSES`` (``ppo_clip`` covers GRPO, DAPO, dual-clip;
             ``rpg*`` the RPG surrogates); ``policy_loss_args``: its keyword arguments.
@@ -111,6 +115,7 @@ def rl_loss(
         ids = ids.reshape(num_tokens, -1)
     if kl is not None and batch.anchor_logprobs is None:
         raise ValueError(f"kl={kl!r} needs batch.anchor_logprobs")
+    check_same_shape(target_ids=batch.target_ids, behavior_weights=batch.behavior_weights)
     with_entropy = entropy_coef > 0 or log_entropy
     gathered, entropy = vocab_parallel_logprobs(
         vocab_parallel_logits.reshape(num_tokens, -1), ids,
@@ -122,9 +127,14 @@ def rl_loss(
     mask = batch.loss_mask
     old = batch.old_logprobs
     seq_ids = batch.seq_ids
+    # The tokens were sampled from mu, so each term whose expectation is over the sampled token
+    # (policy gradient, sampled KLs, RPG terms, the Top-k tail) is weighted by w ~ pi_old / mu to
+    # be an expectation under pi_old; the Top-k head and the entropy are exact sums over the
+    # vocabulary at a position: unweighted. None: no correction (the same code path as before).
+    weights = batch.behavior_weights
 
     pg = ALL_POLICY_LOSSES[policy_loss](logprobs, old, batch.advantages, **(policy_loss_args or {}), validate=validate)
-    total = aggregate(pg.values, mask, agg_mode, seq_ids)
+    total = aggregate(_weighted(pg.values, weights), mask, agg_mode, seq_ids)
     metrics = {"policy_loss": LossSum(total.loss_sum.detach(), total.count)}
     for name, values in pg.metrics.items():
         metrics[name] = aggregate(values, mask)
@@ -132,7 +142,7 @@ def rl_loss(
         if kl == "topk":
             kl_values = topk_kl_from_gathered(
                 gathered, batch.topk_ids, batch.target_ids, batch.topk_anchor_logprobs, batch.anchor_logprobs,
-                old_logprobs=old if use_iw else None, validate=validate, **kl_args,
+                old_logprobs=old if use_iw else None, tail_weights=weights, validate=validate, **kl_args,
             ).values  # fmt: skip
         elif kl == "grpo_corrected":  # its importance weight w_old is part of the term
             kl_values = corrected_grpo_kl(logprobs, old, batch.anchor_logprobs, validate=validate, **kl_args)
@@ -143,6 +153,8 @@ def rl_loss(
                 logprobs, batch.anchor_logprobs, estimator=kl, old_logprobs=old if use_iw else None,
                 validate=validate, **kl_args,
             )  # fmt: skip
+        if kl != "topk":  # the Top-k KL weights its sampled tail itself
+            kl_values = _weighted(kl_values, weights)
         kl_sum = aggregate(kl_values, mask, agg_mode, seq_ids)
         total = LossSum(total.loss_sum + kl_coef * kl_sum.loss_sum, total.count)
         metrics["kl"] = aggregate(kl_values.detach(), mask)
@@ -154,3 +166,8 @@ def rl_loss(
         metrics["entropy"] = aggregate(entropy.detach(), mask)
     metrics["loss"] = LossSum(total.loss_sum.detach(), total.count)
     return RLLoss(total, metrics)
+
+
+def _weighted(values: Tensor, weights: Tensor | None) -> Tensor:
+    """``values`` * ``weights`` [same shape], or ``values`` itself when there are no weights."""
+    return values if weights is None else values * weights

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_empg.config import ModelConfig, RunConfig
+from megatron_empg.core.behavior_is import BEHAVIOR_STATS, behavior_stats, behavior_weights
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.placement import EnginePlacement
@@ -51,6 +52,17 @@ class StepBatch:
             total += float(torch.where(mb.loss_mask, gap, 0.0).sum())
             count += int(mb.loss_mask.sum())
         return total, count
+
+    def behavior_is(self, mode: str, cap: float) -> dict[str, float]:
+        """After the old pass: each micro-batch's ``behavior_weights`` of ``mode`` (a name of
+        ``core.behavior_is.BEHAVIOR_IS``; ``none`` leaves them None) with cap ``cap``, and the sums
+        of ``behavior_stats`` over this replica's micro-batches (for every mode; zeros without any)."""
+        totals = dict.fromkeys(BEHAVIOR_STATS, 0.0)
+        for mb in (mb for mini in self.minis for mb in mini):
+            mb.behavior_weights = behavior_weights(mb.old_logprobs, mb.sampler_logprobs, mb.loss_mask, mode, cap)
+            for name, value in behavior_stats(mb.old_logprobs, mb.sampler_logprobs, mb.loss_mask, cap).items():
+                totals[name] += value
+        return totals
 
 
 class BatchStage:
