@@ -33,7 +33,7 @@ from torch import Tensor
 from megatron_empg.config import ModelConfig
 from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.weight_sync import mapping
-from megatron_empg.weight_sync.transport import NamedTensors, Transport
+from megatron_empg.weight_sync.transport import Transport, pack_bucket, unpack_bucket
 
 
 class WeightShard(NamedTuple):
@@ -183,25 +183,10 @@ def buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[
 # Pipeline stages -> engine rank.
 
 
-def _pack(bucket: NamedTensors) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], Tensor]:
-    header = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
-    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
-    return header, flat
-
-
-def _unpack(header: list[tuple[str, torch.dtype, tuple[int, ...]]], flat: Tensor) -> list[tuple[str, Tensor]]:
-    out, offset = [], 0
-    for name, dtype, shape in header:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        out.append((name, flat[offset : offset + nbytes].view(dtype).reshape(shape)))
-        offset += nbytes
-    return out
-
-
 def _send_stage(bucket_iter: Iterable[list[tuple[str, Tensor]]], groups: SyncGroups) -> None:
     dst = groups.engine_global_rank()
     for bucket in bucket_iter:
-        header, flat = _pack(bucket)
+        header, flat = pack_bucket(bucket)
         dist.send_object_list([header, flat.numel()], dst=dst, group=groups.pp_group)
         dist.send(flat, dst=dst, group=groups.pp_group)
     dist.send_object_list([None, 0], dst=dst, group=groups.pp_group)
@@ -217,7 +202,7 @@ def _receive_stage(stage: int, groups: SyncGroups, device: torch.device) -> Iter
             return
         flat = torch.empty(numel, dtype=torch.uint8, device=device)
         dist.recv(flat, src=src, group=groups.pp_group)
-        yield _unpack(header, flat)
+        yield unpack_bucket(header, flat)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,17 +6,20 @@
   safetensors file in shared memory (``/dev/shm``), loaded by the engine, then deleted.
 - ``cuda_ipc.CudaIpcTransport``: the engine runs in another process on this rank's GPU; each bucket
   goes through one GPU buffer that the engine maps by CUDA IPC (GPU only).
-- ``NcclTransport``: a disaggregated engine on other GPUs, through vLLM's NCCL weight-transfer
-  backend (``NCCLTrainerWeightTransferEngine``); GPU only.
+- ``LinkTransport``: disaggregated engines on their own ranks (``rollout.placement``): training
+  rank 0 broadcasts each bucket over the link to every engine's owner (NCCL on GPUs, gloo on
+  CPU), which hands it to its engine through one of the transports above (``receive_weights``).
 
 The engine side is anything with the ``WeightReceiver`` methods (``rollout.engine.RolloutEngine``
-has them). Only the engine-holding rank owns a transport. ``TRANSPORTS`` names those the trainer
-builds (``weight_sync.transport``): the NCCL one needs disaggregated engines, which it does not run.
+has them). Only the engine-holding rank owns a transport. ``TRANSPORTS`` names those that reach an
+engine from its owner's process (``weight_sync.transport``); the trainer uses ``LinkTransport``
+itself when the engines are disaggregated.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import shutil
 from pathlib import Path
@@ -114,35 +117,72 @@ class SharedMemoryFileTransport:
         self.engine.finish_weight_update(version)
 
 
-class NcclTransport:
-    """Broadcast to a disaggregated vLLM engine over NCCL (GPU only; not exercised on CPU CI).
+class LinkTransport:
+    """Training rank 0's side of a weight update for disaggregated engines: each bucket is
+    broadcast over the ``parallel.link.Link`` to every engine's owner (NCCL on GPUs, gloo on CPU)
+    as a header message (names, dtypes, shapes) and one flat byte buffer; ``receive_weights`` is
+    the engines' side. The engines load the update after the rollout they are drawing."""
 
-    Wraps vLLM's ``NCCLTrainerWeightTransferEngine``: the engine's workers join an NCCL group with
-    this rank as rank 0 (``init_info``: master address/port, world size = 1 + engine workers) and
-    ``client`` is a ``vllm.distributed.weight_transfer`` sync client of the engine (for a server,
-    ``HTTPVLLMWeightSyncClient``). vLLM's protocol declares every tensor before sending any, so the
-    buckets of one update are collected as references and sent in ``finish``.
-    """
+    def __init__(self, link) -> None:
+        from megatron_empg.parallel.link import TRAINER
 
-    def __init__(self, client, *, master_address: str, master_port: int, world_size: int) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("weight_sync.transport=nccl needs CUDA GPUs; use in_process or shm_file on CPU")
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
-
-        self._source = _bucket_source()
-        init_info = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size)
-        self._engine = NCCLTrainerWeightTransferEngine.trainer_init(init_info, client=client, source=self._source)
-        self._client = client
+        self.link, self.src = link, TRAINER
 
     def begin(self) -> None:
-        self._source.tensors = []
+        self.link.broadcast_object(("weights",), src=self.src)
 
     def send(self, bucket: NamedTensors) -> None:
-        self._source.tensors.extend(bucket)
+        header, flat = pack_bucket(bucket)
+        self.link.broadcast_object(("bucket", header, flat.numel()), src=self.src)
+        self.link.broadcast_tensor(flat, src=self.src)
 
     def finish(self, version: str) -> None:
-        self._engine.send_weights()
-        self._source.tensors = []
+        self.link.broadcast_object(("end", version), src=self.src)
+
+
+def receive_weights(link, transport: Transport) -> tuple[str, int]:
+    """An engine owner's side of one ``LinkTransport`` update, after its ``("weights",)`` message:
+    every bucket into this engine through its own ``transport`` (``weight_sync.transport``: by
+    reference, a shared-memory file or CUDA IPC). Returns (version, bytes received)."""
+    from megatron_empg.parallel.link import TRAINER
+
+    transport.begin()
+    received = 0
+    while True:
+        message = link.broadcast_object(src=TRAINER)
+        if message[0] == "end":
+            transport.finish(message[1])
+            return message[1], received
+        _, header, numel = message
+        flat = link.broadcast_tensor(torch.empty(numel, dtype=torch.uint8, device=link.device), src=TRAINER)
+        transport.send(unpack_bucket(header, flat))
+        received += numel
+
+
+BucketHeader = list[tuple[str, torch.dtype, tuple[int, ...], int]]  # name, dtype, shape, byte offset
+_ALIGN = 16  # each tensor starts at a multiple of it in the flat buffer, so any dtype can view it
+
+
+def pack_bucket(bucket: NamedTensors) -> tuple[BucketHeader, Tensor]:
+    """A bucket as (header, one flat uint8 tensor of its bytes, each tensor aligned to 16 bytes),
+    for sending it in one message."""
+    header, pieces, offset = [], [], 0
+    for name, t in bucket:
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        header.append((name, t.dtype, tuple(t.shape), offset))
+        pad = -(offset + data.numel()) % _ALIGN
+        pieces += [data, data.new_zeros(pad)] if pad else [data]
+        offset += data.numel() + pad
+    return header, torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack_bucket(header: BucketHeader, flat: Tensor) -> list[tuple[str, Tensor]]:
+    """``pack_bucket``'s inverse: views of ``flat``."""
+    out = []
+    for name, dtype, shape, offset in header:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append((name, flat[offset : offset + nbytes].view(dtype).reshape(shape)))
+    return out
 
 
 def _shm_file_transport(engine: WeightReceiver, settings) -> SharedMemoryFileTransport:
@@ -161,21 +201,3 @@ TRANSPORTS = {
     "shm_file": _shm_file_transport,
     "cuda_ipc": _cuda_ipc_transport,
 }
-
-
-def _bucket_source():
-    """A vLLM ``WeightSource`` over the tensors collected for one update (``.tensors``); its class
-    is built here because vLLM is imported only when the NCCL transport is used."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class BucketSource(WeightSource):
-        def __init__(self) -> None:
-            self.tensors: list[tuple[str, Tensor]] = []
-
-        def metadata(self) -> list:
-            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.tensors]
-
-        def __iter__(self):
-            return iter(self.tensors)
-
-    return BucketSource()
