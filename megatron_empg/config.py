@@ -819,6 +819,15 @@ class RolloutConfig:
     data-parallel replica, on its first GPUs), ``single`` (one, on global rank 0, for the whole
     world) or an int E dividing the data-parallel size (engine e serves replicas
     ``[e*DP/E, (e+1)*DP/E)``). Each engine process takes ``kv_cache_gib`` / ``gpu_memory_utilization``.
+
+    ``placement``: ``colocated`` (the engines live on training ranks, as ``engines`` says) or
+    ``disaggregated``: the last ``engine_ranks`` ranks of the job only run engines, one per
+    ``tensor_parallel_size`` of them (E = engine_ranks / tensor_parallel_size, dividing the
+    data-parallel size of the other ranks, which train); training replica 0 broadcasts the weights
+    to every engine after each step (``weight_sync.transport`` is then how an engine rank hands
+    them to its own engine). ``mode``: ``sync`` (a step's samples are drawn with the weights it
+    starts from) or ``one_step_off`` (disaggregated only: the engines draw step s+1's samples with
+    step s's starting weights while step s trains; each sample carries the version that drew it).
     """
 
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -835,10 +844,20 @@ class RolloutConfig:
     engine: str = "vllm"
     engines: Literal["per_replica", "single"] | int = "per_replica"
     search_agent: SearchAgentConfig | None = None  # null: one response per sample, no tools
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    engine_ranks: int = 0  # disaggregated: how many of the job's ranks only run engines
+    mode: Literal["sync", "one_step_off"] = "sync"
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.placement == "disaggregated"
 
     def num_engines(self, dp: int) -> int:
-        """E for a run of ``dp`` data-parallel replicas (``engines``; E need not divide ``dp`` here:
-        ``trainer.layout`` checks that)."""
+        """E for a run of ``dp`` data-parallel replicas (``engines``, or disaggregated
+        ``engine_ranks / tensor_parallel_size``; E need not divide ``dp`` here: ``trainer.layout``
+        checks that)."""
+        if self.disaggregated:
+            return self.engine_ranks // self.tensor_parallel_size
         return {"per_replica": dp, "single": 1}.get(self.engines, self.engines)  # type: ignore[arg-type]
 
     def validate(self) -> None:
@@ -854,6 +873,21 @@ class RolloutConfig:
             raise ConfigError("kv_cache_gib", f"must be >= 1 (whole GiB), got {self.kv_cache_gib!r}")
         if isinstance(self.engines, int) and self.engines < 1:
             raise ConfigError("engines", f"must be per_replica, single or an int >= 1, got {self.engines!r}")
+        if self.disaggregated:
+            if self.engine_ranks < 1:
+                raise ConfigError("engine_ranks", f"must be >= 1 with placement disaggregated, got {self.engine_ranks!r}")
+            if self.engine_ranks % self.tensor_parallel_size:
+                raise ConfigError("engine_ranks", f"{self.engine_ranks} must be a multiple of tensor_parallel_size="
+                                  f"{self.tensor_parallel_size} (each engine runs on that many engine ranks)")  # fmt: skip
+            if self.engines != "per_replica":
+                raise ConfigError("engines", f"is for placement colocated; disaggregated engines are engine_ranks / "
+                                  f"tensor_parallel_size (leave engines at per_replica), got {self.engines!r}")  # fmt: skip
+        elif self.engine_ranks:
+            raise ConfigError("engine_ranks", f"needs placement disaggregated (colocated engines use training ranks), "
+                              f"got {self.engine_ranks!r}")  # fmt: skip
+        if self.mode == "one_step_off" and not self.disaggregated:
+            raise ConfigError("mode", "one_step_off needs placement disaggregated: colocated engines share the "
+                              "training GPUs, so generation cannot overlap training")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1054,6 +1088,9 @@ class AlgorithmConfig:
     ``overlong_penalty * (L - (rollout.sampling.max_tokens - overlong_buffer)) / overlong_buffer`` of
     its reward when L passes ``max_tokens - overlong_buffer`` (``rollout.rewards.overlong_penalty``).
     ``dynamic_sampling``: DAPO's group filter (``DynamicSamplingConfig``); null: every group trains.
+    ``behavior_is``: the importance correction of the sampled-token loss terms against the engine's
+    sampling policy mu (a name of ``core.behavior_is``' registry: ``none``, ``tis``: min(pi_old/mu,
+    C), ``mis``: pi_old/mu where it lies in [1/C, C], else 0), C = ``behavior_is_cap`` >= 1.
     """
 
     advantage: str = "grpo"
@@ -1065,6 +1102,8 @@ class AlgorithmConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     dynamic_sampling: DynamicSamplingConfig | None = None
+    behavior_is: str = "none"
+    behavior_is_cap: float = 2.0
 
     @property
     def anchor_is_behaviour_policy(self) -> bool:
@@ -1082,6 +1121,8 @@ class AlgorithmConfig:
             raise ConfigError("overlong_buffer", f"must be >= 0 (0: off), got {self.overlong_buffer!r}")
         if self.overlong_penalty < 0:
             raise ConfigError("overlong_penalty", f"must be >= 0, got {self.overlong_penalty!r}")
+        if not self.behavior_is_cap >= 1:  # also rejects NaN
+            raise ConfigError("behavior_is_cap", f"must be >= 1, got {self.behavior_is_cap!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,10 @@ parallel, each from its own replica.
 
 E = D (``rollout.engines: per_replica``) at TP 1 gives every rank its own engine and a group of
 one; E = 1 (``single``) is one engine on global rank 0 whose group is the whole world.
+
+Disaggregated engines (``rollout.placement``) live in the engine ranks' own world
+(``engine_world_placement``: the same object, over engine ranks); the training ranks see them as
+one engine behind their rank 0, the end of the link (``build_placement(1, ...)``).
 """
 
 from __future__ import annotations
@@ -140,3 +144,14 @@ def build_placement(num_engines: int, *, tp_rank: int, pp_rank: int, dp_rank: in
         node_slot=on_node.index(engine) if engine in on_node else 0, node_slots=max(len(on_node), 1),
         local_rank=local_rank,
     )  # fmt: skip
+
+
+def engine_world_placement(num_engines: int, engine_tp: int, dp_size: int) -> EnginePlacement:
+    """The placement of ``num_engines`` disaggregated engines over the engine ranks' own world
+    (``parallel.link``): engine e runs on engine ranks ``[e * engine_tp, (e+1) * engine_tp)``, its
+    owner the first of them, and samples the prompts of training replicas
+    ``[e * dp_size/E, (e+1) * dp_size/E)``. Every engine rank calls it together."""
+    rank = dist.get_rank()
+    engine = rank // engine_tp
+    return build_placement(num_engines, tp_rank=rank % engine_tp, pp_rank=0, dp_rank=engine * (dp_size // num_engines),
+                           dp_size=dp_size)  # fmt: skip

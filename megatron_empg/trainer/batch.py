@@ -56,12 +56,15 @@ class Sample:
     reward: float = 0.0
     correct: bool = False
     trains: bool = True  # False: no loss term (algorithm.mask_truncated on a truncated response)
+    version: int = 0  # the weights that drew it: training steps done when the engine got them
 
     @classmethod
-    def from_trajectory(cls, example, group: int, trajectory: Trajectory) -> Sample:
-        """The sample of ``trajectory``, a response to ``example`` (a ``PromptExample``), in ``group``."""
+    def from_trajectory(cls, example, group: int, trajectory: Trajectory, *, version: int = 0) -> Sample:
+        """The sample of ``trajectory``, a response to ``example`` (a ``PromptExample``), in ``group``,
+        drawn with weights ``version``."""
         return cls(example.prompt_ids, trajectory.token_ids, trajectory.logprobs, trajectory.finish_reason, group=group,
-                   example=example, response_mask=trajectory.response_mask, stats=dict(trajectory.stats))  # fmt: skip
+                   example=example, response_mask=trajectory.response_mask, stats=dict(trajectory.stats),
+                   version=version)  # fmt: skip
 
     @property
     def length(self) -> int:

@@ -4,7 +4,7 @@
     trainer = Trainer(components)                 # builds engines and models from what bind resolved
 
 ``bind`` reads the config, the registries (the only lists of names: ``core.advantages``,
-``parallel.rl_loss.ALL_POLICY_LOSSES`` / ``KL_KINDS``, ``core.aggregation.AGG_MODES``,
+``parallel.rl_loss.ALL_POLICY_LOSSES`` / ``KL_KINDS``, ``core.aggregation.AGG_MODES``, ``core.behavior_is.BEHAVIOR_IS``,
 ``tasks.registry.REWARDS``, ``rollout.engines.ENGINES``, ``weight_sync.transport.TRANSPORTS``) and
 the first record of each data file; it starts nothing and touches no device. In order:
 
@@ -36,6 +36,7 @@ import torch
 from megatron_empg.config import ConfigError, LossConfig, ModelConfig, RunConfig
 from megatron_empg.core.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from megatron_empg.core.aggregation import AGG_MODES
+from megatron_empg.core.behavior_is import BEHAVIOR_IS
 from megatron_empg.core.kl import sampled_kl
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.rpg import RPG_KL_TERMS
@@ -113,6 +114,7 @@ def bind(config: RunConfig, world_size: int, *, check_paths: bool = True) -> Com
     if stats.anchor and not stats.anchor_topk and algorithm.anchor_is_behaviour_policy:
         # a forward Top-k KL needs the anchor's own top-k, which the old pass does not compute
         stats = dataclasses.replace(stats, anchor=False, anchor_is_old=True)
+    _registered("algorithm.behavior_is", algorithm.behavior_is, BEHAVIOR_IS)
     reward = _registered("data.reward", config.data.reward, REWARDS)
     engine = engine_kind(config)  # checked by check_layout
     transport = _registered("weight_sync.transport", config.weight_sync.transport, TRANSPORTS)

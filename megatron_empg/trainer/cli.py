@@ -40,24 +40,24 @@ def world_size_from_environment() -> int:
     return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
 
 
-def init_distributed(timeout_minutes: float = 60.0) -> None:
+def init_distributed(timeout_minutes: float = 60.0, *, engine_ranks: int = 0, engine_tp: int = 1):
     """torch.distributed from torchrun/srun's environment (NCCL on GPUs), or a world of one (gloo);
-    a collective that waits longer than ``timeout_minutes`` aborts the job."""
-    import torch
+    with ``engine_ranks``, the training and engine worlds and their link
+    (``parallel.link.start_worlds``). A collective that waits longer than ``timeout_minutes``
+    aborts the job. Returns this process's ``Role``."""
     import torch.distributed as dist
 
+    from megatron_empg.parallel.link import Role, start_worlds
+
     if dist.is_initialized():
-        return
+        return Role(is_engine=False, rank=dist.get_rank(), engine_ranks=0, link=None)
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun without torchrun
         os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))  # fmt: skip
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))  # fmt: skip
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return start_worlds(engine_ranks, datetime.timedelta(minutes=timeout_minutes), engine_tp=engine_tp)
 
 
 def _rank_from_environment() -> int:
@@ -115,8 +115,13 @@ def _describe(components) -> str:
         f"per replica and step {layout.prompts_per_replica} prompts, {layout.samples_per_replica} samples in "
         f"{_micro_batches(c.train, layout)}; advantage {c.algorithm.advantage}, policy loss "
         f"{loss.policy_loss}, KL {loss.kl or 'none'}, reward {c.data.reward}, engine {c.rollout.engine} "
-        f"x {layout.engines} ({layout.dp // layout.engines} replica(s) each), weight sync {c.weight_sync.transport}\n"
+        f"x {layout.engines} ({layout.dp // layout.engines} replica(s) each{_engine_ranks(layout)}), weight sync "
+        f"{c.weight_sync.transport}, rollouts {c.rollout.mode}\n"
     )
+
+
+def _engine_ranks(layout) -> str:
+    return f", on {layout.engine_ranks} engine ranks of their own" if layout.engine_ranks else ""
 
 
 def _micro_batches(train, layout) -> str:
@@ -150,9 +155,12 @@ def _train(config: RunConfig, *, resume: bool) -> int:
     except RunDirectoryError as error:
         sys.stderr.write(f"empg: error: {error}\n")
         return 2
-    init_distributed(config.distributed.timeout_minutes)
+    role = init_distributed(config.distributed.timeout_minutes, engine_ranks=components.layout.engine_ranks,
+                            engine_tp=config.rollout.tensor_parallel_size)  # fmt: skip
+    if role.is_engine:
+        return _serve_engines(components, role)
     try:
-        trainer = Trainer(components)
+        trainer = Trainer(components, link=role.link)
     except ConfigError as error:  # what only the machine can tell (e.g. /dev/shm too small): before the engine
         sys.stderr.write(f"empg: error: {error}\n")
         dist.destroy_process_group()
@@ -169,6 +177,26 @@ def _train(config: RunConfig, *, resume: bool) -> int:
         trainer.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+    return 0
+
+
+def _serve_engines(components, role) -> int:
+    """An engine rank of a disaggregated job: serve the training ranks until they stop."""
+    import torch.distributed as dist
+
+    from megatron_empg.trainer.engine_rank import EngineRank
+
+    try:
+        engines = EngineRank(components, role.link)
+    except ConfigError as error:
+        sys.stderr.write(f"empg: error: {error}\n")
+        dist.destroy_process_group()
+        return 2
+    try:
+        engines.serve()
+    finally:
+        engines.shutdown()
+        dist.destroy_process_group()
     return 0
 
 

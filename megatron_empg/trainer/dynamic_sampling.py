@@ -11,7 +11,7 @@ replica still lacks groups. At the end each replica takes its first ``quota`` ke
 ``max_num_gen_batches`` ran out, the dropped groups fill the rest (the run goes on; a warning says
 how many). Groups are renumbered 0.. within the replica, as a step's prompt indices are.
 
-    collector = DynamicSampler(settings, quota=prompts_per_step // dp, replica=r, replicas=R)
+    collector = DynamicSampler(settings, quota=prompts_per_step // dp, replicas=R)
     result = collector.collect(draw, score)   # draw(k) -> [R][samples] of batch k; score(samples)
 """
 
@@ -62,23 +62,21 @@ def informative(group: Group, metric: str) -> bool:
 @dataclasses.dataclass
 class Collected:
     """What ``DynamicSampler.collect`` returns: ``replicas`` ([R][quota x n] samples, groups
-    renumbered); this replica's ``sampled`` samples of every batch drawn (kept or not: what the
-    policy sampled) and their ``sample_sums`` (rewards and the ``reward/*`` sums); this replica's
-    group ``counts`` (``dynamic_sampling/*``: informative, drawn, filled); ``gen_batches`` drawn
-    (the same on every rank)."""
+    renumbered); for each replica the ``sample_sums`` of every sample it drew (kept or not: what
+    the policy sampled: rewards and the ``reward/*`` sums) with its group counts
+    (``dynamic_sampling/*``: informative, drawn, filled), ``[R]``; ``gen_batches`` drawn (the same
+    on every rank)."""
 
     replicas: list[list[Sample]]
-    sampled: list[Sample]
-    sums: dict[str, float]
-    counts: dict[str, float]
+    sums: list[dict[str, float]]
     gen_batches: int
 
 
 class DynamicSampler:
     """Collects ``quota`` informative groups for each of the R replicas of this rank's engine."""
 
-    def __init__(self, settings: DynamicSamplingConfig, *, quota: int, replica: int, replicas: int, group=None):
-        self.settings, self.quota, self.replica, self.replicas = settings, quota, replica, replicas
+    def __init__(self, settings: DynamicSamplingConfig, *, quota: int, replicas: int, group=None):
+        self.settings, self.quota, self.replicas = settings, quota, replicas
         self.group = group  # the world's process group (None: the default one)
 
     def collect(self, draw: Callable[[int], list[list[Sample]]], score: Callable[[list[Sample]], dict]) -> Collected:
@@ -87,17 +85,13 @@ class DynamicSampler:
         their ``reward/*`` sums. Every rank of the world calls it together."""
         kept: list[list[Group]] = [[] for _ in range(self.replicas)]
         dropped: list[list[Group]] = [[] for _ in range(self.replicas)]
-        sampled: list[Sample] = []
-        sums: dict[str, float] = {}
+        sums: list[dict[str, float]] = [{} for _ in range(self.replicas)]
         batches = 0
         while True:
             replicas = draw(batches)
             batches += 1
             for r, samples in enumerate(replicas):
-                metrics = score(samples)
-                if r == self.replica:
-                    sampled.extend(samples)
-                    add_sums(sums, sample_sums(samples, metrics))
+                add_sums(sums[r], sample_sums(samples, score(samples)))
                 for group in split_groups(samples):
                     (kept if informative(group, self.settings.metric) else dropped)[r].append(group)
             missing = self._world_max(max(max(self.quota - len(groups), 0) for groups in kept))
@@ -112,12 +106,13 @@ class DynamicSampler:
             )  # fmt: skip
         chosen = [kept[r][: self.quota] + dropped[r][: filled[r]] for r in range(self.replicas)]
         out = [[dataclasses.replace(s, group=g) for g, group in enumerate(groups) for s in group] for groups in chosen]
-        counts = {  # this replica's, summed over replicas with the step's other metrics
-            "dynamic_sampling/informative_groups": float(len(kept[self.replica])),
-            "dynamic_sampling/drawn_groups": float(len(kept[self.replica]) + len(dropped[self.replica])),
-            "dynamic_sampling/filled_groups": float(filled[self.replica]),
-        }
-        return Collected(out, sampled, sums, counts, batches)
+        for r in range(self.replicas):  # summed over replicas with the step's other metrics
+            sums[r].update({
+                "dynamic_sampling/informative_groups": float(len(kept[r])),
+                "dynamic_sampling/drawn_groups": float(len(kept[r]) + len(dropped[r])),
+                "dynamic_sampling/filled_groups": float(filled[r]),
+            })  # fmt: skip
+        return Collected(out, sums, batches)
 
     def _world_max(self, value: int) -> int:
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:

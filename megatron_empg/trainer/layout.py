@@ -31,6 +31,12 @@ class Layout:
     samples_per_replica: int
     micro_batches_per_replica: int | None
     engines: int  # rollout engines (``rollout.engines``), each serving dp / engines replicas
+    engine_ranks: int = 0  # ranks that only run engines (``rollout.placement: disaggregated``), the last ones
+
+    @property
+    def training_ranks(self) -> int:
+        """The ranks that train: ``tp * pp * dp``, the first of the world."""
+        return self.world_size - self.engine_ranks
 
 
 def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layout:
@@ -44,25 +50,36 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
     - the engine (``rollout.engine``) can run where it is asked to (its own process, or a
       training rank's), and its tensor parallelism splits the model as vLLM needs (heads; query
       groups split or replicated);
-    - the engines (``rollout.engines``) divide the replicas, each at the training TP.
+    - the engines (``rollout.engines``) divide the replicas, each at the training TP;
+    - disaggregated (``rollout.placement``): the world is the training ranks (the grid above)
+      plus ``rollout.engine_ranks``, whose engines (``rollout.tensor_parallel_size`` ranks each)
+      divide the replicas.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
-    parallel, train = config.parallel, config.train
+    parallel, train, rollout = config.parallel, config.train, config.rollout
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    engine_ranks = rollout.engine_ranks if rollout.disaggregated else 0
+    training = world_size - engine_ranks
+    if training < 1:
+        raise ConfigError("rollout.engine_ranks", f"{engine_ranks} engine ranks leave no training rank in a world "
+                                                  f"of {world_size}")  # fmt: skip
+    if training % (tp * pp):
+        of = f"the {training} training ranks (world {world_size} - rollout.engine_ranks {engine_ranks})" if engine_ranks \
+            else f"the world of {world_size} processes"  # fmt: skip
         raise ConfigError(
             "parallel.tensor_model_parallel_size",
-            f"the world of {world_size} processes is not divisible by parallel.tensor_model_parallel_size x "
+            f"{of} is not divisible by parallel.tensor_model_parallel_size x "
             f"parallel.pipeline_model_parallel_size = {tp} x {pp}",
         )
-    _check_engine_process(config, engine_kind(config), world_size)
+    _check_engine_process(config, engine_kind(config), training)
     try:
         parallel.validate_for(model)
     except ConfigError as error:
         raise ConfigError(f"parallel.{error.field}", error.reason) from None
-    dp = world_size // (tp * pp)
-    where = f"world {world_size} / (TP {tp} x PP {pp})"
+    dp = training // (tp * pp)
+    where = f"world {world_size} / (TP {tp} x PP {pp})" if not engine_ranks else \
+        f"{training} training ranks / (TP {tp} x PP {pp})"  # fmt: skip
     if train.prompts_per_step % dp:
         raise ConfigError(
             "train.prompts_per_step",
@@ -94,7 +111,7 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
     _check_engine_split(config, model)
     _check_recompute(config, model)
     engines = _check_engine_placement(config, dp, where)
-    return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches, engines)
+    return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches, engines, engine_ranks)
 
 
 def _count_micro_batches(config: RunConfig, samples: int, dp: int, where: str) -> int:
@@ -133,6 +150,15 @@ def _check_engine_placement(config: RunConfig, dp: int, where: str) -> int:
     """E (``rollout.engines``) divides the replicas; several engines run at the training TP (v1:
     an engine's GPUs are its owner's tensor-parallel group, within one node)."""
     engines = config.rollout.num_engines(dp)
+    if config.rollout.disaggregated:
+        if dp % engines:
+            raise ConfigError(
+                "rollout.engine_ranks",
+                f"{config.rollout.engine_ranks} engine ranks / rollout.tensor_parallel_size "
+                f"{config.rollout.tensor_parallel_size} = {engines} engines must divide the data-parallel size {dp} "
+                f"({where}): each engine samples whole replicas",
+            )
+        return engines  # on their own ranks: any engine TP
     if dp % engines:
         raise ConfigError(
             "rollout.engines",
@@ -170,6 +196,9 @@ def _check_engine_process(config: RunConfig, engine: EngineKind, world_size: int
                 f"{config.rollout.tensor_parallel_size}: every engine worker would read whole buckets from one GPU); "
                 "use shm_file",
             )
+    if config.rollout.disaggregated and config.rollout.in_process and not engine.in_process_beside_training:
+        raise ConfigError("rollout.in_process", f"true cannot run engine {name!r} on an engine rank (it would join "
+                          "the engine ranks' process group); set rollout.in_process=false")  # fmt: skip
     if not config.rollout.in_process and not engine.own_process:
         raise ConfigError("rollout.in_process", f"false needs an engine that runs in its own process; {name!r} does not")
     if config.rollout.in_process and world_size > 1 and not engine.in_process_beside_training:

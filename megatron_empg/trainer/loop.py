@@ -22,12 +22,14 @@ no configured name.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import logging
 import signal
 import statistics
 import time
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -35,18 +37,21 @@ import torch
 import torch.distributed as dist
 
 from megatron_empg.config import ConfigError, RunConfig, to_yaml
+from megatron_empg.core.behavior_is import behavior_metrics
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.collectives import collective_device
+from megatron_empg.parallel.link import Link
 from megatron_empg.parallel.placement import build_placement
-from megatron_empg.rollout.rewards import overlong_penalty
 from megatron_empg.trainer import machine
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.batching import BatchStage, StepBatch
 from megatron_empg.trainer.build import Components
-from megatron_empg.trainer.dynamic_sampling import DynamicSampler, dynamic_batch_prompts
-from megatron_empg.trainer.metrics import all_reduce_sums, sample_means, sample_sums
+from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout
+from megatron_empg.trainer.dynamic_sampling import dynamic_batch_prompts
+from megatron_empg.trainer.metrics import all_reduce_sums, sample_means
+from megatron_empg.trainer.remote import RemoteEngines, Start
 from megatron_empg.trainer.rollout import RolloutStage
-from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer
+from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer, write_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -63,62 +68,58 @@ class StepOutput:
     metrics: dict[str, float]
 
 
-@dataclasses.dataclass
-class StepRollout:
-    """A step's rollout: ``replicas`` ([R][samples], scored) of this rank's engine, the sums of the
-    samples this replica drew (``trainer.metrics.sample_sums``; with dynamic sampling, dropped
-    groups too, and ``dynamic_sampling/*`` counts), and the metrics that are the same on every
-    rank (``engines/*``, ``dynamic_sampling/gen_batches``)."""
-
-    replicas: list[list[Sample]]
-    sums: dict[str, float]
-    metrics: dict[str, float]
-
-
 class Trainer:
-    """Everything one run holds. Build with ``Trainer(bind(config, world_size))`` on every rank
-    (after ``torch.distributed`` is initialised), then ``run(resume=...)``."""
+    """Everything one run holds. Build with ``Trainer(bind(config, world_size))`` on every training
+    rank (after ``torch.distributed`` is initialised: ``parallel.link.start_worlds``), then
+    ``run(resume=...)``. With disaggregated engines, ``link`` on training rank 0 (the engine ranks
+    run ``trainer.engine_rank``)."""
 
-    def __init__(self, components: Components, *, run_dir: str | Path | None = None) -> None:
+    def __init__(self, components: Components, *, run_dir: str | Path | None = None, link: Link | None = None) -> None:
         from megatron_empg.mcore import parallel_state
 
         self.components = components
         self.config = config = components.config
         self.model = components.model
         self.run_dir = Path(run_dir or config.logging.dir)
-        if dist.get_world_size() != components.layout.world_size:
-            raise ValueError(f"bound for {components.layout.world_size} ranks, running on {dist.get_world_size()}")
+        layout = components.layout
+        if dist.get_world_size() != layout.training_ranks:
+            raise ValueError(f"bound for {layout.training_ranks} training ranks, running on {dist.get_world_size()}")
+        remote = layout.engine_ranks > 0
+        if remote and (dist.get_rank() == 0) != (link is not None):
+            raise ValueError("disaggregated engines need the link on training rank 0, and only there")
         self.tokenizer = load_tokenizer(config)
         self.groups = groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
-        self.placement = build_placement(components.layout.engines, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
-                                         dp_rank=groups.dp_rank, dp_size=groups.dp_size)  # fmt: skip
+        # Disaggregated engines are, to the training ranks, one engine behind rank 0 (the link's end).
+        self.placement = build_placement(1 if remote else layout.engines, tp_rank=groups.tp_rank,
+                                         pp_rank=groups.pp_rank, dp_rank=groups.dp_rank, dp_size=groups.dp_size)  # fmt: skip
         self.batching = BatchStage(config, self.model, self.placement, groups,
                                    pad_id=self.tokenizer.pad_token_id or 0)  # fmt: skip
-        self._check_machine()
+        self._check_machine(engine_here=self.placement.is_owner and not remote)
         # The engines start before the policy is built (vLLM checks the free GPU memory it is given).
-        self.rollouts = RolloutStage(config, self.model, self.tokenizer, components.engine, self.placement,
-                                     run_dir=self.run_dir)  # fmt: skip
+        self.remote = RemoteEngines(link) if remote else None
+        self.rollouts = None if remote else RolloutStage(config, self.model, self.tokenizer, components.engine,
+                                                         self.placement, run_dir=self.run_dir)  # fmt: skip
         parallel_state.seed_everything(config.train.seed, groups.pp_rank)  # again: an in-process vLLM seeds globally
         self._build_policy()
         self.anchor = self._build_anchor()
         self._build_data()
-        engine = self.rollouts.engine
-        self.transport = components.transport(engine, config.weight_sync) if engine is not None else None
+        self.transport = self._build_transport(link)
         self.probe = self._probe_batch()
         self.step_index = 0
         self.optimizer_steps = 0
         self.synced_version: str | None = None
+        self.pending: StepRollout | None = None  # one_step_off: the next step's rollout, drawn already
         self._stop_signal: int | None = None
 
     # ------------------------------------------------------------------ setup
 
-    def _check_machine(self) -> None:
+    def _check_machine(self, *, engine_here: bool) -> None:
         """What only the machine can tell, before the engines start: room in ``weight_sync.shm_dir``
-        for a bucket file (on each engine's owner), a GPU with Transformer Engine for a TE FP8
-        anchor. A ``ConfigError`` on every rank together (the lowest rank's, if several)."""
+        for a bucket file (on each engine's owner: ``engine_here``), a GPU with Transformer Engine
+        for a TE FP8 anchor. A ``ConfigError`` on every rank together (the lowest rank's, if several)."""
         problem = None
         try:
-            machine.check_machine(self.config, self.model, engine_rank=self.placement.is_owner)
+            machine.check_machine(self.config, self.model, engine_rank=engine_here)
         except ConfigError as error:
             problem = (error.field, error.reason)
         problems = [problem]
@@ -165,6 +166,8 @@ class Trainer:
         )  # fmt: skip
 
     def _build_data(self) -> None:
+        """The data cursor (global batches; with disaggregated engines a copy of the engines', kept
+        for the checkpoints), the rollout collector of colocated engines, and the validation sets."""
         from megatron_empg.rollout.data import PromptBatches, load_validation_sets
         from megatron_empg.tasks.registry import build_prompt_source
 
@@ -172,16 +175,26 @@ class Trainer:
         dynamic = self.config.algorithm.dynamic_sampling
         prompts = self.config.train.prompts_per_step
         self.batches = PromptBatches(source, batch_size=dynamic_batch_prompts(dynamic, prompts))  # global batches
-        self.dynamic_sampler = None if dynamic is None else DynamicSampler(
-            dynamic, quota=prompts // self.groups.dp_size, replica=self.batching.replica,
-            replicas=self.batching.replicas,
+        self.scorer = Scorer(self.config, self.tokenizer, self.components.reward)
+        self.collector = None if self.rollouts is None else RolloutCollector(
+            self.config, self.rollouts, self.batches, self.scorer, dp_size=self.groups.dp_size,
+            replica=self.batching.replica,
         )  # fmt: skip
-        self.reward_fn = self.components.reward
         validation = self.config.validation
         self.validation_sets = (  # read on every rank: a bad file stops them all at start-up
             load_validation_sets(self.config.data, validation.files, self.tokenizer, validation.max_prompts_per_source)
             if validation.files else {}
         )  # fmt: skip
+
+    def _build_transport(self, link: Link | None):
+        """How this rank's weights reach the engines, where it feeds one: its colocated engine's
+        ``weight_sync.transport``, or the link to the disaggregated engines (training rank 0)."""
+        from megatron_empg.weight_sync.transport import LinkTransport
+
+        if self.remote is not None:
+            return LinkTransport(link) if link is not None else None
+        engine = self.rollouts.engine
+        return self.components.transport(engine, self.config.weight_sync) if engine is not None else None
 
     def _probe_batch(self) -> list[list[int]]:
         from megatron_empg.weight_sync.gate import probe_batch
@@ -203,26 +216,40 @@ class Trainer:
             self.continue_from(self.config.checkpoint.continue_from)
         outputs = []
         validation = self.config.validation
+        steps = self.config.train.steps
+        ahead = self.config.rollout.mode == "one_step_off"
         with self._signals():
+            if self.remote is not None:
+                self.remote.start(Start(self.step_index, self.batches.state_dict(), pending=self.pending is not None,
+                                        validate=validation.at_start and not resumed))  # fmt: skip
             self.sync_weights()  # the engine starts from dummy weights (or those of before the resume)
             if validation.at_start and not resumed:  # the weights this run starts from
                 outputs.append(StepOutput(self.step_index, self.validate()))
                 if logger is not None:
                     logger.log(self.step_index, outputs[-1].metrics)
-            while self.step_index < self.config.train.steps:
+            if ahead and self.pending is None and self.step_index < steps:  # the pipeline's first rollout
+                self.pending = self._receive_rollout()
+            while self.step_index < steps:
                 out = self.step()
                 if validation.interval and self.step_index % validation.interval == 0:
                     out.metrics.update(self.validate())
+                if ahead and self.step_index < steps:  # drawn while this step trained
+                    with _timed(out.metrics, "time/rollout_wait"):
+                        self.pending = self._receive_rollout()
                 outputs.append(out)
                 if logger is not None:
                     logger.log(out.step, out.metrics)
                 interval = self.config.checkpoint.interval
-                last = self.step_index == self.config.train.steps
+                last = self.step_index == steps
                 # A local decision (the handler may set _stop_signal again at any time): every rank
-                # stops after the same step.
-                stop = any_rank_signalled(self._stop_signal, dist.group.WORLD)
+                # stops after the same step; the engine ranks' signals come with their messages.
+                signalled = max(self._stop_signal or 0, self.remote.engine_signal or 0) if self.remote else \
+                    self._stop_signal  # fmt: skip
+                stop = any_rank_signalled(signalled or None, dist.group.WORLD)
                 if last or (interval and self.step_index % interval == 0) or stop is not None:
                     self.save()
+                if self.remote is not None:
+                    self.remote.control(stop=stop is not None or last)
                 if stop is not None:
                     log.warning("signal %d: checkpointed at step %d, stopping", stop, self.step_index)
                     break
@@ -232,7 +259,8 @@ class Trainer:
         times: dict[str, float] = {}
         with _timed(times, "rollout"):
             rollout = self.rollout(times)
-            self.rollouts.sleep()
+            if self.rollouts is not None:
+                self.rollouts.sleep()
         times["rollout"] -= times.get("rewards", 0.0)  # scored inside it (between generation batches)
         samples = rollout.replicas[self.batching.replica]
         with _timed(times, "advantages"):
@@ -242,6 +270,8 @@ class Trainer:
         micro = [mb for mini in batch.minis for mb in mini]
         with _timed(times, "old_pass"):
             self.old_pass(micro)
+            algorithm = self.config.algorithm
+            behavior = batch.behavior_is(algorithm.behavior_is, algorithm.behavior_is_cap)  # vs the sampler
         with _timed(times, "anchor_pass"):
             self.anchor_pass(micro)
         with _timed(times, "update"):
@@ -251,62 +281,37 @@ class Trainer:
         self.step_index += 1
         with _timed(times, "weight_sync"):
             sync_metrics = self.sync_weights()
-        metrics = self.metrics(rollout, samples, batch, update_metrics, sync_metrics, times)
+        metrics = self.metrics(rollout, samples, batch, update_metrics, sync_metrics, times, behavior)
         metrics["anchor/updates"] = float(ema_updates)
+        metrics.update(rollout_metrics(rollout, self.step_index - 1))
         return StepOutput(self.step_index, metrics)
 
     # ------------------------------------------------------------------ stages
 
     def rollout(self, times: dict[str, float]) -> StepRollout:
-        """This step's samples of each replica of this rank's engine, scored: the data cursor's
-        next global prompt batch, or with ``algorithm.dynamic_sampling`` as many as it takes
-        (``trainer.dynamic_sampling``). Scoring time goes to ``times["rewards"]``."""
-        dp_size, replica = self.groups.dp_size, self.batching.replica
+        """This step's samples of each replica of this rank's engine, scored
+        (``trainer.collect``; scoring time in ``times["rewards"]``): drawn by the colocated
+        engines now, or received from the disaggregated ones (one_step_off: drawn already)."""
+        if self.pending is not None:
+            rollout, self.pending = self.pending, None
+            return rollout
+        if self.remote is not None:
+            return self._receive_rollout()
+        return self.collector.collect(times)
 
-        def draw(_: int) -> list[list[Sample]]:
-            index = self.batches.cursor
-            replicas, metrics = self.rollouts.sample(index, next(self.batches), dp_size=dp_size)
-            engine_metrics.append(metrics)
-            return replicas
-
-        def score(samples: list[Sample]) -> dict[str, float]:
-            start = time.perf_counter()
-            try:
-                return self.score_rewards(samples)
-            finally:
-                times["rewards"] = times.get("rewards", 0.0) + time.perf_counter() - start
-
-        engine_metrics: list[dict[str, float]] = []
-        if self.dynamic_sampler is None:
-            replicas = draw(0)
-            sampled = replicas[replica]
-            return StepRollout(replicas, sample_sums(sampled, score(sampled)), engine_metrics[0])
-        collected = self.dynamic_sampler.collect(draw, score)
-        metrics = {**merge_engine_metrics(engine_metrics), "dynamic_sampling/gen_batches": float(collected.gen_batches)}
-        return StepRollout(collected.replicas, {**collected.sums, **collected.counts}, metrics)
+    def _receive_rollout(self) -> StepRollout:
+        """The disaggregated engines' next rollout (all replicas), on every training rank; the data
+        cursor follows theirs."""
+        rollout = self.remote.rollout()
+        self.batches.load_state_dict(rollout.data_state)
+        return rollout
 
     def validate(self) -> dict[str, float]:
         """``val/...`` metrics of the validation prompts under the engines' weights, the same on
         every rank (``RolloutStage.validate``: the engines split the prompts)."""
-        return self.rollouts.validate(self.validation_sets, self.score_rewards, self.step_index)
-
-    def score_rewards(self, samples: list[Sample]) -> dict[str, float]:
-        """Each sample's reward (``data.reward``, then ``algorithm.overlong_buffer``'s penalty) and
-        whether it is correct; the reward's metric sums as ``reward/*``."""
-        texts = self.tokenizer.batch_decode([s.generated_ids for s in samples], skip_special_tokens=True)
-        result = self.reward_fn(texts, [s.example for s in samples])
-        for sample, score, correct in zip(samples, result.scores, result.correct):
-            sample.reward, sample.correct = float(score), bool(correct)
-        metrics = {f"reward/{k}": float(v) for k, v in result.metrics.items()}
-        algorithm = self.config.algorithm
-        if algorithm.overlong_buffer:
-            penalties = [overlong_penalty(len(s.response_ids), max_length=self.config.rollout.sampling.max_tokens,
-                                          buffer=algorithm.overlong_buffer, factor=algorithm.overlong_penalty)
-                         for s in samples]  # fmt: skip
-            for sample, penalty in zip(samples, penalties):
-                sample.reward += penalty
-            metrics["reward/overlong_penalty"] = sum(penalties)
-        return metrics
+        if self.remote is not None:
+            return self.remote.validation()
+        return self.rollouts.validate(self.validation_sets, self.scorer, self.step_index)
 
     def advantages(self, samples: list[Sample]) -> torch.Tensor:
         """[B] per-sample advantages (groups are this replica's prompts: whole groups never split)."""
@@ -384,36 +389,45 @@ class Trainer:
         groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.placement.feeds_engine)
         shards = named_weight_shards(self.models)
         version = f"step-{self.step_index}"
-        self.rollouts.wake_weights()  # the new weights land before the KV cache takes its memory back
+        if self.rollouts is not None:
+            self.rollouts.wake_weights()  # the new weights land before the KV cache takes its memory back
         report = bridge.sync_weights(shards, self.model, groups, self.transport, version,
                                      bucket_bytes=int(sync.bucket_size_mb * 2**20), placement=self.placement)  # fmt: skip
-        self.rollouts.wake_kv_cache()
+        if self.rollouts is not None:
+            self.rollouts.wake_kv_cache()
+            self.rollouts.weights_version = self.step_index
         self.synced_version = version
         metrics = {"sync/seconds": report.seconds, "sync/gbytes": report.num_bytes / 1e9}
         if sync.gate_tolerance is not None:
             for model in self.models:
                 model.eval()
-            metrics["sync/gate_max_logprob_diff"] = gate.verify_sync(
-                self.rollouts.engine, self.probe,
-                lambda seqs: score_sequences(self.models, seqs, self.model.vocab_size, self.groups),
-                version, tolerance=sync.gate_tolerance, continuation=sync.probe_continuation, seed=sync.probe_seed,
-                diagnose=lambda: bridge.round_trip_errors(shards, self.model, groups), placement=self.placement,
-            )  # fmt: skip
+            score = lambda seqs: score_sequences(self.models, seqs, self.model.vocab_size, self.groups)  # noqa: E731
+            diagnose = lambda: bridge.round_trip_errors(shards, self.model, groups)  # noqa: E731
+            if self.remote is not None:
+                metrics["sync/gate_max_logprob_diff"] = gate.verify_probes(
+                    self.remote.probes(), score, version, tolerance=sync.gate_tolerance, diagnose=diagnose)  # fmt: skip
+            else:
+                metrics["sync/gate_max_logprob_diff"] = gate.verify_sync(
+                    self.rollouts.engine, self.probe, score, version, tolerance=sync.gate_tolerance,
+                    continuation=sync.probe_continuation, seed=sync.probe_seed, diagnose=diagnose,
+                    placement=self.placement,
+                )  # fmt: skip
         return metrics
 
     def metrics(self, rollout: StepRollout, samples: list[Sample], batch: StepBatch, update_metrics, sync_metrics,
-                times) -> dict[str, float]:  # fmt: skip
+                times, behavior: dict[str, float]) -> dict[str, float]:  # fmt: skip
         """Per-step metrics: ``sample_means`` of what this replica sampled (``rollout.sums``, all
         generation batches) over data-parallel replicas (one all-reduce), the loss tokens per
         trained sample (``samples``), dynamic sampling's group counts, the micro-batches' padding,
-        the mean gap between the old pass's and the engine's log-probs, throughput, and this
-        rank's timings."""
-        local = {**rollout.sums, "loss_tokens": sum(s.loss_tokens for s in samples), "trained": len(samples),
+        the mean gap between the old pass's and the engine's log-probs and their importance ratios
+        (``behavior``: ``core.behavior_is.behavior_stats``' sums), throughput, and this rank's
+        timings."""
+        local = {**rollout.sums[self.batching.replica], "loss_tokens": sum(s.loss_tokens for s in samples), "trained": len(samples),
                  "no_loss": sum(s.loss_tokens == 0 for s in samples), "batch_tokens": batch.tokens,
                  "batch_slots": batch.slots, "micro_batches": sum(len(mini) for mini in batch.minis),
                  "imbalance": batch.imbalance}  # fmt: skip
         local["sampler_gap"], local["sampler_gap_tokens"] = batch.sampler_gap()
-        totals = all_reduce_sums(local, self.groups.dp_group)
+        totals = all_reduce_sums({**local, **behavior}, self.groups.dp_group)
         seconds = sum(times.values())
         metrics = {
             **sample_means(totals),
@@ -423,10 +437,11 @@ class Trainer:
             "batch/micro_batches_mean": totals["micro_batches"] / self.groups.dp_size,
             "batch/replica_imbalance": totals["imbalance"] / self.groups.dp_size,
             "batch/sampler_logprob_gap": totals["sampler_gap"] / max(totals["sampler_gap_tokens"], 1),
+            **behavior_metrics(totals),
             "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
             **{f"time/{k}": v for k, v in times.items()}, **rollout.metrics, **update_metrics, **sync_metrics,
         }  # fmt: skip
-        if self.dynamic_sampler is not None:
+        if self.config.algorithm.dynamic_sampling is not None:
             drawn = max(totals["dynamic_sampling/drawn_groups"], 1)
             metrics["dynamic_sampling/informative_fraction"] = totals["dynamic_sampling/informative_groups"] / drawn
             metrics["dynamic_sampling/filled_groups"] = totals["dynamic_sampling/filled_groups"]
@@ -443,13 +458,27 @@ class Trainer:
             "anchor_num_updates": self.anchor.num_updates if self.anchor is not None else 0,
             "data": self.batches.state_dict(),
             "config_yaml": to_yaml(self.config),
+            "pending_rollout": self.pending,  # one_step_off: restored on resume, not drawn again
         }
         return save_checkpoint(
             cfg.dir, self.step_index, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler,
             anchor=self.anchor, extra_state=extra, groups=self.groups, keep_last=cfg.keep_last,
             model_name=self.model.name, optimizer_format=cfg.optimizer_format, model_config=self.model,
-            hf_assets=self.rollouts.model_dir if self.rollouts.engine is not None else None,  # the tokenizer
+            hf_assets=self._hf_assets(),  # the tokenizer
         )  # fmt: skip
+
+    def _hf_assets(self) -> Path | None:
+        """A HF config + tokenizer directory for the checkpoints' ``hf/`` (rank 0): the engine's."""
+        if self.rollouts is not None:
+            return self.rollouts.model_dir if self.rollouts.engine is not None else None
+        if dist.get_rank() != 0:
+            return None
+        directory = self.run_dir / "hf_assets"
+        if not directory.is_dir():
+            directory.mkdir(parents=True, exist_ok=True)
+            write_hf_config(self.model, directory)
+            self.tokenizer.save_pretrained(directory)
+        return directory
 
     def resume(self) -> bool:
         """Load the newest complete checkpoint of ``checkpoint.dir``; False if there is none."""
@@ -461,6 +490,7 @@ class Trainer:
             return False
         extra = self._load_training_state(found.path)
         self.batches.load_state_dict(extra["data"])
+        self.pending = extra.get("pending_rollout")
         log.info("resumed from %s at step %d", found.path, self.step_index)
         return True
 
@@ -502,9 +532,13 @@ class Trainer:
                 signal.signal(s, h)
 
     def shutdown(self) -> None:
+        """Stops the engines (disaggregated ones are told to, if the run ended early: an error)."""
         from megatron_empg.mcore import parallel_state
 
-        self.rollouts.shutdown()
+        if self.rollouts is not None:
+            self.rollouts.shutdown()
+        if self.remote is not None:
+            self.remote.close()
         parallel_state.destroy_model_parallel()
 
 
@@ -532,14 +566,19 @@ def _timed(times: dict[str, float], name: str) -> Iterator[None]:
     times[name] = time.perf_counter() - start
 
 
-def merge_engine_metrics(batches: list[dict[str, float]]) -> dict[str, float]:
-    """The ``engines/*`` metrics of a step that drew several generation batches: seconds, samples
-    and tokens add up; the engine count and which engine was slowest are the last batch's."""
-    merged = dict(batches[-1])
-    for key in merged:
-        if key not in ("engines/count", "engines/slowest", "engines/slowest_share"):
-            merged[key] = sum(b[key] for b in batches)
-    return merged
+def rollout_metrics(rollout: StepRollout, step: int) -> dict[str, float]:
+    """Of all the samples this rank holds (its engine's replicas; with one engine, or disaggregated
+    engines, the whole batch): how many training steps older than the weights of ``step``
+    (0-based) the weights that drew them are (``rollout/staleness_mean``, ``_max``; 0: on-policy),
+    and ``rollout/digest``, a CRC32 of their prompt indices and tokens (two runs that drew the same
+    samples log the same digest)."""
+    samples = [s for replica in rollout.replicas for s in replica]
+    lags = [step - s.version for s in samples]
+    digest = 0
+    for s in samples:
+        digest = zlib.crc32(array.array("q", [s.group, *s.response_ids]).tobytes(), digest)
+    return {"rollout/staleness_mean": statistics.fmean(lags) if lags else 0.0,
+            "rollout/staleness_max": float(max(lags, default=0)), "rollout/digest": float(digest)}  # fmt: skip
 
 
 def any_rank_signalled(signum: int | None, group) -> int | None:

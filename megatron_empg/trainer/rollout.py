@@ -45,6 +45,8 @@ class RolloutStage:
     ``engine`` (None elsewhere), with the search agent of ``rollout.search_agent``; every rank
     calls ``sample`` and ``validate`` together."""
 
+    weights_version = 0  # training steps done when the engines got their weights (the sync sets it)
+
     def __init__(
         self,
         config: RunConfig,
@@ -120,8 +122,8 @@ class RolloutStage:
         payload = placement.broadcast_from_owner(payload)
         per_replica = len(examples) // dp_size
         replicas = [
-            [Sample.from_trajectory(examples[p], p, t) for p in range(first, first + per_replica)
-             for t in payload[p - prompts.start]]
+            [Sample.from_trajectory(examples[p], p, t, version=self.weights_version)
+             for p in range(first, first + per_replica) for t in payload[p - prompts.start]]
             for first in range(prompts.start, prompts.stop, per_replica)
         ]  # fmt: skip
         tokens = sum(len(t.token_ids) for group in payload for t in group) if self.engine is not None else 0

@@ -173,3 +173,24 @@ def verify_sync(
         named = worst_engine if placement.num_engines > 1 else None
         raise ConsistencyError(mismatch_message(version, where, tolerance, family_errors, named))
     return where[0]
+
+
+def verify_probes(
+    probes: Sequence[tuple[list[list[int]], Tensor]],
+    trainer_score: Callable[[list[list[int]]], Tensor],
+    version: str,
+    *,
+    tolerance: float,
+    diagnose: Callable[[], dict[str, float]] | None = None,
+) -> float:
+    """The gate of disaggregated engines, on the training ranks: ``probes[e]`` is engine e's
+    ``engine_probe`` result (sequences, log-probs), the same on every training rank. Every rank
+    scores every engine's sequences (``trainer_score``, a collective) and compares, so all reach
+    the same verdict; above ``tolerance`` every rank runs ``diagnose()`` and raises the same
+    ``ConsistencyError`` naming the worst engine. Returns the max difference over the engines."""
+    results = [max_difference(trainer_score(sequences).cpu(), logprobs) for sequences, logprobs in probes]
+    worst = max(range(len(results)), key=lambda e: results[e][0])
+    if not results[worst][0] <= tolerance:
+        family_errors = diagnose() if diagnose else None
+        raise ConsistencyError(mismatch_message(version, results[worst], tolerance, family_errors, worst))
+    return results[worst][0]

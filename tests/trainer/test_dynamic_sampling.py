@@ -57,31 +57,30 @@ def _tags(samples: list[Sample]) -> list[str]:
 
 def test_draws_until_the_quota_of_informative_groups_and_keeps_them_in_order():
     draw = _batches([MIXED, ALL_RIGHT, ALL_WRONG, MIXED], [ALL_WRONG, MIXED, MIXED, MIXED], [MIXED] * 4)
-    sampler = DynamicSampler(DynamicSamplingConfig(max_num_gen_batches=5), quota=4, replica=0, replicas=1)
+    sampler = DynamicSampler(DynamicSamplingConfig(max_num_gen_batches=5), quota=4, replicas=1)
     out = sampler.collect(draw, _scored)
     assert out.gen_batches == 2  # 2 informative groups in batch 0, 3 in batch 1: enough
     assert _tags(out.replicas[0]) == ["0.0", "0.3", "1.1", "1.2"]
     # renumbered 0..3 as a step's prompt indices, two samples each
     assert [s.group for s in out.replicas[0]] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert len(out.sampled) == 16  # every drawn sample is reported (the policy's accuracy)
-    assert out.counts == {"dynamic_sampling/informative_groups": 5.0, "dynamic_sampling/drawn_groups": 8.0,
+    assert {k: v for k, v in out.sums[0].items() if k.startswith("dynamic_sampling/")} == {"dynamic_sampling/informative_groups": 5.0, "dynamic_sampling/drawn_groups": 8.0,
                           "dynamic_sampling/filled_groups": 0.0}  # fmt: skip
-    assert out.sums["samples"] == 16 and out.sums["correct"] == 7  # 4 + 3
+    assert out.sums[0]["samples"] == 16 and out.sums[0]["correct"] == 7  # every drawn sample: the policy's accuracy
 
 
 def test_a_batch_that_is_all_informative_draws_once():
-    sampler = DynamicSampler(DynamicSamplingConfig(), quota=2, replica=0, replicas=1)
+    sampler = DynamicSampler(DynamicSamplingConfig(), quota=2, replicas=1)
     out = sampler.collect(_batches([MIXED, MIXED]), _scored)
     assert out.gen_batches == 1 and _tags(out.replicas[0]) == ["0.0", "0.1"]
 
 
 def test_after_max_num_gen_batches_dropped_groups_fill_the_batch(caplog):
     draw = _batches([ALL_RIGHT, MIXED, ALL_WRONG], [ALL_WRONG, ALL_RIGHT, ALL_RIGHT], [MIXED] * 3)
-    sampler = DynamicSampler(DynamicSamplingConfig(max_num_gen_batches=2), quota=3, replica=0, replicas=1)
+    sampler = DynamicSampler(DynamicSamplingConfig(max_num_gen_batches=2), quota=3, replicas=1)
     out = sampler.collect(draw, _scored)
     assert out.gen_batches == 2  # the third batch is never drawn
     assert _tags(out.replicas[0]) == ["0.1", "0.0", "0.2"]  # the informative one, then the first dropped
-    assert out.counts["dynamic_sampling/filled_groups"] == 2.0
+    assert out.sums[0]["dynamic_sampling/filled_groups"] == 2.0
     assert "short of 3 informative groups" in caplog.text
 
 
@@ -90,11 +89,11 @@ def test_every_replica_of_the_engine_fills_its_own_quota():
         rounds = {0: ([MIXED, MIXED], [ALL_WRONG, MIXED]), 1: ([MIXED, ALL_RIGHT], [MIXED, ALL_WRONG])}[k]
         return [[s for g, c in enumerate(groups) for s in _group(f"{r}:{k}.{g}", g, c)] for r, groups in enumerate(rounds)]
 
-    for replica in (0, 1):
-        out = DynamicSampler(DynamicSamplingConfig(), quota=2, replica=replica, replicas=2).collect(draw, _scored)
-        assert out.gen_batches == 2  # replica 1 needed a second batch, so replica 0 drew it too
-        assert [_tags(r) for r in out.replicas] == [["0:0.0", "0:0.1"], ["1:0.1", "1:1.0"]]
-        assert len(out.sampled) == 8 and _tags(out.sampled)[0] == f"{replica}:0.0"
+    out = DynamicSampler(DynamicSamplingConfig(), quota=2, replicas=2).collect(draw, _scored)
+    assert out.gen_batches == 2  # replica 1 needed a second batch, so replica 0 drew it too
+    assert [_tags(r) for r in out.replicas] == [["0:0.0", "0:0.1"], ["1:0.1", "1:1.0"]]
+    assert [sums["samples"] for sums in out.sums] == [8, 8]  # each replica's own draws
+    assert [sums["dynamic_sampling/informative_groups"] for sums in out.sums] == [3.0, 2.0]
 
 
 def test_config_checks():
@@ -118,7 +117,7 @@ def _two_ranks(rank: int, world_size: int) -> tuple[list[int], list[str]]:
         draws.append(k)
         return [[s for g, c in enumerate(rounds[rank][k]) for s in _group(f"{k}.{g}", g, c)]]
 
-    out = DynamicSampler(DynamicSamplingConfig(), quota=2, replica=0, replicas=1).collect(draw, _scored)
+    out = DynamicSampler(DynamicSamplingConfig(), quota=2, replicas=1).collect(draw, _scored)
     return draws, _tags(out.replicas[0])
 
 

@@ -1,4 +1,4 @@
-"""``Trainer.score_rewards``: the reward function's scores, then DAPO's overlong punishment
+"""``trainer.collect.Scorer``: the reward function's scores, then DAPO's overlong punishment
 (``algorithm.overlong_buffer``) added to each sample's reward, and their metric sums."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from megatron_empg.config import RunConfig, load_config
 from megatron_empg.rollout.rewards import RewardResult
 from megatron_empg.trainer.batch import Sample
-from megatron_empg.trainer.loop import Trainer
+from megatron_empg.trainer.collect import Scorer
 from tests.trainer.demo_runs import DEMO_RECIPE
 
 
@@ -17,16 +17,14 @@ class _Tokenizer:
         return [" ".join(map(str, row)) for row in ids]
 
 
-def _trainer(*overrides: str) -> Trainer:
-    """A Trainer with only what ``score_rewards`` reads (no model, engine or process group)."""
-    trainer = object.__new__(Trainer)
-    trainer.config = load_config(RunConfig, DEMO_RECIPE, list(overrides))  # rollout.sampling.max_tokens 12
-    trainer.tokenizer = _Tokenizer()
-    # correct iff the response has an even length; +1 / -1 as math_dapo
-    trainer.reward_fn = lambda texts, examples: RewardResult(
+def _scorer(*overrides: str) -> Scorer:
+    """The scorer of the demo recipe with ``overrides``, a reward that is correct (+1, else -1) iff
+    the response has an even length, and a tokenizer that prints ids."""
+    config = load_config(RunConfig, DEMO_RECIPE, list(overrides))  # rollout.sampling.max_tokens 12
+    reward = lambda texts, examples: RewardResult(  # noqa: E731
         [1.0 if len(t.split()) % 2 == 0 else -1.0 for t in texts], [len(t.split()) % 2 == 0 for t in texts],
         {"no_answer": 1.0})  # fmt: skip
-    return trainer
+    return Scorer(config, _Tokenizer(), reward)
 
 
 def _samples(lengths):
@@ -35,7 +33,7 @@ def _samples(lengths):
 
 def test_overlong_penalty_adds_to_the_reward():
     samples = _samples([4, 8, 9, 10, 12])
-    metrics = _trainer("algorithm.overlong_buffer=4", "algorithm.overlong_penalty=0.5").score_rewards(samples)
+    metrics = _scorer("algorithm.overlong_buffer=4", "algorithm.overlong_penalty=0.5")(samples)
     # past 12 - 4 = 8 tokens, -0.5 x (L - 8) / 4
     penalties = [0.0, 0.0, -0.125, -0.25, -0.5]
     base = [1.0, 1.0, -1.0, 1.0, 1.0]
@@ -46,5 +44,5 @@ def test_overlong_penalty_adds_to_the_reward():
 
 def test_no_buffer_no_penalty():
     samples = _samples([4, 12])
-    metrics = _trainer().score_rewards(samples)
+    metrics = _scorer()(samples)
     assert [s.reward for s in samples] == [1.0, 1.0] and metrics == {"reward/no_answer": 1.0}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import types
 from collections.abc import Sequence
 
 import pytest
@@ -17,7 +16,7 @@ from megatron_empg.rollout.data import DataError, load_validation_sets
 from megatron_empg.rollout.engine import Completion
 from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.tasks.registry import REWARDS
-from megatron_empg.trainer.loop import Trainer
+from megatron_empg.trainer.collect import Scorer
 from megatron_empg.trainer.rollout import RolloutStage
 from megatron_empg.trainer.metrics import sample_means
 from tools.make_tiny_model import char_tokenizer
@@ -144,13 +143,12 @@ def test_validation_metrics_per_source_and_overall(tmp_path, tokenizer):
                                             _question("Spain", "hotpotqa")])  # fmt: skip
     config = _run_config({"files": [path], "interval": 1, "n": 2, "batch_size": 2})
     engine = CountryEngine(tokenizer, {"France": "Paris", "Japan": "Tokyo", "Germany": "Berlin"})
-    trainer = types.SimpleNamespace(config=config, tokenizer=tokenizer, reward_fn=REWARDS["qa_em"])
     stage = RolloutStage.__new__(RolloutStage)  # one engine, no process group: what validate reads
     stage.config, stage.engine, stage.agent = config, engine, None
     stage.placement = EnginePlacement(num_engines=1, engine=0, owners=(0,), members=((0,),), group=None,
                                       feeds_engine=True, rank=0, node_slot=0, node_slots=1, local_rank=0)  # fmt: skip
-    metrics = stage.validate(load_validation_sets(QA, [path], tokenizer),
-                             lambda samples: Trainer.score_rewards(trainer, samples), step=7)  # fmt: skip
+    metrics = stage.validate(load_validation_sets(QA, [path], tokenizer), Scorer(config, tokenizer, REWARDS["qa_em"]),
+                             step=7)  # fmt: skip
 
     assert engine.calls == [2, 1, 2]  # batch_size prompts per call, source by source
     assert metrics["val/nq/reward/accuracy"] == pytest.approx(2 / 3)  # Paris, Tokyo right; Atlantis wrong

@@ -1,0 +1,117 @@
+"""A step's rollout, collected where the engines are: on the training ranks (colocated engines)
+or on the engine ranks (disaggregated, ``trainer.engine_rank``).
+
+``RolloutCollector.collect`` draws the data cursor's next global prompt batch through the
+rollout stage and scores it, or with ``algorithm.dynamic_sampling`` as many batches as it takes
+(``trainer.dynamic_sampling``). ``Scorer`` is the reward of ``data.reward`` with DAPO's overlong
+penalty.
+
+    collector = RolloutCollector(config, stage, batches, scorer, dp_size=D)
+    rollout = collector.collect(times)   # StepRollout: [R] replicas of this rank's engine
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from megatron_empg.config import RunConfig
+from megatron_empg.rollout.rewards import RewardFn, overlong_penalty
+from megatron_empg.trainer.batch import Sample
+from megatron_empg.trainer.dynamic_sampling import DynamicSampler
+from megatron_empg.trainer.metrics import sample_sums
+
+
+@dataclasses.dataclass
+class StepRollout:
+    """A step's rollout: ``replicas`` ([R][samples], scored) of one engine's replicas (of all D
+    replicas when the engines are disaggregated), each replica's ``sums`` ([R]: the
+    ``trainer.metrics.sample_sums`` of what it drew, with dynamic sampling its dropped groups too
+    and the ``dynamic_sampling/*`` counts), the ``metrics`` that are the same on every rank
+    (``engines/*``, ``dynamic_sampling/gen_batches``), the weight ``version`` that drew it (the
+    optimizer steps' count of training steps done), and the data cursor's state after it."""
+
+    replicas: list[list[Sample]]
+    sums: list[dict[str, float]]
+    metrics: dict[str, float]
+    version: int = 0
+    data_state: dict | None = None
+
+
+class Scorer:
+    """Each sample's reward (``data.reward``, then ``algorithm.overlong_buffer``'s penalty) and
+    whether it is correct; returns the reward's metric sums as ``reward/*``."""
+
+    def __init__(self, config: RunConfig, tokenizer, reward_fn: RewardFn) -> None:
+        self.config, self.tokenizer, self.reward_fn = config, tokenizer, reward_fn
+
+    def __call__(self, samples: list[Sample]) -> dict[str, float]:
+        texts = self.tokenizer.batch_decode([s.generated_ids for s in samples], skip_special_tokens=True)
+        result = self.reward_fn(texts, [s.example for s in samples])
+        for sample, score, correct in zip(samples, result.scores, result.correct):
+            sample.reward, sample.correct = float(score), bool(correct)
+        metrics = {f"reward/{k}": float(v) for k, v in result.metrics.items()}
+        algorithm = self.config.algorithm
+        if algorithm.overlong_buffer:
+            penalties = [overlong_penalty(len(s.response_ids), max_length=self.config.rollout.sampling.max_tokens,
+                                          buffer=algorithm.overlong_buffer, factor=algorithm.overlong_penalty)
+                         for s in samples]  # fmt: skip
+            for sample, penalty in zip(samples, penalties):
+                sample.reward += penalty
+            metrics["reward/overlong_penalty"] = sum(penalties)
+        return metrics
+
+
+class RolloutCollector:
+    """What a step's rollout needs: the rollout stage (``trainer.rollout.RolloutStage``), the data
+    cursor (``rollout.data.PromptBatches``: global batches), the scorer and D, the data-parallel
+    size of the training ranks. ``replica``: the one replica of the engine's whose samples this
+    rank scores without dynamic sampling (None: all; the others' sums stay empty). Every rank of
+    the stage's world calls ``collect`` together."""
+
+    def __init__(self, config: RunConfig, stage, batches, scorer: Scorer, *, dp_size: int,
+                 replica: int | None = None) -> None:  # fmt: skip
+        self.stage, self.batches, self.scorer, self.dp_size = stage, batches, scorer, dp_size
+        self.replica = replica
+        dynamic = config.algorithm.dynamic_sampling
+        replicas = dp_size // stage.placement.num_engines
+        self.sampler = None if dynamic is None else DynamicSampler(
+            dynamic, quota=config.train.prompts_per_step // dp_size, replicas=replicas)  # fmt: skip
+
+    def collect(self, times: dict[str, float]) -> StepRollout:
+        """This step's samples of each replica of this rank's engine, scored; scoring time goes
+        to ``times["rewards"]``."""
+        engine_metrics: list[dict[str, float]] = []
+
+        def draw(_: int) -> list[list[Sample]]:
+            index = self.batches.cursor
+            replicas, metrics = self.stage.sample(index, next(self.batches), dp_size=self.dp_size)
+            engine_metrics.append(metrics)
+            return replicas
+
+        def score(samples: list[Sample]) -> dict[str, float]:
+            start = time.perf_counter()
+            try:
+                return self.scorer(samples)
+            finally:
+                times["rewards"] = times.get("rewards", 0.0) + time.perf_counter() - start
+
+        version = self.stage.weights_version
+        if self.sampler is None:
+            replicas = draw(0)
+            sums = [sample_sums(samples, score(samples)) if self.replica in (None, r) else {}
+                    for r, samples in enumerate(replicas)]  # fmt: skip
+            return StepRollout(replicas, sums, engine_metrics[0], version, self.batches.state_dict())
+        collected = self.sampler.collect(draw, score)
+        metrics = {**merge_engine_metrics(engine_metrics), "dynamic_sampling/gen_batches": float(collected.gen_batches)}
+        return StepRollout(collected.replicas, collected.sums, metrics, version, self.batches.state_dict())
+
+
+def merge_engine_metrics(batches: list[dict[str, float]]) -> dict[str, float]:
+    """The ``engines/*`` metrics of a step that drew several generation batches: seconds, samples
+    and tokens add up; the engine count and which engine was slowest are the last batch's."""
+    merged = dict(batches[-1])
+    for key in merged:
+        if key not in ("engines/count", "engines/slowest", "engines/slowest_share"):
+            merged[key] = sum(b[key] for b in batches)
+    return merged

@@ -1,0 +1,160 @@
+"""``empg train`` with disaggregated engines (``rollout.placement: disaggregated``) on 3 gloo ranks
+under torchrun: 2 training ranks and 1 engine rank.
+
+- ``sync`` draws what colocated engines draw (the same ``rollout/digest`` of the samples' tokens)
+  and trains to the same numbers (vLLM on CPU);
+- ``one_step_off``: the samples of step s >= 2 were drawn by weights one step old (staleness 1,
+  importance ratios pi_old / mu away from 1); pre-empted after step N, the checkpoint keeps the
+  rollout already drawn for step N + 1 and the resumed run trains steps N + 1, N + 2 as the
+  uninterrupted run did; no process outlives the pre-emption (the transformers engine);
+- a weight push that an engine drops on purpose fails the consistency gate, naming the engine.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from megatron_empg.trainer.metrics_log import read_metrics
+from tests.trainer.demo_runs import (
+    CLOSE_ABS, CLOSE_REL, REPO, interrupt, processes_with, run_train, small_demo_config, train_command,
+)  # fmt: skip
+
+LAUNCH_TIMEOUT_S = 420
+DISAGGREGATED = ("rollout.placement=disaggregated", "rollout.engine_ranks=1")
+HF = ("rollout.engine=hf", "rollout.in_process=true", "weight_sync.transport=in_process")
+TRAINING = ("actor/loss", "actor/policy_loss", "actor/kl", "actor/grad_norm", "actor/entropy")
+
+
+def _same_step(a: dict, b: dict) -> None:
+    """Two runs' records of one step: the same samples, rewards and training statistics."""
+    assert a["rollout/digest"] == b["rollout/digest"], (a["step"], "different samples")
+    for key in ("reward/mean", "reward/accuracy", "response/length_mean"):
+        assert a[key] == b[key], key
+    for key in TRAINING:
+        assert a[key] == pytest.approx(b[key], rel=CLOSE_REL, abs=CLOSE_ABS), key
+
+
+@pytest.mark.dist
+@pytest.mark.vllm
+@pytest.mark.megatron
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_sync_disaggregated_engine_matches_a_colocated_one(tmp_path, warm_start):
+    steps = 3
+    config = small_demo_config(tmp_path, "colocated", warm_start, steps)
+    colocated = run_train(config, tmp_path, "colocated", "rollout.engines=single", nproc=2, timeout=LAUNCH_TIMEOUT_S)
+    assert colocated.returncode == 0, colocated.stderr[-4000:]
+    config = small_demo_config(tmp_path, "disaggregated", warm_start, steps)
+    disaggregated = run_train(config, tmp_path, "disaggregated", *DISAGGREGATED, nproc=3, timeout=LAUNCH_TIMEOUT_S)
+    assert disaggregated.returncode == 0, disaggregated.stderr[-4000:]
+
+    ours = read_metrics(tmp_path / "disaggregated" / "metrics.jsonl")
+    theirs = read_metrics(tmp_path / "colocated" / "metrics.jsonl")
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3]
+    for a, b in zip(ours, theirs):
+        _same_step(a, b)
+        assert a["rollout/staleness_max"] == 0.0
+    assert len({r["rollout/digest"] for r in ours}) == steps and any(r["reward/mean"] > 0 for r in ours)
+    assert all(r["sync/gate_max_logprob_diff"] < 1e-4 for r in ours)
+
+
+def _one_step_off(tmp_path, warm_start, name: str, steps: int) -> dict:
+    config = small_demo_config(tmp_path, name, warm_start, steps)
+    config["checkpoint"]["interval"] = 0  # at the end or on a signal
+    return config
+
+
+ONE_STEP_OFF = (*DISAGGREGATED, "rollout.mode=one_step_off", "algorithm.behavior_is=tis", *HF)
+
+
+@pytest.mark.dist
+@pytest.mark.megatron
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
+def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_start):
+    reference_steps = 6
+    full = run_train(_one_step_off(tmp_path, warm_start, "full", reference_steps), tmp_path, "full", *ONE_STEP_OFF,
+                     nproc=3, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    assert full.returncode == 0, full.stderr[-4000:]
+    reference = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    assert [r["rollout/staleness_max"] for r in reference] == [0.0] + [1.0] * (reference_steps - 1)
+    assert reference[0]["rollout/is_ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # the initial weights drew step 1
+    assert all(abs(r["rollout/is_ratio_mean"] - 1.0) > 1e-5 for r in reference[1:])  # the policy moved since
+    assert all(r["time/rollout"] < r["time/update"] for r in reference)  # drawn while the previous step trained
+
+    # pre-empted once two steps are logged: every rank, the engine rank too, stops after step N
+    config = _one_step_off(tmp_path, warm_start, "cut", 1000)
+    marker = f"EMPG_TEST_RUN={tmp_path.name}"
+    command, env = train_command(config, tmp_path, "cut", *ONE_STEP_OFF, nproc=3, env=dict([marker.split("=")]))
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    log = tmp_path / "cut.log"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+            while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=LAUNCH_TIMEOUT_S)
+        finally:
+            interrupt(launcher)
+    stops = re.findall(r"signal \d+: checkpointed at step (\d+)", log.read_text())
+    assert stops, log.read_text()[-4000:]
+    stopped = int(stops[0])
+    assert stopped + 2 <= reference_steps, stopped
+    assert processes_with(marker) == [], "a rank or engine process outlived the pre-empted run"
+
+    config["train"]["steps"] = stopped + 2
+    done = run_train(config, tmp_path, "cut", *ONE_STEP_OFF, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S,
+                     env=dict([marker.split("=")]))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert processes_with(marker) == []
+    resumed = read_metrics(metrics)
+    assert [r["step"] for r in resumed] == list(range(1, stopped + 3))
+    for step in (stopped + 1, stopped + 2):  # the restored rollout, then one drawn after the resume
+        _same_step(resumed[step - 1], reference[step - 1])
+        assert resumed[step - 1]["rollout/staleness_max"] == 1.0
+
+
+DROP_SECOND_PUSH = '''
+import megatron_empg.weight_sync.transport as transport
+
+_receive, _calls = transport.receive_weights, []
+
+
+def receive_weights(link, local):
+    """The engine drains the second push from the link but loads none of it."""
+    _calls.append(1)
+
+    class Dropped:
+        def begin(self): local.begin()
+        def send(self, bucket): pass
+        def finish(self, version): local.finish(version)
+
+    return _receive(link, Dropped() if len(_calls) == 2 else local)
+
+
+transport.receive_weights = receive_weights
+'''
+
+
+@pytest.mark.dist
+@pytest.mark.megatron
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_a_dropped_push_fails_the_gate_naming_the_engine(tmp_path, warm_start):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(DROP_SECOND_PUSH)  # imported at start-up by every process
+    config = small_demo_config(tmp_path, "dropped", warm_start, 3)
+    marker = f"EMPG_TEST_RUN={tmp_path.name}"
+    done = run_train(config, tmp_path, "dropped", *DISAGGREGATED, *HF, nproc=3, timeout=LAUNCH_TIMEOUT_S,
+                     env={"PYTHONPATH": f"{hook}:{REPO}", marker.split("=")[0]: marker.split("=")[1]})  # fmt: skip
+    assert done.returncode != 0
+    assert "weight sync step-1: engine 0 and trainer log-probs differ" in done.stderr, done.stderr[-4000:]
+    assert processes_with(marker) == [], "the engine rank outlived the failed run"
+    assert not (tmp_path / "dropped" / "metrics.jsonl").exists() or not read_metrics(
+        tmp_path / "dropped" / "metrics.jsonl")  # step 1 never completed
