@@ -16,6 +16,13 @@ A step uses the data cursor's next global prompt batch (with ``algorithm.dynamic
 many as it takes to fill the batch with informative groups); the cursor is checkpointed, so a
 resumed run continues with the same prompts.
 
+With ``rollout.placement: disaggregated`` the engines run on ranks of their own
+(``trainer.engine_rank``): the training ranks receive each step's rollout, push the weights to
+all engines from rank 0 and check the engines' probes (``trainer.remote``). With ``rollout.mode:
+one_step_off`` the rollout of the next step is drawn while this one trains, with the weights it
+started from; it is received after the step's weight push (``time/rollout_wait``) and
+checkpointed with the step, so a resumed run trains on it as the uninterrupted one would.
+
 A ``Trainer`` is built from what ``trainer.build.bind`` resolved (``Components``): it branches on
 no configured name.
 """
