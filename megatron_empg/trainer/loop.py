@@ -260,6 +260,8 @@ class Trainer:
                 if stop is not None:
                     log.warning("signal %d: checkpointed at step %d, stopping", stop, self.step_index)
                     break
+            if self.remote is not None:
+                self.remote.stopped = True  # the engines stop with the loop (with no step left: at once)
         return outputs
 
     def step(self) -> StepOutput:
