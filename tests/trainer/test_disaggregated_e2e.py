@@ -1,8 +1,8 @@
 """``empg train`` with disaggregated engines (``rollout.placement: disaggregated``) on 3 gloo ranks
 under torchrun: 2 training ranks and 1 engine rank.
 
-- ``sync`` draws what colocated engines draw (the same ``rollout/digest`` of the samples' tokens)
-  and trains to the same numbers (vLLM on CPU);
+- ``sync`` draws what colocated engines draw and trains to the same numbers on vLLM: the
+  ``dp2-disaggregated`` layout of ``test_trainer_multirank.py``;
 - ``one_step_off``: the samples of step s >= 2 were drawn by weights one step old (staleness 1,
   importance ratios pi_old / mu away from 1); pre-empted after step N, the checkpoint keeps the
   rollout already drawn for step N + 1 and the resumed run trains steps N + 1, N + 2 as the
@@ -37,29 +37,6 @@ def _same_step(a: dict, b: dict) -> None:
         assert a[key] == b[key], key
     for key in TRAINING:
         assert a[key] == pytest.approx(b[key], rel=CLOSE_REL, abs=CLOSE_ABS), key
-
-
-@pytest.mark.dist
-@pytest.mark.vllm
-@pytest.mark.megatron
-@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
-def test_sync_disaggregated_engine_matches_a_colocated_one(tmp_path, warm_start):
-    steps = 3
-    config = small_demo_config(tmp_path, "colocated", warm_start, steps)
-    colocated = run_train(config, tmp_path, "colocated", "rollout.engines=single", nproc=2, timeout=LAUNCH_TIMEOUT_S)
-    assert colocated.returncode == 0, colocated.stderr[-4000:]
-    config = small_demo_config(tmp_path, "disaggregated", warm_start, steps)
-    disaggregated = run_train(config, tmp_path, "disaggregated", *DISAGGREGATED, nproc=3, timeout=LAUNCH_TIMEOUT_S)
-    assert disaggregated.returncode == 0, disaggregated.stderr[-4000:]
-
-    ours = read_metrics(tmp_path / "disaggregated" / "metrics.jsonl")
-    theirs = read_metrics(tmp_path / "colocated" / "metrics.jsonl")
-    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3]
-    for a, b in zip(ours, theirs):
-        _same_step(a, b)
-        assert a["rollout/staleness_max"] == 0.0
-    assert len({r["rollout/digest"] for r in ours}) == steps and any(r["reward/mean"] > 0 for r in ours)
-    assert all(r["sync/gate_max_logprob_diff"] < 1e-4 for r in ours)
 
 
 def _one_step_off(tmp_path, warm_start, name: str, steps: int) -> dict:

@@ -5,11 +5,12 @@ Three steps of the demo recipe (EMA-PG, reverse Top-k KL) from a short warm star
 samples per step. The vLLM engines run in their own processes (the launcher's CPU defaults:
 ``rollout.in_process=false``, ``weight_sync.transport=shm_file``): at DP2 two of them
 (``rollout.engines=2``, one per replica, each synced from its own rank and each sampling its
-replica's 2 prompts) or one on rank 0 for both (``single``); at TP2 and PP2 one (a single replica).
+replica's 2 prompts) or one on rank 0 for both (``single``), or one on a third rank of its own
+(``rollout.placement=disaggregated``, weights over the link); at TP2 and PP2 one (a single replica).
 The reference is one process with an in-process engine fed by reference, so the runs share no
 transport code. Seeds follow the global prompt index and the weights are equal up to fp32
-rounding, so the rollouts are identical and the per-step metrics must agree: the rollout
-statistics exactly, the training statistics to fp32 rounding. Also checked: one metrics record per
+rounding, so the rollouts are identical (the same ``rollout/digest`` of their tokens) and the
+per-step metrics must agree: the rollout statistics exactly, the training statistics to fp32 rounding. Also checked: one metrics record per
 step (rank 0 writes them), the consistency gate after every sync on every engine (each serves the
 weights gathered from both TP shards or both pipeline stages: same byte count as the single
 process), the engines' sample counts, and checkpoints recording the layout. At DP2 with two
@@ -49,6 +50,8 @@ LAYOUTS = {  # command-line overrides, the layout the checkpoints must record, a
     "pp2": (["parallel.pipeline_model_parallel_size=2"], {"tp": 1, "pp": 2, "dp": 1}, 1),
     "dp2-engines2": (["rollout.engines=2"], {"tp": 1, "pp": 1, "dp": 2}, 2),
     "dp2-single": (["rollout.engines=single"], {"tp": 1, "pp": 1, "dp": 2}, 1),
+    # two training ranks and an engine rank of its own (3 processes): the engine draws for both
+    "dp2-disaggregated": (["rollout.placement=disaggregated", "rollout.engine_ranks=1"], {"tp": 1, "pp": 1, "dp": 2}, 1),
 }
 PREEMPTED = "dp2-engines2"  # SIGTERM after step 2, then --resume (one layout: each launch costs ~40 s)
 
@@ -129,8 +132,9 @@ def test_two_ranks_match_one_process(layout, reference, tmp_path, warm_start):
         steps = _preempt_then_resume(tmp_path, warm_start, overrides)
     else:
         steps = STEPS
-        done = run_train(small_demo_config(tmp_path, layout, warm_start, STEPS), tmp_path, layout, *overrides, nproc=2,
-                         timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+        nproc = 3 if "rollout.engine_ranks=1" in overrides else 2
+        done = run_train(small_demo_config(tmp_path, layout, warm_start, STEPS), tmp_path, layout, *overrides,
+                         nproc=nproc, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
         assert done.returncode == 0, done.stderr[-4000:]
         assert sorted(p.name for p in root.glob("step_*")) == [f"step_{s:08d}" for s in range(1, STEPS + 1)]
 
@@ -142,6 +146,8 @@ def test_two_ranks_match_one_process(layout, reference, tmp_path, warm_start):
             assert ours[key] == ref[key], (step, key, ours[key], ref[key])
         for key in CLOSE:
             assert ours[key] == pytest.approx(ref[key], rel=CLOSE_REL, abs=CLOSE_ABS), (step, key)
+        if engines == 1:  # rank 0 holds every sample: the same tokens as the reference
+            assert ours["rollout/digest"] == ref["rollout/digest"], step
         assert 0.0 <= ours["sync/gate_max_logprob_diff"] <= GATE_TOLERANCE, step
         # each engine samples its replicas' prompts: 16 samples per step in all
         assert (ours["engines/count"], ours["engines/samples_min"], ours["engines/samples_max"]) == (
