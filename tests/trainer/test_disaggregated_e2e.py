@@ -50,6 +50,7 @@ ONE_STEP_OFF = (*DISAGGREGATED, "rollout.mode=one_step_off", "algorithm.behavior
 
 @pytest.mark.dist
 @pytest.mark.megatron
+@pytest.mark.slow
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
 def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_start):
     reference_steps = 6
@@ -121,6 +122,7 @@ transport.receive_weights = receive_weights
 
 @pytest.mark.dist
 @pytest.mark.megatron
+@pytest.mark.slow
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
 def test_a_dropped_push_fails_the_gate_naming_the_engine(tmp_path, warm_start):
     hook = tmp_path / "hook"
