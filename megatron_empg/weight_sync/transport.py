@@ -127,17 +127,21 @@ class LinkTransport:
         from megatron_empg.parallel.link import TRAINER
 
         self.link, self.src = link, TRAINER
+        self._buffer: Tensor | None = None  # reused by every bucket of an update
 
     def begin(self) -> None:
         self.link.broadcast_object(("weights",), src=self.src)
 
     def send(self, bucket: NamedTensors) -> None:
-        header, flat = pack_bucket(bucket)
-        self.link.broadcast_object(("bucket", header, flat.numel()), src=self.src)
+        header, size = bucket_layout(bucket)
+        self._buffer = _fitting(self._buffer, size, bucket[0][1].device if bucket else self.link.device)
+        flat = pack_bucket(bucket, out=self._buffer[:size])[1]
+        self.link.broadcast_object(("bucket", header, size), src=self.src)
         self.link.broadcast_tensor(flat, src=self.src)
 
     def finish(self, version: str) -> None:
         self.link.broadcast_object(("end", version), src=self.src)
+        self._buffer = None  # the memory goes back between updates
 
 
 def receive_weights(link, transport: Transport) -> tuple[str, int]:
@@ -147,33 +151,51 @@ def receive_weights(link, transport: Transport) -> tuple[str, int]:
     from megatron_empg.parallel.link import TRAINER
 
     transport.begin()
-    received = 0
+    received, buffer = 0, None  # one buffer for every bucket (the transport copies what it is sent)
     while True:
         message = link.broadcast_object(src=TRAINER)
         if message[0] == "end":
             transport.finish(message[1])
             return message[1], received
         _, header, numel = message
-        flat = link.broadcast_tensor(torch.empty(numel, dtype=torch.uint8, device=link.device), src=TRAINER)
+        buffer = _fitting(buffer, numel, link.device)
+        flat = link.broadcast_tensor(buffer[:numel], src=TRAINER)
         transport.send(unpack_bucket(header, flat))
         received += numel
+
+
+def _fitting(buffer: Tensor | None, numel: int, device) -> Tensor:
+    """``buffer`` if it holds ``numel`` bytes, else a new uint8 buffer of that size on ``device``."""
+    if buffer is not None and buffer.numel() >= numel and buffer.device == torch.device(device):
+        return buffer
+    return torch.empty(numel, dtype=torch.uint8, device=device)
 
 
 BucketHeader = list[tuple[str, torch.dtype, tuple[int, ...], int]]  # name, dtype, shape, byte offset
 _ALIGN = 16  # each tensor starts at a multiple of it in the flat buffer, so any dtype can view it
 
 
-def pack_bucket(bucket: NamedTensors) -> tuple[BucketHeader, Tensor]:
-    """A bucket as (header, one flat uint8 tensor of its bytes, each tensor aligned to 16 bytes),
-    for sending it in one message."""
-    header, pieces, offset = [], [], 0
+def bucket_layout(bucket: NamedTensors) -> tuple[BucketHeader, int]:
+    """(header, total bytes) of a bucket packed with each tensor at a multiple of 16 bytes."""
+    header, offset = [], 0
     for name, t in bucket:
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
         header.append((name, t.dtype, tuple(t.shape), offset))
-        pad = -(offset + data.numel()) % _ALIGN
-        pieces += [data, data.new_zeros(pad)] if pad else [data]
-        offset += data.numel() + pad
-    return header, torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return header, offset
+
+
+def pack_bucket(bucket: NamedTensors, out: Tensor | None = None) -> tuple[BucketHeader, Tensor]:
+    """A bucket as (header, one flat uint8 tensor of its bytes, each tensor aligned to 16 bytes),
+    for sending it in one message; into ``out`` (uint8, exactly the packed size) when given."""
+    header, size = bucket_layout(bucket)
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device if bucket else "cpu")
+    if out.numel() != size:
+        raise ValueError(f"out holds {out.numel()} bytes, the bucket packs into {size}")
+    for (_, t), (_, _, _, offset) in zip(bucket, header):
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        out[offset : offset + data.numel()].copy_(data)
+    return header, out
 
 
 def unpack_bucket(header: BucketHeader, flat: Tensor) -> list[tuple[str, Tensor]]:
