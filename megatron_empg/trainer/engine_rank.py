@@ -107,14 +107,13 @@ class EngineRank:
         while step < steps:
             if not ahead:
                 self.send(FromEngines(rollout=self.draw()))
-            upcoming = self.draw() if ahead and step + 1 < steps else None  # while the trainers train `step`
+            elif step + 1 < steps:  # step + 1's, while the trainers train `step`: sent as soon as drawn
+                self.send(FromEngines(rollout=self.draw()))
             step += 1
             self.receive_weights(step)
             interval = config.validation.interval
             if interval and step % interval == 0:
                 self.validate(step)
-            if upcoming is not None:
-                self.send(FromEngines(rollout=upcoming))
             control: Control = self._broadcast_from_trainer()
             if control.stop:
                 break

@@ -20,8 +20,9 @@ With ``rollout.placement: disaggregated`` the engines run on ranks of their own
 (``trainer.engine_rank``): the training ranks receive each step's rollout, push the weights to
 all engines from rank 0 and check the engines' probes (``trainer.remote``). With ``rollout.mode:
 one_step_off`` the rollout of the next step is drawn while this one trains, with the weights it
-started from; it is received after the step's weight push (``time/rollout_wait``) and
-checkpointed with the step, so a resumed run trains on it as the uninterrupted one would.
+started from; it is received before the step's weight push (``time/rollout_wait``: how long the
+trainers waited for it) and checkpointed with the step, so a resumed run trains on it as the
+uninterrupted one would.
 
 A ``Trainer`` is built from what ``trainer.build.bind`` resolved (``Components``): it branches on
 no configured name.
@@ -240,9 +241,6 @@ class Trainer:
                 out = self.step()
                 if validation.interval and self.step_index % validation.interval == 0:
                     out.metrics.update(self.validate())
-                if ahead and self.step_index < steps:  # drawn while this step trained
-                    with _timed(out.metrics, "time/rollout_wait"):
-                        self.pending = self._receive_rollout()
                 outputs.append(out)
                 if logger is not None:
                     logger.log(out.step, out.metrics)
@@ -288,6 +286,9 @@ class Trainer:
         with _timed(times, "ema_update"):
             ema_updates = self.ema_update()
         self.step_index += 1
+        if self.config.rollout.mode == "one_step_off" and self.step_index < self.config.train.steps:
+            with _timed(times, "rollout_wait"):  # the next step's rollout, drawn while this one trained
+                self.pending = self._receive_rollout()
         with _timed(times, "weight_sync"):
             sync_metrics = self.sync_weights()
         metrics = self.metrics(rollout, samples, batch, update_metrics, sync_metrics, times, behavior)

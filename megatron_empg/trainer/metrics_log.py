@@ -36,7 +36,7 @@ STEP_METRICS = (("reward", "reward/mean"), ("acc", "reward/accuracy"), ("kl", "a
 VALIDATION_METRICS = (("reward", "val/reward/mean"), ("acc", "val/reward/accuracy"))
 # (label, the timings it adds up) of a line's time split: every time/ key of a step and a validation pass
 TIME_PARTS = (
-    ("rollout", ("time/rollout",)),
+    ("rollout", ("time/rollout", "time/rollout_wait")),
     ("train", ("time/rewards", "time/advantages", "time/old_pass", "time/anchor_pass", "time/update",
                "time/ema_update")),
     ("sync", ("time/weight_sync",)),

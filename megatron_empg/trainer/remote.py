@@ -8,11 +8,13 @@ validation pass) and shares it with the other training ranks (one object broadca
 training world). The engines' side is ``trainer.engine_rank``; the order of the messages is the
 loop's, so each side waits only where it needs the other:
 
-    engines:  [draw s]      -> weights s+1 -> probes -> [validation] -> [draw s+1, send] -> control
-    trainers: receive s, train -> weights s+1 -> gate -> [validation] -> [receive s+1]   -> control
+    sync:          engines:  draw s, send      -> weights s+1 -> probes -> [validation] -> control
+                   trainers: receive s, train  -> weights s+1 -> gate   -> [validation] -> control
+    one_step_off:  engines:  draw s+1, send    -> weights s+1 -> probes -> [validation] -> control
+                   trainers: train s, receive s+1 -> weights s+1 -> gate -> [validation] -> control
 
-(sync: the engines draw step s after the control of step s-1; one_step_off: they draw step s+1
-while the trainers train step s, and send it after the weights of step s+1 have arrived.)
+(one_step_off: the engines draw step s+1 with step s's starting weights while the trainers train
+step s; step 0's rollout comes first, after the starting weights.)
 """
 
 from __future__ import annotations

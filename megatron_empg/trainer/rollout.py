@@ -71,7 +71,8 @@ class RolloutStage:
         write_hf_config(model, self.model_dir)
         tokenizer.save_pretrained(self.model_dir)
         rollout = self.config.rollout
-        environment = {} if rollout.in_process else engine_environment(self.placement, rollout.tensor_parallel_size)
+        environment = {} if rollout.in_process else engine_environment(
+            self.placement, rollout.tensor_parallel_size, shares_node=rollout.disaggregated)  # fmt: skip
         log.info("engine %d of %d on rank %d%s", self.placement.engine, self.placement.num_engines, self.placement.rank,
                  "".join(f", {k}={v}" for k, v in environment.items()))  # fmt: skip
         # The engine's processes (rollout.in_process=false) inherit an ignored SIGUSR1: torchrun and
@@ -233,7 +234,7 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def engine_environment(placement: EnginePlacement, engine_tp: int) -> dict[str, str]:
+def engine_environment(placement: EnginePlacement, engine_tp: int, *, shares_node: bool = False) -> dict[str, str]:
     """What an engine process needs to see of its node, set around its start by the owner:
 
     - GPU: ``CUDA_VISIBLE_DEVICES``, the owner's tensor-parallel GPUs (``LOCAL_RANK`` .. +
@@ -241,7 +242,8 @@ def engine_environment(placement: EnginePlacement, engine_tp: int) -> dict[str, 
     - CPU: ``VLLM_CPU_OMP_THREADS_BIND``, this engine's share of the node's cores (``node_slot`` of
       ``node_slots``), one ``|``-separated list per engine TP rank, so that the engines on a node
       do not bind the same cores (vLLM's ``auto`` would). A value the user set is kept; ``nobind``
-      when the node has fewer cores than engine ranks.
+      when the node has fewer cores than engine ranks, or when training ranks the placement does
+      not count share the node (``shares_node``: disaggregated engine ranks).
     """
     if torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -256,7 +258,7 @@ def engine_environment(placement: EnginePlacement, engine_tp: int) -> dict[str, 
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < placement.node_slots * engine_tp:  # engines must share cores: let the OS schedule them
+    if shares_node or len(cores) < placement.node_slots * engine_tp:  # shared cores: let the OS schedule them
         return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     slot, slots = placement.node_slot, placement.node_slots
     share = cores[slot * len(cores) // slots : (slot + 1) * len(cores) // slots]
