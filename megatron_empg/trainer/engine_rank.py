@@ -157,18 +157,17 @@ class EngineRank:
             probe = engine_probe(self.stage.engine, self.probe, sync.probe_continuation, sync.probe_seed)
         probes: list = [None] * dist.get_world_size()
         dist.all_gather_object(probes, probe)
-        if self.is_lead:
-            self.send(FromEngines(probes=[p for p in probes if p is not None]))
+        self.send(FromEngines(probes=[p for p in probes if p is not None]))  # every engine rank: a collective
 
     def validate(self, step: int) -> None:
         metrics = self.stage.validate(self.validation_sets, self.scorer, step)
-        if self.is_lead:
-            self.send(FromEngines(validation=metrics))
+        self.send(FromEngines(validation=metrics))
 
     # ------------------------------------------------------------------ messages
 
     def send(self, message: FromEngines) -> None:
-        """``message`` from the lead to training rank 0, with the largest signal any engine rank got."""
+        """``message`` from the lead to training rank 0, with the largest signal any engine rank got;
+        every engine rank calls it (the signals are gathered), only the lead's message counts."""
         flags: list = [None] * dist.get_world_size()
         dist.all_gather_object(flags, self.signal)
         if self.is_lead:

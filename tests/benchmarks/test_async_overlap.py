@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "async_overlap.py"
-RUNS = {"disaggregated_sync": 3, "disaggregated_one_step_off": 3, "colocated_sync": 2}
+RUNS = {"disaggregated_sync": 3, "disaggregated_one_step_off": 3}  # the colocated reference skipped: CI time
 STAGES = {"time/update", "time/old_pass", "time/weight_sync", "sync/seconds", "gate", "stage_sum", "training_stages"}
 
 
@@ -32,7 +32,7 @@ def test_smallest_run_writes_the_json(tmp_path, warm_start):
     args = ["--engine", "hf", "--steps", "3", "--warmup", "0", "--rounds", "1", "--prompts-per-step", "4",
             "--n", "4", "--micro-batch-size", "8", "--link-mb", "4", "--bucket-mb", "1", "--link-repeats", "1",
             "--link-rounds", "1", "--warm-start", str(warm_start), "--runs-dir", str(tmp_path / "runs"),
-            "--out", str(out)]  # fmt: skip
+            "--no-colocated", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO, env=env,
                           timeout=570)  # fmt: skip

@@ -7,7 +7,8 @@ under torchrun: 2 training ranks and 1 engine rank.
   importance ratios pi_old / mu away from 1); pre-empted after step N, the checkpoint keeps the
   rollout already drawn for step N + 1 and the resumed run trains steps N + 1, N + 2 as the
   uninterrupted run did; no process outlives the pre-emption (the transformers engine);
-- a weight push that an engine drops on purpose fails the consistency gate, naming the engine.
+- with two engine ranks (2 + 2 processes), a weight push that engine 1 drops on purpose fails the
+  consistency gate, naming engine 1 (step 1 ran on both engines, each sampling one replica).
 """
 
 from __future__ import annotations
@@ -99,21 +100,23 @@ def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_st
 
 
 DROP_SECOND_PUSH = '''
+import os
+
 import megatron_empg.weight_sync.transport as transport
 
 _receive, _calls = transport.receive_weights, []
 
 
 def receive_weights(link, local):
-    """The engine drains the second push from the link but loads none of it."""
-    _calls.append(1)
+    """Engine 1 (global rank 3) drains the second push from the link but loads none of it."""
+    _calls.append(os.environ["RANK"] == "3")
 
     class Dropped:
         def begin(self): local.begin()
         def send(self, bucket): pass
         def finish(self, version): local.finish(version)
 
-    return _receive(link, Dropped() if len(_calls) == 2 else local)
+    return _receive(link, Dropped() if len(_calls) == 2 and _calls[-1] else local)
 
 
 transport.receive_weights = receive_weights
@@ -124,16 +127,17 @@ transport.receive_weights = receive_weights
 @pytest.mark.megatron
 @pytest.mark.slow
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
-def test_a_dropped_push_fails_the_gate_naming_the_engine(tmp_path, warm_start):
+def test_a_push_dropped_by_one_of_two_engines_fails_the_gate_naming_it(tmp_path, warm_start):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(DROP_SECOND_PUSH)  # imported at start-up by every process
     config = small_demo_config(tmp_path, "dropped", warm_start, 3)
     marker = f"EMPG_TEST_RUN={tmp_path.name}"
-    done = run_train(config, tmp_path, "dropped", *DISAGGREGATED, *HF, nproc=3, timeout=LAUNCH_TIMEOUT_S,
+    done = run_train(config, tmp_path, "dropped", "rollout.placement=disaggregated", "rollout.engine_ranks=2", *HF,
+                     nproc=4, timeout=LAUNCH_TIMEOUT_S,
                      env={"PYTHONPATH": f"{hook}:{REPO}", marker.split("=")[0]: marker.split("=")[1]})  # fmt: skip
     assert done.returncode != 0
-    assert "weight sync step-1: engine 0 and trainer log-probs differ" in done.stderr, done.stderr[-4000:]
+    assert "weight sync step-1: engine 1 and trainer log-probs differ" in done.stderr, done.stderr[-4000:]
     assert processes_with(marker) == [], "the engine rank outlived the failed run"
     assert not (tmp_path / "dropped" / "metrics.jsonl").exists() or not read_metrics(
         tmp_path / "dropped" / "metrics.jsonl")  # step 1 never completed

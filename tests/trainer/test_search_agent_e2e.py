@@ -85,7 +85,8 @@ def test_two_data_parallel_ranks_match_one_process(tmp_path, one_process, search
     assert [m["engines/count"] for m in records[1:]] == [2, 2]
     assert records[1]["engines/samples_min"] == records[1]["engines/samples_max"] > 0
     for ours, ref in zip(records, one_process):
-        exact = [k for k in ref if k.startswith(("val/", "rollout/", "reward/", "response/"))]
+        # rollout/digest covers the samples rank 0 holds: here its own engine's, half of the batch
+        exact = [k for k in ref if k.startswith(("val/", "rollout/", "reward/", "response/")) and k != "rollout/digest"]
         assert exact and {k: ours[k] for k in exact} == {k: ref[k] for k in exact}, ours["step"]
         for key in (k for k in ref if k.startswith("actor/")):
             assert ours[key] == pytest.approx(ref[key], rel=CLOSE_REL, abs=CLOSE_ABS), (ours["step"], key)
