@@ -103,6 +103,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.weight_sync import _cpu_model  # noqa: E402  (the machine's description, as there)
+
 RECIPE = REPO / "recipes" / "demo_cpu.yaml"
 WARM_START = REPO / "runs" / "demo" / "warm_start"
 LAUNCHER = REPO / "launchers" / "torchrun.sh"
@@ -125,16 +127,6 @@ TRAINING_RANKS = 2
 
 
 # ---------------------------------------------------------------------------------------------- machine
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def _loadavg() -> list[float] | None:

@@ -18,7 +18,7 @@ import time
 from megatron_empg.config import RunConfig
 from megatron_empg.rollout.rewards import RewardFn, overlong_penalty
 from megatron_empg.trainer.batch import Sample
-from megatron_empg.trainer.dynamic_sampling import DynamicSampler
+from megatron_empg.trainer.dynamic_sampling import DynamicSampler, dynamic_batch_prompts
 from megatron_empg.trainer.metrics import sample_sums
 
 
@@ -105,6 +105,27 @@ class RolloutCollector:
         collected = self.sampler.collect(draw, score)
         metrics = {**merge_engine_metrics(engine_metrics), "dynamic_sampling/gen_batches": float(collected.gen_batches)}
         return StepRollout(collected.replicas, collected.sums, metrics, version, self.batches.state_dict())
+
+
+def prompt_batches(config: RunConfig, tokenizer):
+    """The data cursor over ``data``'s prompts: global batches of a step's prompts, or of
+    ``algorithm.dynamic_sampling.prompts_per_gen_batch`` (``rollout.data.PromptBatches``)."""
+    from megatron_empg.rollout.data import PromptBatches
+    from megatron_empg.tasks.registry import build_prompt_source
+
+    source = build_prompt_source(config.data, tokenizer)
+    size = dynamic_batch_prompts(config.algorithm.dynamic_sampling, config.train.prompts_per_step)
+    return PromptBatches(source, batch_size=size)
+
+
+def validation_sets(config: RunConfig, tokenizer) -> dict:
+    """``validation.files`` as prompt examples per data source (none: empty)."""
+    from megatron_empg.rollout.data import load_validation_sets
+
+    validation = config.validation
+    if not validation.files:
+        return {}
+    return load_validation_sets(config.data, validation.files, tokenizer, validation.max_prompts_per_source)
 
 
 def merge_engine_metrics(batches: list[dict[str, float]]) -> dict[str, float]:

@@ -17,13 +17,10 @@ processes are shut down before the rank exits.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import signal
 import time
 from pathlib import Path
-from typing import Iterator
 
 import torch.distributed as dist
 
@@ -31,9 +28,10 @@ from megatron_empg.parallel.link import LEAD, TRAINER, Link
 from megatron_empg.parallel.placement import engine_world_placement
 from megatron_empg.trainer import machine
 from megatron_empg.trainer.build import Components
-from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout
+from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout, prompt_batches, validation_sets
 from megatron_empg.trainer.remote import Control, FromEngines, Start
 from megatron_empg.trainer.rollout import RolloutStage
+from megatron_empg.trainer.signals import stop_signals
 from megatron_empg.trainer.start import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -48,9 +46,6 @@ class EngineRank:
     the validation sets; ``link`` on engine owners (None on the other ranks of an engine)."""
 
     def __init__(self, components: Components, link: Link | None, *, run_dir: str | Path | None = None) -> None:
-        from megatron_empg.rollout.data import PromptBatches, load_validation_sets
-        from megatron_empg.tasks.registry import build_prompt_source
-        from megatron_empg.trainer.dynamic_sampling import dynamic_batch_prompts
         from megatron_empg.weight_sync.gate import probe_batch
 
         self.config = config = components.config
@@ -66,17 +61,10 @@ class EngineRank:
                                   run_dir=Path(run_dir or config.logging.dir))  # fmt: skip
         engine = self.stage.engine
         self.transport = components.transport(engine, config.weight_sync) if engine is not None else None
-        source = build_prompt_source(config.data, tokenizer)
-        prompts = config.train.prompts_per_step
-        self.batches = PromptBatches(source, batch_size=dynamic_batch_prompts(config.algorithm.dynamic_sampling, prompts))
-        scorer = Scorer(config, tokenizer, components.reward)
-        self.scorer = scorer
-        self.collector = RolloutCollector(config, self.stage, self.batches, scorer, dp_size=layout.dp)
-        validation = config.validation
-        self.validation_sets = (
-            load_validation_sets(config.data, validation.files, tokenizer, validation.max_prompts_per_source)
-            if validation.files else {}
-        )  # fmt: skip
+        self.batches = prompt_batches(config, tokenizer)
+        self.scorer = Scorer(config, tokenizer, components.reward)
+        self.collector = RolloutCollector(config, self.stage, self.batches, self.scorer, dp_size=layout.dp)
+        self.validation_sets = validation_sets(config, tokenizer)
         sync = config.weight_sync
         self.probe = probe_batch(sync.probe_num_sequences, sync.probe_length, components.model.vocab_size,
                                  sync.probe_seed)  # fmt: skip
@@ -189,17 +177,11 @@ class EngineRank:
         dist.broadcast_object_list(box, src=0)
         return box
 
-    @contextlib.contextmanager
-    def _signals(self) -> Iterator[None]:
+    def _signals(self):
         def handler(signum, frame):
             self.signal = max(self.signal, signum)
 
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGUSR1)}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+        return stop_signals(handler)
 
     def shutdown(self) -> None:
         self.stage.shutdown()

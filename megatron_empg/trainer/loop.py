@@ -34,7 +34,6 @@ import array
 import contextlib
 import dataclasses
 import logging
-import signal
 import statistics
 import time
 import zlib
@@ -54,11 +53,11 @@ from megatron_empg.trainer import machine
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.batching import BatchStage, StepBatch
 from megatron_empg.trainer.build import Components
-from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout
-from megatron_empg.trainer.dynamic_sampling import dynamic_batch_prompts
+from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout, prompt_batches, validation_sets
 from megatron_empg.trainer.metrics import all_reduce_sums, sample_means
 from megatron_empg.trainer.remote import RemoteEngines, Start
 from megatron_empg.trainer.rollout import RolloutStage
+from megatron_empg.trainer.signals import stop_signals
 from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer, write_hf_config
 
 log = logging.getLogger(__name__)
@@ -176,23 +175,13 @@ class Trainer:
     def _build_data(self) -> None:
         """The data cursor (global batches; with disaggregated engines a copy of the engines', kept
         for the checkpoints), the rollout collector of colocated engines, and the validation sets."""
-        from megatron_empg.rollout.data import PromptBatches, load_validation_sets
-        from megatron_empg.tasks.registry import build_prompt_source
-
-        source = build_prompt_source(self.config.data, self.tokenizer)
-        dynamic = self.config.algorithm.dynamic_sampling
-        prompts = self.config.train.prompts_per_step
-        self.batches = PromptBatches(source, batch_size=dynamic_batch_prompts(dynamic, prompts))  # global batches
+        self.batches = prompt_batches(self.config, self.tokenizer)
         self.scorer = Scorer(self.config, self.tokenizer, self.components.reward)
         self.collector = None if self.rollouts is None else RolloutCollector(
             self.config, self.rollouts, self.batches, self.scorer, dp_size=self.groups.dp_size,
             replica=self.batching.replica,
         )  # fmt: skip
-        validation = self.config.validation
-        self.validation_sets = (  # read on every rank: a bad file stops them all at start-up
-            load_validation_sets(self.config.data, validation.files, self.tokenizer, validation.max_prompts_per_source)
-            if validation.files else {}
-        )  # fmt: skip
+        self.validation_sets = validation_sets(self.config, self.tokenizer)  # every rank: a bad file stops all
 
     def _build_transport(self, link: Link | None):
         """How this rank's weights reach the engines, where it feeds one: its colocated engine's
@@ -432,8 +421,8 @@ class Trainer:
         the mean gap between the old pass's and the engine's log-probs and their importance ratios
         (``behavior``: ``core.behavior_is.behavior_stats``' sums), throughput, and this rank's
         timings."""
-        local = {**rollout.sums[self.batching.replica], "loss_tokens": sum(s.loss_tokens for s in samples), "trained": len(samples),
-                 "no_loss": sum(s.loss_tokens == 0 for s in samples), "batch_tokens": batch.tokens,
+        local = {**rollout.sums[self.batching.replica], "loss_tokens": sum(s.loss_tokens for s in samples),
+                 "trained": len(samples), "no_loss": sum(s.loss_tokens == 0 for s in samples), "batch_tokens": batch.tokens,
                  "batch_slots": batch.slots, "micro_batches": sum(len(mini) for mini in batch.minis),
                  "imbalance": batch.imbalance}  # fmt: skip
         local["sampler_gap"], local["sampler_gap_tokens"] = batch.sampler_gap()
@@ -526,20 +515,14 @@ class Trainer:
             self.anchor.num_updates = extra["anchor_num_updates"]
         return extra
 
-    @contextlib.contextmanager
-    def _signals(self) -> Iterator[None]:
+    def _signals(self):
         """SIGTERM / SIGUSR1 (Slurm's pre-emption warning) set a flag the loop checks after each step
         (``any_rank_signalled``: all ranks together)."""
 
         def handler(signum, frame):
             self._stop_signal = signum
 
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGUSR1)}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+        return stop_signals(handler)
 
     def shutdown(self) -> None:
         """Stops the engines (disaggregated ones are told to, if the run ended early: an error)."""
