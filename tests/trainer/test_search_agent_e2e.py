@@ -17,6 +17,8 @@ from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, LAUNCH_TIMEOUT_S, run_
 from tests.trainer.search_runs import QA, make_search_warm_start, search_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
+# the sampler's log-probs against the trainer's old pass: fp32 sums whose order depends on the layout
+SAMPLER_VS_TRAINER = ("rollout/is_ratio_mean", "rollout/is_clipped_fraction", "rollout/sampler_k3")
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +88,10 @@ def test_two_data_parallel_ranks_match_one_process(tmp_path, one_process, search
     assert records[1]["engines/samples_min"] == records[1]["engines/samples_max"] > 0
     for ours, ref in zip(records, one_process):
         # rollout/digest covers the samples rank 0 holds: here its own engine's, half of the batch
-        exact = [k for k in ref if k.startswith(("val/", "rollout/", "reward/", "response/")) and k != "rollout/digest"]
+        exact = [k for k in ref if k.startswith(("val/", "rollout/", "reward/", "response/"))
+                 and k != "rollout/digest" and k not in SAMPLER_VS_TRAINER]  # fmt: skip
         assert exact and {k: ours[k] for k in exact} == {k: ref[k] for k in exact}, ours["step"]
-        for key in (k for k in ref if k.startswith("actor/")):
+        for key in (k for k in ref if k.startswith("actor/") or k in SAMPLER_VS_TRAINER):
             assert ours[key] == pytest.approx(ref[key], rel=CLOSE_REL, abs=CLOSE_ABS), (ours["step"], key)
 
 

@@ -5,8 +5,9 @@ Three steps of the demo recipe (EMA-PG, reverse Top-k KL) from a short warm star
 samples per step. The vLLM engines run in their own processes (the launcher's CPU defaults:
 ``rollout.in_process=false``, ``weight_sync.transport=shm_file``): at DP2 two of them
 (``rollout.engines=2``, one per replica, each synced from its own rank and each sampling its
-replica's 2 prompts) or one on rank 0 for both (``single``), or one on a third rank of its own
-(``rollout.placement=disaggregated``, weights over the link); at TP2 and PP2 one (a single replica).
+replica's 2 prompts) or one on a third rank of its own for both (``rollout.placement=disaggregated``,
+weights over the link); at TP2 and PP2 one (a single replica). (One colocated engine for two
+replicas, ``rollout.engines=single``, trains in ``test_packing_e2e.py``'s balancing test.)
 The reference is one process with an in-process engine fed by reference, so the runs share no
 transport code. Seeds follow the global prompt index and the weights are equal up to fp32
 rounding, so the rollouts are identical (the same ``rollout/digest`` of their tokens) and the
@@ -49,7 +50,6 @@ LAYOUTS = {  # command-line overrides, the layout the checkpoints must record, a
     "tp2": (["parallel.tensor_model_parallel_size=2"], {"tp": 2, "pp": 1, "dp": 1}, 1),
     "pp2": (["parallel.pipeline_model_parallel_size=2"], {"tp": 1, "pp": 2, "dp": 1}, 1),
     "dp2-engines2": (["rollout.engines=2"], {"tp": 1, "pp": 1, "dp": 2}, 2),
-    "dp2-single": (["rollout.engines=single"], {"tp": 1, "pp": 1, "dp": 2}, 1),
     # two training ranks and an engine rank of its own (3 processes): the engine draws for both
     "dp2-disaggregated": (["rollout.placement=disaggregated", "rollout.engine_ranks=1"], {"tp": 1, "pp": 1, "dp": 2}, 1),
 }
