@@ -325,14 +325,17 @@ def test_building_cuda_ipc_without_cuda_raises_a_config_error(monkeypatch):
 def _engine_process(requests, replies) -> None:
     """A stand-in engine: maps each bucket by UUID and keeps the copies ``receive_bucket`` makes;
     at "finish", sends them all back on CPU (a copy that aliased the buffer would show a later
-    bucket's bytes by then)."""
+    bucket's bytes by then), then waits for "bye": the CPU tensors travel as file descriptors that
+    this process serves until the trainer has unpickled them."""
     assert torch.cuda.device_count() == 1  # CUDA_VISIBLE_DEVICES narrowed to the trainer's GPU
     kept = []
     while True:
         kind, payload = requests.get()
+        if kind == "bye":
+            return
         if kind == "finish":
             replies.put([(name, tensor.cpu()) for name, tensor in kept])
-            return
+            continue
         kept.extend(cuda_ipc.receive_bucket(payload, torch.device("cuda", 0)))
         replies.put("loaded")
 
@@ -353,6 +356,7 @@ class ProcessEngine:
     def finish_weight_update(self, version: str) -> None:
         self.requests.put(("finish", version))
         self.received = self.replies.get(timeout=60)
+        self.requests.put(("bye", None))
 
 
 @pytest.mark.gpu
