@@ -78,7 +78,7 @@ class EngineRank:
             try:
                 self._serve()
             except EngineStopped:
-                log.info("engine rank %d: stopped by the trainer", dist.get_rank())
+                log.info("engine rank %d: stopped by training rank 0", dist.get_rank())
 
     def _serve(self) -> None:
         config = self.config
@@ -102,9 +102,7 @@ class EngineRank:
             interval = config.validation.interval
             if interval and step % interval == 0:
                 self.validate(step)
-            control: Control = self._broadcast_from_trainer()
-            if control.stop:
-                break
+            self._broadcast_from_trainer()  # the step's Control: go on (a stop raises EngineStopped)
 
     def draw(self) -> StepRollout | None:
         """This step's rollout of every engine, gathered on the lead (None elsewhere)."""
@@ -112,9 +110,8 @@ class EngineRank:
         start = time.perf_counter()
         mine = self.collector.collect(times)
         seconds = time.perf_counter() - start
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine if self.placement.is_owner else None)
-        if not self.is_lead:
+        parts = self._gather_on_lead(mine if self.placement.is_owner else None)
+        if parts is None:
             return None
         owned = [p for p in parts if p is not None]  # engine order: owners are ascending ranks
         first = owned[0]
@@ -143,9 +140,8 @@ class EngineRank:
         probe = None
         if self.stage.engine is not None:
             probe = engine_probe(self.stage.engine, self.probe, sync.probe_continuation, sync.probe_seed)
-        probes: list = [None] * dist.get_world_size()
-        dist.all_gather_object(probes, probe)
-        self.send(FromEngines(probes=[p for p in probes if p is not None]))  # every engine rank: a collective
+        probes = self._gather_on_lead(probe)
+        self.send(FromEngines(probes=[p for p in probes or [] if p is not None]))  # every engine rank: a collective
 
     def validate(self, step: int) -> None:
         metrics = self.stage.validate(self.validation_sets, self.scorer, step)
@@ -156,26 +152,29 @@ class EngineRank:
     def send(self, message: FromEngines) -> None:
         """``message`` from the lead to training rank 0, with the largest signal any engine rank got;
         every engine rank calls it (the signals are gathered), only the lead's message counts."""
-        flags: list = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, self.signal)
-        if self.is_lead:
+        flags = self._gather_on_lead(self.signal)
+        if flags is not None:
             self.link.send_object(dataclasses.replace(message, signal=max(flags)), dst=TRAINER)
 
     def _broadcast_from_trainer(self):
         """Training rank 0's next message on every engine rank (owners hear it on the link, then
         share it in the engine world); ``EngineStopped`` on a ``Control(stop)`` out of turn."""
         message = self.link.broadcast_object(src=TRAINER) if self.link is not None else None
-        if dist.get_world_size() > 1:
-            message = self._share(message)[0]
+        if dist.get_world_size() > 1:  # the lead's copy to every engine rank
+            box = [message if self.is_lead else None]
+            dist.broadcast_object_list(box, src=0)
+            message = box[0]
         if isinstance(message, Control) and message.stop:
             raise EngineStopped
         return message
 
-    def _share(self, value) -> list:
-        """The lead's ``value`` on every engine rank."""
-        box = [value if self.is_lead else None]
-        dist.broadcast_object_list(box, src=0)
-        return box
+    def _gather_on_lead(self, value) -> list | None:
+        """Every engine rank's ``value`` in rank order on the lead (engine rank 0), None elsewhere."""
+        if dist.get_world_size() == 1:
+            return [value]
+        gathered = [None] * dist.get_world_size() if self.is_lead else None
+        dist.gather_object(value, gathered, dst=0)
+        return gathered
 
     def _signals(self):
         def handler(signum, frame):
