@@ -48,14 +48,16 @@ def _serve_math_verify() -> None:
     until stdin closes. Its stdout is reserved for the protocol (prints go to stderr).
 
     math-verify's own timeouts (``signal.alarm``) are off: the parent kills a worker that overruns.
-    SIGUSR1 is ignored. On Linux the worker is also killed when the parent dies (``PR_SET_PDEATHSIG``), so a crashed
-    trainer leaves no worker stuck on an expression.
+    SIGUSR1 and SIGTERM are ignored (the parent ends a worker with SIGKILL). On Linux the worker is
+    also killed when the parent dies (``PR_SET_PDEATHSIG``), so a crashed trainer leaves no worker
+    stuck on an expression.
     """
     import signal
 
-    # torchrun and Slurm send SIGUSR1 (pre-emption: "checkpoint after this step") to the whole process
-    # group; the trainer finishes the step in flight, which needs its verifiers alive
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # torchrun and Slurm send SIGUSR1 / SIGTERM (pre-emption: "checkpoint after this step") to the whole
+    # process group; the trainer finishes the step in flight, which needs its verifiers alive
+    for stop in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
     if sys.platform == "linux":
         import ctypes
 

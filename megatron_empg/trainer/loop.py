@@ -57,7 +57,7 @@ from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout,
 from megatron_empg.trainer.metrics import all_reduce_sums, sample_means
 from megatron_empg.trainer.remote import RemoteEngines, Start
 from megatron_empg.trainer.rollout import RolloutStage
-from megatron_empg.trainer.signals import stop_signals
+from megatron_empg.trainer.signals import ignored_in_children, stop_signals
 from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer, write_hf_config
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class Trainer:
 
     def __init__(self, components: Components, *, run_dir: str | Path | None = None, link: Link | None = None) -> None:
         from megatron_empg.mcore import parallel_state
+        from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer
 
         self.components = components
         self.config = config = components.config
@@ -102,6 +103,8 @@ class Trainer:
         self.batching = BatchStage(config, self.model, self.placement, groups,
                                    pad_id=self.tokenizer.pad_token_id or 0)  # fmt: skip
         self._check_machine(engine_here=self.placement.is_owner and not remote)
+        with ignored_in_children():  # a pre-emption signal to the process group must not kill it
+            start_checkpoint_writer()
         # The engines start before the policy is built (vLLM checks the free GPU memory it is given).
         self.remote = RemoteEngines(link) if remote else None
         self.rollouts = None if remote else RolloutStage(config, self.model, self.tokenizer, components.engine,

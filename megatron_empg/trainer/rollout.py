@@ -33,6 +33,7 @@ from megatron_empg.rollout.engines import EngineKind
 from megatron_empg.rollout.trajectory import Trajectory
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.metrics import add_sums, sample_means, sample_sums
+from megatron_empg.trainer.signals import ignored_in_children
 from megatron_empg.trainer.start import write_hf_config
 
 log = logging.getLogger(__name__)
@@ -75,15 +76,12 @@ class RolloutStage:
             self.placement, rollout.tensor_parallel_size, shares_node=rollout.disaggregated)  # fmt: skip
         log.info("engine %d of %d on rank %d%s", self.placement.engine, self.placement.num_engines, self.placement.rank,
                  "".join(f", {k}={v}" for k, v in environment.items()))  # fmt: skip
-        # The engine's processes (rollout.in_process=false) inherit an ignored SIGUSR1: torchrun and
-        # Slurm signal whole process groups, and the trainer, which takes SIGUSR1 as "checkpoint after
-        # this step", still needs the engine for the step in flight (it shuts it down at the end).
-        previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        try:
-            with child_environment(environment):
-                return engine_kind.load()(self.model_dir, rollout, load_format="dummy")
-        finally:
-            signal.signal(signal.SIGUSR1, previous)
+        # The engine's processes (rollout.in_process=false) ignore SIGUSR1: torchrun and Slurm signal
+        # whole process groups, and the trainer, which takes SIGUSR1 as "checkpoint after this step",
+        # still needs the engine for the step in flight (it shuts it down at the end). Not SIGTERM:
+        # vLLM's processes install their own handler for it and are shut down with it.
+        with ignored_in_children((signal.SIGUSR1,)), child_environment(environment):
+            return engine_kind.load()(self.model_dir, rollout, load_format="dummy")
 
     def _build_agent(self, model: ModelConfig, tokenizer):
         """The multi-turn search agent of ``rollout.search_agent``, after checking that its retriever

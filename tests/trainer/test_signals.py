@@ -1,0 +1,76 @@
+"""Children started inside ``ignored_in_children`` survive the stop signals sent to the whole process
+group, and the parent loses none of them; Megatron's checkpoint writer is such a child."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_empg.trainer.signals import STOP_SIGNALS, ignored_in_children, stop_signals
+
+REPO = Path(__file__).resolve().parents[2]
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def _alive_after(pid_or_process, signals) -> bool:
+    for s in signals:
+        os.kill(pid_or_process.pid, s)
+    time.sleep(0.5)
+    return (pid_or_process.poll() is None) if isinstance(pid_or_process, subprocess.Popen) else pid_or_process.is_alive()
+
+
+def test_a_child_started_inside_ignores_the_stop_signals_and_the_parent_gets_them():
+    received = []
+    with stop_signals(lambda signum, frame: received.append(signum)):
+        with ignored_in_children():
+            child = subprocess.Popen(SLEEPER)
+            os.kill(os.getpid(), signal.SIGUSR1)  # while the handlers are swapped out: held, not lost
+            assert received == []
+        try:
+            assert received == [signal.SIGUSR1]  # delivered on exit, to the run's handler
+            assert _alive_after(child, STOP_SIGNALS)
+        finally:
+            child.kill()
+            child.wait(timeout=30)
+        outside = subprocess.Popen(SLEEPER)  # the negative control: a child started outside dies
+        try:
+            assert not _alive_after(outside, (signal.SIGUSR1,))
+        finally:
+            outside.kill()
+            outside.wait(timeout=30)
+        assert received == [signal.SIGUSR1]
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # stop_signals restored the default
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("inside", [True, False])
+def test_megatrons_checkpoint_writer_started_inside_survives_the_stop_signals(inside):
+    """The Manager process that Megatron's writer saves through, started by the trainer at start-up
+    (inside) or as Megatron would at the first save (outside: the signal kills it)."""
+    start = "with ignored_in_children():\n    manager = start_checkpoint_writer()\n" if inside else \
+        "manager = start_checkpoint_writer()\n"  # fmt: skip
+    code = (
+        "import os, time\n"
+        "from megatron_empg.trainer.signals import ignored_in_children, STOP_SIGNALS\n"
+        "from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer\n"
+        f"{start}"
+        "assert start_checkpoint_writer() is None  # once per process\n"
+        "os.kill(manager.pid, STOP_SIGNALS[1])\n"  # SIGUSR1, what torchrun forwards to the group
+        "os.kill(manager.pid, STOP_SIGNALS[0])\n"
+        "time.sleep(0.5)\n"
+        "print('alive', manager.is_alive())\n"
+        "from megatron.core.dist_checkpointing.strategies import filesystem_async\n"
+        "queue = filesystem_async.get_write_results_queue()\n"
+        "queue.put('written'); assert queue.get(timeout=10) == 'written'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.stdout.startswith(f"alive {inside}"), (done.stdout, done.stderr[-3000:])
+    assert done.returncode == (0 if inside else 1), done.stderr[-3000:]
+    if not inside:  # the failure of the issue: the save after the signal writes into a dead pipe
+        assert "BrokenPipeError" in done.stderr or "ConnectionRefusedError" in done.stderr or "EOFError" in done.stderr
