@@ -81,8 +81,7 @@ export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQ
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 # torchrun runs as a job of its own (set -m: its own process group, SIGINT not ignored), so signals
 # reach it only through the traps below: SIGTERM becomes SIGUSR1, which the trainer's ranks take as
-# "checkpoint after this step and stop" and the engine's processes ignore (vLLM shuts down on SIGTERM,
-# which would fail the step in flight).
+# "checkpoint after this step and stop" and the processes they start ignore (so does SIGTERM).
 set -m
 "$TORCHRUN" --standalone --nproc-per-node "$nproc" -m megatron_empg.trainer.cli train "$config" \
     ${overrides[@]+"${overrides[@]}"} ${resume[@]+"${resume[@]}"} &

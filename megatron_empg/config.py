@@ -954,6 +954,14 @@ class DataConfig:
     within \\boxed{{}}."`` (literal braces doubled, as in ``str.format``). A prompt longer than
     ``max_prompt_tokens`` is an error, or with ``drop_long_prompts`` dropped and counted.
     ``shuffle``: each epoch's order is a permutation drawn from (``seed``, epoch).
+
+    Rewards that check answers in worker processes (``math``, ``math_dapo``: math-verify, whose
+    sympy can work on one expression for ever) run ``reward_workers`` processes per rank and give
+    each sample at most ``reward_timeout_s`` seconds (then it scores 0, counted in
+    ``reward/timeouts``). ``reward_budget_s`` (null: none) bounds a step's scoring on each rank:
+    once it has taken that long, the samples not yet checked score 0 (not the reward's incorrect
+    score) and ``reward/unscored`` is their fraction of the step's samples (logged with a budget
+    only); a validation call of ``validation.batch_size`` prompts gets the whole budget.
     """
 
     source: Literal["files", "arithmetic"] = "arithmetic"
@@ -970,6 +978,9 @@ class DataConfig:
     seed: int = 0
     arithmetic_digits: int = 2
     arithmetic_ops: list[Literal["+", "-", "*"]] = dataclasses.field(default_factory=lambda: ["+", "-"])
+    reward_workers: int = 2
+    reward_timeout_s: float = 5.0
+    reward_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -1013,6 +1024,14 @@ class DataConfig:
         for i, op in enumerate(self.arithmetic_ops):
             if op not in ARITHMETIC_OPS:
                 raise ConfigError(f"arithmetic_ops[{i}]", f"expected one of {ARITHMETIC_OPS}, got {op!r}")
+        if self.reward_workers < 1:
+            raise ConfigError("reward_workers", f"expected a number of processes >= 1, got {self.reward_workers!r}")
+        if not 0 < self.reward_timeout_s < math.inf:
+            raise ConfigError("reward_timeout_s", f"expected finite seconds > 0, got {self.reward_timeout_s!r}")
+        if self.reward_budget_s is not None and not 0 < self.reward_budget_s < math.inf:
+            raise ConfigError(
+                "reward_budget_s", f"expected finite seconds > 0, or null for no budget, got {self.reward_budget_s!r}"
+            )
 
 
 ANCHOR_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
@@ -1263,6 +1282,12 @@ class CheckpointConfig:
     step counter) this run starts from, under its own data and length settings: the prompt order
     of this run's ``data`` section, continued at the step counter. Applies when this run's
     ``dir`` has no checkpoint to ``--resume`` from.
+
+    ``verify``: how a resume makes sure the checkpoint's files are intact (a damaged newest one is
+    skipped for an older one). ``checksum``: every file's CRC32 is recorded at save and compared at
+    resume, the ranks sharing the reads (one extra read of the checkpoint at each save and resume,
+    about 3 GB/s per rank from the page cache). ``size``: file sizes only (a ``stat`` per file;
+    catches truncated and missing files, not damaged content).
     """
 
     dir: str = "runs/empg/checkpoints"
@@ -1271,6 +1296,7 @@ class CheckpointConfig:
     init_from: str | None = None
     continue_from: str | None = None
     optimizer_format: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
+    verify: Literal["checksum", "size"] = "checksum"
 
     def validate(self) -> None:
         if self.init_from is not None and self.continue_from is not None:

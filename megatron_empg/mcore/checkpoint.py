@@ -1,12 +1,14 @@
 """Distributed checkpoints of an RL run: policy, optimizer, LR schedule, EMA anchor master, RNG
 states and the loop's own counters, through Megatron's ``dist_checkpointing`` (torch_dist).
 
-Every rank of the default process group calls ``save_checkpoint`` and ``load_checkpoint``
-together::
+Every rank of the default process group calls ``save_checkpoint``, ``find_verified_checkpoint``
+and ``load_checkpoint`` together::
 
+    remove_leftovers(root)                           # rank 0 at start-up: crashed saves' temp dirs
     path = save_checkpoint(root, step, models=ddp_chunks, optimizer=opt, scheduler=sched,
                            anchor=anchor, extra_state={"data_cursor": c}, groups=groups)
-    found = find_latest_checkpoint(root)             # pure filesystem; no collectives
+    found = find_verified_checkpoint(root)           # newest intact: sizes and CRC32s, ranks share the reads
+    # (find_latest_checkpoint(root): the same pick from sizes only; pure filesystem, no collectives)
     if found is not None:
         extra = load_checkpoint(found.path, models=..., optimizer=..., scheduler=...,
                                 anchor=..., groups=groups)    # extra["step"], extra["data_cursor"]
@@ -16,7 +18,8 @@ On disk (``root`` is any directory on a filesystem all ranks share)::
     root/
       latest                      one line, the name of the newest committed checkpoint
       step_00000004/              a committed checkpoint (name: the step, 8+ digits)
-        empg_checkpoint.json      ours, written last: {"complete": true, format, step, layout, ...}
+        empg_checkpoint.json      ours, written last: {"complete": true, format, step, layout, ...,
+                                    "files": {path: {"size", "crc32"}} of every other file}
         metadata.json             dist_checkpointing's (backend, version)
         .metadata, __<r>_<i>.distcp, ...   the torch_dist shards (and the common state)
         model_config.yaml         the ModelConfig (with save_checkpoint(model_config=...))
@@ -31,6 +34,19 @@ at any point leaves either the previous checkpoints untouched plus a ``*.tmp-*``
 nothing loads, or a committed ``step_N`` that ``find_latest_checkpoint`` finds even if ``latest``
 was not yet updated. Deletion renames a directory out of the ``step_N`` namespace before removing
 its files, so a half-deleted checkpoint is never mistaken for a complete one.
+
+Integrity (``mcore.checkpoint_files``). After ``dist_checkpointing.save`` rank 0 lists the files,
+every rank computes the CRC32s of its share (``assign_files``: by size, over the ranks) and rank 0
+records them with the sizes in ``empg_checkpoint.json``. Every completeness check compares the
+sizes, so a truncated or missing file makes a resume fall back to an older checkpoint (WARNING
+naming the file); ``find_verified_checkpoint`` also compares the CRC32s (every rank reads its
+share, split over the current world) and skips a damaged checkpoint the same way. Checkpoints
+saved without a manifest load unchecked (INFO note).
+
+Full disks. Before writing, rank 0 warns when the filesystem has less free space than the newest
+checkpoint takes. A failed write raises ``CheckpointError`` on every rank together, saying what
+failed, the free space, and the last checkpoint's name and size (it stays; a resume loads it); the
+failed save's temp directory is removed. ``remove_leftovers`` removes those of crashed runs.
 
 Resharding. Tensors are saved under global keys (Megatron's ``sharded_state_dict``: layers by
 their global index, TP shards by their offset), so a checkpoint loads at another TP/PP/DP layout
@@ -63,17 +79,41 @@ import logging
 import os
 import pickle
 import random
-import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_empg.config import ModelConfig, load_model_config, to_yaml
-from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore import checkpoint_files, cpu_shims
+from megatron_empg.mcore.checkpoint_files import (  # noqa: F401 (re-exported: the checkpoint API is one module)
+    DIST_CKPT_FILES,
+    FORMAT,
+    FORMAT_VERSION,
+    INFO_FILE,
+    LATEST_FILE,
+    TMP_MARK,
+    TRASH_MARK,
+    CheckpointError,
+    FoundCheckpoint,
+    checkpoint_bytes,
+    checkpoint_problem,
+    find_checkpoint,
+    find_latest_checkpoint,
+    format_bytes,
+    free_bytes,
+    is_latest,
+    list_files,
+    newest_complete,
+    read_checkpoint_info,
+    remove_leftovers,
+    step_dir_name,
+    step_dirs,
+    summarize,
+)
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.parallel.collectives import collective_device
 
@@ -82,17 +122,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "megatron_empg.checkpoint"
-FORMAT_VERSION = 1
-INFO_FILE = "empg_checkpoint.json"  # ours; dist_checkpointing writes its own metadata.json
-DIST_CKPT_FILES = ("metadata.json", ".metadata")  # written by dist_checkpointing.save (torch_dist)
 MODEL_CONFIG_FILE = "model_config.yaml"  # the ModelConfig (config.to_yaml)
 HF_ASSETS_DIR = "hf"  # copies of the HF config and tokenizer files
 # Files of a HF model directory that are weights (the checkpoint holds those itself): never copied.
 HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
-LATEST_FILE = "latest"
-TMP_MARK = ".tmp-"
-TRASH_MARK = ".trash-"
 ANCHOR_PREFIX = "anchor_master."
 # Distributed-optimizer checkpoint formats of megatron-core (``DistributedOptimizer.sharded_state_dict``)
 # that this module writes. "fully_reshardable": per-parameter tensors in model space, loadable at any
@@ -103,62 +136,9 @@ ANCHOR_PREFIX = "anchor_master."
 OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
 DEFAULT_OPTIMIZER_FORMAT = "fully_reshardable"
 
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the model it is loaded into."""
-
-
-class FoundCheckpoint(NamedTuple):
-    """What ``find_latest_checkpoint`` picked: the directory, its step, and why this one."""
-
-    path: Path
-    step: int
-    reason: str
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
 
 # --------------------------------------------------------------------------------------------
-# Filesystem: completeness, atomic writes, discovery.
-
-
-def checkpoint_problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` is not a complete checkpoint of this format, or None if it is one."""
-    path = Path(path)
-    if not path.exists():
-        return f"{path} does not exist"
-    if not path.is_dir():
-        return f"{path} is not a directory"
-    info_path = path / INFO_FILE
-    if not info_path.is_file():
-        return f"{path} has no {INFO_FILE} (the completion marker written last by save_checkpoint): incomplete"
-    try:
-        info = json.loads(info_path.read_text())
-    except (OSError, ValueError) as e:
-        return f"{info_path} is unreadable ({e})"
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        return f"{info_path} is not a {FORMAT} file"
-    if info.get("complete") is not True:
-        return f"{info_path} does not say complete: true"
-    if info.get("format_version") != FORMAT_VERSION:
-        return f"{info_path} has format_version {info.get('format_version')!r}; this code reads {FORMAT_VERSION}"
-    missing = [name for name in DIST_CKPT_FILES if not (path / name).is_file()]
-    if missing:
-        return f"{path} lacks dist_checkpointing's {', '.join(missing)}"
-    return None
-
-
-def read_checkpoint_info(path: str | os.PathLike) -> dict:
-    """The ``empg_checkpoint.json`` of a complete checkpoint; ``CheckpointError`` naming what is wrong
-    otherwise."""
-    problem = checkpoint_problem(path)
-    if problem is not None:
-        raise CheckpointError(f"not a loadable checkpoint: {problem}")
-    return json.loads((Path(path) / INFO_FILE).read_text())
+# Files: model config, HF assets, atomic writes.
 
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
@@ -215,91 +195,19 @@ def _write_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """``step_N`` directories under ``root`` (temp and trash directories excluded), newest first."""
-    found = []
-    for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return sorted(found, key=lambda item: item[0], reverse=True)
-
-
-def _read_latest(root: Path) -> tuple[Path | None, str]:
-    """(the directory ``latest`` names, or None; what was wrong with it)."""
-    latest = root / LATEST_FILE
-    if not latest.is_file():
-        return None, f"{latest} does not exist"
-    try:
-        name = latest.read_text().strip()
-    except OSError as e:
-        return None, f"{latest} is unreadable ({e})"
-    if not _STEP_DIR.match(name):
-        return None, f"{latest} holds {name[:80]!r}, not a step_N directory name"
-    return root / name, ""
-
-
-def find_latest_checkpoint(root_dir: str | os.PathLike) -> FoundCheckpoint | None:
-    """The checkpoint a resume should load, or None for a fresh run; reads files only.
-
-    ``latest`` is followed when it names a complete checkpoint; otherwise (missing, unreadable,
-    pointing to a deleted or incomplete directory) the newest complete ``step_N`` is used and the
-    reason says why. Temp (``*.tmp-*``) and trash directories are never considered.
-
-    Returns None (with a warning if ``root_dir`` holds leftovers) when ``root_dir`` does not exist
-    or holds no complete checkpoint and no ``latest``: a crash during the first save. Raises
-    ``CheckpointError`` when ``latest`` exists but no complete checkpoint does: a checkpoint was
-    committed once and is gone, and silently starting from scratch would discard the run.
-    """
-    root = Path(root_dir)
-    if not root.exists():
-        logger.info("no checkpoint directory at %s: fresh start", root)
-        return None
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint root {root} is not a directory")
-    target, why = _read_latest(root)
-    if target is not None:
-        problem = checkpoint_problem(target)
-        if problem is None:
-            step = int(_STEP_DIR.match(target.name).group(1))
-            found = FoundCheckpoint(target, step, f"{root / LATEST_FILE} points to it")
-            logger.info("resuming from %s (step %d): %s", found.path, found.step, found.reason)
-            return found
-        why = f"{root / LATEST_FILE} points to {target.name}, which is not usable: {problem}"
-    skipped = []
-    for step, path in _step_dirs(root):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            reason = f"{why}; using the newest complete checkpoint"
-            if skipped:
-                reason += f" (skipped newer incomplete: {'; '.join(skipped)})"
-            found = FoundCheckpoint(path, step, reason)
-            logger.warning("resuming from %s (step %d): %s", found.path, found.step, found.reason)
-            return found
-        skipped.append(problem)
-    leftovers = sorted(p.name for p in root.iterdir() if TMP_MARK in p.name or _STEP_DIR.match(p.name))
-    if (root / LATEST_FILE).exists():
-        raise CheckpointError(
-            f"{root} has a {LATEST_FILE} file but no complete checkpoint ({why}; "
-            f"step directories: {leftovers or 'none'}). Refusing to start from scratch: restore the "
-            f"checkpoint or remove {root / LATEST_FILE} to start a new run."
-        )
-    if leftovers:
-        logger.warning("no complete checkpoint in %s (only incomplete: %s): fresh start", root, leftovers)
-    return None
-
-
 # --------------------------------------------------------------------------------------------
 # Collectives (on the default group: every rank takes part in a save and a load).
 
 
 def _rank0_then_share(fn: Callable[[], Any], what: str) -> Any:
     """Run ``fn`` on rank 0 and give its result to every rank; if it raised, raise on every rank
-    (so no rank waits forever in a later collective)."""
+    (so no rank waits forever in a later collective). A ``CheckpointError`` keeps its message."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", fn())
+        except CheckpointError as e:
+            box[0] = ("error", str(e))
         except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
             box[0] = ("error", f"{what} failed on rank 0: {type(e).__name__}: {e}")
             logger.exception("%s failed on rank 0", what)
@@ -308,6 +216,28 @@ def _rank0_then_share(fn: Callable[[], Any], what: str) -> Any:
     if status != "ok":
         raise CheckpointError(value)
     return value
+
+
+def _on_every_rank(fn: Callable[[], Any], what: str) -> list[Any]:
+    """Run ``fn`` on every rank; the results of all ranks (by rank) on every rank. If it raised on
+    any rank, ``CheckpointError`` on every rank naming the failed ranks and their errors."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: what a failed write raises
+
+    try:
+        mine = ("ok", fn())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 (re-raised below, on every rank)
+        mine = ("error", f"{type(e).__name__}: {e}")
+        logger.exception("%s failed on rank %d", what, dist.get_rank())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    by_error: dict[str, list[int]] = {}
+    for rank, (status, value) in enumerate(gathered):
+        if status != "ok":
+            by_error.setdefault(value, []).append(rank)  # one error seen by several ranks is said once
+    if by_error:
+        detail = "; ".join(f"rank(s) {ranks}: {error}" for error, ranks in by_error.items())
+        raise CheckpointError(f"{what} failed on {detail}")
+    return [value for _, value in gathered]
 
 
 def _check_same_on_all_ranks(obj: Any, what: str) -> None:
@@ -320,6 +250,88 @@ def _check_same_on_all_ranks(obj: Any, what: str) -> None:
             f"{what} differs between ranks (rank(s) {ranks} differ from rank 0); it is saved once, "
             "so it must be identical on every rank (gather per-rank values into one object first)"
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Integrity: the files' CRC32s, shared by the ranks.
+
+
+def _measure_on_all_ranks(directory: Path, checksums: bool) -> dict[str, dict]:
+    """The manifest entries (``{"size", "crc32"}``) of every file in ``directory`` but
+    ``empg_checkpoint.json``: rank 0 lists the files, every rank reads its share
+    (``assign_files``), rank 0 gets them all (every rank does). Without ``checksums``: sizes from
+    the listing, nothing read. Collective."""
+    sizes = _rank0_then_share(lambda: list_files(directory, exclude=(INFO_FILE,)), f"listing {directory}")
+    if not checksums:
+        return {name: {"size": size} for name, size in sizes.items()}
+    share = checkpoint_files.assign_files(sizes, dist.get_world_size())[dist.get_rank()]
+    parts = _on_every_rank(
+        lambda: checkpoint_files.measure_files(directory, share), f"checksumming the files of {directory}"
+    )
+    return {name: entry for part in parts for name, entry in part.items()}
+
+
+def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> list[str]:
+    """What is damaged in the checkpoint at ``path``; [] when nothing is. Every file of its manifest
+    is checked for its size and, with ``checksums``, its CRC32, each rank reading its share
+    (``assign_files`` over this run's world, which need not be the saving one). The same list on
+    every rank; collective. A checkpoint that is not complete (``checkpoint_problem``: marker,
+    metadata, sizes) gives that problem; one saved without a manifest passes (INFO note, rank 0).
+    """
+    return _verify(Path(path), checksums)[0]
+
+
+def _verify(path: Path, checksums: bool) -> tuple[list[str], str]:
+    """``verify_checkpoint``, and what was checked (for the log)."""
+
+    def manifest() -> tuple[str | None, dict | None]:
+        problem = checkpoint_problem(path)
+        return (problem, None) if problem is not None else (None, checkpoint_files.read_manifest(path))
+
+    problem, files = _rank0_then_share(manifest, f"reading the manifest of {path}")
+    if problem is not None:
+        return [problem], ""
+    if files is None:
+        if dist.get_rank() == 0:
+            logger.info("%s has no file manifest (saved before manifests were recorded): files not verified", path)
+        return [], "no manifest: files not verified"
+    if not checksums or not any("crc32" in entry for entry in files.values()):
+        return [], "file sizes verified"  # by checkpoint_problem
+    sizes = {name: entry["size"] for name, entry in files.items()}
+    share = checkpoint_files.assign_files(sizes, dist.get_world_size())[dist.get_rank()]
+    parts = _on_every_rank(lambda: checkpoint_files.checksum_problems(path, files, share), f"verifying {path}")
+    return sorted(problem for part in parts for problem in part), "file sizes and checksums verified"
+
+
+def find_verified_checkpoint(root_dir: str | os.PathLike, *, checksums: bool = True) -> FoundCheckpoint | None:
+    """The checkpoint a resume should load, verified; None for a fresh start. Every rank calls it
+    (collective) and gets the same answer.
+
+    Candidates come as from ``find_latest_checkpoint`` (``latest``'s, else the newest complete one;
+    a file missing or of another size disqualifies), newest first; each is checked with
+    ``verify_checkpoint`` and a damaged one is skipped with a WARNING naming its files (expected
+    and actual size or CRC32). ``CheckpointError`` on every rank when ``latest`` exists and no
+    intact checkpoint does. Cost with ``checksums``: one read of the checked checkpoints' files,
+    shared by the ranks (about 3 GB/s per rank from the page cache; usually the storage limits);
+    without: one ``stat`` per file.
+    """
+    root = Path(root_dir)
+    rank0 = dist.get_rank() == 0
+    damaged: dict[str, str] = {}
+    while True:
+        found = _rank0_then_share(lambda: find_checkpoint(root, damaged), f"looking for a checkpoint in {root}")
+        if found is None:
+            return None
+        problems, checked = _verify(found.path, checksums)
+        if not problems:
+            break
+        damaged[found.path.name] = f"{found.path} is damaged: {summarize(problems)}"
+        if rank0:
+            logger.warning("checkpoint %s is damaged, looking for an older one: %s", found.path, "; ".join(problems))
+    if rank0:
+        log = logger.info if is_latest(found) else logger.warning
+        log("resuming from %s (step %d, %s): %s", found.path, found.step, checked, found.reason)
+    return found
 
 
 # --------------------------------------------------------------------------------------------
@@ -555,11 +567,15 @@ def checkpoint_info(
 
 def finish_checkpoint_dir(
     directory: Path, info: Mapping[str, Any], *, model_config: ModelConfig | None = None,
-    hf_assets: str | os.PathLike | None = None,
+    hf_assets: str | os.PathLike | None = None, files: Mapping[str, Mapping[str, int]] | None = None,
+    checksums: bool = True,
 ) -> None:  # fmt: skip
     """Complete a checkpoint whose shards ``directory`` holds: write ``model_config.yaml``, copy
-    the HF assets into ``hf/``, fsync, and write the completion marker last (atomically). One
-    process calls it; the directory is renamed into place afterwards."""
+    the HF assets into ``hf/``, fsync, and write the completion marker last (atomically), with the
+    manifest of every other file (see ``mcore.checkpoint_files``). ``files``: manifest entries
+    measured already (by the ranks, ``_measure_on_all_ranks``); the other files are measured here,
+    with CRC32s if ``checksums``. One process calls it; the directory is renamed into place
+    afterwards."""
     if model_config is not None:
         _write_atomic(directory / MODEL_CONFIG_FILE, to_yaml(model_config))
     if hf_assets is not None:
@@ -570,16 +586,24 @@ def finish_checkpoint_dir(
     for name in DIST_CKPT_FILES:  # dist_checkpointing fsyncs its shards and .metadata, not metadata.json
         if (directory / name).is_file():
             _fsync_file(directory / name)
-    _write_atomic(directory / INFO_FILE, json.dumps(info, indent=1, sort_keys=True) + "\n")
+    present = list_files(directory, exclude=(INFO_FILE,))
+    known = dict(files or {})
+    changed = sorted(name for name, entry in known.items() if present.get(name) != entry["size"])
+    if changed:  # something still writes, or deleted files, after the ranks measured them
+        raise CheckpointError(f"{directory}: {changed[:5]} changed or vanished after they were measured")
+    known.update(checkpoint_files.measure_files(directory, [n for n in present if n not in known], checksums=checksums))
+    manifest = {name: known[name] for name in present}
+    _write_atomic(directory / INFO_FILE, json.dumps({**info, "files": manifest}, indent=1, sort_keys=True) + "\n")
 
 
 def _commit(
     root: Path, tmp: Path, final: Path, info: dict, keep_last: int | None, nonce: str,
-    model_config: ModelConfig | None, hf_assets: str | os.PathLike | None,
+    model_config: ModelConfig | None, hf_assets: str | os.PathLike | None, files: Mapping[str, Mapping[str, int]],
+    checksums: bool,
 ) -> list[str]:  # fmt: skip
-    """Rank 0: model config and HF assets, completion marker, rename, ``latest``, retention.
-    Returns the names removed."""
-    finish_checkpoint_dir(tmp, info, model_config=model_config, hf_assets=hf_assets)
+    """Rank 0: model config and HF assets, completion marker with the manifest, rename, ``latest``,
+    retention. Returns the names removed."""
+    finish_checkpoint_dir(tmp, info, model_config=model_config, hf_assets=hf_assets, files=files, checksums=checksums)
     trash = None
     if final.exists():  # a re-save of this step: move the old one out of the step_N namespace first
         trash = final.with_name(f"{final.name}{TRASH_MARK}{nonce}")
@@ -600,7 +624,7 @@ def _apply_retention(root: Path, newest: Path, keep_last: int, nonce: str) -> li
     """Delete all but the ``keep_last`` newest complete checkpoints (never ``newest``, the one
     ``latest`` names), and the leftovers of crashed saves and deletions."""
     removed = []
-    complete = [path for _, path in _step_dirs(root) if checkpoint_problem(path) is None]
+    complete = [path for _, path in step_dirs(root) if checkpoint_problem(path) is None]
     for path in complete[keep_last:]:
         if path == newest:
             continue
@@ -608,14 +632,71 @@ def _apply_retention(root: Path, newest: Path, keep_last: int, nonce: str) -> li
         os.replace(path, trash)  # out of the step_N namespace first: a half-deleted dir is never loaded
         shutil.rmtree(trash)
         removed.append(path.name)
-    for entry in root.iterdir():
-        if entry.is_dir() and (TMP_MARK in entry.name or TRASH_MARK in entry.name) and nonce not in entry.name:
-            logger.warning("removing %s, left by an interrupted save or deletion", entry)
-            shutil.rmtree(entry)
-            removed.append(entry.name)
+    removed += remove_leftovers(root, spare=nonce)
     if removed:
         logger.info("checkpoint retention (keep_last=%d) removed %s", keep_last, removed)
     return removed
+
+
+def _warn_if_low_space(root: Path) -> None:
+    """A WARNING when the filesystem of ``root`` has less free space than the newest complete
+    checkpoint there takes: the save about to start will likely fail."""
+    previous = newest_complete(root)
+    if previous is None:
+        return
+    need, free = checkpoint_bytes(previous), free_bytes(root)
+    if free < need:
+        logger.warning(
+            "checkpoint directory %s: %s free on its filesystem, less than the %s of the last checkpoint %s: "
+            "this save will likely fail for lack of space (%s is kept if it does). Make room: remove old "
+            "checkpoints, lower checkpoint.keep_last, or move checkpoint.dir",
+            root, format_bytes(free), format_bytes(need), previous.name, previous.name,
+        )  # fmt: skip
+
+
+def _failed_save(root: Path, tmp: Path, final: Path, error: str) -> CheckpointError:
+    """The error every rank raises when a save failed: what failed, the free space, the last
+    checkpoint's name and size, and that it is kept. Rank 0 first removes this save's temp
+    directory (best effort), so that the next save has the room. Collective."""
+
+    def free_now() -> str:
+        try:
+            return format_bytes(free_bytes(root))
+        except OSError as e:
+            return f"unknown ({e})"
+
+    def report() -> str:
+        committed = not tmp.exists() and checkpoint_problem(final) is None  # failed after the rename
+        free_then, cleanup = free_now(), ""
+        if tmp.exists():
+            try:
+                shutil.rmtree(tmp)
+                cleanup = f", {free_now()} after removing the partial save {tmp.name}"
+            except OSError as e:
+                cleanup = f"; removing the partial save {tmp} failed as well ({e}): remove it by hand"
+        message = f"saving {final.name} into {root} failed: {error}. Free on its filesystem: {free_then}{cleanup}."
+        if committed:
+            return f"{message} {final.name} itself was committed; what failed came after ({LATEST_FILE} or retention)."
+        previous = newest_complete(root)
+        if previous is None:
+            return f"{message} There is no earlier complete checkpoint in {root}."
+        size = checkpoint_bytes(previous)
+        message += (
+            f" The last checkpoint, {previous.name} ({format_bytes(size)}), is kept: a resume loads it. "
+            f"The next save needs about {format_bytes(size)} free"
+        )
+        try:
+            full = free_bytes(root) < size
+        except OSError:
+            full = False
+        if full:
+            return f"{message}; make room (remove old checkpoints, lower checkpoint.keep_last) or move checkpoint.dir."
+        return f"{message}."
+
+    try:
+        return CheckpointError(_rank0_then_share(report, f"reporting the failed save of {final}"))
+    except CheckpointError as e:
+        return CheckpointError(f"saving {final.name} into {root} failed: {error} (and reporting it failed: {e})")
 
 
 def save_checkpoint(
@@ -633,9 +714,15 @@ def save_checkpoint(
     optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT,
     model_config: ModelConfig | None = None,
     hf_assets: str | os.PathLike | None = None,
+    checksums: bool = True,
 ) -> Path:
     """Save a checkpoint of ``step`` under ``root_dir`` atomically; every rank calls it. Returns
     the committed directory ``root_dir/step_<step>``.
+
+    Rank 0 warns first when the filesystem has less free space than the newest checkpoint takes.
+    A write that fails (a full disk: ENOSPC, EFBIG, torch's "enforce fail at inline_container.cc")
+    raises ``CheckpointError`` on every rank together, naming the directory, the error, the free
+    space and the last checkpoint (which stays loadable); this save's temp directory is removed.
 
     Args:
         models: the policy's model chunks (Megatron DDP-wrapped or not).
@@ -654,6 +741,8 @@ def save_checkpoint(
             tools/convert_megatron_to_hf.py can convert the checkpoint on its own.
         hf_assets: a HF model directory whose config and tokenizer files (no weights) are copied
             into ``hf/`` (see ``copy_hf_assets``).
+        checksums: record every file's CRC32 in the manifest (the ranks share the read: about
+            3 GB/s per rank from the page cache), for ``find_verified_checkpoint``. Without, sizes only.
     """
     _import_megatron()
     from megatron.core import dist_checkpointing
@@ -679,6 +768,7 @@ def save_checkpoint(
 
     def make_tmp() -> str:
         root.mkdir(parents=True, exist_ok=True)
+        _warn_if_low_space(root)
         nonce = secrets.token_hex(4)
         (root / f"{final.name}{TMP_MARK}{nonce}").mkdir()
         return nonce
@@ -706,7 +796,11 @@ def save_checkpoint(
 
     layout = _layout(groups)
     content = {"format": FORMAT, "format_version": FORMAT_VERSION, **_optimizer_metadata(optimizer_kind)}
-    dist_checkpointing.save(state, str(tmp), content_metadata=content)
+    try:
+        _on_every_rank(lambda: dist_checkpointing.save(state, str(tmp), content_metadata=content), f"writing {tmp}")
+        files = _measure_on_all_ranks(tmp, checksums)
+    except CheckpointError as e:
+        raise _failed_save(root, tmp, final, str(e)) from None
     _before_commit(tmp)
 
     parts = {
@@ -720,9 +814,13 @@ def save_checkpoint(
         "hf_assets": hf_assets is not None,
     }
     info = checkpoint_info(step=step, model_name=model_name, layout=layout, model_chunks=len(chunks), parts=parts)
-    removed = _rank0_then_share(
-        lambda: _commit(root, tmp, final, info, keep_last, nonce, model_config, hf_assets), f"committing {final}"
-    )
+    try:
+        removed = _rank0_then_share(
+            lambda: _commit(root, tmp, final, info, keep_last, nonce, model_config, hf_assets, files, checksums),
+            f"committing {final}",
+        )
+    except CheckpointError as e:
+        raise _failed_save(root, tmp, final, str(e)) from None
     if dist.get_rank() == 0:
         logger.info("saved checkpoint %s (step %d)%s", final, step, f"; removed {removed}" if removed else "")
     return final

@@ -1,6 +1,7 @@
 """Training prompts: records of parquet or JSONL files -> tokenized prompts with their gold answers,
 and a deterministic, resumable, data-parallel-sharded iterator over batches of them.
 
+    check_records(path, config.data)                          # every row checked, streamed (the bind step)
     source = load_prompt_dataset(config.data, tokenizer)    # every row read, checked, tokenized
     batches = PromptBatches(source, batch_size=64, rank=dp_rank, world_size=dp_size)
     examples = next(batches)                                  # 64 // dp_size PromptExamples
@@ -151,28 +152,40 @@ class PromptFormatter:
 
 
 def read_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(row, record)`` for each record of a ``.parquet`` or ``.jsonl`` file; rows are 1-based."""
+    """``(row, record)`` for each record of a ``.parquet`` or ``.jsonl`` file; rows are 1-based.
+
+    Streamed: a parquet file ``_PARQUET_BATCH_ROWS`` rows at a time, a JSONL file a line at a time,
+    so a file of millions of rows is checked (``check_records``) without holding it in memory."""
     path = Path(path)
     if not path.is_file():
         raise DataError(path, None, "no such file")
     if path.suffix == ".parquet":
-        yield from enumerate(_read_parquet(path), start=1)
+        yield from _read_parquet(path)
     elif path.suffix == ".jsonl":
         yield from _read_jsonl(path)
     else:
         raise DataError(path, None, f"expected a .parquet or .jsonl file, got suffix {path.suffix!r}")
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
+_PARQUET_BATCH_ROWS = 8192  # rows turned into Python dicts at a time (a row group is read whole)
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as error:
         raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow): {error}") from error
+    row = 0
     try:
-        return pq.read_table(path).to_pylist()
-    except (OSError, pa.ArrowException) as error:
-        raise DataError(path, None, f"cannot read it as parquet: {error}") from None
+        with pq.ParquetFile(path) as file:
+            for batch in file.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+                for record in batch.to_pylist():
+                    row += 1
+                    yield row, record
+    except (OSError, pa.ArrowException) as error:  # the footer, or a row group past `row`, is unreadable
+        where = f" after row {row}" if row else ""
+        raise DataError(path, None, f"cannot read it as parquet{where}: {error}") from None
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -306,32 +319,19 @@ class PromptDataset:
         return {"source": "files", "num_examples": len(self.examples), "shuffle": self.shuffle, "seed": self.seed}
 
 
-def first_record(path: str | Path) -> tuple[int, dict[str, Any]]:
-    """``(row, record)`` of the first record of a ``.parquet`` or ``.jsonl`` file, without reading
-    the rest (a ``DataError`` if there is none)."""
-    path = Path(path)
-    if path.suffix == ".parquet" and path.is_file():
-        import pyarrow.parquet as pq
-
-        try:
-            batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
-        except Exception as error:  # pyarrow's errors are many: any of them means an unreadable file
-            raise DataError(path, None, f"cannot read it as parquet: {error}") from None
-        if batch is None or batch.num_rows == 0:
-            raise DataError(path, None, "no records")
-        return 1, batch.to_pylist()[0]
-    found = next(read_records(path), None)
-    if found is None:
+def check_records(path: str | Path, config: DataConfig) -> int:
+    """Check every record of ``path`` as ``load_prompt_dataset`` will (``data.prompt_key`` and
+    ``answer_key`` present and well formed: the same ``_parse_fields``), streamed and without a
+    tokenizer; returns the number of records. A ``DataError`` naming the file and row otherwise:
+    what a run would otherwise find only after its engine and model have started. What needs the
+    tokenizer (rendering, the prompt's length) is checked when the dataset is loaded."""
+    num_records = 0
+    for row, record in read_records(path):
+        _parse_fields(str(path), row, record, config)
+        num_records += 1
+    if not num_records:
         raise DataError(path, None, "no records")
-    return found
-
-
-def check_first_record(path: str | Path, config: DataConfig) -> None:
-    """Check the first record of ``path`` as the dataset will read every record (``data.prompt_key``
-    and ``answer_key`` present and well formed); a ``DataError`` naming the file and row otherwise.
-    Cheap: what a run would otherwise find only after its engine and model have started."""
-    row, record = first_record(path)
-    _parse_fields(str(path), row, record, config)
+    return num_records
 
 
 def _parse_fields(file: str, row: int, record: dict[str, Any], config: DataConfig) -> dict[str, Any]:

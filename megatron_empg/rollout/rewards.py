@@ -2,13 +2,17 @@
 
 A reward has one signature, ``reward_fn(responses, examples) -> RewardResult``: ``responses[i]``
 (text decoded without special tokens) answers ``examples[i]`` (the trainer repeats an example once
-per sample). The rewards themselves live with their tasks (``megatron_empg.tasks``), which name
+per sample). A ``WorkerReward`` (math-verify's, whose check of one answer has no bound but a
+timeout) also takes ``RewardLimits``: its worker count, its per-sample timeout and the deadline of
+the step's reward budget (``data.reward_*``); the others are linear in the text and score every
+sample. The rewards themselves live with their tasks (``megatron_empg.tasks``), which name
 them in ``tasks.registry.REWARDS``; this module holds what they share, and DAPO's overlong
 penalty, which the trainer adds to any reward. Standard library only.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,6 +36,32 @@ class RewardResult:
 
 
 RewardFn = Callable[[list[str], list["PromptExample"]], RewardResult]
+
+
+@dataclass(frozen=True)
+class RewardLimits:
+    """What a ``WorkerReward`` may spend on a batch: ``workers`` processes (``data.reward_workers``),
+    at most ``timeout_s`` seconds a sample (``data.reward_timeout_s``; then it scores 0 and counts
+    as a timeout), and nothing after ``deadline`` (``time.monotonic()`` seconds, None: no deadline;
+    from ``data.reward_budget_s``): the samples not checked by then score 0 and count as ``unscored``."""
+
+    workers: int
+    timeout_s: float
+    deadline: float | None = None
+
+
+class WorkerReward(ABC):
+    """A reward that checks answers in worker processes (``tasks.math``), called with the run's
+    ``RewardLimits`` (None: its own defaults, no deadline); with a deadline its metrics count the
+    ``unscored`` samples. ``close()`` stops its workers."""
+
+    @abstractmethod
+    def __call__(
+        self, responses: list[str], examples: list[PromptExample], limits: RewardLimits | None = None
+    ) -> RewardResult: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
 
 
 def check_batch(responses: Sequence[str], examples: Sequence[PromptExample]) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import signal
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -370,7 +371,12 @@ class VllmEngine:
             return
         self._state.shut_down = True
         llm, self._llm = self._llm, None
-        llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        core = llm.llm_engine.engine_core
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        for process in getattr(manager, "processes", ()):  # multiprocess: vLLM stops its engine core with
+            if process.is_alive():  # SIGTERM, which a trainer keeps blocked there (trainer.signals); SIGINT
+                os.kill(process.pid, signal.SIGINT)  # takes the same graceful path
+        core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         del llm
         if self._in_process:
             _IN_PROCESS_ENGINES.discard(self)

@@ -9,7 +9,8 @@ first, so answers are never negative. Prompts and answers are digits and "+-*=",
 character-level tokenizer's alphabet (``tools/make_tiny_model.py``).
 
 The ``arithmetic`` reward: the response's first line, stripped, must be an integer equal to the
-answer. Score 1 or 0. ``data.source: arithmetic`` (``DataConfig`` checks at load time that it comes
+answer (compared as decimal text: a 5,000-digit response is wrong, not past Python's limit on
+``int(str)``). Score 1 or 0. ``data.source: arithmetic`` (``DataConfig`` checks at load time that it comes
 with this reward and no files) uses ``data.seed``, ``arithmetic_digits`` and ``arithmetic_ops``.
 """
 
@@ -104,10 +105,20 @@ class ArithmeticTask:
 _INTEGER = re.compile(r"-?\d+")
 
 
-def parse_integer_response(response: str) -> int | None:
-    """The integer a response states on its first line (surrounding spaces allowed), or None."""
-    text = response.split("\n", 1)[0].strip()
-    return int(text) if _INTEGER.fullmatch(text) else None
+def canonical_integer(text: str) -> str | None:
+    """``text`` if it is an integer, in its canonical decimal form ("019" -> "19", "-0" -> "0"), else None.
+
+    Text, not ``int``: Python refuses ``int()`` of over 4,300 digits, and a response may have more."""
+    if not _INTEGER.fullmatch(text):
+        return None
+    digits = text.lstrip("-").lstrip("0")
+    return "-" + digits if digits and text.startswith("-") else digits or "0"
+
+
+def parse_integer_response(response: str) -> str | None:
+    """The integer a response states on its first line (surrounding spaces allowed), as
+    ``canonical_integer`` text, or None."""
+    return canonical_integer(response.split("\n", 1)[0].strip())
 
 
 def arithmetic_reward(responses: list[str], examples: list[PromptExample]) -> RewardResult:
@@ -119,10 +130,10 @@ def arithmetic_reward(responses: list[str], examples: list[PromptExample]) -> Re
     values = [parse_integer_response(r) for r in responses]
     correct = []
     for i, (value, example) in enumerate(zip(values, examples)):
-        golds = gold_answers(example.answer)
-        if not all(_INTEGER.fullmatch(gold.strip()) for gold in golds):
+        golds = [canonical_integer(gold.strip()) for gold in gold_answers(example.answer)]
+        if None in golds:
             raise ValueError(f"arithmetic reward: examples[{i}].answer must be an integer, got {example.answer!r}")
-        correct.append(value is not None and any(value == int(gold) for gold in golds))
+        correct.append(value is not None and value in golds)
     metrics = {"malformed": float(values.count(None))}
     return RewardResult(scores=[float(c) for c in correct], correct=correct, metrics=metrics)
 

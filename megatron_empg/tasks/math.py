@@ -5,8 +5,10 @@ math-verify checks: the ``math`` and ``math_dapo`` rewards.
   ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces), else "#### X", else the last "Answer: X"
   (DAPO's prompt asks for it), else "the answer is X", else the last number; checked against the
   gold answer(s) by math-verify (symbolic and numeric equivalence: ``\\frac{1}{2}`` = ``0.5``) in
-  a small process pool (``tasks.math_verifier``), each sample at most ``timeout_s`` seconds (a
-  timeout scores 0 and is counted). Score 1 or 0, as rLLM's math reward.
+  a small process pool (``tasks.math_verifier``; ``data.reward_workers`` processes), each sample at
+  most ``data.reward_timeout_s`` seconds (a timeout scores 0 and is counted); past the deadline of
+  ``data.reward_budget_s`` the answers not yet checked score 0 and count as ``unscored``. Score 1
+  or 0, as rLLM's math reward.
 * ``math_dapo``: the same check, scored +1 or -1 (DAPO's and RPG's ``math_dapo``).
 
 The records' ``data.answer_key`` holds the gold answer (verl's ``reward_model.ground_truth``).
@@ -17,7 +19,7 @@ from __future__ import annotations
 import re
 
 from megatron_empg.rollout.data import PromptExample
-from megatron_empg.rollout.rewards import RewardResult, check_batch, gold_answers
+from megatron_empg.rollout.rewards import RewardLimits, RewardResult, WorkerReward, check_batch, gold_answers
 from megatron_empg.tasks.math_verifier import MathVerifierPool
 from megatron_empg.tasks.task import Task
 
@@ -80,19 +82,27 @@ def _compact(text: str) -> str:
     return "".join(text.split()).strip("$")
 
 
-class MathReward:
-    """The ``math`` reward (see the module docstring); a ``RewardFn`` that owns a ``MathVerifierPool``.
+class MathReward(WorkerReward):
+    """The ``math`` reward (see the module docstring); a ``WorkerReward`` that owns a ``MathVerifierPool``
+    of ``num_workers`` processes and ``timeout_s`` seconds a sample, or of what ``limits`` say.
 
     metrics: ``no_answer`` (nothing extracted), ``timeouts``, ``verify_errors`` (math-verify
-    raised, or its worker died).
+    raised, or its worker died), with a deadline ``unscored`` (not checked by then: score 0, not
+    ``incorrect_score``). An exact text match and no answer at all need no worker: always scored.
     """
 
     def __init__(self, *, num_workers: int = 2, timeout_s: float = 5.0, incorrect_score: float = 0.0) -> None:
         self.pool = MathVerifierPool(num_workers=num_workers, timeout_s=timeout_s)
         self.incorrect_score = incorrect_score  # a correct answer scores 1
 
-    def __call__(self, responses: list[str], examples: list[PromptExample]) -> RewardResult:
+    def __call__(
+        self, responses: list[str], examples: list[PromptExample], limits: RewardLimits | None = None
+    ) -> RewardResult:
         check_batch(responses, examples)
+        if limits is not None and (limits.workers, limits.timeout_s) != (self.pool.num_workers, self.pool.timeout_s):
+            self.pool.close()
+            self.pool = MathVerifierPool(num_workers=limits.workers, timeout_s=limits.timeout_s)
+        deadline = None if limits is None else limits.deadline
         correct = [False] * len(responses)
         pending: list[int] = []  # samples that need math-verify
         tasks: list[tuple[list[str], str]] = []
@@ -107,15 +117,18 @@ class MathReward:
             else:
                 pending.append(i)
                 tasks.append((golds, prediction))
-        outcomes = self.pool.check(tasks)
+        outcomes = self.pool.check(tasks, deadline=deadline)
+        scores = [1.0 if c else self.incorrect_score for c in correct]
         for i, outcome in zip(pending, outcomes):
             correct[i] = outcome == "equal"
+            scores[i] = 1.0 if correct[i] else 0.0 if outcome == "unscored" else self.incorrect_score
         metrics = {
             "no_answer": float(no_answer),
             "timeouts": float(outcomes.count("timeout")),
             "verify_errors": float(outcomes.count("error")),
         }
-        scores = [1.0 if c else self.incorrect_score for c in correct]
+        if deadline is not None:
+            metrics["unscored"] = float(outcomes.count("unscored"))
         return RewardResult(scores=scores, correct=correct, metrics=metrics)
 
     def close(self) -> None:

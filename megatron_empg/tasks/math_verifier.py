@@ -1,4 +1,5 @@
-"""math-verify in worker processes: ``(gold answers, prediction)`` -> equal / different / timeout / error.
+"""math-verify in worker processes: ``(gold answers, prediction)`` -> equal / different / timeout / error
+(/ unscored: not checked by a deadline).
 
 The ``math`` rewards (``tasks.math``) ask a ``MathVerifierPool`` whether an extracted answer equals
 a gold one (symbolic and numeric equivalence: ``\\frac{1}{2}`` = ``0.5``), each sample given at
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-VerifyOutcome = Literal["equal", "different", "timeout", "error"]
+VerifyOutcome = Literal["equal", "different", "timeout", "error", "unscored"]
 _READY = "ready"
 _WORKER_MODULE = "megatron_empg.tasks.math_verifier"  # `python -m` of this file serves math-verify
 _REPOSITORY_ROOT = str(Path(__file__).resolve().parents[2])
@@ -104,7 +105,8 @@ class MathVerifierPool:
     trainer's threads, no re-import of its main script), started at the first ``check`` (importing
     sympy takes about a second) and stopped by ``close()`` or when their stdin closes. A worker
     that overruns a sample is killed and replaced, so even a C-level sympy loop cannot hang the
-    step; the sample's outcome is ``"timeout"``.
+    step; the sample's outcome is ``"timeout"``. A ``check`` with a ``deadline`` stops there: the
+    workers still busy are killed and replaced, and what was not checked is ``"unscored"``.
     """
 
     def __init__(self, *, num_workers: int = 2, timeout_s: float = 5.0, startup_timeout_s: float = 120.0) -> None:
@@ -133,8 +135,12 @@ class MathVerifierPool:
         worker.process.stdin.close()
         worker.process.stdout.close()
 
-    def check(self, tasks: Sequence[tuple[Sequence[str], str]]) -> list[VerifyOutcome]:
-        """Outcome of each ``(gold answers, prediction)``: ``equal`` if the prediction equals any gold."""
+    def check(
+        self, tasks: Sequence[tuple[Sequence[str], str]], *, deadline: float | None = None
+    ) -> list[VerifyOutcome]:
+        """Outcome of each ``(gold answers, prediction)``: ``equal`` if the prediction equals any gold;
+        ``unscored`` if not checked by ``deadline`` (``time.monotonic()`` seconds; None: none). Tasks
+        start in order, so a deadline leaves the last ones unscored."""
         if not tasks:
             return []
         if not self._workers:
@@ -142,15 +148,19 @@ class MathVerifierPool:
                 raise ImportError("the math reward needs the math-verify package: pip install math-verify")
             self._workers = [self._start() for _ in range(self.num_workers)]
         try:
-            return self._run(tasks)
+            return self._run(tasks, deadline)
         except BaseException:  # a worker may still owe an answer: start afresh next time
             self.close()
             raise
 
-    def _run(self, tasks: Sequence[tuple[Sequence[str], str]]) -> list[VerifyOutcome]:
+    def _run(self, tasks: Sequence[tuple[Sequence[str], str]], deadline: float | None) -> list[VerifyOutcome]:
         outcomes: list[VerifyOutcome | None] = [None] * len(tasks)
         queue = deque(range(len(tasks)))
         while queue or any(w.task is not None for w in self._workers):
+            if deadline is not None and time.monotonic() >= deadline:
+                for worker in [w for w in self._workers if w.task is not None]:
+                    self._replace(worker)  # its sample stays unscored; the replacement starts for the next check
+                break
             for worker in list(self._workers):
                 if worker.ready and worker.task is None and queue:
                     golds, prediction = tasks[queue[0]]
@@ -164,17 +174,17 @@ class MathVerifierPool:
                     worker.deadline = time.monotonic() + self.timeout_s
             waiting = [w for w in self._workers if not w.ready or w.task is not None]
             deadlines = [w.deadline if w.ready else w.started + self.startup_timeout_s for w in waiting]
-            wait_s = max(0.0, min(deadlines) - time.monotonic())
+            wait_s = max(0.0, min(deadlines if deadline is None else [*deadlines, deadline]) - time.monotonic())
             readable, _, _ = select.select([w.process.stdout for w in waiting], [], [], wait_s)
-            for worker, deadline in zip(waiting, deadlines):
+            for worker, due in zip(waiting, deadlines):
                 if worker.process.stdout in readable:
                     self._receive(worker, outcomes)
-                elif time.monotonic() >= deadline:
+                elif time.monotonic() >= due:
                     if not worker.ready:
                         raise RuntimeError(f"a math-verify worker did not start within {self.startup_timeout_s} s")
                     outcomes[worker.task] = "timeout"
                     self._replace(worker)
-        return outcomes  # type: ignore[return-value] (every task has its outcome)
+        return [outcome or "unscored" for outcome in outcomes]
 
     def _replace(self, worker: _Worker) -> None:
         self._stop(worker)

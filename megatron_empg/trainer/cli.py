@@ -1,12 +1,14 @@
 """``empg``: the command line.
 
-    empg train CONFIG.yaml [a.b.c=value ...] [--resume]   # one process, or every rank under torchrun/srun
+    empg train CONFIG.yaml [a.b.c=value ...] [--resume | --overwrite]   # one process, or every rank under torchrun/srun
     empg check CONFIG.yaml [a.b.c=value ...] --world-size N   # bind and check everything, start nothing
     empg print-config CONFIG.yaml [a.b.c=value ...]       # the resolved config as YAML
     empg --version
 
 Bad configs and overrides exit with code 2 and a message naming the dotted field; ``train`` binds
-the config (``trainer.build.bind``) before it starts a process group, an engine or a model.
+the config (``trainer.build.bind``) and, on rank 0, takes the run's directories
+(``trainer.run_dir``: one run per directory; ``--resume`` / ``--overwrite`` and what an earlier run
+left there) before it starts a process group, an engine or a model.
 """
 
 from __future__ import annotations
@@ -80,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     for sub in (train, check, show):
         sub.add_argument("config", help="YAML file (e.g. recipes/demo_cpu.yaml)")
         sub.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
-    train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    start = train.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="continue from the newest intact checkpoint (none yet: start at step 0)")
+    start.add_argument("--overwrite", action="store_true",
+                       help="start a new run over an earlier run's checkpoints and metrics (deletes them)")
     check.add_argument("--world-size", type=int, default=1, help="the number of ranks the run will have (default 1)")
     check.add_argument("--skip-paths", action="store_true", help="do not read data files or model directories")
     args = parser.parse_args(argv)
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         sys.stdout.write(_describe(components))
         return 0
-    return _train(config, resume=args.resume)
+    return _train(config, resume=args.resume, overwrite=args.overwrite)
 
 
 def _bind(config: RunConfig, world_size: int, *, check_paths: bool = True):
@@ -131,30 +137,51 @@ def _micro_batches(train, layout) -> str:
     return f"{layout.micro_batches_per_replica} {layout_name} micro-batches"
 
 
-def _train(config: RunConfig, *, resume: bool) -> int:
+def _train(config: RunConfig, *, resume: bool, overwrite: bool = False) -> int:
     from megatron_empg.trainer.console import configure_logging
+    from megatron_empg.trainer.run_dir import RunDirectoryError, hold_run_directories
 
     rank, world_size = _rank_from_environment(), world_size_from_environment()
     configure_logging(config.logging, rank=rank, world_size=world_size)  # before vLLM and Megatron log anything
+    held = None
+    if rank == 0:  # one run per directory: a second one is refused at once (before torch is imported)
+        try:
+            held = hold_run_directories(config)
+        except RunDirectoryError as error:
+            sys.stderr.write(f"empg: error: {error}\n")
+            return 2
+    try:
+        return _bind_and_run(config, world_size, held, resume=resume, overwrite=overwrite)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _bind_and_run(config: RunConfig, world_size: int, held, *, resume: bool, overwrite: bool) -> int:
+    from megatron_empg.mcore.checkpoint_files import CheckpointError, remove_leftovers
+    from megatron_empg.trainer.metrics_log import MetricsFileError
+    from megatron_empg.trainer.run_dir import RunDirectoryError, check_start
+
     try:
         components = _bind(config, world_size)  # seconds, and before anything starts
-    except ConfigError as error:
-        if rank == 0:
+        if held is not None:  # what an earlier run left there (after the bind: --overwrite deletes it)
+            check_start(config, resume=resume, overwrite=overwrite, previous=held.previous)
+            remove_leftovers(config.checkpoint.dir)  # of crashed saves: this run holds the directory
+    except (ConfigError, RunDirectoryError, CheckpointError, MetricsFileError, OSError) as error:
+        if held is not None:  # rank 0 speaks for all, and leaves no directory it created
             sys.stderr.write(f"empg: error: {error}\n")
+            held.release(undo=True)
         return 2
+    return _run(config, components, resume=resume)
 
+
+def _run(config: RunConfig, components, *, resume: bool) -> int:
     import torch.distributed as dist
 
     from megatron_empg.rollout.retriever.client import RetrieverError
-    from megatron_empg.trainer.loop import RunDirectoryError, Trainer, check_fresh_start
+    from megatron_empg.trainer.loop import Trainer
     from megatron_empg.trainer.metrics_log import MetricsLogger
 
-    try:
-        if not resume:
-            check_fresh_start(config)  # before minutes of start-up
-    except RunDirectoryError as error:
-        sys.stderr.write(f"empg: error: {error}\n")
-        return 2
     role = init_distributed(config.distributed.timeout_minutes, engine_ranks=components.layout.engine_ranks,
                             engine_tp=config.rollout.tensor_parallel_size)  # fmt: skip
     if role.is_engine:

@@ -4,7 +4,7 @@ or on the engine ranks (disaggregated, ``trainer.engine_rank``).
 ``RolloutCollector.collect`` draws the data cursor's next global prompt batch through the
 rollout stage and scores it, or with ``algorithm.dynamic_sampling`` as many batches as it takes
 (``trainer.dynamic_sampling``). ``Scorer`` is the reward of ``data.reward`` with DAPO's overlong
-penalty.
+penalty, within the step's ``data.reward_budget_s`` (counted over all of the step's generation batches).
 
     collector = RolloutCollector(config, stage, batches, scorer, dp_size=D)
     rollout = collector.collect(times)   # StepRollout: [R] replicas of this rank's engine
@@ -16,7 +16,7 @@ import dataclasses
 import time
 
 from megatron_empg.config import RunConfig
-from megatron_empg.rollout.rewards import RewardFn, overlong_penalty
+from megatron_empg.rollout.rewards import RewardFn, RewardLimits, WorkerReward, overlong_penalty
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.dynamic_sampling import DynamicSampler, dynamic_batch_prompts
 from megatron_empg.trainer.metrics import sample_sums
@@ -40,17 +40,31 @@ class StepRollout:
 
 class Scorer:
     """Each sample's reward (``data.reward``, then ``algorithm.overlong_buffer``'s penalty) and
-    whether it is correct; returns the reward's metric sums as ``reward/*``."""
+    whether it is correct; returns the reward's metric sums as ``reward/*``. A ``WorkerReward``
+    gets ``data.reward_workers``, ``reward_timeout_s`` and the deadline of ``reward_budget_s``;
+    with a budget, ``reward/unscored`` counts the samples it left unscored (every rank has the key)."""
 
-    def __init__(self, config: RunConfig, tokenizer, reward_fn: RewardFn) -> None:
+    def __init__(self, config: RunConfig, tokenizer, reward_fn: RewardFn | WorkerReward) -> None:
         self.config, self.tokenizer, self.reward_fn = config, tokenizer, reward_fn
 
-    def __call__(self, samples: list[Sample]) -> dict[str, float]:
+    def __call__(self, samples: list[Sample], spent_s: float = 0.0) -> dict[str, float]:
+        """Score ``samples``; ``spent_s``: seconds of ``data.reward_budget_s`` the step's earlier
+        calls took (0: the whole budget is left)."""
+        start = time.monotonic()
+        data = self.config.data
         texts = self.tokenizer.batch_decode([s.generated_ids for s in samples], skip_special_tokens=True)
-        result = self.reward_fn(texts, [s.example for s in samples])
+        examples = [s.example for s in samples]
+        if isinstance(self.reward_fn, WorkerReward):
+            budget = data.reward_budget_s
+            deadline = None if budget is None else start + max(budget - spent_s, 0.0)
+            result = self.reward_fn(texts, examples, RewardLimits(data.reward_workers, data.reward_timeout_s, deadline))
+        else:
+            result = self.reward_fn(texts, examples)
         for sample, score, correct in zip(samples, result.scores, result.correct):
             sample.reward, sample.correct = float(score), bool(correct)
         metrics = {f"reward/{k}": float(v) for k, v in result.metrics.items()}
+        if data.reward_budget_s is not None:
+            metrics.setdefault("reward/unscored", 0.0)
         algorithm = self.config.algorithm
         if algorithm.overlong_buffer:
             penalties = [overlong_penalty(len(s.response_ids), max_length=self.config.rollout.sampling.max_tokens,
@@ -89,12 +103,17 @@ class RolloutCollector:
             engine_metrics.append(metrics)
             return replicas
 
+        spent_s = 0.0  # this step's scoring so far, against data.reward_budget_s
+
         def score(samples: list[Sample]) -> dict[str, float]:
+            nonlocal spent_s
             start = time.perf_counter()
             try:
-                return self.scorer(samples)
+                return self.scorer(samples, spent_s)
             finally:
-                times["rewards"] = times.get("rewards", 0.0) + time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                spent_s += seconds
+                times["rewards"] = times.get("rewards", 0.0) + seconds
 
         version = self.stage.weights_version
         if self.sampler is None:

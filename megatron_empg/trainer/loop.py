@@ -57,16 +57,13 @@ from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout,
 from megatron_empg.trainer.metrics import all_reduce_sums, sample_means
 from megatron_empg.trainer.remote import RemoteEngines, Start
 from megatron_empg.trainer.rollout import RolloutStage
+from megatron_empg.trainer.run_dir import RunDirectoryError
 from megatron_empg.trainer.signals import ignored_in_children, stop_signals
 from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer, write_hf_config
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
-
-
-class RunDirectoryError(ValueError):
-    """A fresh run was asked for where an earlier run left checkpoints (nothing is overwritten)."""
 
 
 @dataclasses.dataclass
@@ -465,6 +462,7 @@ class Trainer:
         return save_checkpoint(
             cfg.dir, self.step_index, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler,
             anchor=self.anchor, extra_state=extra, groups=self.groups, keep_last=cfg.keep_last,
+            checksums=cfg.verify == "checksum",
             model_name=self.model.name, optimizer_format=cfg.optimizer_format, model_config=self.model,
             hf_assets=self._hf_assets(),  # the tokenizer
         )  # fmt: skip
@@ -483,12 +481,14 @@ class Trainer:
         return directory
 
     def resume(self) -> bool:
-        """Load the newest complete checkpoint of ``checkpoint.dir``; False if there is none."""
-        from megatron_empg.mcore.checkpoint import find_latest_checkpoint
+        """Load the newest intact checkpoint of ``checkpoint.dir`` (a damaged one is named and skipped:
+        ``mcore.checkpoint.find_verified_checkpoint``, every rank); False if there is none."""
+        from megatron_empg.mcore.checkpoint import find_verified_checkpoint
 
-        found = find_latest_checkpoint(self.config.checkpoint.dir)
+        checkpoint = self.config.checkpoint
+        found = find_verified_checkpoint(checkpoint.dir, checksums=checkpoint.verify == "checksum")
         if found is None:
-            log.info("no checkpoint in %s to resume from", self.config.checkpoint.dir)
+            log.info("no checkpoint in %s to resume from", checkpoint.dir)
             return False
         extra = self._load_training_state(found.path)
         self.batches.load_state_dict(extra["data"])
@@ -499,7 +499,12 @@ class Trainer:
     def continue_from(self, path: str | Path) -> None:
         """Start from an earlier stage's checkpoint (``path``: a ``step_N`` directory or a checkpoint
         root, whose newest is taken): its training state, and this run's data order from its step."""
+        from megatron_empg.mcore.checkpoint import CheckpointError, verify_checkpoint
+
         directory = checkpoint_directory(path)
+        problems = verify_checkpoint(directory, checksums=self.config.checkpoint.verify == "checksum")
+        if problems:
+            raise CheckpointError(f"checkpoint.continue_from={path}: {directory} is damaged: {'; '.join(problems[:3])}")
         self._load_training_state(directory)
         self.batches.cursor = self.step_index
         log.info("continuing from %s at step %d (data: this run's order)", directory, self.step_index)

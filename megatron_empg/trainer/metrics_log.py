@@ -21,6 +21,7 @@ the checkpoints are and how to plot the metrics. ``none``: nothing on the consol
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -43,6 +44,8 @@ TIME_PARTS = (
     ("val", ("time/validation",)),
 )
 PLOT_TOOL = "tools/plot_metrics.py"
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -116,8 +119,7 @@ class MetricsLogger:
         self._rewound = True
         if not self.jsonl_path.is_file():
             return
-        lines = [line for line in self.jsonl_path.read_text().splitlines() if line.strip()]
-        kept = [line for line in lines if json.loads(line)["step"] < step]
+        kept = [line for line, record in _read_lines(self.jsonl_path) if record["step"] < step]
         tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.jsonl_path)
@@ -210,6 +212,33 @@ def _duration(seconds: float) -> str:
     return f"{whole // 3600} h {whole // 60 % 60:02d} min"
 
 
+class MetricsFileError(ValueError):
+    """A ``metrics.jsonl`` line other than the last is not a record."""
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The JSONL file's records, in order."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a ``metrics.jsonl``. A torn last line (a crash while it was written) is dropped
+    with a warning; a bad line elsewhere is a ``MetricsFileError`` naming the file and the line."""
+    return [record for _, record in _read_lines(Path(path))]
+
+
+def _read_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    lines = path.read_text(errors="replace").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with an integer step")
+        except ValueError as error:
+            if number == len(lines):
+                log.warning("%s: dropping its last line %d, torn by a crash while it was written: %.80r",
+                            path, number, line)  # fmt: skip
+                break
+            raise MetricsFileError(f"{path}: line {number} is not a metrics record ({error}): {line[:80]!r}") from None
+        records.append((line, record))
+    return records

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -76,11 +75,11 @@ class RolloutStage:
             self.placement, rollout.tensor_parallel_size, shares_node=rollout.disaggregated)  # fmt: skip
         log.info("engine %d of %d on rank %d%s", self.placement.engine, self.placement.num_engines, self.placement.rank,
                  "".join(f", {k}={v}" for k, v in environment.items()))  # fmt: skip
-        # The engine's processes (rollout.in_process=false) ignore SIGUSR1: torchrun and Slurm signal
-        # whole process groups, and the trainer, which takes SIGUSR1 as "checkpoint after this step",
-        # still needs the engine for the step in flight (it shuts it down at the end). Not SIGTERM:
-        # vLLM's processes install their own handler for it and are shut down with it.
-        with ignored_in_children((signal.SIGUSR1,)), child_environment(environment):
+        # The engine's processes (rollout.in_process=false) keep SIGTERM and SIGUSR1 blocked: torchrun
+        # and Slurm signal whole process groups, and the trainer, which takes both as "checkpoint after
+        # this step", still needs the engine for the step in flight. It ends the engine itself, with
+        # SIGINT (VllmEngine.shutdown).
+        with ignored_in_children(), child_environment(environment):
             return engine_kind.load()(self.model_dir, rollout, load_format="dummy")
 
     def _build_agent(self, model: ModelConfig, tokenizer):

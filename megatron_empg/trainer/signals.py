@@ -9,15 +9,18 @@ warning; torchrun passes both on to every rank).
 torchrun (``os.killpg``) and Slurm send these signals to whole process groups: the children a
 rank starts (Megatron's checkpoint writer, the reward workers, an engine in its own process) get
 them too, and one that dies of them breaks the checkpoint or the step that the signal asks the
-rank to finish. Children started inside ``ignored_in_children`` inherit SIG_IGN for them (an
-ignored disposition survives fork and exec) and keep them blocked; the rank itself loses none: the
-signals are blocked while its handlers are swapped out, and delivered to its own handlers on exit.
+rank to finish. Children started inside ``ignored_in_children`` inherit them blocked (a signal
+mask survives fork and exec): pending for ever unless the child unblocks them, which neither
+Python nor vLLM does (vLLM's engine core is stopped with SIGINT instead: ``VllmEngine.shutdown``).
+The rank's own handlers are not touched, so it loses none: other threads take the signal meanwhile,
+or it waits until the block ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+from multiprocessing import resource_tracker
 from typing import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -25,16 +28,16 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 @contextlib.contextmanager
 def ignored_in_children(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
-    """Processes started inside (fork or spawn) ignore ``signals``; this process's handlers are
-    back on exit, and a signal that arrived meanwhile is delivered to them then. Main thread only."""
+    """Processes started inside (fork or spawn) keep ``signals`` blocked; this thread blocks them
+    while inside, and a signal held meanwhile reaches this process's handlers on exit."""
+    # multiprocessing starts its resource tracker at the first spawn and then UNBLOCKS SIGINT and
+    # SIGTERM in the calling thread (resource_tracker.ensure_running): start it before blocking.
+    resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
     try:
         yield
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # pending ones reach the restored handlers
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @contextlib.contextmanager

@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 
 from megatron_empg.config import ConfigError, DataConfig, from_dict, to_dict
+from megatron_empg.rollout import data
 from megatron_empg.rollout.data import (
     DataError,
     PromptBatches,
     PromptDataset,
     PromptExample,
+    check_records,
     load_prompt_dataset,
 )
 from tools.make_tiny_model import char_tokenizer
@@ -191,6 +193,59 @@ def test_a_malformed_jsonl_row_names_the_file_and_row(tmp_path, bad, message):
     assert (error.value.file, error.value.row) == (path, 3)
 
 
+@pytest.mark.parametrize(("bad", "message"), MALFORMED_JSONL)
+def test_the_check_of_every_record_refuses_what_the_loader_refuses_in_its_words(tmp_path, bad, message):
+    """``check_records`` (the bind step, no tokenizer) and the loader raise the same error."""
+    path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, GOOD, bad, GOOD])
+    with pytest.raises(DataError) as checked:
+        check_records(path, files_config(path))
+    with pytest.raises(DataError) as loaded:
+        load_prompt_dataset(files_config(path), plain_tokenizer())
+    assert str(checked.value) == str(loaded.value) and (checked.value.file, checked.value.row) == (path, 3)
+
+
+def test_the_check_streams_parquet_batches_and_counts_the_records(tmp_path, monkeypatch):
+    """Rows are numbered across batches and row groups; the check stops at the first bad row."""
+    monkeypatch.setattr(data, "_PARQUET_BATCH_ROWS", 2)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(7)]
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3)
+    assert check_records(path, files_config(str(path))) == 7
+    assert [(row, record["answer"]) for row, record in data.read_records(path)] == [(i + 1, str(i + 1)) for i in range(7)]
+    rows[5] = {"prompt": "6+1=", "answer": ""}
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3)
+    with pytest.raises(DataError, match=rf"^{path}: row 6: 'answer': empty answer$"):
+        check_records(path, files_config(str(path)))
+    nested = write_jsonl(tmp_path / "n.jsonl", [{"q": "a?", "rm": {"gt": ["x"]}}] * 3)
+    assert check_records(nested, files_config(nested, prompt_key="q", answer_key="rm.gt")) == 3
+
+
+def test_the_check_names_unreadable_and_empty_files(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), empty)
+    with pytest.raises(DataError, match=r"empty\.parquet: no records$"):
+        check_records(empty, files_config(str(empty)))
+    blank = write_jsonl(tmp_path / "blank.jsonl", ["", "  "])
+    with pytest.raises(DataError, match=r"blank\.jsonl: no records$"):
+        check_records(blank, files_config(blank))
+    good = write_parquet(tmp_path / "good.parquet", [GOOD] * 50)
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(Path(good).read_bytes()[:-40])  # the footer cut
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"PAR1" + bytes(range(256)) * 4 + b"PAR1")
+    for path in (truncated, garbage):
+        with pytest.raises(DataError, match=rf"^{path}: cannot read it as parquet: "):
+            check_records(path, files_config(str(path)))
+    with pytest.raises(DataError, match=r"missing\.jsonl: no such file"):
+        check_records(tmp_path / "missing.jsonl", files_config(str(tmp_path / "missing.jsonl")))
+
+
 def test_a_malformed_parquet_row_names_the_file_and_row(tmp_path):
     rows = [GOOD, GOOD, GOOD, {"prompt": None, "answer": "3"}]
     path = write_parquet(tmp_path / "bad.parquet", rows)
@@ -254,6 +309,7 @@ def test_long_prompts_are_an_error_naming_the_row_or_dropped_and_counted(tmp_pat
 def test_data_config_defaults_to_the_arithmetic_task_and_round_trips():
     cfg = DataConfig()
     assert (cfg.source, cfg.reward, cfg.train_files) == ("arithmetic", "arithmetic", [])
+    assert (cfg.reward_workers, cfg.reward_timeout_s, cfg.reward_budget_s) == (2, 5.0, None)
     data = {"source": "files", "reward": "qa_em", "train_files": ["a.parquet", "b.jsonl"],
             "answer_key": "reward_model.ground_truth.target", "system_prompt": "Answer.",
             "max_prompt_tokens": 64}  # fmt: skip
@@ -279,6 +335,11 @@ def test_data_config_defaults_to_the_arithmetic_task_and_round_trips():
     ({"arithmetic_ops": ["+", "+"]}, "arithmetic_ops", "expected distinct operators"),
     ({"arithmetic_ops": ["/"]}, "arithmetic_ops[0]", "expected one of '+', '-', '*'"),
     ({"shuffle": "yes"}, "shuffle", "expected bool"),
+    ({"reward_workers": 0}, "reward_workers", "expected a number of processes >= 1, got 0"),
+    ({"reward_workers": 1.5}, "reward_workers", "expected int"),
+    ({"reward_timeout_s": 0}, "reward_timeout_s", "expected finite seconds > 0, got 0.0"),
+    ({"reward_timeout_s": float("inf")}, "reward_timeout_s", "expected finite seconds > 0, got inf"),
+    ({"reward_budget_s": -1}, "reward_budget_s", "expected finite seconds > 0, or null for no budget, got -1.0"),
     ({"train_file": ["a.jsonl"]}, "train_file", "unknown key"),
 ])  # fmt: skip
 def test_data_config_errors_name_the_field(data, field, words):

@@ -108,7 +108,15 @@ def test_arithmetic_reward_is_an_exact_integer_match_of_the_first_line():
     assert result.correct == [c[2] for c in cases]
     assert result.scores == [float(c[2]) for c in cases]
     assert result.metrics == {"malformed": float(sum(c[3] for c in cases))}
-    assert [parse_integer_response(c[0]) for c in cases[:3]] == [19, 19, 19]
+    assert [parse_integer_response(c[0]) for c in cases[:3]] == ["19", "19", "19"]
+
+
+def test_an_answer_of_5000_digits_scores_0_instead_of_raising():
+    """Past Python's 4,300-digit limit of int(str): compared as canonical decimal text."""
+    huge = "9" * 5000
+    result = arithmetic_reward([huge, huge, "-0", "-" + "0" * 5000 + "7"], [_example(a) for a in ("19", huge, "0", "-7")])
+    assert result.scores == [0.0, 1.0, 1.0, 1.0] and result.metrics == {"malformed": 0.0}
+    assert parse_integer_response("0" * 5000 + "x") is None
 
 
 def test_arithmetic_reward_rejects_non_integer_answers_and_mismatched_batches():

@@ -12,10 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from megatron_empg.config import RunConfig, load_config
 from megatron_empg.rollout.data import PromptExample
+from megatron_empg.rollout.rewards import RewardLimits
 from megatron_empg.tasks import math_verifier
 from megatron_empg.tasks.math import MathReward, extract_math_answer, last_boxed
 from megatron_empg.tasks.math_verifier import MathVerifierPool
+from megatron_empg.trainer.batch import Sample
+from megatron_empg.trainer.collect import RolloutCollector, Scorer
+from tests.trainer.demo_runs import DEMO_RECIPE
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -150,3 +155,100 @@ def test_pool_arguments_are_checked():
         MathVerifierPool(num_workers=0)
     with pytest.raises(ValueError, match=r"timeout_s must be > 0, got 0"):
         MathVerifierPool(timeout_s=0)
+
+
+# --------------------------------------------------------------------------------------------
+# The run's settings (data.reward_workers, reward_timeout_s) and its per-step budget (reward_budget_s).
+
+ADVERSARIAL = "so \\boxed{9^{9^{9^{9}}}}"  # against 1: sympy works on it for ever, in C
+
+
+class _Tokenizer:
+    """Decodes a sample's one token id, an index into ``texts``."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+
+    def batch_decode(self, ids, skip_special_tokens):
+        return [self.texts[row[0]] for row in ids]
+
+
+def _run_config(*overrides: str) -> RunConfig:
+    return load_config(RunConfig, DEMO_RECIPE, ["data.source=files", "data.reward=math", "data.train_files=[m.jsonl]",
+                                                 *overrides])  # fmt: skip
+
+
+def _samples(first: int, golds: list[str]) -> list[Sample]:
+    """Samples whose responses are texts[first], texts[first + 1], ... answering ``golds``."""
+    return [Sample([1], [first + i], [0.0], "stop", group=i, example=e) for i, e in enumerate(examples(*golds))]
+
+
+def test_the_runs_worker_count_and_timeout_reach_the_pool():
+    reward = MathReward()  # 2 workers, 5 s: the defaults the run's settings replace
+    config = _run_config("data.reward_workers=3", "data.reward_timeout_s=1.0")
+    scorer = Scorer(config, _Tokenizer([ADVERSARIAL, "\\boxed{0.5}"]), reward)
+    samples = _samples(0, ["1", "1/2"])
+    try:
+        metrics = scorer(samples)
+        assert (reward.pool.num_workers, reward.pool.timeout_s, len(reward.pool._workers)) == (3, 1.0, 3)
+        assert [s.reward for s in samples] == [0.0, 1.0]
+        assert metrics == {"reward/no_answer": 0.0, "reward/timeouts": 1.0, "reward/verify_errors": 0.0}  # no budget
+    finally:
+        reward.close()
+
+
+def test_a_budget_leaves_the_answers_not_checked_by_then_unscored_at_0():
+    """math_dapo (-1 when wrong): 2 plain answers are checked, then 16 adversarial ones fill both
+    workers until the 2 s budget ends the call (16 x 5 s / 2 = 40 s without it); they score 0."""
+    reward = MathReward(incorrect_score=-1.0)
+    limits = RewardLimits(workers=2, timeout_s=5.0)
+    try:
+        assert reward(["\\boxed{1}", "\\boxed{0.5}"], examples("1", "1/2"), limits).correct == [True, True]  # started
+        start = time.monotonic()
+        result = reward(["\\boxed{0.5}", "\\boxed{3}", *[ADVERSARIAL] * 16], examples("1/2", "2", *["1"] * 16),
+                        RewardLimits(workers=2, timeout_s=5.0, deadline=time.monotonic() + 2.0))  # fmt: skip
+        elapsed = time.monotonic() - start
+        assert result.scores == [1.0, -1.0, *[0.0] * 16] and result.correct == [True, False, *[False] * 16]
+        assert result.metrics == {"no_answer": 0.0, "timeouts": 0.0, "verify_errors": 0.0, "unscored": 16.0}
+        assert elapsed < 15, elapsed  # the budget and a margin, not 40 s
+        assert reward(["\\boxed{2}"], examples("2.0"), limits).correct == [True]  # the killed workers' replacements
+    finally:
+        reward.close()
+
+
+class _Stage:
+    """A single engine's two replicas: replica 0 answers 4 adversarial answers, replica 1 two plain ones."""
+
+    placement = type("Placement", (), {"num_engines": 1})()
+    weights_version = 0
+
+    def sample(self, index, prompts, dp_size):
+        return [_samples(0, ["1"] * 4), _samples(4, ["1/2", "2.0"])], {"engines/count": 1.0}
+
+
+class _Batches:
+    cursor = 0
+
+    def __next__(self):
+        return []
+
+    def state_dict(self):
+        return {"cursor": self.cursor}
+
+
+def test_the_budget_is_the_steps_over_all_of_its_scoring_calls():
+    """Replica 0's adversarial answers take the step's whole 2 s budget: replica 1's plain answers,
+    scored after them in the same step, are left unscored at once."""
+    reward = MathReward()
+    config = _run_config("data.reward_budget_s=2", "train.prompts_per_step=2")
+    scorer = Scorer(config, _Tokenizer([ADVERSARIAL] * 4 + ["\\boxed{0.5}", "\\boxed{2}"]), reward)
+    try:
+        scorer(_samples(4, ["1/2"]))  # the workers started
+        collector = RolloutCollector(config, _Stage(), _Batches(), scorer, dp_size=2)
+        times: dict[str, float] = {}
+        rollout = collector.collect(times)
+        assert [sums["reward/unscored"] for sums in rollout.sums] == [4.0, 2.0]
+        assert [s.reward for replica in rollout.replicas for s in replica] == [0.0] * 6
+        assert 2.0 <= times["rewards"] < 15, times
+    finally:
+        reward.close()

@@ -471,6 +471,9 @@ def test_refusals_of_convert_megatron_to_hf(converted, hf_dirs, work, tmp_path):
     assert "CKPT: not a complete checkpoint: " in message and "(the completion marker written last by save_checkpoint): incomplete" in message
     no_config = shutil.copytree(source, tmp_path / "no-config")
     (no_config / "model_config.yaml").unlink()
+    info = json.loads((no_config / "empg_checkpoint.json").read_text())  # saved without it: not in the manifest
+    del info["files"]["model_config.yaml"]
+    (no_config / "empg_checkpoint.json").write_text(json.dumps(info))
     message = _tool_error(tool, [str(no_config), str(out), *QUIET])
     assert "CKPT: " in message and "has no model_config.yaml" in message and "(pass --model-config)" in message
     message = _tool_error(tool, [str(source), str(out), "--hf-assets", str(hf_dirs["tiny-llama"]), *QUIET])

@@ -202,16 +202,21 @@ def test_the_bound_loss_is_rl_loss_with_the_configs_arguments(tmp_path):
     assert got.loss.loss_sum.item() == want.loss.loss_sum.item() and got.loss.count.item() == want.loss.count.item()
 
 
-def test_bind_reads_the_first_record_of_each_file_and_the_init_from_config(tmp_path):
+def test_bind_reads_every_record_of_each_file_and_the_init_from_config(tmp_path):
     files = ["data.source=files", "data.reward=qa_em", "data.prompt_key=question", "data.answer_key=golden.answers"]
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
-    good.write_text(json.dumps({"question": "who?", "golden": {"answers": ["me"]}}) + "\n")
-    bad.write_text(json.dumps({"question": "who?", "answer": "me"}) + "\n")
+    record = json.dumps({"question": "who?", "golden": {"answers": ["me"]}})
+    good.write_text(record + "\n")
+    bad.write_text(f"{record}\n{record}\n" + json.dumps({"question": "who?", "answer": "me"}) + "\n")  # row 3
     lengths = ["data.max_prompt_tokens=16", "rollout.sampling.max_tokens=12"]
     bind(demo(tmp_path, *files, *lengths, f"data.train_files=[{good}]"), 1)
     with pytest.raises(ConfigError) as e:
         bind(demo(tmp_path, *files, *lengths, f"data.train_files=[{good}, {bad}]"), 1)
-    assert e.value.field == "data.train_files[1]" and "row 1: missing key 'golden.answers'" in str(e.value)
+    assert e.value.field == "data.train_files[1]"
+    assert str(e.value).startswith(f"data.train_files[1]: {bad}: row 3: missing key 'golden.answers'"), e.value
+    with pytest.raises(ConfigError, match=rf"^validation.files\[0\]: {bad}: row 3: missing key"):
+        bind(demo(tmp_path, *files, *lengths, f"data.train_files=[{good}]", f"validation.files=[{bad}]",
+                  "validation.at_start=true"), 1)  # fmt: skip
     with pytest.raises(ConfigError) as e:
         bind(demo(tmp_path, *files, *lengths, f"data.train_files=[{good}]", f"validation.files=[{tmp_path / 'no.jsonl'}]",
                   "validation.at_start=true"), 1)  # fmt: skip
@@ -267,6 +272,27 @@ def test_train_exits_2_before_starting_anything(tmp_path, overrides, world, mess
     assert out.returncode == 2 and out.stderr.startswith(message), out.stderr[-2000:]
     assert "started: [] False" in out.stdout  # no engine, no Megatron, no process group
     assert not (tmp_path / "run").exists()
+
+
+def test_train_on_a_bad_data_row_exits_2_naming_the_file_and_row_before_starting_anything(tmp_path):
+    """Row 40,000 of a parquet file lacks its answer: every row is checked at the bind step, so the
+    run stops before a process group, an engine or Megatron (13-15 s on the demo) would start."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "1+2=", "answer": "3"}] * 50_000
+    rows[39_999] = {"prompt": "1+2=", "answer": None}
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet", row_group_size=10_000)
+    env = {"WORLD_SIZE": "1", "RANK": "0", "PATH": "/usr/bin:/bin"}
+    args = ["train", str(DEMO_RECIPE), "checkpoint.init_from=null", f"tokenizer={tmp_path}", f"logging.dir={tmp_path}/run",
+            f"checkpoint.dir={tmp_path}/run/checkpoints", "data.source=files", "data.reward=math",
+            f"data.train_files=[{tmp_path / 'train.parquet'}]", "data.max_prompt_tokens=16",
+            "rollout.sampling.max_tokens=12"]  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", _RUN, *args], cwd=REPO, env=env, capture_output=True, text=True)
+    message = f"empg: error: data.train_files[0]: {tmp_path / 'train.parquet'}: row 40000: missing key 'answer'"
+    assert out.returncode == 2 and out.stderr.startswith(message), out.stderr[-2000:]
+    assert "started: [] False" in out.stdout  # no engine, no Megatron, no process group
+    assert not (tmp_path / "run").exists()  # nor a run directory
 
 
 def test_check_prints_the_layout_or_the_error(tmp_path):

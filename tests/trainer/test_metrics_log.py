@@ -228,3 +228,24 @@ def test_the_summary_of_a_run_without_steps_or_metrics_file(tmp_path, capsys, mo
 )  # fmt: skip
 def test_numbers_keep_three_significant_digits_over_orders_of_magnitude(value, text):
     assert format_number(value) == text
+
+
+def test_a_torn_last_line_is_dropped_and_a_bad_line_elsewhere_names_the_file_and_line(tmp_path, caplog):
+    from megatron_empg.trainer.metrics_log import MetricsFileError
+
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    records = [json.dumps({"step": s, "reward/mean": s / 10}) for s in (1, 2, 3)]
+    path.write_text("\n".join(records) + '\n{"step": 4, "reward/me')  # a crash mid-write
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    assert "dropping its last line 4, torn by a crash" in caplog.text
+    resumed = MetricsLogger(_config(tmp_path, progress="none"), total_steps=4)  # resumed from step 2's checkpoint
+    resumed.log(3, {"reward/mean": 3.5})
+    resumed.close()
+    assert path.read_text() == "\n".join(records[:2]) + '\n{"step": 3, "reward/mean": 3.5}\n'
+
+    path.write_text(records[0] + "\n{oops\n" + records[2] + "\n")
+    with pytest.raises(MetricsFileError, match=rf"{re.escape(str(path))}: line 2 is not a metrics record"):
+        read_metrics(path)
+    with pytest.raises(MetricsFileError, match="line 2"):
+        MetricsLogger(_config(tmp_path, progress="none"), total_steps=4).log(2, {"reward/mean": 1.0})
