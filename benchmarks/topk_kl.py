@@ -25,6 +25,23 @@ logits, reverse direction (q = top-k of pi_old, tail sampling, importance weight
   ours_vp_inplace_with_anchor   ours_vp_inplace preceded by the anchor pass
                     vocab_parallel_logprobs(reference logits, K+1 ids) under no_grad
 
+The trainer's path: what ``mcore.step`` runs for the ema-pg recipe (``TRAINER_RECIPE``: PPO clip,
+reverse Top-k KL with the sampled tail and its importance weight, token-mean, the entropy logged),
+with the loss bound by ``trainer.build.bind_loss`` from the recipe's ``algorithm.loss``:
+
+  ours_rl_loss      the update pass: ``_update_loss``'s call loss_fn(logits [1, T, V], MicroBatch,
+                    vocab_start=0, tp_group=None) of ``parallel.rl_loss.rl_loss`` (log_entropy and
+                    inplace_backward on, as the recipe), backward of ``loss.loss_sum``
+  ours_rl_loss_noentropy   the same with log_entropy=False (what the entropy metric costs)
+  old_pass          forward only: ``_stats_loss`` of the old pass, vocab_parallel_token_stats(ids =
+                    the target, k = K, no entropy): log pi_old(y) and the top-k index set
+  anchor_pass       forward only: ``_stats_loss`` of the anchor pass, vocab_parallel_token_stats(ids =
+                    (y, top-k of pi_old), k = 0, no entropy): log pi_ref at the K+1 ids
+
+``comparison.trainer_path`` gives, per token count (``--tokens`` and ``--trainer-tokens``), these
+rows beside ours_vp_inplace (the bare function) and naive_emapg, and the ratios of the update pass
+to the bare function (target: within 10% in time and memory) and to the naive pipeline.
+
 Every (variant, tokens, chunk) measurement runs in a FRESH subprocess (see ``--help`` of the
 method fields in the output JSON). Timings are wall-clock (perf_counter) per repeat after
 ``--warmup`` runs; memory is reported three ways:
@@ -56,9 +73,10 @@ ours/naive comparison reruns at half the tokens as on CPU. No RLIMIT_AS, VmHWM o
 Achieved bandwidth = the bytes a variant must at least move over its median time, against the
 device-to-device copy bandwidth measured in the same run (one large ``copy_``, bytes read +
 written). The byte model: forward reads the bf16 logits [T, V] once, backward reads them once and
-writes the gradient once (3 x T x V x 2 bytes; in place or not, the gradient is one [T, V] write),
-plus one read of the bf16 reference logits for the variants that take them (their anchor/reference
-pass); the [T, k] / [T] side tensors are left out. The TP part is skipped on CUDA (CPU/gloo only).
+writes the gradient once (3 x T x V x 2 bytes; in place or not, the gradient is one [T, V] write;
+the forward-only passes: one read), plus one read of the bf16 reference logits for the variants
+that take them (their anchor/reference pass); the [T, k] / [T] side tensors are left out. The TP
+part is skipped on CUDA (CPU/gloo only).
 Default output there: benchmarks/results/topk_kl_gpu.json.
 """
 
@@ -89,6 +107,10 @@ if str(REPO) not in sys.path:
 SCHEMA = 1
 MAIN_VARIANTS = (
     "ours_vp_inplace",
+    "ours_rl_loss",
+    "ours_rl_loss_noentropy",
+    "old_pass",
+    "anchor_pass",
     "ours_vp",
     "ours_core",
     "ours_core_novalidate",
@@ -112,9 +134,23 @@ VARIANT_DOC = {
     "logits under no_grad (log_softmax(ref.float()), gather at q and y, lse trick)",
     "ours_vp_inplace_with_anchor": "ours_vp_inplace plus, inside the measured forward, the anchor pass "
     "vocab_parallel_logprobs(ref_logits, K+1 ids) under no_grad",
+    "ours_rl_loss": "the trainer's update pass: parallel.rl_loss.rl_loss bound by trainer.build.bind_loss from the "
+    "ema-pg recipe's algorithm.loss (ppo_clip, reverse Top-k KL with tail and importance weight, token-mean, "
+    "log_entropy and inplace_backward on) and called as mcore.step._update_loss does, on logits [1, T, V] and a "
+    "MicroBatch (all tokens in the loss, random advantages); backward of loss.loss_sum",
+    "ours_rl_loss_noentropy": "ours_rl_loss with log_entropy=False",
+    "old_pass": "forward only, no grad: the recipe's old pass as mcore.step._stats_loss calls it, "
+    "vocab_parallel_token_stats(logits, target ids [T, 1], k=K, with_entropy=False); loss = sum of its outputs",
+    "anchor_pass": "forward only, no grad: the recipe's anchor pass as mcore.step._stats_loss calls it, "
+    "vocab_parallel_token_stats(logits, [target, q] [T, K+1], k=0, with_entropy=False); loss = sum of its outputs",
 }
 NEEDS_REF_LOGITS = {"exact_kl", "naive_emapg_with_ref", "ours_vp_inplace_with_anchor"}
-INPLACE = {"ours_vp_inplace", "ours_vp_inplace_with_anchor"}
+INPLACE = {"ours_vp_inplace", "ours_vp_inplace_with_anchor", "ours_rl_loss", "ours_rl_loss_noentropy"}
+FORWARD_ONLY = {"old_pass", "anchor_pass"}
+# The trainer's path: its update pass against the bare function (ours_vp_inplace) and the naive
+# pipeline, and its two forward-only passes; measured together at every --trainer-tokens count.
+TRAINER_RECIPE = "recipes/qwen2.5_3b_search_ema_pg.yaml"
+TRAINER_GROUP = ("ours_vp_inplace", "ours_rl_loss", "ours_rl_loss_noentropy", "naive_emapg", "old_pass", "anchor_pass")
 OURS = ("ours_vp_inplace", "ours_vp", "ours_core", "ours_core_novalidate")
 NAIVE = ("naive_emapg", "naive_logsoftmax")
 BENCHMARKED_SOURCES = (
@@ -122,7 +158,11 @@ BENCHMARKED_SOURCES = (
     "megatron_empg/core/topk_kl.py",
     "megatron_empg/core/kl.py",
     "megatron_empg/core/checks.py",
+    "megatron_empg/core/policy_loss.py",
+    "megatron_empg/core/aggregation.py",
     "megatron_empg/parallel/vocab_parallel.py",
+    "megatron_empg/parallel/rl_loss.py",
+    TRAINER_RECIPE,
 )
 GPU_ONLY_ARGS = ("copy_gb",)  # left out of the CPU report's params (its JSON stays as it was)
 CUDA_METHOD = {
@@ -349,7 +389,11 @@ def _build_forward(spec: dict, inp: dict):
 
     from megatron_empg.core.logprob import exact_kl
     from megatron_empg.core.topk_kl import topk_kl
-    from megatron_empg.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_topk_kl
+    from megatron_empg.parallel.vocab_parallel import (
+        vocab_parallel_logprobs,
+        vocab_parallel_token_stats,
+        vocab_parallel_topk_kl,
+    )
 
     variant, V, K = spec["variant"], spec["vocab"], spec["k"]
     chunk = spec["chunk_size"]
@@ -418,7 +462,50 @@ def _build_forward(spec: dict, inp: dict):
             return ours_vp(lp[:, :K], lp[:, K], True)
 
         return f
+    if variant in ("ours_rl_loss", "ours_rl_loss_noentropy"):
+        return _trainer_update_pass(spec, inp)
+    if variant in FORWARD_ONLY:
+        # mcore.step._stats_loss: the target first, then the extra ids (the anchor pass: q)
+        ids = token[:, None] if variant == "old_pass" else torch.cat([token[:, None], q], -1)
+        k = K if variant == "old_pass" else 0
+
+        def f():
+            with torch.no_grad():
+                stats = vocab_parallel_token_stats(
+                    logits.detach(), ids, k, vocab_start=0, vocab_size=V, tp_group=None, with_entropy=False,
+                    chunk_size=chunk,
+                )  # fmt: skip
+            return stats.logprobs.sum() + stats.topk_logprobs.sum()
+
+        return f
     raise ValueError(f"unknown variant {variant!r}")
+
+
+def _trainer_update_pass(spec: dict, inp: dict):
+    """The loss of ``mcore.step._update_loss`` with the recipe's ``algorithm.loss`` (``TRAINER_RECIPE``)
+    bound by ``trainer.build.bind_loss``, on the logits as one packed row [1, T, V]; a closure
+    returning ``loss.loss_sum`` (the gradient's root). The chunk is the benchmark's; ``tp_group``
+    None is a TP group of one (the same arithmetic, no collective)."""
+    import torch
+
+    from megatron_empg.config import LossConfig, load_config, read_yaml
+    from megatron_empg.core.microbatch import MicroBatch
+    from megatron_empg.trainer.build import bind_loss
+
+    T, V, K = spec["tokens"], spec["vocab"], spec["k"]
+    section = read_yaml(REPO / TRAINER_RECIPE)["algorithm"]["loss"]
+    section = {**section, "chunk_size": spec["chunk_size"], "log_entropy": spec["variant"] == "ours_rl_loss"}
+    loss_fn, _ = bind_loss(load_config(LossConfig, section), vocab_size=V, topk=K)
+    logits, token = inp["logits"], inp["token"]
+    gen = torch.Generator(device=token.device).manual_seed(spec["seed"] + 1)
+    batch = MicroBatch(
+        input_ids=token[None], target_ids=token[None],
+        loss_mask=torch.ones(1, T, dtype=torch.bool, device=token.device),
+        advantages=torch.randn(1, T, generator=gen, device=token.device),
+        old_logprobs=inp["old_logprobs"][None], anchor_logprobs=inp["anchor_logprobs"][None],
+        topk_ids=inp["q"][None], topk_anchor_logprobs=inp["head_anchor_logprobs"][None],
+    )  # fmt: skip
+    return lambda: loss_fn(logits.view(1, T, V), batch, vocab_start=0, tp_group=None).loss.loss_sum
 
 
 def _chunked_sq_norm(t) -> float:
@@ -492,6 +579,7 @@ def child_bench(spec: dict) -> dict:
     forward = _build_forward(spec, inp)
     logits = inp["logits"]
     inplace = spec["variant"] in INPLACE
+    forward_only = spec["variant"] in FORWARD_ONLY
 
     def restore():
         if inplace:
@@ -504,7 +592,7 @@ def child_bench(spec: dict) -> dict:
         ta = time.perf_counter()
         loss = forward()
         tb = time.perf_counter()
-        (grad,) = torch.autograd.grad(loss, logits)
+        grad = None if forward_only else torch.autograd.grad(loss, logits)[0]
         tc = time.perf_counter()
         if keep:
             state["loss"], state["grad"] = float(loss), grad
@@ -534,9 +622,10 @@ def child_bench(spec: dict) -> dict:
         out["peak_rss_method"] = "VmHWM after clear_refs reset" if hwm is not None else "ru_maxrss"
         out["ru_maxrss_extra_bytes"] = maxrss - rss0
         grad = state.pop("grad")
-        out["grad_aliases_logits"] = grad.data_ptr() == logits.data_ptr()
-        out["grad_dtype"] = str(grad.dtype)
-        out["grad_norm"] = _chunked_sq_norm(grad)
+        if grad is not None:
+            out["grad_aliases_logits"] = grad.data_ptr() == logits.data_ptr()
+            out["grad_dtype"] = str(grad.dtype)
+            out["grad_norm"] = _chunked_sq_norm(grad)
         out["loss"] = state["loss"]
         del grad
         gc.collect()
@@ -567,9 +656,11 @@ def child_bench(spec: dict) -> dict:
 
 def min_bytes_moved(variant: str, tokens: int, vocab: int) -> dict:
     """The byte model of the GPU mode (module docstring): bf16 logits read once in forward, read once
-    and the gradient written once in backward; + one read of the reference logits where they are an
-    input. The [T, k] / [T] side tensors are not counted."""
+    and the gradient written once in backward (the forward-only passes: one read); + one read of the
+    reference logits where they are an input. The [T, k] / [T] side tensors are not counted."""
     tv2 = tokens * vocab * 2
+    if variant in FORWARD_ONLY:
+        return {"forward": tv2, "backward": 0, "total": tv2}
     ref = tv2 if variant in NEEDS_REF_LOGITS else 0
     return {"forward": tv2 + ref, "backward": 2 * tv2, "total": 3 * tv2 + ref}
 
@@ -602,6 +693,7 @@ def child_bench_cuda(spec: dict) -> dict:
         forward = _build_forward(spec, inp)
         logits = inp["logits"]
         inplace = spec["variant"] in INPLACE
+        forward_only = spec["variant"] in FORWARD_ONLY
         state: dict = {}
 
         def restore():
@@ -624,7 +716,7 @@ def child_bench_cuda(spec: dict) -> dict:
             e0.record()
             loss = forward()
             e1.record()
-            (grad,) = torch.autograd.grad(loss, logits)
+            grad = None if forward_only else torch.autograd.grad(loss, logits)[0]
             e2.record()
             if i == n - 1:
                 state["loss"], state["grad"] = loss.detach(), grad  # read after the loop
@@ -638,10 +730,11 @@ def child_bench_cuda(spec: dict) -> dict:
             fwd_ms.append(e0.elapsed_time(e1))
             bwd_ms.append(e1.elapsed_time(e2))
         grad = state.pop("grad")
-        out["grad_aliases_logits"] = grad.data_ptr() == logits.data_ptr()
-        out["grad_dtype"] = str(grad.dtype)
-        out["grad_norm"] = _chunked_sq_norm(grad)
-        out["grad_finite"] = math.isfinite(out["grad_norm"])
+        if grad is not None:
+            out["grad_aliases_logits"] = grad.data_ptr() == logits.data_ptr()
+            out["grad_dtype"] = str(grad.dtype)
+            out["grad_norm"] = _chunked_sq_norm(grad)
+            out["grad_finite"] = math.isfinite(out["grad_norm"])
         out["loss"] = float(state["loss"])
         del grad
         out["ok"] = True
@@ -1069,6 +1162,38 @@ def _ratios(ours: dict, naive: dict, same_quantity: bool = True) -> dict:
     }
 
 
+def _overhead(path: dict, bare: dict) -> dict:
+    """``_ratios`` of the trainer's update pass to the bare function, with this comparison's target
+    (within 10% in time and in peak extra memory) in place of the ours/naive ones."""
+    r = {k: v for k, v in _ratios(path, bare, same_quantity=False).items() if not k.startswith(("target_", "loss_"))}
+    keys = ("peak_extra_mem_ratio_cuda", "peak_extra_mem_ratio_tracked", "peak_extra_mem_ratio_rss")
+    mem = next((r[k] for k in keys if r.get(k) is not None), None)
+    t = r["time_median_ratio"]
+    r["target_within_1.1x_met"] = None if t is None or mem is None else t <= 1.1 and mem <= 1.1
+    return r
+
+
+def _trainer_path(tokens: int, results: dict[str, dict]) -> dict:
+    """The trainer's rows measured at ``tokens`` (``TRAINER_GROUP``; results: variant -> child
+    result) and the ratios of its update pass to the bare function and to the naive pipeline."""
+    rows = {v: r for v, r in results.items() if v in TRAINER_GROUP and r["tokens"] == tokens}
+    out = {"tokens": tokens, "rows": {}, "ratios": {}}
+    for v, r in rows.items():
+        out["rows"][v] = {
+            "time_median_s": r["time_total_s"]["median"],
+            "time_fwd_median_s": _median(r["time_fwd_s"]),
+            "time_bwd_median_s": _median(r["time_bwd_s"]),
+            "peak_extra_bytes": r.get("cuda_peak_extra_bytes", r.get("tracked_peak_bytes")),
+            "peak_rss_extra_bytes": r.get("peak_rss_extra_bytes"),
+        }
+    for path in ("ours_rl_loss", "ours_rl_loss_noentropy"):
+        if path in rows and "ours_vp_inplace" in rows:
+            out["ratios"][f"{path}/ours_vp_inplace"] = _overhead(rows[path], rows["ours_vp_inplace"])
+        if path in rows and "naive_emapg" in rows:
+            out["ratios"][f"{path}/naive_emapg"] = _ratios(rows[path], rows["naive_emapg"], same_quantity=False)
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096)
@@ -1092,6 +1217,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-chunks", default="256,512,1024,2048")
     p.add_argument("--sweep-variants", default="ours_vp_inplace,ours_core_novalidate")
     p.add_argument("--tail-grad", default="unbiased", choices=("unbiased", "reference"))
+    p.add_argument("--trainer-tokens", default="",
+                   help="comma list of further token counts at which the trainer's path (TRAINER_GROUP) is measured")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: torch default)")
     p.add_argument("--mem-limit-gb", type=float, default=None,
                    help="extra-memory budget per child: RLIMIT_AS = virtual size after the inputs + budget "
@@ -1217,9 +1344,11 @@ def main(argv=None) -> int:
         print(f"cross-check ok={check.get('ok')}: "
               + json.dumps({k: v for k, v in check.items() if k not in ('note',)})[:800], flush=True)
 
-    # main comparison. The ours/naive variants run at one token count: when one of them fails with
-    # an allocation error, all of them are rerun at half the tokens (down to --min-tokens). The
-    # other variants (exact_kl, *_with_ref/anchor) start at that count and halve on their own.
+    # main comparison. The ours/naive variants and the trainer's path run at one token count (the
+    # trainer's path right after the bare function: the ratio of neighbours on a shared machine):
+    # when one of them fails with an allocation error, all of them are rerun at half the tokens
+    # (down to --min-tokens). The other variants (exact_kl, *_with_ref/anchor) start at that count
+    # and halve on their own.
     def write_partial() -> None:  # GPU mode: a run cut short by a time limit still leaves its results
         if cuda:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -1232,7 +1361,7 @@ def main(argv=None) -> int:
         write_partial()
         return r
 
-    critical = [v for v in variants if v in OURS + NAIVE]
+    critical = [v for v in variants if v in OURS + NAIVE + TRAINER_GROUP]
     others = [v for v in variants if v not in critical]
     tokens = args.tokens
     main_results: dict[str, dict] = {}
@@ -1267,6 +1396,26 @@ def main(argv=None) -> int:
         comparison["headline"] = {"pair": key, **comparison["ratios"][key]}
     comparison["targets"] = "ours peak extra memory <= 0.1x naive (tracked allocations; RSS ratio also given), time <= 0.5x"
     report["comparison"] = comparison
+
+    # the trainer's path: its rows at --tokens (above) and at every --trainer-tokens count
+    group = [v for v in TRAINER_GROUP if v in variants]
+    by_tokens = {tokens: main_results}
+    extra_tokens = sorted({int(x) for x in args.trainer_tokens.split(",") if x} - {tokens})
+    if group and extra_tokens:
+        report["trainer_sweep"] = []
+        for t in extra_tokens:
+            print(f"trainer path at tokens={t}:", flush=True)
+            by_tokens[t] = {}
+            for v in group:
+                r = run_child({**base, "variant": v, "tokens": t, "chunk_size": chunk}, args.child_timeout)
+                report["trainer_sweep"].append(r)
+                write_partial()
+                print(_summary_line(r), flush=True)
+                if r.get("ok"):
+                    by_tokens[t][v] = r
+    if group:
+        comparison["trainer_path"] = [_trainer_path(t, rs) for t, rs in sorted(by_tokens.items())]
+        comparison["trainer_path_target"] = "ours_rl_loss within 1.1x of ours_vp_inplace in time and peak extra memory"
 
     # chunk-size sweep
     if args.sweep_tokens > 0:
@@ -1318,6 +1467,10 @@ def main(argv=None) -> int:
         print(f"headline {h['pair']} at T={h['tokens']}: time x{h['time_median_ratio']:.3f} "
               f"(target <=0.5: {h['target_time_le_0.5x_met']}), peak extra mem tracked x{h['peak_extra_mem_ratio_tracked']} "
               f"rss x{h['peak_extra_mem_ratio_rss']:.3f} (target <=0.1: {h['target_mem_le_0.1x_met']})")
+    for entry in comparison.get("trainer_path", []):
+        for pair, r in entry["ratios"].items():
+            mem = next((r[k] for k in ("peak_extra_mem_ratio_cuda", "peak_extra_mem_ratio_tracked") if r.get(k)), None)
+            print(f"trainer path T={entry['tokens']} {pair}: time x{r['time_median_ratio']:.3f}, peak extra mem x{mem}")
     print(f"wrote {out}")
     return 0
 

@@ -21,6 +21,12 @@ from megatron_empg.core.checks import check_choice, check_finite
 # memory of the chunked Top-k KL: benchmarks/results/topk_kl_cpu_smoke.json, chunk sweep).
 DEFAULT_CHUNK_SIZE = 256
 
+# Bytes of the row blocks in which a chunk is reduced on CPU (6 rows at V = 151,936): the several
+# elementwise ops and sums of a block run while its rows are in the cache, where whole-chunk ops
+# would each stream the [chunk, V] buffer through memory; the entropy's second operand needs a
+# buffer of one block only (benchmarks/README.md, topk_kl.py: the trainer's path).
+CPU_BLOCK_BYTES = 4 << 20
+
 
 def _check_logits_ids(logits: Tensor, ids: Tensor) -> None:
     if ids.dtype != torch.int64:
@@ -57,23 +63,47 @@ def load_masked_(scratch: Tensor, rows: Tensor, n_valid: int) -> Tensor:
     return scratch
 
 
+def _row_blocks(z: Tensor):
+    """(start, end) row ranges of ``z`` [c, V] reduced together: about ``CPU_BLOCK_BYTES`` of rows
+    on CPU; elsewhere the whole chunk (on a GPU every op of every block is a kernel launch)."""
+    rows = z.shape[0]
+    if z.device.type == "cpu":
+        rows = CPU_BLOCK_BYTES // max(1, z.shape[1] * z.element_size())
+    return chunk_ranges(z.shape[0], max(1, rows))
+
+
 def logsumexp_(z: Tensor, *, with_mean: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Row logsumexp of ``z`` [c, V], overwriting ``z`` with exp(z - rowmax).
+    """Row logsumexp of ``z`` [c, V] (the accumulation dtype), overwriting ``z``.
+
+    With ``with_mean`` the same pass also gives sum_j softmax(z)_j z_j (the entropy is lse minus
+    it) from exp(z - max) in a block-sized buffer and z - max in ``z``: no [c, V] temporary, and no
+    log of the probabilities.
 
     Returns:
-        (lse [c]; sum_j softmax(z)_j z_j [c] when ``with_mean``, else None). A row of -inf only
-        has lse = -inf (and mean 0).
+        (lse [c]; sum_j softmax(z)_j z_j [c] when ``with_mean``, else None). A row of -inf only has
+        lse = -inf (and mean 0).
     """
-    row_max = z.amax(-1, keepdim=True)  # [c, 1]
-    row_max.masked_fill_(row_max.isinf(), 0)  # all -inf: exp stays 0 and lse = log 0 = -inf
-    unnormalized = z.sub_(row_max).exp_()
-    total = unnormalized.sum(-1, keepdim=True)
-    lse = (total.log() + row_max).squeeze(-1)
-    if not with_mean:
-        return lse, None
-    # sum_j e_j (z_j - max) = sum_j xlogy(e_j, e_j); xlogy(0, 0) = 0 for padding and underflow.
-    mean = torch.xlogy(unnormalized, unnormalized).sum(-1, keepdim=True).div_(total).add_(row_max)
-    return lse, mean.squeeze(-1)
+    lse = z.new_empty(z.shape[0])
+    mean = z.new_empty(z.shape[0]) if with_mean else None
+    buffer = None
+    for s, e in _row_blocks(z):
+        block = z[s:e]
+        row_max = block.amax(-1, keepdim=True)  # [b, 1]
+        row_max.masked_fill_(row_max.isinf(), 0)  # all -inf: exp stays 0 and lse = log 0 = -inf
+        block.sub_(row_max)
+        if not with_mean:
+            total = block.exp_().sum(-1)
+        else:
+            if buffer is None:  # the first block is the largest
+                buffer = torch.empty_like(block)
+            unnormalized = torch.exp(block, out=buffer[: e - s])
+            total = unnormalized.sum(-1)
+            # sum_j e_j (z_j - max); -inf (padding) made finite first: 0 * -inf would be NaN
+            weighted = unnormalized.mul_(block.clamp_(min=torch.finfo(z.dtype).min)).sum(-1)
+            # total >= 1 (the max contributes exp 0) unless the row is all -inf, where the mean is 0
+            mean[s:e] = weighted.div_(total.clamp(min=1)).add_(row_max.squeeze(-1))
+        lse[s:e] = total.log_().add_(row_max.squeeze(-1))
+    return lse, mean
 
 
 def logsoftmax_backward_(
@@ -103,16 +133,20 @@ def logsoftmax_backward_(
         ``z``, now the [c, V] gradient (0 on padding columns).
     """
     coef = grad_total[:, None] if grad_total is not None else z.new_zeros(z.shape[0], 1)
-    log_p = z.sub_(lse[:, None])
-    if grad_entropy is None:
-        grad = log_p.exp_().mul_(-coef)
-    else:  # needs p and log p at once: the one extra [c, V] temporary
-        p = log_p.exp()
-        log_p.nan_to_num_(nan=0.0, neginf=0.0)  # -inf only where p = 0: avoids 0 * -inf
-        grad = log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(coef).mul_(p).neg_()
+    buffer = None
+    for s, e in _row_blocks(z):
+        log_p = z[s:e].sub_(lse[s:e, None])
+        if grad_entropy is None:
+            log_p.exp_().mul_(-coef[s:e])
+        else:  # needs p and log p at once: p goes to a block-sized buffer
+            if buffer is None:  # the first block is the largest
+                buffer = torch.empty_like(log_p)
+            p = torch.exp(log_p, out=buffer[: e - s])
+            log_p.nan_to_num_(nan=0.0, neginf=0.0)  # -inf only where p = 0: avoids 0 * -inf
+            log_p.add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None]).add_(coef[s:e]).mul_(p).neg_()
     if grad_ids is not None:
-        grad.scatter_add_(-1, ids, grad_ids)
-    return grad
+        z.scatter_add_(-1, ids, grad_ids)
+    return z
 
 
 class _GatherLogprobs(torch.autograd.Function):

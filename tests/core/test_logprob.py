@@ -10,8 +10,18 @@ import math
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from megatron_empg.core.logprob import exact_kl, gather_logprobs, logsumexp_and_entropy, topk_logprobs
+from megatron_empg.core import logprob
+from megatron_empg.core.logprob import (
+    exact_kl,
+    gather_logprobs,
+    load_masked_,
+    logsoftmax_backward_,
+    logsumexp_,
+    logsumexp_and_entropy,
+    topk_logprobs,
+)
 
 B, S, V = 2, 5, 33  # T = B * S = 10 tokens
 CHUNK_SIZES = [1, 3, 10, 1024]  # 1, one not dividing T, T, larger than T
@@ -139,6 +149,103 @@ def test_logsumexp_and_entropy_match_full_softmax(dtype, chunk_size):
     # float32 sums over V = 33 terms in a different order.
     torch.testing.assert_close(actual_lse, expected_lse, rtol=0, atol=1e-6)
     torch.testing.assert_close(actual_entropy, expected_entropy, rtol=0, atol=1e-5)
+
+
+# --- the in-chunk passes: row blocks, padding, underflow -----------------------------------------
+
+WIDTH, N_VALID = 40, 33  # columns N_VALID: are padding (-inf), as on the last TP shard
+BLOCK_ROWS = [WIDTH, 3, 1]  # the whole chunk of 7 rows in one block; blocks of 3 (7 = 3 + 3 + 1); rows one by one
+
+
+def _hard_logits(dtype: torch.dtype) -> torch.Tensor:
+    """[7, WIDTH] logits: random rows, a row whose exp underflows to 0 in float32 (0 and -3 among
+    -150s), a row with one dominant logit (the other probabilities ~ e^-40)."""
+    g = torch.Generator().manual_seed(7)
+    x = 3.0 * torch.randn(7, WIDTH, generator=g)
+    x[1] = -150.0
+    x[1, 5], x[1, 6] = 0.0, -3.0
+    x[2, 9] = 40.0
+    return x.to(dtype)
+
+
+def _scratch(logits: torch.Tensor) -> torch.Tensor:
+    return load_masked_(torch.empty(logits.shape), logits, N_VALID)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_rows", BLOCK_ROWS)
+def test_logsumexp_with_mean_gives_the_float64_entropy(dtype, block_rows, monkeypatch):
+    monkeypatch.setattr(logprob, "CPU_BLOCK_BYTES", block_rows * WIDTH * 4)
+    logits = _hard_logits(dtype)
+    real = logits[:, :N_VALID].to(torch.float64)
+    expected_lse = torch.logsumexp(real, dim=-1)
+    expected_entropy = torch.special.entr(torch.softmax(real, dim=-1)).sum(-1)
+    lse, mean = logsumexp_(_scratch(logits), with_mean=True)
+    lse_only, no_mean = logsumexp_(_scratch(logits))
+    assert no_mean is None and torch.equal(lse_only, lse)
+    # float32 rounding of values up to |z| = 40, where one ulp is 3.8e-6
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=0, atol=4e-6)
+    torch.testing.assert_close((lse - mean).double(), expected_entropy, rtol=0, atol=4e-6)
+
+
+def test_logsumexp_of_a_row_of_padding_only_is_minus_inf_with_mean_zero():
+    z = torch.full((2, 5), float("-inf"))
+    z[1] = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])
+    lse, mean = logsumexp_(z, with_mean=True)
+    expected_mean = (torch.softmax(torch.arange(5.0), dim=0) * torch.arange(5.0)).sum()
+    assert lse[0] == float("-inf") and mean[0] == 0.0
+    torch.testing.assert_close(lse[1], torch.logsumexp(torch.arange(5.0), dim=0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(mean[1], expected_mean, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_rows", BLOCK_ROWS)
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_logsoftmax_backward_matches_float64_autograd(dtype, block_rows, with_entropy, monkeypatch):
+    monkeypatch.setattr(logprob, "CPU_BLOCK_BYTES", block_rows * WIDTH * 4)
+    logits = _hard_logits(dtype)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, N_VALID, (7, 3), generator=g)
+    ids[:, 2] = ids[:, 0]  # a repeated id: accumulated
+    grad_ids = torch.randn(7, 3, generator=g)
+    grad_entropy = torch.randn(7, generator=g) if with_entropy else torch.zeros(7)
+    grad_entropy[3] = 0.0  # a masked token
+    leaf = logits[:, :N_VALID].to(torch.float64).requires_grad_(True)
+    log_p = torch.log_softmax(leaf, dim=-1)
+    entropy = torch.special.entr(log_p.exp()).sum(-1)
+    objective = (log_p.gather(-1, ids) * grad_ids.double()).sum() + (entropy * grad_entropy.double()).sum()
+    (expected,) = torch.autograd.grad(objective, leaf)
+    actual = logsoftmax_backward_(
+        _scratch(logits), torch.logsumexp(leaf.detach(), dim=-1).float(), ids, grad_ids, grad_ids.sum(-1),
+        entropy=entropy.detach().float() if with_entropy else None,
+        grad_entropy=grad_entropy if with_entropy else None,
+    )  # fmt: skip
+    assert torch.equal(actual[:, N_VALID:], torch.zeros(7, WIDTH - N_VALID))
+    # float32 rounding of terms p (g + g_H (log p + H)) with |gradient| <= 3
+    torch.testing.assert_close(actual[:, :N_VALID].double(), expected, rtol=0, atol=2e-6)
+
+
+def _largest_allocation(fn) -> int:
+    """Bytes of the largest CPU allocation ``fn()`` makes (torch.profiler's memory events)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+
+
+def test_entropy_passes_allocate_one_block_not_a_chunk(monkeypatch):
+    # The entropy needs p and log p (or z) at once: a second [c, V] float32 buffer per chunk was
+    # the cost of the metrics (on CPU a fresh one per chunk, with its page faults every time).
+    block_bytes = 4 * 4096 * 4  # 4 rows of 4096 float32
+    monkeypatch.setattr(logprob, "CPU_BLOCK_BYTES", block_bytes)
+    z = torch.randn(64, 4096)
+    lse = torch.logsumexp(z, dim=-1)
+    entropy = torch.special.entr(torch.softmax(z, dim=-1)).sum(-1)
+    forward_scratch, backward_scratch = z.clone(), z.clone()
+    ids, grad_entropy = torch.zeros(64, 1, dtype=torch.int64), torch.ones(64)
+    assert _largest_allocation(lambda: logsumexp_(forward_scratch, with_mean=True)) == block_bytes
+    assert _largest_allocation(
+        lambda: logsoftmax_backward_(backward_scratch, lse, ids, None, None, entropy=entropy, grad_entropy=grad_entropy)
+    ) == block_bytes
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])  # rounding of O(1) numbers
