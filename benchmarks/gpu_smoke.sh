@@ -4,14 +4,16 @@
 #
 #   0. installs the carried wheels (.whl/*.whl: megatron-core) into /tmp/site, prints the device
 #   a. python3 -m pytest -q -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py  (EMPG_GPU_RESULTS_DIR = the output folder)
-#   b. benchmarks/topk_kl.py --device cuda at 16,384 tokens            -> topk_kl_gpu.json
-#   c. benchmarks/train_step.py, R1-Distill-Qwen-1.5B bf16, 16 x 2048, micro-batch 1
+#   b. benchmarks/vocab_kernel.py --device cuda: the fused Triton k = 0 passes vs the torch path at
+#      16,384 tokens x 151,936 bf16 (check, bandwidth, launch-config sweep) -> vocab_kernel_gpu.json
+#   c. benchmarks/topk_kl.py --device cuda at 16,384 tokens            -> topk_kl_gpu.json
+#   d. benchmarks/train_step.py, R1-Distill-Qwen-1.5B bf16, 16 x 2048, micro-batch 1
 #                                                                      -> train_step_gpu.json
 #      and a longer point, 8 x 3072 (H100) / 8 x 4096 (>= 120 GiB)    -> train_step_gpu_long.json
 #   then a summary table (last in the output).
 #
 # Everything the steps print goes to smoke.log too; results land in ${OUT:-benchmarks/results}
-# (4 files from this script; the device tool returns at most 8). Each step has a time cap and the
+# (5 files from this script; the device tool returns at most 8). Each step has a time cap and the
 # whole run a budget (SMOKE_BUDGET_S, default 540 s) so that it ends inside the device tool's 10
 # minutes; a step that fails or runs out of time is recorded and the next one still runs. Exit
 # status: 0 when every step passed, 1 otherwise. SMOKE_CPU_DRY_RUN=1 runs the same flow on a CPU at
@@ -88,12 +90,17 @@ if ((GPU_MIB >= 122880)); then LONG_LEN=4096; else LONG_LEN=3072; fi
 LONG_LEN=${SMOKE_LONG_SEQ_LEN:-$LONG_LEN}
 
 MODEL=deepseek-r1-distill-qwen-1.5b
+VK_ARGS=(--device cuda --tokens 16384 --vocab 151936 --ids 33 --warmup 3 --repeats 10)
+VK_ENV=()
 TOPK_ARGS=(--device cuda --tokens 16384 --tp 1 --warmup 3 --repeats 10
     --sweep-tokens 16384 --sweep-chunks "1024,4096" --sweep-variants ours_vp_inplace)
 TRAIN_ARGS=(--model "$MODEL" --dtype bf16 --micro-batch 1 --warmup 1 --repeats 3 ${PEAK:+--peak-tflops "$PEAK"})
 TRAIN1_ARGS=(--seqs 16 --seq-len 2048 --kl "topk,k3" --checkpoint once)
 TRAIN2_ARGS=(--seqs 8 --seq-len "$LONG_LEN" --kl topk --checkpoint none)
 if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
+    # the kernels under Triton's interpreter (vocab_kernel.py also sets it for --device cpu)
+    VK_ARGS=(--device cpu --tokens 16 --vocab 512 --ids 33 --warmup 1 --repeats 1 --copy-gb 0.01 --sweep 256:4)
+    VK_ENV=(TRITON_INTERPRET=1)
     TOPK_ARGS=(--device cpu --tokens 256 --vocab 4096 --tp 1 --repeats 2 --sweep-tokens 256 --sweep-chunks 128
         --sweep-variants ours_vp_inplace --no-tracked)
     TRAIN_ARGS=(--model tiny-qwen2 --dtype fp32 --micro-batch 4 --warmup 1 --repeats 1)
@@ -131,6 +138,8 @@ step "gpu tests (pytest -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py)" 12
 # pytest's own count (a skip on the GPU machine is no pass): appended to the step's status
 PYTEST_COUNTS=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)' "$LOG" | tail -n1 | tr -d '=' | sed -E 's/^ +| +$//g' || true)
 [[ -n "$PYTEST_COUNTS" ]] && STEPS[-1]="${STEPS[-1]%%|*}|$(cut -d'|' -f2 <<<"${STEPS[-1]}"): $PYTEST_COUNTS|${STEPS[-1]##*|}"
+step "vocab_kernel ${VK_ARGS[*]:0:2}" 90 \
+    env "${VK_ENV[@]}" "$PY" benchmarks/vocab_kernel.py "${VK_ARGS[@]}" --out "$OUT_DIR/vocab_kernel_gpu.json"
 step "topk_kl --device cuda" 150 \
     "$PY" benchmarks/topk_kl.py "${TOPK_ARGS[@]}" --out "$OUT_DIR/topk_kl_gpu.json"
 # expandable segments: less fragmentation for the 1.5B model's long-lived states and activations
@@ -187,6 +196,34 @@ if t:
     if h:
         mem = h.get("peak_extra_mem_ratio_cuda", h.get("peak_extra_mem_ratio_tracked"))
         print(f"headline {h['pair']}: time x{h['time_median_ratio']:.3f}, peak extra memory x{mem if mem is None else round(mem, 4)}")
+
+k = load("vocab_kernel_gpu.json")
+if k:
+    p, paths, c = k.get("params", {}), k.get("paths") or {}, k.get("check") or {}
+    cb = (k.get("copy_bandwidth") or {}).get("bandwidth_GBps")
+    print(f"\nvocab_kernel: T={p.get('tokens')} V={p.get('vocab')} M={p.get('ids')} bf16, entropy, in-place; "
+          f"launch {k.get('default_launch_config')}; copy bandwidth {cb and round(cb)} GB/s"
+          f"{' (PARTIAL)' if k.get('partial') else ''}")
+    for mode, x in paths.items():
+        t = x["time_ms"]
+        print(f"{mode:<8} fwd {t['forward']['median']:8.3f} ms  bwd {t['backward']['median']:8.3f} ms  "
+              f"total {t['total']['median']:8.3f} ms  {x['achieved_bandwidth_GBps']['total']:6.0f} GB/s  "
+              f"{100 * x['fraction_of_copy_bandwidth']['total']:5.1f}% of copy")
+    if c:
+        print(f"check vs torch: {'OK' if c.get('ok') else 'MISMATCH'}: max |diff| logprobs "
+              f"{c.get('logprobs_max_abs_diff'):.1e}, entropy {c.get('entropy_max_abs_diff'):.1e}, "
+              f"grad {c.get('grad_max_abs_diff'):.1e}")
+    g = k.get("goal")
+    if g:
+        print(f"triton x{k['speedup_vs_torch']['total']:.1f} vs torch; {100 * g['achieved']:.1f}% of copy bandwidth "
+              f"(goal {100 * g['fraction_of_copy_bandwidth']:.0f}%: {'met' if g['met'] else 'NOT met'})")
+    best = min((s for s in k.get("sweep", []) if "error" not in s),
+               key=lambda s: s["forward_ms"] + s["backward_ms"], default=None)
+    if best:
+        print(f"best swept launch: BLOCK {best['block']} warps {best['num_warps']}: "
+              f"fwd {best['forward_GBps']:.0f} GB/s, bwd {best['backward_GBps']:.0f} GB/s")
+    if k.get("error"):
+        print("vocab_kernel error:", k["error"].strip().splitlines()[-1])
 
 rows = []
 for name in ("train_step_gpu.json", "train_step_gpu_long.json"):

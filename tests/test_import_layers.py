@@ -10,8 +10,9 @@ distributed`` is ``torch.distributed``), relative imports are resolved, ``import
 module (``torch.distributed.all_reduce`` after ``import torch``) counts as a use of that module.
 
 To add a layer or loosen a row, edit the tables; keep the direction downward
-(config/core -> parallel -> mcore / rollout / weight_sync -> trainer, with tasks on top of rollout:
-a task builds on rollout's generic data and rewards, and rollout never imports a task).
+(config/core, kernels -> parallel -> mcore / rollout / weight_sync -> trainer, with tasks on top of
+rollout: a task builds on rollout's generic data and rewards, and rollout never imports a task;
+kernels, the fused GPU kernels, import torch and triton only, and core never imports them).
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ MODULE_LEVEL: dict[str, dict[str, bool]] = {
     "package": {STDLIB: True},  # megatron_empg/__init__.py: importing the package is free
     "config": {STDLIB: True, "yaml": True, "megatron_empg.config": True},
     "core": {STDLIB: True, "torch": True, "torch.distributed": False, "megatron_empg.core": True},
+    # triton is imported only by the kernel modules, which the package imports on first use
+    "kernels": {
+        STDLIB: True, "torch": True, "torch.distributed": False, "triton": True, "megatron_empg.kernels": True,
+    },
     "parallel": {
         STDLIB: True, "torch": True,
-        "megatron_empg.core": True, "megatron_empg.parallel": True,
+        "megatron_empg.core": True, "megatron_empg.kernels": True, "megatron_empg.parallel": True,
     },
     "mcore": {
         STDLIB: True, "torch": True, **VERSION_GATES, "megatron": True,
@@ -303,6 +308,12 @@ VIOLATIONS = [
     ("megatron_empg.core.x", "from megatron_empg import config", "megatron_empg.config"),
     ("megatron_empg.core.x", "from ..parallel import vocab_parallel", "megatron_empg.parallel"),
     ("megatron_empg.core.x", "def f():\n    import megatron.core", "megatron.core"),
+    ("megatron_empg.core.x", "from megatron_empg.kernels import vocab_logprob_kernels", "megatron_empg.kernels"),
+    ("megatron_empg.core.x", "import triton", "triton"),
+    ("megatron_empg.kernels.x", "from megatron_empg.core import logprob", "megatron_empg.core"),
+    ("megatron_empg.kernels.x", "from megatron_empg.parallel import vocab_parallel", "megatron_empg.parallel"),
+    ("megatron_empg.kernels.x", "import torch.distributed as dist", "torch.distributed"),
+    ("megatron_empg.parallel.x", "import triton", "triton"),
     ("megatron_empg.parallel.x", "from megatron_empg.mcore import model", "megatron_empg.mcore"),
     ("megatron_empg.parallel.x", "from megatron.core import parallel_state", "megatron.core"),
     ("megatron_empg.rollout.x", "import vllm", "vllm"),
@@ -343,7 +354,9 @@ ALLOWED = [
      "from torch import Tensor, nn\nfrom .checks import check_bool\n"
      "from megatron_empg.core.aggregation import aggregate\nx = torch.nn.functional.softmax"),
     ("megatron_empg.parallel.x", "import torch.distributed as dist\nfrom torch import distributed\n"
-     "from megatron_empg.core import kl"),
+     "from megatron_empg.core import kl\nfrom megatron_empg.kernels import vocab_logprob_kernels"),
+    ("megatron_empg.kernels.x", "import torch\nimport triton\nimport triton.language as tl\n"
+     "def f():\n    from megatron_empg.kernels import vocab_logprob_triton"),
     ("megatron_empg.mcore.x", "from megatron.core import parallel_state\nimport megatron.core\n"
      "from megatron_empg.parallel import vocab_parallel\n"
      "from megatron_empg.config import RunConfig\n"

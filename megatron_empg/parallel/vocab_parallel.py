@@ -15,8 +15,11 @@ softmax, logsumexp and top-k. Nothing here gathers the vocabulary:
               re-rank the TP * k candidates by (value, -id)
 
 Only one [chunk, V_local] float32 temporary exists at a time (two when the entropy gradient is
-needed). With ``inplace_backward=True`` the gradient is written into the logits buffer, as
-Megatron's vocab-parallel cross-entropy does; use it only when nothing else reads those logits.
+needed). Without top-k (k = 0: the update and old passes) on CUDA, the local pass and the backward
+are instead one fused Triton kernel each, with no temporary (``kernels.vocab_logprob_triton``:
+one read of the logits forward, one read and one write backward; ``EMPG_VOCAB_KERNEL`` selects).
+With ``inplace_backward=True`` the gradient is written into the logits buffer, as Megatron's
+vocab-parallel cross-entropy does; use it only when nothing else reads those logits.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from megatron_empg.core.logprob import (
     topk_value_then_id,
 )
 from megatron_empg.core.topk_kl import TopkKL, topk_kl_from_gathered, topk_kl_ids
+from megatron_empg.kernels import vocab_logprob_kernels
 
 
 class VocabShard(NamedTuple):
@@ -104,6 +108,9 @@ def _local_pass(
     acc = accumulation_dtype(logits.dtype)
     num_tokens, width = logits.shape
     n_valid = shard.num_valid(width)
+    kernels = vocab_logprob_kernels(logits) if k == 0 else None
+    if kernels is not None:  # one fused read of the logits, same packed columns
+        return kernels.local_stats(logits, torch.where(owned, local_ids, -1), n_valid, with_entropy=with_entropy)
     local_k = min(k, width)
     first_id = 2 if with_entropy else 1
     packed = torch.zeros(num_tokens, first_id + local_ids.shape[1] + 2 * local_k, dtype=acc, device=logits.device)
@@ -157,6 +164,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             _all_gather(packed, shard.tp_group), num_ids=ids.shape[1], k=0, with_entropy=with_entropy
         )
         ctx.shard, ctx.chunk_size, ctx.inplace_backward = shard, chunk_size, inplace_backward
+        ctx.kernels = vocab_logprob_kernels(logits)  # the backward follows the forward's choice
         if not with_entropy:
             ctx.save_for_backward(logits, local_ids, owned, stats.lse)
             return stats.logprobs
@@ -175,17 +183,23 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             grad_total = grad_logprobs.to(acc).sum(-1)  # [T] every id, wherever it lives
             grad_ids = torch.where(owned, grad_logprobs.to(acc), 0)  # [T, M] the ids this rank owns
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
-        scratch = torch.empty(min(ctx.chunk_size, num_tokens), width, dtype=acc, device=logits.device)
-        for s, e in chunk_ranges(num_tokens, ctx.chunk_size):
-            grad_logits[s:e] = logsoftmax_backward_(
-                load_masked_(scratch[: e - s], logits[s:e], n_valid),
-                lse[s:e],
-                local_ids[s:e],
-                grad_ids[s:e] if grad_ids is not None else None,
-                grad_total[s:e] if grad_total is not None else None,
-                entropy=entropy[s:e] if entropy is not None else None,
-                grad_entropy=grad_entropy[s:e].to(acc) if grad_entropy is not None else None,
-            )
+        if ctx.kernels is not None:  # one read and one write of the logits
+            ctx.kernels.logsoftmax_backward(
+                logits, grad_logits, n_valid, lse, torch.where(owned, local_ids, -1), grad_ids, grad_total,
+                entropy, grad_entropy,
+            )  # fmt: skip
+        else:
+            scratch = torch.empty(min(ctx.chunk_size, num_tokens), width, dtype=acc, device=logits.device)
+            for s, e in chunk_ranges(num_tokens, ctx.chunk_size):
+                grad_logits[s:e] = logsoftmax_backward_(
+                    load_masked_(scratch[: e - s], logits[s:e], n_valid),
+                    lse[s:e],
+                    local_ids[s:e],
+                    grad_ids[s:e] if grad_ids is not None else None,
+                    grad_total[s:e] if grad_total is not None else None,
+                    entropy=entropy[s:e] if entropy is not None else None,
+                    grad_entropy=grad_entropy[s:e].to(acc) if grad_entropy is not None else None,
+                )
         # One None per forward argument after logits: ids, shard, chunk_size, inplace_backward, with_entropy.
         return grad_logits, None, None, None, None, None
 
