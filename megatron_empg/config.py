@@ -1161,6 +1161,12 @@ class TrainConfig:
     (the core attention, whose [b, heads, s, s] scores dominate long sequences); ``full`` (whole
     layers, ``recompute_num_layers`` per checkpointed unit: only their inputs are kept, each is run
     again in the backward pass). The gradient is the same; the time goes up and the memory down.
+
+    ``fused_output_loss``: the update pass computes the logits from the output layer's input and
+    weight one chunk of tokens at a time inside the loss (``parallel.fused_output``), so that the
+    [tokens, V / TP] logits and their gradient never exist whole: at 16,384 tokens of a 151,936
+    vocabulary 0.78 GB of GPU memory instead of 5.4 GB, for 1.5x the output layer's and the loss's
+    time (one more GEMM; H100, benchmarks/README.md). The gradient is the same up to rounding.
     """
 
     steps: int = 100
@@ -1174,6 +1180,7 @@ class TrainConfig:
     packing: bool = True
     max_tokens_per_microbatch: int | None = None
     balance: bool = True
+    fused_output_loss: bool = False
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "recompute_num_layers"):

@@ -15,7 +15,11 @@ last pipeline stage (``None`` on the others; ``share_stats`` sends them to every
 broadcasts).
 
 The update pass takes its objective as a bound function (``trainer.build.bind_loss``: ``rl_loss``
-with the run's options), so that this module knows no loss configuration.
+with the run's options), so that this module knows no loss configuration. With ``fused_output``
+(``train.fused_output_loss``) the model stops before its output layer (GPTModel's
+``output_processor`` hook) and the objective gets an ``OutputLayerInput`` (the layer's input and
+weight) instead of the logits: ``parallel.fused_output`` computes them one chunk of tokens at a
+time, so that the [b * s, V_local] logits and their gradient never exist whole.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from megatron_empg.core.aggregation import LossSum
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.parallel.collectives import collective_device
+from megatron_empg.parallel.fused_output import OutputLayerInput
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.rl_loss import RLLoss
 from megatron_empg.parallel.vocab_parallel import vocab_parallel_token_stats
@@ -40,6 +45,10 @@ cpu_shims.install_pre_import()
 
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import (  # noqa: E402
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 
 def causal_mask(seq_length: int, device: torch.device | None = None) -> Tensor:
@@ -51,21 +60,43 @@ def causal_mask(seq_length: int, device: torch.device | None = None) -> Tensor:
     return torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device).triu_(1)
 
 
-def _model_forward(model, batch: MicroBatch) -> Tensor:
-    """[b, s] input_ids -> the model's output (logits [b, s, V_local] on the last stage). A packed
-    row goes in as THD: attention and RoPE positions restart at every ``cu_seqlens`` boundary."""
+def _model_forward(model, batch: MicroBatch, *, fused_output: bool = False) -> Tensor | OutputLayerInput:
+    """[b, s] input_ids -> the model's output on the last stage: logits [b, s, V_local], or with
+    ``fused_output`` the ``OutputLayerInput`` (``_output_layer_input``). A packed row goes in as
+    THD: attention and RoPE positions restart at every ``cu_seqlens`` boundary."""
     input_ids = batch.input_ids
     b, s = input_ids.shape
+    hook = {"output_processor": _output_layer_input} if fused_output else {}
     if not batch.packed:
         positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        return model(input_ids, positions, causal_mask(s, input_ids.device))
+        return model(input_ids, positions, causal_mask(s, input_ids.device), **hook)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
                              max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)  # fmt: skip
-    return model(input_ids, batch.position_ids, None, packed_seq_params=packed)
+    return model(input_ids, batch.position_ids, None, packed_seq_params=packed, **hook)
 
 
-def _vocab_shard(logits: Tensor, groups: ParallelGroups) -> dict:
-    width = logits.shape[-1]
+def _output_layer_input(*, hidden_states: Tensor, output_layer, output_weight: Tensor | None, config, **_):
+    """GPTModel's ``output_processor``: the output layer's input [b, s, H] and weight [V_local, H]
+    (the shared embedding's when tied) in place of its logits.
+
+    The input goes through what ColumnParallelLinear does to it around its matmul, so that the
+    gradient reaching the decoder is Megatron's: under sequence parallelism the all-gather of the
+    [s / TP, b, H] shards (backward: reduce-scatter), else an identity whose backward all-reduces
+    the TP ranks' parts (a no-op at TP 1).
+    """
+    if output_layer.bias is not None or config.use_mup:
+        raise ValueError("fused_output: an output layer with a bias or MuP logit scaling is not supported")
+    group = output_layer.tp_group
+    if output_layer.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True, group=group)
+    else:
+        hidden = copy_to_tensor_model_parallel_region(hidden_states, group=group)
+    weight = output_layer.weight if output_weight is None else output_weight
+    return OutputLayerInput(hidden.transpose(0, 1), weight)  # [s, b, H] -> [b, s, H], as the logits
+
+
+def _vocab_shard(width: int, groups: ParallelGroups) -> dict:
+    """This TP rank's vocab shard of ``width`` (padded) columns."""
     return {"vocab_start": groups.tp_rank * width, "tp_group": groups.tp_group}
 
 
@@ -120,7 +151,7 @@ def _stats_loss(batch: MicroBatch, request: StatsRequest, groups: ParallelGroups
     kwargs = {"chunk_size": request.chunk_size} if request.chunk_size else {}
     stats = vocab_parallel_token_stats(
         logits.reshape(b * s, width), ids, request.k, vocab_size=request.vocab_size,
-        with_entropy=request.with_entropy, **_vocab_shard(logits, groups), **kwargs,
+        with_entropy=request.with_entropy, **_vocab_shard(width, groups), **kwargs,
     )  # fmt: skip
     out = {
         "logprobs": stats.logprobs[:, 0].reshape(b, s),
@@ -215,11 +246,13 @@ def score_sequences(
 
 
 LossFunction = Callable[..., RLLoss]
-"""``loss_fn(logits [b, s, V_local], batch: MicroBatch, *, vocab_start, tp_group) -> RLLoss``."""
+"""``loss_fn(logits [b, s, V_local] | OutputLayerInput, batch: MicroBatch, *, vocab_start, tp_group)
+-> RLLoss``."""
 
 
-def _update_loss(batch: MicroBatch, loss_fn: LossFunction, groups: ParallelGroups, logits: Tensor):
-    out = loss_fn(logits, batch, **_vocab_shard(logits, groups))
+def _update_loss(batch: MicroBatch, loss_fn: LossFunction, groups: ParallelGroups, output):
+    width = output.weight.shape[0] if isinstance(output, OutputLayerInput) else output.shape[-1]
+    out = loss_fn(output, batch, **_vocab_shard(width, groups))
     # Megatron accumulates the count in an int32 tensor and, with calculate_per_token_loss, divides
     # the gradients once by its global sum (finalize_model_grads).
     return out.loss.loss_sum, out.loss.count.to(torch.int), out.metrics
@@ -284,6 +317,7 @@ def train_step(
     loss_fn: LossFunction,
     *,
     groups: ParallelGroups,
+    fused_output: bool = False,
 ) -> StepResult:
     """One policy update: forward+backward over this DP rank's micro-batches, then the optimizer.
 
@@ -295,6 +329,8 @@ def train_step(
         microbatches: this DP rank's micro-batches (``MicroBatch``) with their old (and anchor) statistics,
             on the model's device. Their number may differ between DP ranks.
         loss_fn: the update-pass objective (``LossFunction``).
+        fused_output: give ``loss_fn`` the output layer's input and weight (``OutputLayerInput``)
+            instead of the logits (``train.fused_output_loss``; module docstring).
     """
     for model in ddp_models:
         model.train()
@@ -303,7 +339,8 @@ def train_step(
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        return _model_forward(model, batch), partial(_update_loss, batch, loss_fn, groups)
+        output = _model_forward(model, batch, fused_output=fused_output)
+        return output, partial(_update_loss, batch, loss_fn, groups)
 
     outputs = _run_schedule(ddp_models, microbatches, forward_step, forward_only=False)
     scheduler.step(increment=1)

@@ -2,7 +2,9 @@
 
 Everything per token is computed from this rank's logits shard [B, S, V_local] with one pass of
 ``vocab_parallel_logprobs`` (log pi at the sampled token, and at the Top-k index set when the KL
-is Top-k; the entropy only when it has a coefficient or is logged), then the ``core`` losses:
+is Top-k; the entropy only when it has a coefficient or is logged), or from the output layer's
+input and weight shard (``fused_output.OutputLayerInput``) with ``fused_output_logprobs``, which
+never holds more than one chunk of the logits; then the ``core`` losses:
 
     loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(H)
 
@@ -25,11 +27,11 @@ from torch import Tensor
 from megatron_empg.core.aggregation import LossSum, aggregate
 from megatron_empg.core.checks import check_choice, check_same_shape
 from megatron_empg.core.kl import KL_ESTIMATORS, sampled_kl
-from megatron_empg.core.logprob import DEFAULT_CHUNK_SIZE
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.policy_loss import POLICY_LOSSES
 from megatron_empg.core.rpg import RPG_KL_TERMS, RPG_POLICY_LOSSES, corrected_grpo_kl
 from megatron_empg.core.topk_kl import topk_kl_from_gathered, topk_kl_ids
+from megatron_empg.parallel.fused_output import OutputLayerInput, fused_output_logprobs
 from megatron_empg.parallel.vocab_parallel import vocab_parallel_logprobs
 
 ALL_POLICY_LOSSES = {**POLICY_LOSSES, **RPG_POLICY_LOSSES}
@@ -57,7 +59,7 @@ def check_rl_loss_options(policy_loss: str, kl: str | None, kl_coef: float, entr
 
 
 def rl_loss(
-    vocab_parallel_logits: Tensor,
+    vocab_parallel_logits: Tensor | OutputLayerInput,
     batch: MicroBatch,
     *,
     vocab_start: int,
@@ -71,14 +73,15 @@ def rl_loss(
     entropy_coef: float = 0.0,
     log_entropy: bool = True,
     agg_mode: str = "token-mean",
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     inplace_backward: bool = False,
     validate: bool = True,
 ) -> RLLoss:
     """The update-pass objective of one micro-batch from this rank's vocab shard (module docstring).
 
     Args:
-        vocab_parallel_logits: [B, S, V_local] (bf16 or fp32), this TP rank's columns.
+        vocab_parallel_logits: [B, S, V_local] (bf16 or fp32), this TP rank's columns; or an
+            ``OutputLayerInput`` (hidden [B, S, H], weight [V_local, H]) whose logits they are.
         batch: the ``MicroBatch`` (padded or packed) with ``target_ids``, ``loss_mask``,
             ``advantages``, ``old_logprobs`` and what the KL needs (``anchor_logprobs``, and
             ``topk_ids`` / ``topk_anchor_logprobs`` for a Top-k KL), and ``behavior_weights``
@@ -95,15 +98,20 @@ def rl_loss(
         kl_coef: beta >= 0. entropy_coef: the entropy bonus c >= 0.
         log_entropy: compute the entropy for the metrics even when ``entropy_coef`` is 0.
         agg_mode: ``core.aggregation.AGG_MODES``.
-        inplace_backward: write the logits gradient into ``vocab_parallel_logits``.
+        chunk_size: tokens per chunk; None: the default of the path (``core.logprob.DEFAULT_CHUNK_SIZE``
+            for logits, ``fused_output.FUSED_CHUNK_SIZE`` for an ``OutputLayerInput``).
+        inplace_backward: write the logits gradient into ``vocab_parallel_logits`` (no logits
+            tensor with an ``OutputLayerInput``: ignored).
 
     Returns:
         ``RLLoss``; ``loss.loss_sum`` carries the gradient.
     """
     check_rl_loss_options(policy_loss, kl, kl_coef, entropy_coef)
-    if vocab_parallel_logits.dim() != 3:
-        raise ValueError(f"vocab_parallel_logits must be [B, S, V_local], got {tuple(vocab_parallel_logits.shape)}")
-    lead = vocab_parallel_logits.shape[:2]
+    fused = isinstance(vocab_parallel_logits, OutputLayerInput)
+    rows = vocab_parallel_logits.hidden if fused else vocab_parallel_logits  # [B, S, H] or [B, S, V_local]
+    if rows.dim() != 3:
+        raise ValueError(f"{'hidden' if fused else 'vocab_parallel_logits'} must be [B, S, *], got {tuple(rows.shape)}")
+    lead = rows.shape[:2]
     num_tokens = lead.numel()
     kl_args = dict(kl_args or {})
     use_iw = bool(kl_args.pop("importance_weight", False))
@@ -117,11 +125,16 @@ def rl_loss(
         raise ValueError(f"kl={kl!r} needs batch.anchor_logprobs")
     check_same_shape(target_ids=batch.target_ids, behavior_weights=batch.behavior_weights)
     with_entropy = entropy_coef > 0 or log_entropy
-    gathered, entropy = vocab_parallel_logprobs(
-        vocab_parallel_logits.reshape(num_tokens, -1), ids,
-        vocab_start=vocab_start, vocab_size=vocab_size, tp_group=tp_group, chunk_size=chunk_size,
-        inplace_backward=inplace_backward, with_entropy=with_entropy, validate=validate,
-    )  # fmt: skip
+    shard = dict(vocab_start=vocab_start, vocab_size=vocab_size, tp_group=tp_group, with_entropy=with_entropy,
+                 validate=validate, **({"chunk_size": chunk_size} if chunk_size else {}))  # fmt: skip
+    if fused:
+        gathered, entropy = fused_output_logprobs(
+            rows.reshape(num_tokens, -1), vocab_parallel_logits.weight, ids, **shard
+        )
+    else:
+        gathered, entropy = vocab_parallel_logprobs(
+            rows.reshape(num_tokens, -1), ids, inplace_backward=inplace_backward, **shard
+        )
     gathered = gathered.reshape(*lead, -1)
     logprobs = gathered[..., -1]  # [B, S] log pi(target)
     mask = batch.loss_mask

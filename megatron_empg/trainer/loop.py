@@ -363,7 +363,7 @@ class Trainer:
         results = []
         for micro in minis:
             results.append(train_step(self.models, self.optimizer, self.scheduler, micro, self.components.loss_fn,
-                                      groups=self.groups))  # fmt: skip
+                                      groups=self.groups, fused_output=self.config.train.fused_output_loss))  # fmt: skip
             self.optimizer_steps += 1
         merged = {f"actor/{k}": statistics.fmean(r.metrics[k] for r in results) for k in results[0].metrics}
         merged["actor/grad_norm"] = statistics.fmean(r.grad_norm for r in results)
