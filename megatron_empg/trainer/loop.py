@@ -100,12 +100,14 @@ class Trainer:
         self.batching = BatchStage(config, self.model, self.placement, groups,
                                    pad_id=self.tokenizer.pad_token_id or 0)  # fmt: skip
         self._check_machine(engine_here=self.placement.is_owner and not remote)
-        with ignored_in_children():  # a pre-emption signal to the process group must not kill it
-            start_checkpoint_writer()
         # The engines start before the policy is built (vLLM checks the free GPU memory it is given).
         self.remote = RemoteEngines(link) if remote else None
         self.rollouts = None if remote else RolloutStage(config, self.model, self.tokenizer, components.engine,
                                                          self.placement, run_dir=self.run_dir)  # fmt: skip
+        # Megatron's checkpoint writer (a spawned process): a pre-emption signal to the process group must
+        # not kill it
+        with ignored_in_children():
+            start_checkpoint_writer()
         parallel_state.seed_everything(config.train.seed, groups.pp_rank)  # again: an in-process vLLM seeds globally
         self._build_policy()
         self.anchor = self._build_anchor()

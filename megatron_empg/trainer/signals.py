@@ -3,7 +3,7 @@ warning; torchrun passes both on to every rank).
 
     with stop_signals(lambda signum, frame: ...):   # a training rank, an engine rank
         ...
-    with ignored_in_children(STOP_SIGNALS):         # around the start of a child process
+    with ignored_in_children():                     # around the start of a child process
         start_the_child()
 
 torchrun (``os.killpg``) and Slurm send these signals to whole process groups: the children a
@@ -28,10 +28,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 @contextlib.contextmanager
 def ignored_in_children(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
-    """Processes started inside (fork or spawn) keep ``signals`` blocked; this thread blocks them
-    while inside, and a signal held meanwhile reaches this process's handlers on exit."""
-    # multiprocessing starts its resource tracker at the first spawn and then UNBLOCKS SIGINT and
-    # SIGTERM in the calling thread (resource_tracker.ensure_running): start it before blocking.
+    """Processes started inside keep ``signals`` blocked; this thread blocks them while inside, and a
+    signal held meanwhile reaches this process's handlers on exit."""
+    # multiprocessing starts its resource tracker at the first spawn (vLLM spawns its engine core,
+    # Megatron its writer) and then UNBLOCKS SIGINT and SIGTERM in the calling thread
+    # (resource_tracker.ensure_running): started first, it leaves the block alone.
     resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:

@@ -52,8 +52,13 @@ def _preempt(command, env, log, metrics, lines: int, send) -> int:
 def _stopped_at(log, *, torchrun: bool = False) -> int:
     text = log.read_text()
     assert "BrokenPipeError" not in text and "CheckpointError" not in text, text[-4000:]
-    # torchrun re-raises the signal it forwarded (its own traceback); the ranks print none
-    assert text.count("Traceback") == ("SignalException: Process" in text if torchrun else 0), text[-4000:]
+    # The ranks print no traceback. Others: torchrun re-raises the signal it forwarded, and
+    # multiprocessing's resource tracker, shared by the trainer and vLLM's spawned engine, may be
+    # told twice that a shared-memory segment is gone (KeyError '/psm_...': CPython 3.11's tracker).
+    raised = [line for line in text.splitlines() if re.match(r"[\w.]+(Error|Exception)\b.*", line)]
+    others = [line for line in raised if not line.startswith("KeyError: '/psm_") and
+              not (torchrun and "SignalException: Process" in line)]  # fmt: skip
+    assert not others, text[-4000:]
     stops = re.findall(r"signal \d+: checkpointed at step (\d+), stopping", text)
     assert len(stops) == 1, text[-4000:]
     return int(stops[0])
