@@ -281,7 +281,8 @@ def main(argv=None) -> int:
         print("no CUDA device", file=sys.stderr)
         return 1
     timer = Timer(torch, device)
-    block, warps = kernels.launch_config(args.vocab, torch.bfloat16)
+    launch = {name: dict(zip(("block", "num_warps"), kernels.launch_config(args.vocab, torch.bfloat16, forward=fwd)))
+              for name, fwd in (("forward", True), ("backward", False))}  # fmt: skip
     result = {
         "benchmark": "vocab_kernel",
         "schema": 1,
@@ -293,7 +294,7 @@ def main(argv=None) -> int:
             "dirty": (_git("status", "--porcelain", "--", "megatron_empg") or "").splitlines(),
         },
         "params": {**vars(args), "dtype": "bf16", "tp": 1, "inplace_backward": True, "with_entropy": True},
-        "default_launch_config": {"block": block, "num_warps": warps},
+        "default_launch_config": launch,
         "partial": True,
     }
     status = 0
