@@ -178,6 +178,7 @@ def _bind_and_run(config: RunConfig, world_size: int, held, *, resume: bool, ove
 def _run(config: RunConfig, components, *, resume: bool) -> int:
     import torch.distributed as dist
 
+    from megatron_empg.mcore.checkpoint_files import CheckpointError
     from megatron_empg.rollout.retriever.client import RetrieverError
     from megatron_empg.trainer.loop import Trainer
     from megatron_empg.trainer.metrics_log import MetricsLogger
@@ -199,6 +200,10 @@ def _run(config: RunConfig, components, *, resume: bool) -> int:
     logger = MetricsLogger(config, config.train.steps, enabled=dist.get_rank() == 0)
     try:
         trainer.run(resume=resume, logger=logger)
+    except CheckpointError as error:  # a save that failed (a full disk), no intact checkpoint: said plainly
+        if dist.get_rank() == 0:
+            sys.stderr.write(f"empg: error: {error}\n")
+        return 1
     finally:
         logger.close()
         trainer.shutdown()
