@@ -4,6 +4,7 @@ the run as a subprocess (one process, or N ranks through ``launchers/torchrun.sh
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,3 +109,13 @@ def processes_with(marker: str, settle_s: float = 10.0) -> list[int]:
         if not pids or time.monotonic() > deadline:
             return pids
         time.sleep(0.5)
+
+
+def unexpected_errors(text: str, *, torchrun: bool = False) -> list[str]:
+    """The exception lines of a run's output that are not expected: torchrun re-raises a signal it
+    forwarded (``SignalException``), and multiprocessing's resource tracker, shared by the trainer
+    and vLLM's spawned engine core, may be told twice that a shared-memory segment is gone
+    (``KeyError: '/psm_...'``: CPython 3.11's tracker registers both ends). A rank's error is none."""
+    raised = [line for line in text.splitlines() if re.match(r"(\[rank\d+\]: )?[\w.]+(Error|Exception)\b", line)]
+    return [line for line in raised if not re.search(r"KeyError: '/psm_", line)
+            and not (torchrun and "SignalException: Process" in line)]  # fmt: skip
