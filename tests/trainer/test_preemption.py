@@ -1,6 +1,6 @@
 """Pre-emption signals that reach the whole process group, after a periodic checkpoint: through
 ``launchers/torchrun.sh`` (SIGTERM to the launcher: torchrun sends SIGUSR1 to each rank's process
-group, the engine's process and Megatron's checkpoint writer included) and straight to the process
+group, Megatron's checkpoint writer included) and straight to the process
 group of ``empg train`` (``kill -TERM -PGID``). Each run checkpoints at the step it reached and exits;
 every step logged before the signals equals the uninterrupted run's (the second run resumed from the
 first's checkpoint), and no process is left."""
@@ -22,8 +22,9 @@ from tests.trainer.demo_runs import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-# the engine in its own process (a child in the group), as the launcher sets it on CPU
-ENGINE = ("rollout.in_process=false", "weight_sync.transport=shm_file")
+# the engine in the trainer's process (CI time: the engine in a process of its own is pre-empted in
+# tests/trainer/test_trainer_multirank.py and tests/launchers/test_slurm.py); the launcher adds nothing
+ENGINE = ("rollout.in_process=true", "weight_sync.transport=in_process")
 TRAINING = ("actor/loss", "actor/policy_loss", "actor/kl", "actor/grad_norm", "actor/entropy")
 TIMEOUT_S = 300
 
