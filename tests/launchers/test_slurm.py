@@ -9,7 +9,7 @@ per step, from the short warm start) without a container:
 3. Pre-emption: SIGUSR1 to the batch script (what ``--signal=B:USR1@300`` sends before the time limit)
    mid-run, after periodic checkpoints: the ranks checkpoint the step they reached, the script
    requeues the job, and the requeued run resumes from that checkpoint with the step counter going
-   on; its steps equal those of an uninterrupted run.
+   on.
 
 Skipped when Slurm or munge is not installed, unless EMPG_REQUIRE_SLURM=1 (CI: ``.ci/run`` installs
 them with ``tools/ci_install_slurm.sh``), where that is a failure; the same for the nemo-run
@@ -29,7 +29,7 @@ import yaml
 from megatron_empg.mcore.checkpoint import read_checkpoint_info
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.launchers.slurm_cluster import CRED_EXPIRE_S, SlurmCluster
-from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, REPO, run_train, small_demo_config, unexpected_errors
+from tests.trainer.demo_runs import REPO, small_demo_config, unexpected_errors
 
 # timeout: the pre-emption test runs a job twice (its own waits are bounded by JOB_TIMEOUT_S each).
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.dist, pytest.mark.vllm, pytest.mark.megatron,
@@ -137,8 +137,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, tmp_p
     with a checkpoint after every step (so the signalled save is not the first one: Megatron's writer
     must have survived the signal). Once the ranks report the step N they stopped after, the config
     is cut to N + 1 steps for the requeued run, which starts once its credential lifetime has passed
-    (``CRED_EXPIRE_S``). Then one process runs the N + 1 steps uninterrupted: the same samples,
-    rewards and training statistics."""
+    (``CRED_EXPIRE_S``)."""
     config, data = _write_config(tmp_path, warm_start, steps=1000, interval=1)
     log = tmp_path / "job.out"
     run = tmp_path / "run"
@@ -166,12 +165,3 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, tmp_p
     kept = range(max(1, stopped - 3), stopped + 2)  # keep_last 5
     assert _checkpoints(run) == [f"step_{step:08d}" for step in kept]
     assert not unexpected_errors(text), text[-4000:]
-
-    reference = small_demo_config(tmp_path, "reference", warm_start, stopped + 1)
-    done = run_train(reference, tmp_path, "reference", *CPU_DEFAULTS.split(), timeout=JOB_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-4000:]
-    expected = read_metrics(tmp_path / "reference" / "metrics.jsonl")
-    for got, want in zip(read_metrics(run / "metrics.jsonl"), expected, strict=True):
-        assert got["rollout/digest"] == want["rollout/digest"] and got["reward/mean"] == want["reward/mean"]
-        for key in ("actor/loss", "actor/kl", "actor/grad_norm", "actor/entropy"):
-            assert got[key] == pytest.approx(want[key], rel=CLOSE_REL, abs=CLOSE_ABS), (got["step"], key)
