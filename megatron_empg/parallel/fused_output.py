@@ -50,6 +50,7 @@ from megatron_empg.parallel.vocab_parallel import (
     _local_pass,
     _owned_local_ids,
     _reduce_pass,
+    upstream_grads,
 )
 
 # Tokens per chunk. Each chunk's weight-gradient GEMM reads and writes the whole float32 [V_local, H]
@@ -128,10 +129,7 @@ class _FusedOutputLogprobs(torch.autograd.Function):
         num_tokens, width = hidden.shape[0], weight.shape[0]
         n_valid = ctx.shard.num_valid(width)
         acc = lse.dtype
-        grad_ids = grad_total = None
-        if grad_logprobs is not None:
-            grad_total = grad_logprobs.to(acc).sum(-1)  # [T] every id, wherever it lives
-            grad_ids = torch.where(owned, grad_logprobs.to(acc), 0)  # [T, M] the ids this rank owns
+        grad_ids, grad_total = upstream_grads(grad_logprobs, owned, acc)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         main_grad = _main_grad(weight) if ctx.needs_input_grad[1] else None
         grad_weight = main_grad

@@ -152,6 +152,15 @@ def _reduce_pass(gathered: Tensor, *, num_ids: int, k: int, with_entropy: bool) 
     return TokenStats(logprobs, lse, entropy, top_values - lse[:, None], top_ids)
 
 
+def upstream_grads(grad_logprobs: Tensor | None, owned: Tensor, acc: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+    """The log-probs' gradient [T, M] -> (at the ids this rank owns [T, M], summed over every id [T]),
+    in ``acc``; (None, None) when the log-probs get no gradient."""
+    if grad_logprobs is None:
+        return None, None
+    grad = grad_logprobs.to(acc)
+    return torch.where(owned, grad, 0), grad.sum(-1)
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     """log pi at global ids [T, M] (and the entropy [T]) from a vocab shard; no collective backward."""
 
@@ -178,10 +187,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         num_tokens, width = logits.shape
         n_valid = ctx.shard.num_valid(width)
         acc = lse.dtype
-        grad_ids = grad_total = None
-        if grad_logprobs is not None:
-            grad_total = grad_logprobs.to(acc).sum(-1)  # [T] every id, wherever it lives
-            grad_ids = torch.where(owned, grad_logprobs.to(acc), 0)  # [T, M] the ids this rank owns
+        grad_ids, grad_total = upstream_grads(grad_logprobs, owned, acc)
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
         if ctx.kernels is not None:  # one read and one write of the logits
             ctx.kernels.logsoftmax_backward(
