@@ -1,5 +1,6 @@
-"""Fixtures shared by the test packages: the CPU demo's warm start, built once per session (trainer and
-launcher tests)."""
+"""Fixtures shared by the test packages, built once per session (trainer and launcher tests): the CPU
+demo's warm start, and a one-process run of the small demo config that multi-rank runs are checked
+against."""
 
 from __future__ import annotations
 
@@ -19,3 +20,31 @@ def warm_start(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo") / "warm_start"
     make_demo_model(out, steps=300, stop_accuracy=0.0, eval_problems=16, restate_fraction=0.0, log=lambda _: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def small_demo_reference(tmp_path_factory, warm_start) -> list[dict]:
+    """The per-step metrics of ``small_demo_config`` run in one process (in-process engine) for
+    ``REFERENCE_STEPS`` steps: what a run of it on several ranks, or pre-empted and resumed, must
+    reproduce (``demo_runs.assert_same_steps``)."""
+    pytest.importorskip("vllm")
+    from megatron_empg.trainer.metrics_log import read_metrics
+    from tests.trainer.demo_runs import (
+        LAUNCH_TIMEOUT_S,
+        REFERENCE_STEPS,
+        run_train,
+        small_demo_config,
+    )
+
+    tmp = tmp_path_factory.mktemp("single")
+    done = run_train(small_demo_config(tmp, "single", warm_start, REFERENCE_STEPS), tmp, "single",
+                     timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    metrics = read_metrics(tmp / "single" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, REFERENCE_STEPS + 1))
+    # What is compared is not trivial: some samples are rewarded, the policy moves (lr > 0 from
+    # step 2) and is pulled back by a non-zero KL at step 3.
+    first = metrics[:3]
+    assert any(m["reward/mean"] > 0 for m in first) and any(abs(m["actor/policy_loss"]) > 1e-3 for m in first)
+    assert first[-1]["actor/lr"] > 0 and abs(first[-1]["actor/kl"]) > 1e-5
+    return metrics

@@ -3,13 +3,15 @@
 directory), and jobs of 2 gloo ranks running a few steps of the CPU demo recipe (4 prompts x 4 samples
 per step, from the short warm start) without a container:
 
-1. ``sbatch launchers/slurm/train.sbatch`` (EMPG_CPU=1) trains and checkpoints every step; a layout that
-   does not fit the allocation ends the job with exit code 2 before any rank starts.
-2. The same job through ``launchers/nemo_run_launch.py slurm`` (run.SlurmExecutor over run.LocalTunnel).
-3. Pre-emption: SIGUSR1 to the batch script (what ``--signal=B:USR1@300`` sends before the time limit)
-   mid-run, after periodic checkpoints: the ranks checkpoint the step they reached, the script
-   requeues the job, and the requeued run resumes from that checkpoint with the step counter going
-   on.
+1. A layout that does not fit the allocation ends a ``sbatch launchers/slurm/train.sbatch`` job
+   (EMPG_CPU=1) with exit code 2 before any rank starts.
+2. A job through ``launchers/nemo_run_launch.py slurm`` (run.SlurmExecutor over run.LocalTunnel)
+   trains and checkpoints every step.
+3. Pre-emption of a ``train.sbatch`` job: SIGUSR1 to the batch script (what ``--signal=B:USR1@300``
+   sends before the time limit) mid-run, after periodic checkpoints: the ranks checkpoint the step
+   they reached, the script requeues the job, and the requeued run resumes from that checkpoint with
+   the step counter going on; every step equals the run in one process. (CI time: this job is also
+   the test of a plain ``train.sbatch`` run.)
 
 Skipped when Slurm or munge is not installed, unless EMPG_REQUIRE_SLURM=1 (CI: ``.ci/run`` installs
 them with ``tools/ci_install_slurm.sh``), where that is a failure; the same for the nemo-run
@@ -29,7 +31,13 @@ import yaml
 from megatron_empg.mcore.checkpoint import read_checkpoint_info
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.launchers.slurm_cluster import CRED_EXPIRE_S, SlurmCluster
-from tests.trainer.demo_runs import REPO, small_demo_config, unexpected_errors
+from tests.trainer.demo_runs import (
+    REFERENCE_STEPS,
+    REPO,
+    assert_same_steps,
+    small_demo_config,
+    unexpected_errors,
+)
 
 # timeout: the pre-emption test runs a job twice (its own waits are bounded by JOB_TIMEOUT_S each).
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.dist, pytest.mark.vllm, pytest.mark.megatron,
@@ -66,22 +74,6 @@ def _steps(run_dir: Path) -> list[int]:
 
 def _checkpoints(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
-
-
-def test_sbatch_cpu_job_trains_and_checkpoints(slurm, warm_start, tmp_path):
-    config, _ = _write_config(tmp_path, warm_start, steps=3)
-    log = tmp_path / "job.out"
-    job = _sbatch(slurm, log, str(config))
-    fields = slurm.wait_done(job, JOB_TIMEOUT_S, log)
-    text = log.read_text()
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), slurm.report(job, log)
-    launch = f"train.sbatch: job {job} (restart 0): 1 nodes x 2 tasks, master {slurm.node}:{20000 + int(job) % 20000},"
-    assert launch in text and f"train {config} {CPU_DEFAULTS}" in text
-    run = tmp_path / "run"
-    assert _steps(run) == [1, 2, 3]
-    assert _checkpoints(run) == ["step_00000001", "step_00000002", "step_00000003"]
-    info = read_checkpoint_info(run / "checkpoints" / "step_00000003")
-    assert info["step"] == 3 and info["layout"]["world_size"] == 2 and info["layout"]["dp"] == 2
 
 
 @pytest.mark.parametrize(
@@ -132,12 +124,13 @@ def test_nemo_run_slurm_executor_over_a_local_tunnel(slurm, nemo_run_python, war
     assert "saved checkpoint" in log.read_text()
 
 
-def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, tmp_path):
+def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, small_demo_reference, tmp_path):
     """SIGUSR1 to the batch script once two steps are logged; the job's config asks for 1000 steps
     with a checkpoint after every step (so the signalled save is not the first one: Megatron's writer
     must have survived the signal). Once the ranks report the step N they stopped after, the config
     is cut to N + 1 steps for the requeued run, which starts once its credential lifetime has passed
-    (``CRED_EXPIRE_S``)."""
+    (``CRED_EXPIRE_S``). Every step, before and after the requeue, equals the uninterrupted run in
+    one process (two engines, one per replica: the digests are each one's share of the samples)."""
     config, data = _write_config(tmp_path, warm_start, steps=1000, interval=1)
     log = tmp_path / "job.out"
     run = tmp_path / "run"
@@ -151,17 +144,23 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, tmp_p
     stops = re.findall(stop, log.read_text())
     assert sorted(rank for rank, _ in stops) == ["0", "1"] and stops[0][1] == stops[1][1], stops
     stopped = int(stops[0][1])
+    assert stopped + 1 <= REFERENCE_STEPS, stopped
     data["train"]["steps"] = stopped + 1
     config.write_text(yaml.safe_dump(data))
 
     fields = slurm.wait_done(job, CRED_EXPIRE_S + JOB_TIMEOUT_S, log)
     text = log.read_text()
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), slurm.report(job, log)
+    launch = f"train.sbatch: job {job} (restart 0): 1 nodes x 2 tasks, master {slurm.node}:{20000 + int(job) % 20000},"
+    assert launch in text and f"train {config} {CPU_DEFAULTS}\n" in text
     assert f"train.sbatch: pre-empted: requeueing job {job}" in text
     assert f"train.sbatch: job {job} (restart 1):" in text and f"{CPU_DEFAULTS} --resume" in text
     resumed = re.findall(r"resumed from (\S+) at step (\d+)", text)
     assert resumed == [(str(run / "checkpoints" / f"step_{stopped:08d}"), str(stopped))], resumed
     assert _steps(run) == list(range(1, stopped + 2))  # the step counter goes on from the checkpoint
+    assert_same_steps(read_metrics(run / "metrics.jsonl"), small_demo_reference, same_tokens=False)
     kept = range(max(1, stopped - 3), stopped + 2)  # keep_last 5
     assert _checkpoints(run) == [f"step_{step:08d}" for step in kept]
+    info = read_checkpoint_info(run / "checkpoints" / f"step_{stopped + 1:08d}")
+    assert info["step"] == stopped + 1 and info["layout"]["world_size"] == 2 and info["layout"]["dp"] == 2
     assert not unexpected_errors(text), text[-4000:]

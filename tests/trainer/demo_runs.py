@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from megatron_empg.config import read_yaml
@@ -26,6 +27,13 @@ LAUNCH_TIMEOUT_S = 240  # one run of a few steps, on 2 ranks: ~40 s of start-up 
 # absolute). A layout bug (a wrong shard, a replica's batch missing from a reduction) changes these
 # by percents or more.
 CLOSE_REL, CLOSE_ABS = 1e-5, 1e-6
+# Per-step metrics that are functions of the rollouts and the schedule only: equal when the samples are.
+EXACT = ("reward/mean", "reward/std", "reward/accuracy", "reward/malformed", "response/length_mean",
+         "response/truncated_fraction", "actor/lr", "anchor/updates", "sync/gbytes")  # fmt: skip
+# Sums over tokens of fp32 log-prob arithmetic: to CLOSE_REL, CLOSE_ABS.
+CLOSE = ("actor/loss", "actor/policy_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/ratio")
+REFERENCE_STEPS = 10  # of the one-process reference run (conftest.py small_demo_reference): a signalled
+# Slurm job stops some steps after the signal (steps of 0.4 s, signals through srun in 1.5 s)
 
 
 def demo_config(tmp: Path, name: str, warm_start: Path | None, steps: int = 3) -> dict:
@@ -119,3 +127,19 @@ def unexpected_errors(text: str, *, torchrun: bool = False) -> list[str]:
     raised = [line for line in text.splitlines() if re.match(r"(\[rank\d+\]: )?[\w.]+(Error|Exception)\b", line)]
     return [line for line in raised if not re.search(r"KeyError: '/psm_", line)
             and not (torchrun and "SignalException: Process" in line)]  # fmt: skip
+
+
+def assert_same_steps(ours: list[dict], reference: list[dict], *, same_tokens: bool) -> None:
+    """Each metrics record of ``ours`` against ``reference``'s record of the same step: ``EXACT``
+    keys equal, ``CLOSE`` keys to ``CLOSE_REL`` / ``CLOSE_ABS``, and with ``same_tokens`` the same
+    ``rollout/digest`` (False where the digest is one engine's share of the samples)."""
+    by_step = {m["step"]: m for m in reference}
+    for record in ours:
+        step = record["step"]
+        ref = by_step[step]
+        for key in EXACT:
+            assert record[key] == ref[key], (step, key, record[key], ref[key])
+        for key in CLOSE:
+            assert record[key] == pytest.approx(ref[key], rel=CLOSE_REL, abs=CLOSE_ABS), (step, key)
+        if same_tokens:
+            assert record["rollout/digest"] == ref["rollout/digest"], step
