@@ -1,8 +1,10 @@
 """The files of a checkpoint root, read and removed through the filesystem only (no collectives,
 no torch): directory names, completeness, the file manifest recorded at commit (sizes and CRC32s),
-the checkpoint a resume should load, disk space, and the leftovers of crashed saves.
-``mcore.checkpoint`` re-exports the public names and holds the collective parts (the CRC32s split
-over the ranks at save and at resume); its docstring draws the directory.
+the checkpoint a resume should load, disk space, the leftovers of crashed saves, atomic writes,
+and the files beside the shards (``model_config.yaml``, the HF assets).
+``mcore.checkpoint`` re-exports the public names; ``mcore.checkpoint_verify`` holds the collective
+parts (the CRC32s split over the ranks at save and at resume); ``mcore.checkpoint``'s docstring draws
+the directory.
 
 Manifest. ``empg_checkpoint.json`` lists every other file of its checkpoint directory::
 
@@ -22,10 +24,14 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any, Collection, Iterable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, NamedTuple
+
+if TYPE_CHECKING:
+    from megatron_empg.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +42,14 @@ DIST_CKPT_FILES = ("metadata.json", ".metadata")  # written by dist_checkpointin
 LATEST_FILE = "latest"
 TMP_MARK = ".tmp-"
 TRASH_MARK = ".trash-"
+MODEL_CONFIG_FILE = "model_config.yaml"  # the ModelConfig (config.to_yaml)
+HF_ASSETS_DIR = "hf"  # copies of the HF config and tokenizer files
+# Files of a HF model directory that are weights (the checkpoint holds those itself): never copied.
+HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
 CHUNK_BYTES = 4 << 20  # read size for CRC32s: 1-8 MiB measure alike (~3 GB/s); 4 MiB suits parallel filesystems
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-# What save_checkpoint and _write_atomic leave behind when they die: step_N.tmp-<nonce>,
+# What save_checkpoint and write_atomic leave behind when they die: step_N.tmp-<nonce>,
 # step_N.trash-<nonce> (directories) and latest.tmp-<nonce> (a file).
 _LEFTOVER = re.compile(r"^(step_\d{8,}|" + re.escape(LATEST_FILE) + r")\.(tmp|trash)-[0-9a-f]+$")
 
@@ -397,3 +407,61 @@ def checkpoint_bytes(path: str | os.PathLike) -> int:
     if files is None:
         return directory_bytes(path)
     return sum(entry["size"] for entry in files.values()) + (path / INFO_FILE).stat().st_size
+
+
+
+
+def read_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The ``ModelConfig`` stored in the checkpoint at ``path``; ``CheckpointError`` if it has none."""
+    from megatron_empg.config import load_model_config
+
+    config_path = Path(path) / MODEL_CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{path} has no {MODEL_CONFIG_FILE}: it was saved without model_config "
+            "(save_checkpoint(..., model_config=...)); give the model config another way"
+        )
+    return load_model_config(config_path)
+
+
+def copy_hf_assets(src: str | os.PathLike, dst: str | os.PathLike, *, exclude: Collection[str] = ()) -> list[str]:
+    """Copy the files of the HF model directory ``src`` that are not weights (config.json,
+    generation_config.json, tokenizer files, chat template, ...) into ``dst`` (created). Top-level
+    regular files only; hidden files, ``HF_WEIGHT_SUFFIXES`` and the names in ``exclude`` are
+    skipped. Returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise CheckpointError(f"HF assets directory {src} is not a directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for entry in sorted(src.iterdir()):
+        if (not entry.is_file() or entry.name.startswith(".") or entry.name.endswith(HF_WEIGHT_SUFFIXES)
+                or entry.name in exclude):  # fmt: skip
+            continue
+        shutil.copyfile(entry, dst / entry.name)
+        copied.append(entry.name)
+    return copied
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file, fsync and ``os.replace`` (then fsync the dir)."""
+    tmp = path.with_name(f"{path.name}{TMP_MARK}{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -50,9 +50,9 @@ from megatron_empg.mcore.checkpoint import (
     FORMAT,
     FORMAT_VERSION,
     TMP_MARK,
-    _fsync_dir,
     checkpoint_info,
     finish_checkpoint_dir,
+    fsync_dir,
     read_checkpoint_info,
     read_model_config,
 )
@@ -134,12 +134,12 @@ def atomic_output_dir(out: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         try:
             os.replace(tmp, out)  # atomic; replaces an empty directory, fails on a non-empty one
         except OSError as e:
             raise OutputDirError(f"cannot move the finished output {tmp} to {out}: {e}") from e
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

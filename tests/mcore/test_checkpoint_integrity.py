@@ -164,18 +164,18 @@ def _world1(rank: int, world_size: int, root: str) -> dict:
         run.step()
         out["full_error"] = _with_file_size_limit(FSIZE_LIMIT, lambda: _errors(run.save, str(full)))
         out["full_listing"] = sorted(os.listdir(full))
-        original = ckpt._write_atomic
+        original = ckpt.write_atomic
 
         def no_space(path, text):
             if path.name == ckpt.INFO_FILE:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             original(path, text)
 
-        ckpt._write_atomic = no_space
+        ckpt.write_atomic = no_space
         try:
             out["commit_error"] = _errors(run.save, str(full))
         finally:
-            ckpt._write_atomic = original
+            ckpt.write_atomic = original
         out["commit_listing"] = sorted(os.listdir(full))
         found = ckpt.find_verified_checkpoint(full)
         out["full_resume"] = {"step": found.step, "loaded": run.load(found.path)["step"]}
