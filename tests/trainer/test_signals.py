@@ -80,3 +80,44 @@ def test_megatrons_checkpoint_writer_started_inside_survives_the_stop_signals(in
     assert done.returncode == (0 if inside else 1), done.stderr[-3000:]
     if not inside:  # the failure of the issue: the save after the signal writes into a dead pipe
         assert "BrokenPipeError" in done.stderr or "ConnectionRefusedError" in done.stderr or "EOFError" in done.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has died; its new parent has not reaped it yet
+
+
+@pytest.mark.megatron
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("ours", [True, False])
+def test_megatrons_checkpoint_writer_dies_with_a_killed_rank(ours):
+    """A rank SIGKILLed on its own (the OOM killer): the writer's Manager started by
+    ``start_checkpoint_writer`` goes with it; the one Megatron starts at the first save (the
+    negative control) is left running."""
+    start = ("from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer\n"
+             "from megatron_empg.trainer.signals import ignored_in_children\n"
+             "with ignored_in_children():\n    manager = start_checkpoint_writer()\n") if ours else (
+        "import multiprocessing\n"
+        "from megatron_empg.mcore import cpu_shims\n"
+        "cpu_shims.install_pre_import()\n"
+        "from megatron.core.dist_checkpointing.strategies import filesystem_async\n"
+        "filesystem_async.get_write_results_queue()\n"
+        "(manager,) = multiprocessing.active_children()\n")  # fmt: skip
+    code = f"import sys, time\n{start}print(manager.pid, flush=True)\ntime.sleep(120)\n"
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    manager = int(rank.stdout.readline())
+    try:
+        assert _alive(manager)
+        rank.kill()
+        rank.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(manager) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _alive(manager) is not ours
+    finally:
+        rank.kill()
+        if _alive(manager):
+            os.kill(manager, signal.SIGKILL)
