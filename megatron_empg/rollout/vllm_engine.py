@@ -40,7 +40,6 @@ vLLM is imported only when an engine is built. What the engine does on top of ``
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 import signal
 import weakref
@@ -377,10 +376,16 @@ class VllmEngine:
         llm, self._llm = self._llm, None
         core = llm.llm_engine.engine_core
         manager = getattr(getattr(core, "resources", None), "engine_manager", None)
-        for process in getattr(manager, "processes", ()):  # multiprocess: vLLM stops its engine core with
-            if process.is_alive():  # SIGTERM, which a trainer keeps blocked there (trainer.signals); SIGINT
-                os.kill(process.pid, signal.SIGINT)  # takes the same graceful path
+        processes = list(getattr(manager, "processes", ()))
+        for process in processes:  # multiprocess: vLLM stops its engine core with SIGTERM, which a
+            if process.is_alive():  # trainer keeps blocked there (trainer.signals); SIGINT takes the
+                os.kill(process.pid, signal.SIGINT)  # same graceful path
         core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        for process in processes:  # joined, so that none is left as a zombie of this process
+            process.join(timeout=SHUTDOWN_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=SHUTDOWN_TIMEOUT_S)
         del llm
         if self._in_process:
             _IN_PROCESS_ENGINES.discard(self)
@@ -388,6 +393,4 @@ class VllmEngine:
                 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
                 cleanup_dist_env_and_memory()
-        else:
-            multiprocessing.active_children()  # reaps an engine-core process that had to be killed
         gc.collect()
