@@ -90,6 +90,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has died; its new parent has not reaped it yet
 
 
+def _gone_within(pid: int, seconds: float = 10.0) -> bool:
+    """Whether process ``pid`` has died (``_alive`` false) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
 @pytest.mark.megatron
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("ours", [True, False])
@@ -113,10 +121,7 @@ def test_megatrons_checkpoint_writer_dies_with_a_killed_rank(ours):
         assert _alive(manager)
         rank.kill()
         rank.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while _alive(manager) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _alive(manager) is not ours
+        assert _gone_within(manager) is ours
     finally:
         rank.kill()
         if _alive(manager):
