@@ -91,6 +91,8 @@ def megatron_session() -> Iterator[ParallelGroups]:
     """
     created = False
     if not dist.is_initialized():
+        import torch.distributed.nn  # noqa: F401  before the world: see parallel.link.start_worlds
+
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         created = True
     elif dist.get_world_size() != 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -124,5 +125,17 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, **mega
 
 
 def destroy_model_parallel() -> None:
-    """Tear down Megatron's groups (the default process group stays)."""
-    _megatron_parallel_state().destroy_model_parallel()
+    """Tear down Megatron's groups (the default process group stays). Idempotent."""
+    ps = _megatron_parallel_state()
+    ps.destroy_model_parallel()
+    # Megatron 0.19's teardown misses some globals (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP``
+    # and its gloo twin). A group kept alive past ``destroy_process_group`` is freed during
+    # interpreter teardown, where its gloo threads can abort the process (std::terminate).
+    for name, value in list(vars(ps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
+    # RotaryEmbedding.forward is an lru_cache keyed by (self, ..., cp_group): it holds every model
+    # built in this process, and their groups.
+    rotary = sys.modules.get("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    if rotary is not None:
+        rotary.RotaryEmbedding.forward.cache_clear()

@@ -118,6 +118,12 @@ def start_worlds(engine_ranks: int, timeout: datetime.timedelta, *, engine_tp: i
     of every rank (NCCL on GPUs, else gloo); otherwise the training world of the first ranks, the
     engine world (gloo: it carries small objects) of the last ``engine_ranks``, and the link of
     training rank 0 and every ``engine_tp``-th engine rank. Every rank of the job calls it."""
+    # Imported before the world exists: its functions take ``group=group.WORLD`` as a default
+    # argument, bound at import, which would keep the world group (and its threads) alive past
+    # ``destroy_process_group`` into interpreter teardown. (Megatron and torch.distributed.checkpoint
+    # import it.)
+    import torch.distributed.nn  # noqa: F401
+
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

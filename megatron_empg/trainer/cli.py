@@ -187,16 +187,17 @@ def _run(config: RunConfig, components, *, resume: bool) -> int:
                             engine_tp=config.rollout.tensor_parallel_size)  # fmt: skip
     if role.is_engine:
         return _serve_engines(components, role)
+    failed = None
     try:
         trainer = Trainer(components, link=role.link)
     except ConfigError as error:  # what only the machine can tell (e.g. /dev/shm too small): before the engine
-        sys.stderr.write(f"empg: error: {error}\n")
-        dist.destroy_process_group()
-        return 2
+        failed = (2, str(error))
     except RetrieverError as error:  # rollout.search_agent's retriever is not there
-        sys.stderr.write(f"empg: error: {error}\n")
-        dist.destroy_process_group()
-        return 1
+        failed = (1, str(error))
+    if failed is not None:  # out of the except block (its traceback holds the half-built trainer's groups)
+        sys.stderr.write(f"empg: error: {failed[1]}\n")
+        _release_distributed()
+        return failed[0]
     logger = MetricsLogger(config, config.train.steps, enabled=dist.get_rank() == 0)
     try:
         trainer.run(resume=resume, logger=logger)
@@ -207,29 +208,47 @@ def _run(config: RunConfig, components, *, resume: bool) -> int:
     finally:
         logger.close()
         trainer.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        del trainer
+        _release_distributed()
     return 0
 
 
 def _serve_engines(components, role) -> int:
     """An engine rank of a disaggregated job: serve the training ranks until they stop."""
-    import torch.distributed as dist
-
     from megatron_empg.trainer.engine_rank import EngineRank
 
+    failed = None
     try:
         engines = EngineRank(components, role.link)
     except ConfigError as error:
-        sys.stderr.write(f"empg: error: {error}\n")
-        dist.destroy_process_group()
+        failed = str(error)
+    if failed is not None:  # out of the except block (its traceback holds the half-built engine rank)
+        sys.stderr.write(f"empg: error: {failed}\n")
+        _release_distributed()
         return 2
     try:
         engines.serve()
     finally:
         engines.shutdown()
-        dist.destroy_process_group()
+        del engines
+        _release_distributed()
     return 0
+
+
+def _release_distributed() -> None:
+    """Free every process group now, not in interpreter teardown: a gloo group freed there can abort
+    the process from its threads ("terminate called without an active exception", exit -6 after a
+    clean run). The model's groups sit in reference cycles (DDP), hence the collection."""
+    import gc
+
+    import torch.distributed as dist
+
+    from megatron_empg.mcore import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
