@@ -84,7 +84,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_empg.config import ModelConfig, to_yaml
-from megatron_empg.mcore import checkpoint_files
+from megatron_empg.mcore import checkpoint_files, cpu_shims
 from megatron_empg.mcore.checkpoint_files import (  # noqa: F401 (re-exported: the checkpoint API is one module)
     DIST_CKPT_FILES,
     FORMAT,
@@ -121,7 +121,6 @@ from megatron_empg.mcore.checkpoint_state import (  # noqa: F401 (re-exported)
     OPTIMIZER_FORMATS,
     anchor_sharded_state,
     get_rng_state,
-    import_megatron,
     init_fresh_torch_adam_state,
     is_distributed,
     layout_of,
@@ -360,7 +359,7 @@ def save_checkpoint(
         checksums: record every file's CRC32 in the manifest (the ranks share the read: about
             3 GB/s per rank from the page cache), for ``find_verified_checkpoint``. Without, sizes only.
     """
-    import_megatron()
+    cpu_shims.import_megatron()
     from megatron.core import dist_checkpointing
 
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -482,7 +481,7 @@ def load_checkpoint(
     """
     path = Path(path)
     info = read_checkpoint_info(path)  # before any import or collective: a bad path fails fast everywhere
-    import_megatron()
+    cpu_shims.import_megatron()
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 

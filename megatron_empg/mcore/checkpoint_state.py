@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.checkpoint_files import CheckpointError
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.parallel.collectives import collective_device
@@ -30,11 +29,6 @@ ANCHOR_PREFIX = "anchor_master."
 # "ShardedTensor.flattened_range is not supported".) The non-distributed optimizer ignores this.
 OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
 DEFAULT_OPTIMIZER_FORMAT = "fully_reshardable"
-
-
-def import_megatron() -> None:
-    cpu_shims.install_pre_import()
-    import megatron.core  # noqa: F401
 
 
 def unwrap(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:

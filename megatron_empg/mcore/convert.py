@@ -73,11 +73,6 @@ class OutputDirError(ConversionError):
     """The output directory exists and is not empty, or the finished output cannot be moved there."""
 
 
-def _import_megatron() -> None:
-    cpu_shims.install_pre_import()
-    import megatron.core  # noqa: F401
-
-
 # --------------------------------------------------------------------------------------------
 # Process set-up and output directories.
 
@@ -324,7 +319,7 @@ def write_model_checkpoint(
     ``provenance`` (in ``empg_checkpoint.json``). ``progress(name)`` is called when a tensor has been
     made (e.g. to advance a progress bar). Needs ``megatron_session``; returns ``out_dir``.
     """
-    _import_megatron()
+    cpu_shims.import_megatron()
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.serialization import _CONTENT_METADATA_KEY
@@ -398,7 +393,7 @@ class ModelCheckpointReader:
     """
 
     def __init__(self, path: str | os.PathLike, model: ModelConfig | None = None) -> None:
-        _import_megatron()
+        cpu_shims.import_megatron()
         from megatron.core import dist_checkpointing
 
         self.path = Path(path)

@@ -183,6 +183,12 @@ def install_pre_import(skip: Collection[str] = ()) -> None:
     _install(pre_import=True, skip=skip)
 
 
+def import_megatron() -> None:
+    """``import megatron.core`` with the pre-import shims applied: the one way this package imports it."""
+    install_pre_import()
+    import megatron.core  # noqa: F401
+
+
 def install_post_import(skip: Collection[str] = ()) -> None:
     """Apply the runtime shims; call in every rank after ``torch.distributed.init_process_group``."""
     _install(pre_import=False, skip=skip)

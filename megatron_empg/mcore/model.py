@@ -40,14 +40,9 @@ TE_MISSING = (
 )
 
 
-def _import_megatron() -> None:
-    cpu_shims.install_pre_import()
-    import megatron.core  # noqa: F401
-
-
 def te_available() -> bool:
     """Whether megatron-core found Transformer Engine."""
-    _import_megatron()
+    cpu_shims.import_megatron()
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
     return bool(HAVE_TE)
@@ -81,7 +76,7 @@ def transformer_config(
     ``qk_layernorm``, dropout 0, every fusion off (they need CUDA kernels; turn them on through
     ``overrides`` on GPU). ``overrides`` are any other ``TransformerConfig`` fields.
     """
-    _import_megatron()
+    cpu_shims.import_megatron()
     from megatron.core.transformer import TransformerConfig
 
     te = _resolve_use_te(use_te)
@@ -153,7 +148,7 @@ def recompute_overrides(mode: str, num_layers: int = 1) -> dict[str, Any]:
 def layer_spec(model: ModelConfig, *, use_te: bool | None = None) -> ModuleSpec:
     """The TE layer spec when Transformer Engine is importable (or ``use_te=True``), else the local
     one, whose core attention also takes packed (THD) rows (``mcore.packed_attention``)."""
-    _import_megatron()
+    cpu_shims.import_megatron()
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_empg.mcore.packed_attention import PackedDotProductAttention
@@ -208,7 +203,7 @@ def build_gpt_model(
     ``sharded_state_dict`` only; implies CPU initialization, stays off CUDA). ``config_overrides``
     go to ``transformer_config``.
     """
-    _import_megatron()
+    cpu_shims.import_megatron()
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -293,7 +288,7 @@ def local_name(name: str, layer_offset: int) -> str:
 
 def megatron_layer_offset(config: TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None) -> int:
     """Megatron's global index of the first layer of (``pp_rank``, ``vp_stage``); current rank by default."""
-    _import_megatron()
+    cpu_shims.import_megatron()
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     return get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
@@ -418,7 +413,7 @@ def load_full_state_dict(
 ) -> None:
     """Load this rank's TP/PP(/VPP) slice of a TP1/PP1 state dict into its model chunks (arguments:
     ``shard_full_state_dict``)."""
-    _import_megatron()
+    cpu_shims.import_megatron()
     from megatron.core import parallel_state as ps
 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -444,7 +439,7 @@ def named_weight_shards(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, to
 
 def gather_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Vocab-sharded logits ``[..., V_padded / TP]`` -> ``[..., vocab_size]`` (padding columns dropped)."""
-    _import_megatron()
+    cpu_shims.import_megatron()
     from megatron.core import tensor_parallel
 
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
