@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_empg.config import read_yaml  # noqa: E402
 from megatron_empg.trainer.metrics_log import read_metrics  # noqa: E402
+from tools.run_processes import processes_with  # noqa: E402
 
 RECIPE = REPO / "recipes" / "demo_cpu.yaml"
 LAUNCHER = REPO / "launchers" / "torchrun.sh"
@@ -62,6 +63,7 @@ class Suite:
     def __init__(self, work: Path, warm_start: Path, steps: int) -> None:
         self.work, self.warm_start, self.steps = work, warm_start, steps
         self.reference: list[dict] = []
+        self.sessions: dict[str, set[int]] = {}  # a case's runs, each a session of its own
 
     # ------------------------------------------------------------------ runs
 
@@ -87,7 +89,10 @@ class Suite:
         log = open(self.work / f"{name}{log_suffix}.log", "a")  # noqa: SIM115 (closed with the process)
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        self.sessions.setdefault(name, set()).add(proc.pid)
+        return proc
 
     def finish(self, proc: subprocess.Popen, timeout: float = TIMEOUT_S) -> int:
         try:
@@ -130,18 +135,8 @@ class Suite:
     def leftovers(self, name: str, shm_before: set[str], settle_s: float = 10.0) -> list[str]:
         """What the case left once its last run ended: processes (after ``settle_s`` to exit, as
         multiprocessing's resource tracker takes a moment), temp directories, /dev/shm files."""
-        deadline = time.monotonic() + settle_s
-        while True:
-            found = []
-            for environ in Path("/proc").glob("[0-9]*/environ"):
-                try:
-                    if f"EMPG_FAULT_CASE={name}".encode() in environ.read_bytes().split(b"\0"):
-                        found.append(f"process {environ.parent.name}")
-                except OSError:
-                    pass
-            if not found or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        pids = processes_with(f"EMPG_FAULT_CASE={name}", self.sessions.get(name, ()), settle_s)
+        found = [f"process {pid}" for pid in pids]
         checkpoints = self.work / name / "checkpoints"
         if checkpoints.is_dir():
             found += [p.name for p in checkpoints.iterdir() if ".tmp-" in p.name or ".trash-" in p.name]

@@ -8,13 +8,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from megatron_empg.config import read_yaml
+from tools.run_processes import processes_with  # noqa: F401 (the tests' import)
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_RECIPE = REPO / "recipes" / "demo_cpu.yaml"
@@ -99,24 +99,6 @@ def interrupt(proc: subprocess.Popen, grace: float = 30) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-
-
-def processes_with(marker: str, settle_s: float = 10.0) -> list[int]:
-    """The pids of live processes whose environment holds ``marker`` (a ``NAME=value`` given to a
-    run with ``env``: every process of the run inherits it), after waiting up to ``settle_s`` for
-    them to exit."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        pids = []
-        for environ in Path("/proc").glob("[0-9]*/environ"):
-            try:
-                if marker.encode() in environ.read_bytes().split(b"\0"):
-                    pids.append(int(environ.parent.name))
-            except OSError:  # gone, or not ours
-                pass
-        if not pids or time.monotonic() > deadline:
-            return pids
-        time.sleep(0.5)
 
 
 def unexpected_errors(text: str, *, torchrun: bool = False) -> list[str]:

@@ -35,11 +35,13 @@ def _config(tmp_path, name, warm_start, steps):
     return config
 
 
-def _preempt(command, env, log, metrics, lines: int, send) -> int:
-    """Start ``command``; once ``metrics`` has ``lines`` records, ``send(process)``; its exit code."""
+def _preempt(command, env, log, metrics, lines: int, send, sessions: set[int]) -> int:
+    """Start ``command`` in a session of its own (added to ``sessions``); once ``metrics`` has
+    ``lines`` records, ``send(process)``; its exit code."""
     with log.open("w") as out:
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
+        sessions.add(proc.pid)
         try:
             deadline = time.monotonic() + TIMEOUT_S
             while not (metrics.exists() and metrics.read_text().count("\n") >= lines):
@@ -65,22 +67,25 @@ def test_group_signals_after_a_periodic_checkpoint_lose_nothing(tmp_path, warm_s
     config = _config(tmp_path, "run", warm_start, 1000)
     metrics = tmp_path / "run" / "metrics.jsonl"
     checkpoints = tmp_path / "run" / "checkpoints"
+    sessions: set[int] = set()
 
     # 1. torchrun.sh, SIGTERM to the launcher after step 3 (step 2 was checkpointed)
     command, run_env = train_command(config, tmp_path, "run", *ENGINE, nproc=1, env=env)
-    _preempt(command, run_env, tmp_path / "a.log", metrics, 3, lambda p: p.send_signal(signal.SIGTERM))
+    to_launcher = lambda p: p.send_signal(signal.SIGTERM)  # noqa: E731
+    _preempt(command, run_env, tmp_path / "a.log", metrics, 3, to_launcher, sessions)
     first = _stopped_at(tmp_path / "a.log", torchrun=True)
     assert first >= 3 and [r["step"] for r in read_metrics(metrics)] == list(range(1, first + 1))
     assert (checkpoints / "step_00000002").is_dir() and (checkpoints / f"step_{first:08d}").is_dir()
-    assert processes_with(marker) == [], "a process outlived the pre-empted run"
+    assert processes_with(marker, sessions) == [], "a process outlived the pre-empted run"
 
     # 2. empg train --resume, SIGTERM to its whole process group two steps later
     command, run_env = train_command(config, tmp_path, "run", *ENGINE, "--resume", env=env)
-    code = _preempt(command, run_env, tmp_path / "b.log", metrics, first + 2, lambda p: os.killpg(p.pid, signal.SIGTERM))
+    to_group = lambda p: os.killpg(p.pid, signal.SIGTERM)  # noqa: E731
+    code = _preempt(command, run_env, tmp_path / "b.log", metrics, first + 2, to_group, sessions)
     assert code == 0, (tmp_path / "b.log").read_text()[-4000:]
     second = _stopped_at(tmp_path / "b.log")
     assert f"resumed from {checkpoints / f'step_{first:08d}'} at step {first}" in (tmp_path / "b.log").read_text()
-    assert second >= first + 2 and processes_with(marker) == []
+    assert second >= first + 2 and processes_with(marker, sessions) == []
     assert (checkpoints / f"step_{second:08d}" / "empg_checkpoint.json").is_file()  # committed
     assert not [p.name for p in checkpoints.iterdir() if ".tmp-" in p.name]
 
