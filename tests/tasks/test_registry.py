@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from megatron_empg import config as config_module
 from megatron_empg.config import DataConfig
+from megatron_empg.config import run as config_module  # where DataConfig reads DATA_SOURCES
 from megatron_empg.rollout.data import PromptBatches, PromptDataset, PromptExample, load_prompt_dataset
 from megatron_empg.rollout.rewards import RewardResult
 from megatron_empg.tasks import arithmetic, math, search_qa

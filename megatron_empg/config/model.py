@@ -1,0 +1,281 @@
+"""The model (``ModelConfig``, from ``model_configs/``) and its parallel layout (``ParallelConfig``)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_empg.config.schema import ConfigError, load_config
+
+MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
+
+Family = Literal["qwen2", "llama", "qwen3"]
+
+_HF_ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# What each family's HF implementation hard-codes, as (field, required value).
+_FAMILY_FLAGS: dict[str, dict[str, bool]] = {
+    "qwen2": {"add_qkv_bias": True, "qk_layernorm": False},
+    "llama": {"add_qkv_bias": False, "qk_layernorm": False},
+    "qwen3": {"add_qkv_bias": False, "qk_layernorm": True},
+}
+# The rope scalings the Megatron build and the HF config both support, with their required keys.
+_ROPE_SCALING_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only model (Qwen2/2.5, Llama-3.x, Qwen3 dense): RMSNorm, SwiGLU, RoPE, GQA.
+
+    Sizes use Megatron's names; ``to_hf_config()`` gives the Hugging Face spelling. ``vocab_size`` is
+    the HF vocabulary (rows of the HF embedding); Megatron pads it, see ``padded_vocab_size``.
+    """
+
+    name: str
+    family: Family
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int  # key/value heads (GQA); = num_attention_heads for MHA
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    norm_epsilon: float
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    tie_word_embeddings: bool
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads (Qwen3 sets it)
+    rope_scaling: dict[str, Any] | None = None  # HF spelling, e.g. Llama-3.1's {rope_type: llama3, ...}
+    hidden_act: Literal["silu"] = "silu"
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # of the published weights
+    hf_model_id: str | None = None  # Hugging Face Hub id of the published checkpoint
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head dimension (Megatron's ``kv_channels``, HF's ``head_dim``)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    def validate(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "vocab_size", "max_position_embeddings"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ConfigError("head_dim", f"must be positive or null, got {self.head_dim}")
+        for name in ("rope_theta", "norm_epsilon", "initializer_range"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(name, f"must be a positive finite number, got {value}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "num_attention_heads",
+                f"num_attention_heads={self.num_attention_heads} does not divide hidden_size={self.hidden_size} "
+                "(set head_dim to use heads of another size)",
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                "num_query_groups",
+                f"num_query_groups={self.num_query_groups} does not divide "
+                f"num_attention_heads={self.num_attention_heads}",
+            )
+        if self.kv_channels % 2:
+            raise ConfigError("head_dim", f"the head dimension must be even for RoPE, got {self.kv_channels}")
+        for flag, required in _FAMILY_FLAGS[self.family].items():
+            if getattr(self, flag) != required:
+                raise ConfigError(flag, f"family {self.family!r} requires {flag}: {str(required).lower()}")
+        if self.family in ("qwen2", "llama") and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "num_attention_heads",
+                f"family {self.family!r} (Hugging Face) needs num_attention_heads={self.num_attention_heads} "
+                f"to divide hidden_size={self.hidden_size}",
+            )
+        if self.family == "qwen2" and self.head_dim not in (None, self.hidden_size // self.num_attention_heads):
+            raise ConfigError("head_dim", "family 'qwen2' has no head_dim: leave it null (= hidden_size // heads)")
+        self._validate_rope_scaling()
+        for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            for token in value if isinstance(value, list) else [value]:
+                if token is not None and not 0 <= token < self.vocab_size:
+                    raise ConfigError(name, f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _validate_rope_scaling(self) -> None:
+        if self.rope_scaling is None:
+            return
+        rope_type = self.rope_scaling.get("rope_type")
+        if rope_type not in _ROPE_SCALING_KEYS:
+            raise ConfigError(
+                "rope_scaling.rope_type",
+                f"supported rope scalings are {sorted(_ROPE_SCALING_KEYS)} (or rope_scaling: null), got {rope_type!r}",
+            )
+        required = _ROPE_SCALING_KEYS[rope_type]
+        allowed = ("rope_type", *required)
+        for key in self.rope_scaling:
+            if key not in allowed:
+                raise ConfigError(f"rope_scaling.{key}", f"unknown key for rope_type {rope_type!r}; allowed: {allowed}")
+        for key in required:
+            value = self.rope_scaling.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(
+                    f"rope_scaling.{key}", f"rope_type {rope_type!r} needs a positive number, got {value!r}"
+                )
+        if rope_type == "llama3" and not self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"]:
+            raise ConfigError("rope_scaling.high_freq_factor", "must be greater than low_freq_factor")
+
+    def num_parameters(self, *, padded_vocab_size: int | None = None) -> int:
+        """Number of weights of the model (embedding rows = ``padded_vocab_size`` or ``vocab_size``)."""
+        embedding = (padded_vocab_size or self.vocab_size) * self.hidden_size
+        tied = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * self.parameters_per_layer() + self.hidden_size + embedding * tied
+
+    def parameters_per_layer(self) -> int:
+        """Weights of one transformer layer: attention, SwiGLU MLP and the two RMSNorms."""
+        h, d = self.hidden_size, self.kv_channels
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
+        if self.add_qkv_bias:
+            attention += q + 2 * kv
+        if self.qk_layernorm:
+            attention += 2 * d
+        mlp = 3 * h * self.ffn_hidden_size  # gate, up, down
+        return attention + mlp + 2 * h  # + input and pre-MLP RMSNorm
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.AutoConfig.for_model`` (transformers >= 5 spelling:
+        ``rope_parameters`` holds ``rope_theta`` and the scaling; ``dtype`` not ``torch_dtype``)."""
+        rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
+        rope["rope_theta"] = self.rope_theta
+        hf: dict[str, Any] = {
+            "model_type": self.family,
+            "architectures": [_HF_ARCHITECTURE[self.family]],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.ffn_hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_query_groups,
+            "hidden_act": self.hidden_act,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.norm_epsilon,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": copy.copy(self.eos_token_id),
+            "pad_token_id": self.pad_token_id,
+            "dtype": self.dtype,
+        }
+        if self.family in ("llama", "qwen3"):
+            hf.update(head_dim=self.kv_channels, attention_bias=False)
+        if self.family == "llama":
+            hf.update(mlp_bias=False)
+        if self.family in ("qwen2", "qwen3"):
+            hf.update(use_sliding_window=False)
+        return hf
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``make_vocab_size_divisible_by * TP``."""
+    for name, value in (("vocab_size", vocab_size), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
+                        ("tensor_model_parallel_size", tensor_model_parallel_size)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(name, f"must be a positive int, got {value!r}")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Model parallelism; the data-parallel size is what the world size leaves over."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None  # model chunks per pipeline rank
+    sequence_parallel: bool = False
+    make_vocab_size_divisible_by: int = 128
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def validate(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            if vpp < 2:
+                raise ConfigError("virtual_pipeline_model_parallel_size", f"must be >= 2 or null, got {vpp}")
+            if self.pipeline_model_parallel_size < 2:
+                raise ConfigError(
+                    "virtual_pipeline_model_parallel_size",
+                    "needs pipeline_model_parallel_size >= 2 (interleaving splits each pipeline rank's layers)",
+                )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("sequence_parallel", "needs tensor_model_parallel_size > 1")
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        return padded_vocab_size(vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
+
+    def validate_world_size(self, world_size: int) -> None:
+        if world_size < 1 or world_size % self.model_parallel_size:
+            raise ConfigError(
+                "tensor_model_parallel_size",
+                f"world size {world_size} is not divisible by tensor_model_parallel_size x "
+                f"pipeline_model_parallel_size = {self.tensor_model_parallel_size} x "
+                f"{self.pipeline_model_parallel_size}",
+            )
+
+    def validate_for(self, model: ModelConfig, world_size: int | None = None) -> None:
+        """Check that ``model`` can be split this way (and, if given, over ``world_size`` ranks)."""
+        self.validate()
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        for field in ("num_attention_heads", "num_query_groups"):
+            if getattr(model, field) % tp:
+                raise ConfigError(
+                    "tensor_model_parallel_size",
+                    f"tensor_model_parallel_size={tp} does not divide model.{field}={getattr(model, field)}",
+                )
+        if model.num_layers % pp:
+            raise ConfigError(
+                "pipeline_model_parallel_size",
+                f"pipeline_model_parallel_size={pp} does not divide model.num_layers={model.num_layers}",
+            )
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and model.num_layers % (pp * vpp):
+            raise ConfigError(
+                "virtual_pipeline_model_parallel_size",
+                f"model.num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size x "
+                f"virtual_pipeline_model_parallel_size = {pp} x {vpp}",
+            )
+        if world_size is not None:
+            self.validate_world_size(world_size)
+
+
+
+def model_config_path(name: str) -> Path:
+    """``model_configs/<name>.yaml``; a ``ConfigError`` lists the known names if there is none."""
+    path = MODEL_CONFIG_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError("model", f"no model config named {name!r} in {MODEL_CONFIG_DIR}; known: {known}")
+    return path
+
+
+def load_model_config(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) -> ModelConfig:
+    """A ``ModelConfig`` from a YAML path, or from a name in ``model_configs/`` ("qwen2.5-7b")."""
+    path = Path(name_or_path)
+    if not path.is_file() and len(path.parts) == 1 and path.suffix not in (".yaml", ".yml"):
+        path = model_config_path(str(name_or_path))
+    return load_config(ModelConfig, path, overrides)

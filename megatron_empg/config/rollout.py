@@ -1,0 +1,211 @@
+"""How samples are drawn (``rollout``, its sampling and search agent) and how weights reach the
+engines (``weight_sync``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from megatron_empg.config.schema import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the rollout engine samples responses (vLLM's ``SamplingParams`` names).
+
+    ``top_k`` null and ``top_p`` 1.0 sample from the whole distribution. ``seed`` null draws a
+    fresh seed per request; an int makes the rollouts of a step reproducible.
+    """
+
+    n: int = 8  # responses per prompt (the GRPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_tokens: int = 512
+    min_tokens: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise ConfigError("n", f"must be >= 1, got {self.n!r}")
+        if not self.temperature >= 0:
+            raise ConfigError("temperature", f"must be >= 0 (0: greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError("top_k", f"must be >= 1 or null (off), got {self.top_k!r}")
+        if self.max_tokens < 1:
+            raise ConfigError("max_tokens", f"must be >= 1, got {self.max_tokens!r}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchAgentConfig:
+    """Multi-turn search-agent rollouts (Search-R1's protocol, ``rollout.search_agent``).
+
+    The policy writes ``<search>query</search>`` or ``<answer>...</answer>``; after a search the
+    ``topk`` passages of the retriever at ``retriever_url`` (a Search-R1-compatible server, e.g.
+    ``python -m megatron_empg.rollout.retriever serve``) are appended inside
+    ``<information>...</information>``, cut to ``max_obs_tokens`` tokens, and the policy continues.
+    ``max_turns`` turns may search; one more, final turn may only answer. ``rollout.sampling.max_tokens``
+    bounds each turn's generation, ``train.max_seq_len`` a whole episode. Each retriever request is
+    tried ``1 + retries`` times, each bounded by ``timeout_s``; then the step fails.
+    """
+
+    retriever_url: str
+    topk: int = 3
+    max_turns: int = 4
+    max_obs_tokens: int = 500
+    timeout_s: float = 10.0
+    retries: int = 3
+
+    @property
+    def turns_per_episode(self) -> int:
+        """The most ``generate`` calls an episode takes (each draws from its own seed)."""
+        return self.max_turns + 1
+
+    def validate(self) -> None:
+        if not self.retriever_url.startswith(("http://", "https://")):
+            raise ConfigError("retriever_url", f"expected an http(s) URL such as http://127.0.0.1:8000, got {self.retriever_url!r}")
+        if self.topk < 1:
+            raise ConfigError("topk", f"must be >= 1, got {self.topk!r}")
+        if self.max_turns < 0:
+            raise ConfigError("max_turns", f"must be >= 0 (0: answer without searching), got {self.max_turns!r}")
+        if self.max_obs_tokens < 1:
+            raise ConfigError("max_obs_tokens", f"must be >= 1, got {self.max_obs_tokens!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s!r}")
+        if self.retries < 0:
+            raise ConfigError("retries", f"must be >= 0, got {self.retries!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout engine (vLLM): sampling, and how the engine is run.
+
+    ``in_process``: the engine core runs in the trainer's process (vLLM's
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weight updates pass tensors by reference; otherwise
+    it is a child process and updates go through a shared-memory file. ``kv_cache_gib`` sizes the
+    KV cache on CPU (``VLLM_CPU_KVCACHE_SPACE``); on GPU ``gpu_memory_utilization`` does.
+    ``sleep_while_training`` (GPU, colocated) releases the engine's memory while the trainer
+    trains: ``sleep_level`` 1 offloads the weights to host memory and drops the KV cache, 2 drops
+    both (the weights are synced again before the next rollout anyway). ``engine``: a name of
+    ``rollout.engines.ENGINES`` (``vllm``; ``hf``, transformers in the trainer's process, for
+    machines without vLLM). ``search_agent``: multi-turn rollouts with a search tool
+    (``SearchAgentConfig``) instead of one response per sample.
+
+    ``engines``: how many engines sample a step (``parallel.placement``): ``per_replica`` (one per
+    data-parallel replica, on its first GPUs), ``single`` (one, on global rank 0, for the whole
+    world) or an int E dividing the data-parallel size (engine e serves replicas
+    ``[e*DP/E, (e+1)*DP/E)``). Each engine process takes ``kv_cache_gib`` / ``gpu_memory_utilization``.
+
+    ``placement``: ``colocated`` (the engines live on training ranks, as ``engines`` says) or
+    ``disaggregated``: the last ``engine_ranks`` ranks of the job only run engines, one per
+    ``tensor_parallel_size`` of them (E = engine_ranks / tensor_parallel_size, dividing the
+    data-parallel size of the other ranks, which train); training replica 0 broadcasts the weights
+    to every engine after each step (``weight_sync.transport`` is then how an engine rank hands
+    them to its own engine). ``mode``: ``sync`` (a step's samples are drawn with the weights it
+    starts from) or ``one_step_off`` (disaggregated only: the engines draw step s+1's samples with
+    step s's starting weights while step s trains; each sample carries the version that drew it).
+    """
+
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: int | None = None  # null: the model's max_position_embeddings
+    enforce_eager: bool = False
+    in_process: bool = True
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: int = 1
+    sleep_while_training: bool = True
+    sleep_level: Literal[1, 2] = 2
+    seed: int = 0
+    engine: str = "vllm"
+    engines: Literal["per_replica", "single"] | int = "per_replica"
+    search_agent: SearchAgentConfig | None = None  # null: one response per sample, no tools
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    engine_ranks: int = 0  # disaggregated: how many of the job's ranks only run engines
+    mode: Literal["sync", "one_step_off"] = "sync"
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.placement == "disaggregated"
+
+    def num_engines(self, dp: int) -> int:
+        """E for a run of ``dp`` data-parallel replicas (``engines``, or disaggregated
+        ``engine_ranks / tensor_parallel_size``; E need not divide ``dp`` here: ``trainer.layout``
+        checks that)."""
+        if self.disaggregated:
+            return self.engine_ranks // self.tensor_parallel_size
+        return {"per_replica": dp, "single": 1}.get(self.engines, self.engines)  # type: ignore[arg-type]
+
+    def validate(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len", f"must be >= 2 or null, got {self.max_model_len!r}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.kv_cache_gib < 1:
+            raise ConfigError("kv_cache_gib", f"must be >= 1 (whole GiB), got {self.kv_cache_gib!r}")
+        if isinstance(self.engines, int) and self.engines < 1:
+            raise ConfigError("engines", f"must be per_replica, single or an int >= 1, got {self.engines!r}")
+        if self.disaggregated:
+            if self.engine_ranks < 1:
+                raise ConfigError("engine_ranks", f"must be >= 1 with placement disaggregated, got {self.engine_ranks!r}")
+            if self.engine_ranks % self.tensor_parallel_size:
+                raise ConfigError("engine_ranks", f"{self.engine_ranks} must be a multiple of tensor_parallel_size="
+                                  f"{self.tensor_parallel_size} (each engine runs on that many engine ranks)")  # fmt: skip
+            if self.engines != "per_replica":
+                raise ConfigError("engines", f"is for placement colocated; disaggregated engines are engine_ranks / "
+                                  f"tensor_parallel_size (leave engines at per_replica), got {self.engines!r}")  # fmt: skip
+        elif self.engine_ranks:
+            raise ConfigError("engine_ranks", f"needs placement disaggregated (colocated engines use training ranks), "
+                              f"got {self.engine_ranks!r}")  # fmt: skip
+        if self.mode == "one_step_off" and not self.disaggregated:
+            raise ConfigError("mode", "one_step_off needs placement disaggregated: colocated engines share the "
+                              "training GPUs, so generation cannot overlap training")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSyncConfig:
+    """Pushing the policy's weights into the rollout engine, and the consistency gate after it.
+
+    ``transport``: a name of ``weight_sync.transport.TRANSPORTS``: ``in_process`` (tensors by
+    reference: an in-process engine, CPU or colocated GPU), ``shm_file`` (a safetensors file per
+    bucket in ``shm_dir``, a tmpfs: an engine in another process), ``cuda_ipc`` (a CUDA IPC handle
+    of a GPU buffer per bucket: an engine process on its owner's GPU; engine TP 1). ``gate_tolerance``: the largest
+    allowed |log-prob difference| between trainer and engine on the probe batch (null: no gate).
+    """
+
+    transport: str = "in_process"
+    bucket_size_mb: float = 512.0
+    shm_dir: str = "/dev/shm"
+    gate_tolerance: float | None = 1e-4
+    probe_num_sequences: int = 2
+    probe_length: int = 160  # > one KV-cache block (128 on CPU), so a stale prefix cache shows
+    probe_continuation: int = 8  # tokens sampled after the probe: checks the generation path too
+    probe_seed: int = 0
+
+    def validate(self) -> None:
+        if not self.bucket_size_mb > 0:
+            raise ConfigError("bucket_size_mb", f"must be > 0, got {self.bucket_size_mb!r}")
+        if self.gate_tolerance is not None and not self.gate_tolerance > 0:
+            raise ConfigError("gate_tolerance", f"must be > 0 or null (no gate), got {self.gate_tolerance!r}")
+        if self.probe_num_sequences < 1:
+            raise ConfigError("probe_num_sequences", f"must be >= 1, got {self.probe_num_sequences!r}")
+        if self.probe_length < 2:
+            raise ConfigError("probe_length", f"must be >= 2, got {self.probe_length!r}")
+        if self.probe_continuation < 0:
+            raise ConfigError("probe_continuation", f"must be >= 0, got {self.probe_continuation!r}")
+
+

@@ -1,0 +1,361 @@
+"""The config machinery: ``ConfigError``, YAML reading, typed dataclasses from dicts
+(``from_dict``, ``to_dict``), dotted overrides (``apply_overrides``, ``load_config``)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. ``field`` is its dotted path ('' for the whole config)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field, self.reason = field, reason
+        super().__init__(f"{field}: {reason}" if field else reason)
+
+
+# --------------------------------------------------------------------------------------------
+# YAML: PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string; accept it as a float.
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that also reads ``1e-6`` as a float."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def read_yaml(path: str | os.PathLike, *, _seen: tuple[Path, ...] = ()) -> dict:
+    """A YAML file's top-level mapping. ``defaults: base.yaml`` in it (a path relative to the file)
+    names a base config that the file's own keys are merged over: mappings key by key, any other
+    value (and an empty mapping ``{}``, which clears one) replaces the base's. Bases may have bases
+    (as in NeMo-RL's recipes); a cycle is an error."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError("defaults", f"{path}: a cycle of defaults files: {' -> '.join(map(str, (*_seen, path)))}")
+    data = parse_yaml(path.read_text())
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path}: expected a mapping at the top level, got {_describe(data)}")
+    base_name = data.pop("defaults", None)
+    if base_name is None:
+        return data
+    if not isinstance(base_name, str):
+        raise ConfigError("defaults", f"{path}: expected the path of a YAML file, got {_describe(base_name)}")
+    base_path = path.parent / base_name
+    if not base_path.is_file():
+        raise ConfigError("defaults", f"{path}: the base config {base_path} does not exist")
+    return _merged(read_yaml(base_path, _seen=(*_seen, path)), data)
+
+
+def _merged(base: Mapping, update: Mapping) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        merge = isinstance(value, Mapping) and len(value) > 0 and isinstance(out.get(key), Mapping)
+        out[key] = _merged(out[key], value) if merge else value
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Building dataclasses from dicts.
+
+
+def join_path(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return f"a list ({_short_repr(value)})"
+    return _short_repr(value)
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "None"
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    if origin is not None:
+        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        return f"{origin.__name__}[{inner}]" if args else origin.__name__
+    return getattr(tp, "__name__", repr(tp))
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _init_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _is_required(field: dataclasses.Field) -> bool:
+    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """``value`` checked against (and where lossless converted to) type ``tp``."""
+    if tp is Any or tp is object:
+        return copy.deepcopy(value)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(path, f"expected {_type_name(tp)}, got None")
+        candidates = [a for a in args if a is not type(None)]
+        errors = []
+        for candidate in candidates:
+            try:
+                return _coerce(candidate, value, path)
+            except ConfigError as e:
+                errors.append(e)
+        if len(candidates) == 1:  # `X | None`: X's own error is the most precise
+            raise errors[0]
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+    if origin is Literal:
+        for option in args:
+            if value == option and type(value) is type(option):
+                return option
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+        return _build(tp, value, path)
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(path, f"expected None, got {_describe(value)}")
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected bool (true/false), got {_describe(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected int, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected float, got {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected str, got {_describe(value)}")
+        return value
+    if tp in (list, tuple) or origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+        if (tp is tuple or origin is tuple) and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(path, f"expected {_type_name(tp)} ({len(args)} items), got {len(value)} items")
+            items = [_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
+        else:
+            item_type = args[0] if args else Any
+            items = [_coerce(item_type, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (tp is tuple or origin is tuple) else items
+    if tp is dict or origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+        key_type, value_type = args if args else (Any, Any)
+        return {
+            _coerce(key_type, k, join_path(path, k)): _coerce(value_type, v, join_path(path, k)) for k, v in value.items()
+        }
+    raise TypeError(f"{path}: field type {tp!r} is not supported by megatron_empg.config")
+
+
+def _build(cls: type[T], data: Mapping, path: str) -> T:
+    fields = _init_fields(cls)
+    allowed = ", ".join(fields)
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(path, f"keys must be strings, got {bad!r}; allowed keys: {allowed}")
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        what = "unknown key" if len(unknown) == 1 else "unknown keys"
+        raise ConfigError(", ".join(join_path(path, k) for k in unknown), f"{what}; allowed keys: {allowed}")
+    missing = [name for name, f in fields.items() if _is_required(f) and name not in data]
+    if missing:
+        what = "missing required field" if len(missing) == 1 else "missing required fields"
+        raise ConfigError(", ".join(join_path(path, k) for k in missing), what)
+    hints = _hints(cls)
+    values = {name: _coerce(hints[name], value, join_path(path, name)) for name, value in data.items()}
+    try:
+        return cls(**values)
+    except ConfigError as e:  # a `__post_init__` validation: give it the field's full path
+        raise ConfigError(join_path(path, e.field) if e.field else path, e.reason) from None
+
+
+def _children(obj: Any, path: str) -> Iterable[tuple[Any, str]]:
+    """The dataclass instances directly inside ``obj`` (fields, list items, dict values)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        where = join_path(path, f.name)
+        if isinstance(value, (list, tuple)):
+            yield from ((v, f"{where}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            yield from ((v, join_path(where, k)) for k, v in value.items())
+        else:
+            yield value, where
+
+
+def validate_tree(obj: Any, path: str = "") -> None:
+    """Call ``validate()`` on ``obj`` and every dataclass inside it, innermost first.
+
+    A ``ConfigError`` raised by a nested ``validate()`` gets the nested dataclass's path prefixed.
+    """
+    for child, where in _children(obj, path):
+        if dataclasses.is_dataclass(child) and not isinstance(child, type):
+            validate_tree(child, where)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError as e:
+            raise ConfigError(join_path(path, e.field) if e.field else path, e.reason) from None
+
+
+def from_dict(cls: type[T], data: Mapping, *, path: str = "") -> T:
+    """Build dataclass ``cls`` from ``data`` (type-checked), then run ``validate_tree`` on it."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"expected a mapping ({cls.__name__}), got {_describe(data)}")
+    obj = _build(cls, data, path)
+    validate_tree(obj, path)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain YAML-friendly data (dicts, lists, scalars) of a dataclass tree; ``from_dict`` inverts it."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return copy.deepcopy(obj)
+
+
+def to_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=None)
+
+
+# --------------------------------------------------------------------------------------------
+# Dotted overrides.
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _is_free_form(tp: Any) -> bool:
+    """A field whose keys are not fixed by the schema (``dict``, ``dict[K, V]``, ``Any``)."""
+    tp = _unwrap_optional(tp)
+    return tp is dict or typing.get_origin(tp) is dict or tp is Any
+
+
+def parse_override(override: str) -> tuple[list[str], Any]:
+    """``"a.b.c=value"`` -> (["a", "b", "c"], YAML-parsed value)."""
+    if not isinstance(override, str) or "=" not in override:
+        raise ConfigError("", f"override {override!r} is not of the form dotted.key=value")
+    key, _, text = override.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError("", f"override {override!r}: empty key component in {key!r}")
+    try:
+        value = parse_yaml(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(key.strip(), f"cannot parse override value {text!r} as YAML: {e}") from None
+    return parts, value
+
+
+def apply_overrides(data: Mapping, overrides: Iterable[str], *, cls: type | None = None) -> dict:
+    """A copy of ``data`` with each ``dotted.key=value`` override applied, in order.
+
+    With ``cls`` (the dataclass ``data`` describes), a key exists if the schema has it, so fields
+    left at their defaults can be overridden; without it, a key exists if ``data`` has it. Under a
+    free-form dict field any key may be set (missing intermediate mappings are created).
+    """
+    result = copy.deepcopy(dict(data))
+    for override in overrides:
+        parts, value = parse_override(override)
+        node: dict = result
+        tp: Any = cls
+        for depth, part in enumerate(parts):
+            where = ".".join(parts[: depth + 1])
+            last = depth == len(parts) - 1
+            free = tp is None and cls is not None  # inside a free-form dict field
+            if cls is not None and not free:
+                fields = _init_fields(tp)
+                if part not in fields:
+                    raise ConfigError(where, f"unknown key in override {override!r}; allowed keys: {', '.join(fields)}")
+                tp = _hints(tp)[part]
+            elif cls is None and part not in node:
+                allowed = ", ".join(map(str, node)) or "(none)"
+                raise ConfigError(where, f"unknown key in override {override!r}; existing keys: {allowed}")
+            if last:
+                node[part] = value
+                break
+            if cls is not None and not free:
+                inner = _unwrap_optional(tp)
+                if _is_free_form(tp):
+                    tp = None  # everything below is free-form
+                elif dataclasses.is_dataclass(inner):
+                    tp = inner
+                else:
+                    raise ConfigError(where, f"is {_type_name(tp)}, not a mapping; cannot set {'.'.join(parts)}")
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(where, f"is {_describe(child)}, not a mapping; cannot set {'.'.join(parts)}")
+            node = child
+    return result
+
+
+def load_config(cls: type[T], path_or_dict: str | os.PathLike | Mapping, overrides: Iterable[str] = ()) -> T:
+    """Read a YAML file (or take a dict), apply the dotted overrides, build and validate ``cls``."""
+    data = path_or_dict if isinstance(path_or_dict, Mapping) else read_yaml(path_or_dict)
+    return from_dict(cls, apply_overrides(data, overrides, cls=cls))
+
