@@ -30,23 +30,20 @@ no configured name.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import dataclasses
 import logging
 import statistics
 import time
-import zlib
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from megatron_empg.config import ConfigError, RunConfig, to_yaml
+from megatron_empg.config import ConfigError, to_yaml
 from megatron_empg.core.behavior_is import behavior_metrics
 from megatron_empg.core.microbatch import MicroBatch
-from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.link import Link
 from megatron_empg.parallel.placement import build_placement
 from megatron_empg.trainer import machine
@@ -54,11 +51,11 @@ from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.batching import BatchStage, StepBatch
 from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout, prompt_batches, validation_sets
-from megatron_empg.trainer.metrics import all_reduce_sums, sample_means
+from megatron_empg.trainer.metrics import all_reduce_sums, rollout_metrics, sample_means
 from megatron_empg.trainer.remote import RemoteEngines, Start
 from megatron_empg.trainer.rollout import RolloutStage
-from megatron_empg.trainer.run_dir import RunDirectoryError
-from megatron_empg.trainer.signals import ignored_in_children, stop_signals
+from megatron_empg.trainer.run_dir import check_fresh_start
+from megatron_empg.trainer.signals import any_rank_signalled, ignored_in_children, stop_signals
 from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer, write_hf_config
 
 log = logging.getLogger(__name__)
@@ -549,49 +546,8 @@ class Trainer:
 # Helpers.
 
 
-def check_fresh_start(config: RunConfig) -> None:
-    """A ``RunDirectoryError`` if ``checkpoint.dir`` holds a checkpoint (a run not resumed must not
-    overwrite another's); reads files only."""
-    from megatron_empg.mcore.checkpoint import find_latest_checkpoint
-
-    found = find_latest_checkpoint(config.checkpoint.dir)
-    if found is not None:
-        raise RunDirectoryError(
-            f"checkpoint.dir={config.checkpoint.dir} holds checkpoints of an earlier run (newest: "
-            f"{found.path.name}): pass --resume to continue it, or give this run another checkpoint.dir"
-        )
-
-
 @contextlib.contextmanager
 def _timed(times: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     times[name] = time.perf_counter() - start
-
-
-def rollout_metrics(rollout: StepRollout, step: int) -> dict[str, float]:
-    """Of all the samples this rank holds (its engine's replicas; with one engine, or disaggregated
-    engines, the whole batch): how many training steps older than the weights of ``step``
-    (0-based) the weights that drew them are (``rollout/staleness_mean``, ``_max``; 0: on-policy),
-    and ``rollout/digest``, a CRC32 of their prompt indices and tokens (two runs that drew the same
-    samples log the same digest)."""
-    samples = [s for replica in rollout.replicas for s in replica]
-    lags = [step - s.version for s in samples]
-    digest = 0
-    for s in samples:
-        digest = zlib.crc32(array.array("q", [s.group, *s.response_ids]).tobytes(), digest)
-    return {"rollout/staleness_mean": statistics.fmean(lags) if lags else 0.0,
-            "rollout/staleness_max": float(max(lags, default=0)), "rollout/digest": float(digest)}  # fmt: skip
-
-
-def any_rank_signalled(signum: int | None, group) -> int | None:
-    """The largest signal number any rank of ``group`` has received (``signum``: this rank's, or
-    None), or None if none has; every rank of ``group`` calls it. One MAX all-reduce (of one int64),
-    so all ranks take the same decision after a step even when a signal reached only some of them,
-    or reached them on either side of their checks (a rank stopping alone would leave the others
-    waiting in the next collective)."""
-    if dist.get_world_size(group) == 1:
-        return signum
-    flag = torch.tensor([signum or 0], dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item()) or None

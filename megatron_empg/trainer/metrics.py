@@ -1,16 +1,23 @@
 """Per-sample metrics of a step or a validation pass, as sums that add up over batches and
 data-parallel replicas (``sample_sums``, ``add_sums``, ``all_reduce_sums``), and their means
-(``sample_means``)."""
+(``sample_means``); and what a step's rollout was drawn with (``rollout_metrics``)."""
 
 from __future__ import annotations
 
+import array
 import math
+import statistics
+import zlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.trainer.batch import Sample
+
+if TYPE_CHECKING:
+    from megatron_empg.trainer.collect import StepRollout
 
 
 def sample_sums(samples: list[Sample], reward_metrics: dict[str, float]) -> dict[str, float]:
@@ -60,3 +67,18 @@ def all_reduce_sums(values: dict[str, float], group) -> dict[str, float]:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return dict(zip(keys, t.tolist()))
+
+
+def rollout_metrics(rollout: StepRollout, step: int) -> dict[str, float]:
+    """Of all the samples this rank holds (its engine's replicas; with one engine, or disaggregated
+    engines, the whole batch): how many training steps older than the weights of ``step``
+    (0-based) the weights that drew them are (``rollout/staleness_mean``, ``_max``; 0: on-policy),
+    and ``rollout/digest``, a CRC32 of their prompt indices and tokens (two runs that drew the same
+    samples log the same digest)."""
+    samples = [s for replica in rollout.replicas for s in replica]
+    lags = [step - s.version for s in samples]
+    digest = 0
+    for s in samples:
+        digest = zlib.crc32(array.array("q", [s.group, *s.response_ids]).tobytes(), digest)
+    return {"rollout/staleness_mean": statistics.fmean(lags) if lags else 0.0,
+            "rollout/staleness_max": float(max(lags, default=0)), "rollout/digest": float(digest)}  # fmt: skip

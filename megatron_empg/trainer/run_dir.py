@@ -20,6 +20,8 @@ Start rules (``check_start``), for a requeue script that always passes ``--resum
         checkpoints go to this checkpoint.dir             its first checkpoint; those records are redone)
     --resume, no checkpoint, metrics of another run   error: checkpoint.dir mistyped?
     no --resume, checkpoints or metrics there         error, unless --overwrite (which deletes them)
+
+``check_fresh_start`` repeats the checkpoint rule where a ``Trainer`` starts a run not resumed.
 """
 
 from __future__ import annotations
@@ -189,3 +191,16 @@ def _delete_checkpoints(root: Path) -> None:
     for entry in sorted(root.glob("step_*")):
         if entry.is_dir():
             shutil.rmtree(entry)
+
+
+def check_fresh_start(config: RunConfig) -> None:
+    """A ``RunDirectoryError`` if ``checkpoint.dir`` holds a checkpoint (a run not resumed must not
+    overwrite another's); reads files only."""
+    from megatron_empg.mcore.checkpoint import find_latest_checkpoint
+
+    found = find_latest_checkpoint(config.checkpoint.dir)
+    if found is not None:
+        raise RunDirectoryError(
+            f"checkpoint.dir={config.checkpoint.dir} holds checkpoints of an earlier run (newest: "
+            f"{found.path.name}): pass --resume to continue it, or give this run another checkpoint.dir"
+        )

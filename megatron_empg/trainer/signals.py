@@ -50,3 +50,21 @@ def stop_signals(handler: Callable) -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def any_rank_signalled(signum: int | None, group) -> int | None:
+    """The largest signal number any rank of ``group`` has received (``signum``: this rank's, or
+    None), or None if none has; every rank of ``group`` calls it. One MAX all-reduce (of one int64),
+    so all ranks take the same decision after a step even when a signal reached only some of them,
+    or reached them on either side of their checks (a rank stopping alone would leave the others
+    waiting in the next collective)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_empg.parallel.collectives import collective_device
+
+    if dist.get_world_size(group) == 1:
+        return signum
+    flag = torch.tensor([signum or 0], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item()) or None

@@ -79,7 +79,7 @@ def test_two_ranks_match_one_process(layout, small_demo_reference, tmp_path, war
 def _signalled(rank: int, world_size: int, received: list) -> list:
     import torch.distributed as dist
 
-    from megatron_empg.trainer.loop import any_rank_signalled
+    from megatron_empg.trainer.signals import any_rank_signalled
 
     return [any_rank_signalled(r[rank], dist.group.WORLD) for r in received]
 
