@@ -52,7 +52,7 @@ Seeded (``random.Random``); the JSON has the realised mean response and at-cap f
    timed: warmup 2 + repeats 7 (``--quick``: 1 + 3), alternated between the variants (A B C A B C
    ...), medians reported with ratios packed/step_padded and packed/padded. torch.set_num_threads(1).
    On the CPU a packed row's attention runs on its sequences gathered into padded batches of
-   similar length (``mcore.packed_attention``), not TE's THD kernel; the JSON has each variant's
+   similar length (``mcore.thd``, ``mcore.attention``), not TE's THD kernel; the JSON has each variant's
    attention_scores_per_head (padded: b * s^2 per micro-batch; packed: the sum of L^2 over its
    ``cu_seqlens`` segments, what a THD kernel computes). CPU time is not GPU time: the ratios are
    not the GPU speed-up.
@@ -262,7 +262,7 @@ def _machine() -> dict:
         "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "note": "CPU time is not GPU time; on the CPU a packed row's attention runs on its sequences "
-                "gathered into length buckets (mcore.packed_attention), not Transformer Engine's THD kernel. "
+                "gathered into length buckets (mcore.thd), not Transformer Engine's THD kernel. "
                 "The slot, compute and balance figures do not depend on the machine.",
     }  # fmt: skip
 

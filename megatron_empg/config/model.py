@@ -35,6 +35,8 @@ class ModelConfig:
 
     Sizes use Megatron's names; ``to_hf_config()`` gives the Hugging Face spelling. ``vocab_size`` is
     the HF vocabulary (rows of the HF embedding); Megatron pads it, see ``padded_vocab_size``.
+    ``attention_backend`` is how the training models compute, not what they are: a run sets it
+    with ``model_overrides: [attention_backend=sdpa]`` (its errors name ``model.attention_backend``).
     """
 
     name: str
@@ -60,6 +62,9 @@ class ModelConfig:
     pad_token_id: int | None = None
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # of the published weights
     hf_model_id: str | None = None  # Hugging Face Hub id of the published checkpoint
+    # How the training models compute attention: auto, or a name in
+    # mcore.attention_backends.ATTENTION_BACKENDS (te, sdpa, unfused); the bind step resolves it.
+    attention_backend: str = "auto"
 
     @property
     def kv_channels(self) -> int:

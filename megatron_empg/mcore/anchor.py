@@ -367,7 +367,7 @@ class EmaAnchor:
             if compute_dtype != torch.float8_e4m3fn:
                 raise ValueError("te_fp8=True needs compute_dtype=torch.float8_e4m3fn")
             init_context = _te_fp8_model_init(TE_MISSING)
-            kwargs = {"use_te": True, "fp8": "e4m3", "fp8_param": True, "fp8_recipe": "tensorwise", **kwargs}
+            kwargs = {"attention_backend": "te", "fp8": "e4m3", "fp8_param": True, "fp8_recipe": "tensorwise", **kwargs}
 
         def build():
             with init_context():

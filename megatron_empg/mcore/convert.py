@@ -153,7 +153,7 @@ def meta_gpt_model(model: ModelConfig, padded_vocab_size: int, dtype: torch.dtyp
         raise ConversionError(f"padded_vocab_size={padded_vocab_size} is smaller than vocab_size={model.vocab_size}")
     # TP1 pads to a multiple of make_vocab_size_divisible_by: padded_vocab_size itself
     parallel = ParallelConfig(make_vocab_size_divisible_by=padded_vocab_size)
-    (chunk,) = build_gpt_model(model, parallel, params_dtype=dtype, use_te=False, meta_device=True)
+    (chunk,) = build_gpt_model(model, parallel, params_dtype=dtype, attention_backend="unfused", meta_device=True)
     return chunk
 
 

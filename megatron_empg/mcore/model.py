@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from megatron_empg.config import ModelConfig, ParallelConfig
+from megatron_empg.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
+from megatron_empg.mcore.fusions import FusionPlan, fusion_plan, install_wgrad_accumulation
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -35,8 +37,7 @@ _MEGATRON_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "o
 
 TE_MISSING = (
     "Transformer Engine is not importable. It is a GPU extra that comes with the NGC PyTorch container "
-    "(install this package there with `pip install -e '.[gpu]'`); without it use the local layer spec "
-    "(use_te=None or False)."
+    "(install this package there with `pip install -e '.[gpu]'`)."
 )
 
 
@@ -48,12 +49,14 @@ def te_available() -> bool:
     return bool(HAVE_TE)
 
 
-def _resolve_use_te(use_te: bool | None) -> bool:
-    if use_te is None:
-        return te_available()
-    if use_te and not te_available():
-        raise RuntimeError(TE_MISSING)
-    return bool(use_te)
+def resolve_attention(model: ModelConfig, override: str | None = None) -> AttentionChoice:
+    """What ``override`` (else ``model.attention_backend``) means here (``mcore.attention_backends``);
+    ``te`` also needs megatron-core to have found Transformer Engine."""
+    choice = resolve_attention_backend(override or model.attention_backend)
+    if choice.uses_te and not te_available():
+        raise ConfigError("model.attention_backend", "te: transformer_engine imports, but megatron-core did not "
+                          "accept it (see megatron.core.extensions.transformer_engine); use sdpa")  # fmt: skip
+    return choice
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,26 +70,30 @@ def transformer_config(
     params_dtype: torch.dtype,
     use_cpu_initialization: bool,
     fp8: str | None = None,
-    use_te: bool | None = None,
+    attention: AttentionChoice | None = None,
+    fusions: FusionPlan | None = None,
     **overrides: Any,
 ) -> TransformerConfig:
     """Megatron's ``TransformerConfig`` for ``model`` split as ``parallel``.
 
     RMSNorm, SwiGLU, no linear biases except QKV when ``add_qkv_bias``, q/k norm when
-    ``qk_layernorm``, dropout 0, every fusion off (they need CUDA kernels; turn them on through
-    ``overrides`` on GPU). ``overrides`` are any other ``TransformerConfig`` fields.
+    ``qk_layernorm``, dropout 0. ``attention``: the resolved ``model.attention_backend`` (None:
+    resolve it here), which picks the TE or the local implementation. ``fusions``: the fusion
+    switches (None: ``mcore.fusions.fusion_plan`` for this machine). ``overrides`` are any other
+    ``TransformerConfig`` fields (they win over both).
     """
     cpu_shims.import_megatron()
     from megatron.core.transformer import TransformerConfig
 
-    te = _resolve_use_te(use_te)
+    attention = attention or resolve_attention(model)
+    te = attention.uses_te
     if fp8 is not None and not te:
-        raise RuntimeError(f"fp8={fp8!r} needs Transformer Engine. {TE_MISSING}")
+        raise ConfigError("model.attention_backend", f"fp8={fp8!r} needs te (Transformer Engine); it is "
+                          f"{attention.describe()}")  # fmt: skip
     if parallel.sequence_parallel and not te:
-        raise RuntimeError(
-            "sequence_parallel needs the Transformer Engine layer spec (the local spec's torch norms do not "
-            f"support it). {TE_MISSING}"
-        )
+        raise ConfigError("parallel.sequence_parallel", "needs model.attention_backend te (the local spec's torch "
+                          f"norms do not support it); it is {attention.describe()}")  # fmt: skip
+    fusions = fusions or fusion_plan(attention, cuda=torch.cuda.is_available())
     kwargs: dict[str, Any] = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -122,14 +129,11 @@ def transformer_config(
         batch_p2p_comm=not parallel.virtual_pipeline_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         transformer_impl="transformer_engine" if te else "local",
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **fusions.overrides,
     )
     kwargs.update(overrides)
+    if kwargs["gradient_accumulation_fusion"]:
+        install_wgrad_accumulation()
     return TransformerConfig(**kwargs)
 
 
@@ -145,18 +149,20 @@ def recompute_overrides(mode: str, num_layers: int = 1) -> dict[str, Any]:
     raise ValueError(f"recompute mode {mode!r}: expected none, selective or full")
 
 
-def layer_spec(model: ModelConfig, *, use_te: bool | None = None) -> ModuleSpec:
-    """The TE layer spec when Transformer Engine is importable (or ``use_te=True``), else the local
-    one, whose core attention also takes packed (THD) rows (``mcore.packed_attention``)."""
+def layer_spec(model: ModelConfig, attention: AttentionChoice) -> ModuleSpec:
+    """The TE layer spec for ``te``; else Megatron's local spec with the core attention of the
+    backend (``mcore.attention``: ``SdpaAttention`` or ``UnfusedAttention``, both of which also take
+    packed THD rows)."""
     cpu_shims.import_megatron()
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from megatron_empg.mcore.packed_attention import PackedDotProductAttention
+    from megatron_empg.mcore.attention import SdpaAttention, UnfusedAttention
 
-    if _resolve_use_te(use_te):
+    if attention.uses_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    core = {"sdpa": SdpaAttention, "unfused": UnfusedAttention}[attention.name]
+    spec.submodules.self_attention.submodules.core_attention = core
     return spec
 
 
@@ -185,7 +191,7 @@ def build_gpt_model(
     parallel: ParallelConfig,
     *,
     params_dtype: torch.dtype = torch.float32,
-    use_te: bool | None = None,
+    attention_backend: str | None = None,
     use_cpu_initialization: bool | None = None,
     fp8: str | None = None,
     meta_device: bool = False,
@@ -197,8 +203,10 @@ def build_gpt_model(
     ``mcore.parallel_state.initialize_model_parallel``), which also seeds the weights' RNG. The
     vocabulary is padded (``ParallelConfig.padded_vocab_size``); logits are vocab-sharded over TP
     (``parallel_output``). Parameters are in ``params_dtype`` (norms included); on a CUDA machine
-    the chunks are moved to the current device. ``use_te=None`` picks the TE spec when Transformer
-    Engine is importable. ``use_cpu_initialization=None`` means: on CPU builds. ``meta_device``
+    the chunks are moved to the current device. ``attention_backend`` (None: ``model.attention_backend``)
+    picks the layer spec and core attention (``mcore.attention_backends``); the local spec's
+    decoder gathers the RoPE table per token once per packed row (``mcore.thd``).
+    ``use_cpu_initialization=None`` means: on CPU builds. ``meta_device``
     builds the chunks on the meta device (no memory, no initialization: shapes, names and
     ``sharded_state_dict`` only; implies CPU initialization, stays off CUDA). ``config_overrides``
     go to ``transformer_config``.
@@ -208,6 +216,8 @@ def build_gpt_model(
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
+
+    from megatron_empg.mcore.thd import install_per_token_rope
 
     parallel.validate_for(model, dist.get_world_size() if dist.is_initialized() else None)
     if not ps.model_parallel_is_initialized():
@@ -226,7 +236,7 @@ def build_gpt_model(
         raise RuntimeError(
             f"Megatron's parallel state is (TP, PP, VPP) = {actual} but the ParallelConfig asks {wanted}"
         )
-    te = _resolve_use_te(use_te)
+    attention = resolve_attention(model, attention_backend)
     on_cuda = torch.cuda.is_available()
     if meta_device:  # Megatron's GPU initialization names the CUDA device explicitly
         use_cpu_initialization = True
@@ -234,9 +244,9 @@ def build_gpt_model(
         use_cpu_initialization = not on_cuda
     config = transformer_config(
         model, parallel, params_dtype=params_dtype, use_cpu_initialization=use_cpu_initialization, fp8=fp8,
-        use_te=te, **config_overrides,
+        attention=attention, **config_overrides,
     )  # fmt: skip
-    spec = layer_spec(model, use_te=te)
+    spec = layer_spec(model, attention)
     vocab_size = parallel.padded_vocab_size(model.vocab_size)
     scaling = model.rope_scaling
     vpp = parallel.virtual_pipeline_model_parallel_size
@@ -260,6 +270,8 @@ def build_gpt_model(
                 vp_stage=stage,
             )
         _apply_rope_scaling(chunk, model)
+        if not attention.uses_te:
+            install_per_token_rope(chunk.decoder)
         for param in chunk.parameters():  # as Megatron-LM's get_model: TP attributes on every param
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         chunk.to(dtype=params_dtype)  # local-spec norms are created in float32

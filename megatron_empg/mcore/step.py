@@ -35,6 +35,7 @@ from torch import Tensor
 from megatron_empg.core.aggregation import LossSum
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
+from megatron_empg.mcore.thd import thd_layout
 from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.fused_output import OutputLayerInput
 from megatron_empg.core.microbatch import MicroBatch
@@ -43,7 +44,6 @@ from megatron_empg.parallel.vocab_parallel import vocab_parallel_token_stats
 
 cpu_shims.install_pre_import()
 
-from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import (  # noqa: E402
     copy_to_tensor_model_parallel_region,
@@ -70,9 +70,7 @@ def _model_forward(model, batch: MicroBatch, *, fused_output: bool = False) -> T
     if not batch.packed:
         positions = torch.arange(s, device=input_ids.device).expand(b, s)
         return model(input_ids, positions, causal_mask(s, input_ids.device), **hook)
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
-                             max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)  # fmt: skip
-    return model(input_ids, batch.position_ids, None, packed_seq_params=packed, **hook)
+    return model(input_ids, batch.position_ids, None, packed_seq_params=thd_layout(batch), **hook)
 
 
 def _output_layer_input(*, hidden_states: Tensor, output_layer, output_weight: Tensor | None, config, **_):

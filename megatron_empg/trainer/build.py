@@ -8,7 +8,8 @@
 ``tasks.registry.REWARDS``, ``rollout.engines.ENGINES``, ``weight_sync.transport.TRANSPORTS``) and
 every record of each data file; it starts nothing and touches no device. In order:
 
-1. the layout on ``world_size`` ranks (``trainer.layout``: heads and groups vs TP, layers vs PP,
+1. ``model.attention_backend`` on this machine (``mcore.attention_backends``: ``auto`` becomes a
+   name, ``te`` without Transformer Engine is an error), then the layout on ``world_size`` ranks (``trainer.layout``: heads and groups vs TP, layers vs PP,
    the prompts' split over DP, the engine and its TP);
 2. each registry name, then each argument dict bound to its function's signature
    (``inspect.signature(...).bind``), then one update-pass loss on a tiny random batch through
@@ -41,6 +42,7 @@ from megatron_empg.core.behavior_is import BEHAVIOR_IS
 from megatron_empg.core.kl import sampled_kl
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.rpg import RPG_KL_TERMS
+from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
 from megatron_empg.core.topk_kl import topk_kl_from_logprobs
 from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, KL_KINDS, rl_loss
 from megatron_empg.rollout.data import DataError, check_records
@@ -87,6 +89,8 @@ class Components:
     ``loss_fn(logits, batch, *, vocab_start, tp_group) -> RLLoss``: ``rl_loss`` with every option
     of ``algorithm.loss`` bound. ``engine``: the ``EngineKind`` of ``rollout.engine``.
     ``transport``: ``build(engine, weight_sync_config)`` of ``weight_sync.transport``.
+    ``attention``: what ``model.attention_backend`` resolved to on this machine (``model`` holds
+    the resolved name, so that every model of the run is built alike).
     """
 
     config: RunConfig
@@ -98,6 +102,7 @@ class Components:
     reward: RewardFn
     engine: EngineKind
     transport: Callable
+    attention: AttentionChoice
 
 
 def bind(config: RunConfig, world_size: int, *, check_paths: bool = True) -> Components:
@@ -106,6 +111,11 @@ def bind(config: RunConfig, world_size: int, *, check_paths: bool = True) -> Com
 
     Raises ``ConfigError`` naming the dotted field and what was expected."""
     model = config.model_config()
+    attention = resolve_attention_backend(model.attention_backend)
+    model = dataclasses.replace(model, attention_backend=attention.name)  # what every builder of the run uses
+    if config.parallel.sequence_parallel and not attention.uses_te:
+        raise ConfigError("parallel.sequence_parallel", "needs model.attention_backend te (the local spec's torch "
+                          f"norms do not support it); it is {attention.describe()}")  # fmt: skip
     layout = check_layout(config, model, world_size)
     algorithm = config.algorithm
     advantage = _registered("algorithm.advantage", algorithm.advantage, ADVANTAGE_ESTIMATORS)
@@ -123,7 +133,7 @@ def bind(config: RunConfig, world_size: int, *, check_paths: bool = True) -> Com
     _check_lengths(config, model)
     if check_paths:
         _check_paths(config, model)
-    return Components(config, model, layout, advantage, loss_fn, stats, reward, engine, transport)
+    return Components(config, model, layout, advantage, loss_fn, stats, reward, engine, transport, attention)
 
 
 def _registered(field: str, name: str, registry: dict[str, Any]) -> Any:

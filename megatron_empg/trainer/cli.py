@@ -123,7 +123,14 @@ def _describe(components) -> str:
         f"{loss.policy_loss}, KL {loss.kl or 'none'}, reward {c.data.reward}, engine {c.rollout.engine} "
         f"x {layout.engines} ({layout.dp // layout.engines} replica(s) each{_engine_ranks(layout)}), weight sync "
         f"{c.weight_sync.transport}, rollouts {c.rollout.mode}\n"
+        f"attention {components.attention.describe()}; on a GPU: {_fusions(components.attention)}\n"
     )
+
+
+def _fusions(attention) -> str:
+    from megatron_empg.mcore.fusions import fusion_plan
+
+    return fusion_plan(attention, cuda=True).describe()
 
 
 def _engine_ranks(layout) -> str:

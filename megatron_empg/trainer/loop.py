@@ -137,6 +137,7 @@ class Trainer:
             raise ConfigError(*found)
 
     def _build_policy(self) -> None:
+        from megatron_empg.mcore.fusions import fusion_plan
         from megatron_empg.mcore.model import build_gpt_model, recompute_overrides
         from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
 
@@ -144,7 +145,10 @@ class Trainer:
         recompute = recompute_overrides(cfg.train.recompute, cfg.train.recompute_num_layers)
         if recompute:
             log.info("activation recompute: %s", ", ".join(f"{k}={v}" for k, v in recompute.items()))
-        chunks = build_gpt_model(self.model, cfg.parallel, params_dtype=DTYPES[cfg.train.params_dtype], **recompute)
+        fusions = fusion_plan(self.components.attention, cuda=torch.cuda.is_available())
+        log.info("attention %s; %s", self.components.attention.describe(), fusions.describe())
+        chunks = build_gpt_model(self.model, cfg.parallel, params_dtype=DTYPES[cfg.train.params_dtype],
+                                 fusions=fusions, **recompute)  # fmt: skip
         if cfg.checkpoint.init_from is not None:
             load_initial_weights(chunks, cfg.checkpoint.init_from, self.model, cfg, self.groups)
         self.models = wrap_with_ddp(chunks, cfg.optimizer)

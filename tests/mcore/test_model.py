@@ -133,7 +133,8 @@ def _reference(rank: int, world_size: int, batches: list[dict]) -> dict:
         "max_abs_fp32": max(ref.abs().max().item() for ref in results["tiny-qwen2"]["logits"]),
     }
     results["errors"] = {
-        "use_te": _error_of(lambda: build_gpt_model(cfg, parallel, use_te=True)),
+        "te": _error_of(lambda: build_gpt_model(cfg, parallel, attention_backend="te")),
+        "unknown_backend": _error_of(lambda: build_gpt_model(cfg, parallel, attention_backend="flash")),
         "sequence_parallel": _error_of(
             lambda: transformer_config(cfg, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
                                        params_dtype=torch.float32, use_cpu_initialization=True)  # fmt: skip
@@ -276,9 +277,13 @@ def test_bf16_build_has_bf16_parameters_and_close_logits(reference):
 
 def test_build_errors_are_clear(reference):
     errors = reference["errors"]
-    assert errors["use_te"].startswith("RuntimeError: Transformer Engine is not importable")
-    assert "GPU extra" in errors["use_te"] and "NGC PyTorch container" in errors["use_te"]
-    assert errors["sequence_parallel"].startswith("RuntimeError: sequence_parallel needs the Transformer Engine")
+    assert errors["te"].startswith("ConfigError: model.attention_backend: te needs Transformer Engine, which does "
+                                   "not import here (ModuleNotFoundError"), errors["te"]
+    assert "NGC PyTorch container" in errors["te"] and "use sdpa" in errors["te"]
+    assert errors["unknown_backend"].startswith("ConfigError: model.attention_backend: unknown name 'flash'; "
+                                                "expected 'auto' or one of ['sdpa', 'te', 'unfused']")
+    assert errors["sequence_parallel"].startswith("ConfigError: parallel.sequence_parallel: needs "
+                                                  "model.attention_backend te"), errors["sequence_parallel"]
     assert errors["world_size"].startswith("ConfigError: tensor_model_parallel_size: world size 1 is not divisible")
     assert errors["reinitialize"].startswith("RuntimeError: model parallelism is already initialized")
 
