@@ -3,17 +3,20 @@
 # section "GPU smoke kit"). Through the device tool:  run(carry=[".whl"], command="bash benchmarks/gpu_smoke.sh")
 #
 #   0. installs the carried wheels (.whl/*.whl: megatron-core) into /tmp/site, prints the device
-#   a. python3 -m pytest -q -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py  (EMPG_GPU_RESULTS_DIR = the output folder)
-#   b. benchmarks/vocab_kernel.py --device cuda: the fused Triton k = 0 passes vs the torch path at
-#      16,384 tokens x 151,936 bf16 (check, bandwidth, launch-config sweep) -> vocab_kernel_gpu.json
-#   c. benchmarks/topk_kl.py --device cuda at 16,384 tokens            -> topk_kl_gpu.json
-#   d. benchmarks/train_step.py, R1-Distill-Qwen-1.5B bf16, 16 x 2048, micro-batch 1
+#   a. python3 -m pytest -q -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py  (EMPG_GPU_RESULTS_DIR = the output folder):
+#      two RL steps through empg train; the sdpa backend's CUDA paths and the fusions
+#      without TE against fp32 references (attention_gpu.json)
+#   b. benchmarks/train_step.py, R1-Distill-Qwen-1.5B bf16, DP 1, 32k tokens per step, the 8k
+#      recipe's loss, packed rows of one sequence each (the worst case of a budget)
 #                                                                      -> train_step_gpu.json
-#      and a longer point, 8 x 3072 (H100) / 8 x 4096 (>= 120 GiB)    -> train_step_gpu_long.json
+#      unfused vs sdpa at 2k (the A/B), sdpa at 8k (k3 and Top-k), sdpa at 16k and 24k with full
+#      recompute; one checkpoint save against a plain write of the same bytes (same disk)
+#   c. (SMOKE_KERNELS=1) the vocab kernels (vocab_kernel_gpu.json) and topk_kl (topk_kl_gpu.json),
+#      measured in an earlier run and not repeated by default
 #   then a summary table (last in the output).
 #
 # Everything the steps print goes to smoke.log too; results land in ${OUT:-benchmarks/results}
-# (5 files from this script; the device tool returns at most 8). Each step has a time cap and the
+# (at most 6 files from this script; the device tool returns at most 8). Each step has a time cap and the
 # whole run a budget (SMOKE_BUDGET_S, default 540 s) so that it ends inside the device tool's 10
 # minutes; a step that fails or runs out of time is recorded and the next one still runs. Exit
 # status: 0 when every step passed, 1 otherwise. SMOKE_CPU_DRY_RUN=1 runs the same flow on a CPU at
@@ -84,28 +87,26 @@ case "$GPU_NAME" in
     *) PEAK="" ;;
 esac
 PEAK=${SMOKE_PEAK_TFLOPS:-$PEAK}
-# the longer train_step point: 4096 tokens per sequence where the card has >= 120 GiB (H200),
-# else 3072 (4096 with micro-batch 1 is estimated at ~90 GB on the local spec: README)
-if ((GPU_MIB >= 122880)); then LONG_LEN=4096; else LONG_LEN=3072; fi
-LONG_LEN=${SMOKE_LONG_SEQ_LEN:-$LONG_LEN}
-
 MODEL=deepseek-r1-distill-qwen-1.5b
 VK_ARGS=(--device cuda --tokens 16384 --vocab 151936 --ids 33 --warmup 3 --repeats 10)
 VK_ENV=()
 TOPK_ARGS=(--device cuda --tokens 16384 --tp 1 --warmup 3 --repeats 10
     --sweep-tokens 16384 --sweep-chunks "1024,4096" --sweep-variants ours_vp_inplace)
-TRAIN_ARGS=(--model "$MODEL" --dtype bf16 --micro-batch 1 --warmup 1 --repeats 3 ${PEAK:+--peak-tflops "$PEAK"})
-TRAIN1_ARGS=(--seqs 16 --seq-len 2048 --kl "topk,k3" --checkpoint once)
-TRAIN2_ARGS=(--seqs 8 --seq-len "$LONG_LEN" --kl topk --checkpoint none)
+TRAIN_ARGS=(--model "$MODEL" --dtype bf16 --tokens-per-step 32768 --warmup 1 --repeats 2 --checkpoint
+    --checkpoint-dir "${SMOKE_CHECKPOINT_DIR:-/tmp/empg_ckpt}" ${PEAK:+--peak-tflops "$PEAK"})
+TRAIN_CASES=(--case attention=unfused,tokens=2048 --case attention=sdpa,tokens=2048
+    --case attention=sdpa,tokens=8192 --case attention=sdpa,tokens=8192,kl=topk
+    --case attention=sdpa,tokens=16384,recompute=full --case attention=sdpa,tokens=24576,recompute=full)
 if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
     # the kernels under Triton's interpreter (vocab_kernel.py also sets it for --device cpu)
     VK_ARGS=(--device cpu --tokens 16 --vocab 512 --ids 33 --warmup 1 --repeats 1 --copy-gb 0.01 --sweep 256:4)
     VK_ENV=(TRITON_INTERPRET=1)
     TOPK_ARGS=(--device cpu --tokens 256 --vocab 4096 --tp 1 --repeats 2 --sweep-tokens 256 --sweep-chunks 128
         --sweep-variants ours_vp_inplace --no-tracked)
-    TRAIN_ARGS=(--model tiny-qwen2 --dtype fp32 --micro-batch 4 --warmup 1 --repeats 1)
-    TRAIN1_ARGS=(--seqs 8 --seq-len 64 --kl "topk,k3" --checkpoint once)
-    TRAIN2_ARGS=(--seqs 4 --seq-len 128 --kl topk --checkpoint none)
+    TRAIN_ARGS=(--model tiny-qwen2 --dtype fp32 --tokens-per-step 512 --warmup 1 --repeats 1 --checkpoint
+        --checkpoint-dir "$OUT_DIR/ckpt_tmp")
+    TRAIN_CASES=(--case attention=unfused,tokens=128 --case attention=sdpa,tokens=128
+        --case attention=sdpa,tokens=256,kl=topk --case attention=sdpa,tokens=512,recompute=full)
 fi
 
 # ---------------------------------------------------------------- steps
@@ -133,22 +134,21 @@ step() {  # step NAME CAP_S CMD...: run with a time cap (within the budget), out
     STEPS+=("$name|$status|$((SECONDS - t0))")
 }
 
-step "gpu tests (pytest -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py)" 120 \
+step "gpu tests (pytest -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py)" 150 \
     env EMPG_GPU_RESULTS_DIR="$OUT_DIR" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py
 # pytest's own count (a skip on the GPU machine is no pass): appended to the step's status
 PYTEST_COUNTS=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)' "$LOG" | tail -n1 | tr -d '=' | sed -E 's/^ +| +$//g' || true)
 [[ -n "$PYTEST_COUNTS" ]] && STEPS[-1]="${STEPS[-1]%%|*}|$(cut -d'|' -f2 <<<"${STEPS[-1]}"): $PYTEST_COUNTS|${STEPS[-1]##*|}"
-step "vocab_kernel ${VK_ARGS[*]:0:2}" 90 \
-    env "${VK_ENV[@]}" "$PY" benchmarks/vocab_kernel.py "${VK_ARGS[@]}" --out "$OUT_DIR/vocab_kernel_gpu.json"
-step "topk_kl --device cuda" 150 \
-    "$PY" benchmarks/topk_kl.py "${TOPK_ARGS[@]}" --out "$OUT_DIR/topk_kl_gpu.json"
 # expandable segments: less fragmentation for the 1.5B model's long-lived states and activations
-step "train_step ${TRAIN1_ARGS[*]:0:4}" 180 \
+step "train_step: unfused vs sdpa 2k, sdpa 8k (k3, topk), 16k and 24k full recompute, checkpoint" 330 \
     env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
-    "$PY" benchmarks/train_step.py "${TRAIN_ARGS[@]}" "${TRAIN1_ARGS[@]}" --out "$OUT_DIR/train_step_gpu.json"
-step "train_step ${TRAIN2_ARGS[*]:0:4}" 120 \
-    env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
-    "$PY" benchmarks/train_step.py "${TRAIN_ARGS[@]}" "${TRAIN2_ARGS[@]}" --out "$OUT_DIR/train_step_gpu_long.json"
+    "$PY" benchmarks/train_step.py "${TRAIN_ARGS[@]}" "${TRAIN_CASES[@]}" --out "$OUT_DIR/train_step_gpu.json"
+if [[ "${SMOKE_KERNELS:-0}" == 1 ]]; then
+    step "vocab_kernel ${VK_ARGS[*]:0:2}" 90 \
+        env "${VK_ENV[@]}" "$PY" benchmarks/vocab_kernel.py "${VK_ARGS[@]}" --out "$OUT_DIR/vocab_kernel_gpu.json"
+    step "topk_kl --device cuda" 150 \
+        "$PY" benchmarks/topk_kl.py "${TOPK_ARGS[@]}" --out "$OUT_DIR/topk_kl_gpu.json"
+fi
 
 # ---------------------------------------------------------------- summary (last in the output)
 "$PY" - "$OUT_DIR" "$GPU_NAME" "$((SECONDS - START))" "${STEPS[@]}" <<'EOF' 2>&1 | tee -a "$LOG"
@@ -225,30 +225,31 @@ if k:
     if k.get("error"):
         print("vocab_kernel error:", k["error"].strip().splitlines()[-1])
 
-rows = []
-for name in ("train_step_gpu.json", "train_step_gpu_long.json"):
-    d = load(name)
-    for v in (d or {}).get("variants", []):
-        rows.append((d["params"], v))
-if rows:
-    print(f"\ntrain_step ({rows[0][0].get('model')}, {rows[0][0].get('dtype')}, micro-batch {rows[0][0].get('micro_batch')}, "
-          f"peak {rows[0][0].get('peak_tflops')} TFLOP/s):")
-    print(f"{'seqs x len':<12} {'kl':<5} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'EMA %':>6} {'step s':>7} "
-          f"{'ckpt s':>7} {'peak GiB':>9}")
-    for p, v in rows:
-        shape = f"{p['seqs']}x{p['seq_len']}"
-        peak = (v.get("cuda_memory") or {}).get("peak_allocated_bytes")
-        if not v.get("ok"):
-            what = "OOM" if v.get("oom") else "FAILED"
-            print(f"{shape:<12} {v['kl']:<5} {what:>9} at {v['failed_at']['stage']} step {v['failed_at']['step']}, "
-                  f"peak {gib(peak)} GiB")
+d = load("train_step_gpu.json")
+if d:
+    p = d["params"]
+    print(f"\ntrain_step ({p.get('model')}, {p.get('dtype')}, {p.get('tokens_per_step')} tokens per step, commit "
+          f"{d.get('commit')}, peak {p.get('peak_tflops')} TFLOP/s; MFU with causal halving, Megatron's in brackets):")
+    print(f"{'attention':<9} {'tokens':>6} {'recompute':<9} {'kl':<5} {'tokens/s':>9} {'MFU %':>13} {'step s':>7} "
+          f"{'old s':>6} {'peak GiB':>9}")
+    for r in d.get("records", []):
+        head = f"{r['attention_backend']:<9} {r['tokens_per_microbatch']:>6} {r['recompute']:<9} {r.get('kl', '?'):<5}"
+        if not r.get("ok"):
+            print(f"{head} {'OOM' if r.get('oom') else 'FAILED':>9} at {r['failed_at']}, peak {r.get('peak_gib', 0):.1f} GiB")
             continue
-        ck = v["stage_seconds_median"].get("checkpoint")
-        ck = "error" if v.get("checkpoint_errors") else ("-" if ck is None else f"{ck:.1f}")
-        mfu = v.get("mfu")
-        print(f"{shape:<12} {v['kl']:<5} {v['tokens_per_second']:>9.0f} {v['achieved_model_tflops']:>8.1f} "
-              f"{'-' if mfu is None else f'{100 * mfu:.1f}':>6} {100 * v['ema_update_share_of_step']:>6.2f} "
-              f"{v['step_seconds_without_checkpoint']:>7.3f} {ck:>7} {gib(peak):>9}")
+        mfu = "-" if "mfu" not in r else f"{100 * r['mfu']:.1f} ({100 * r['mfu_megatron']:.1f})"
+        print(f"{head} {r['tokens_per_s']:>9.0f} {mfu:>13} {r['step_seconds']:>7.3f} "
+              f"{r['stage_seconds_median']['old_pass']:>6.3f} {r.get('peak_gib', float('nan')):>9.1f}")
+    c = d.get("checkpoint")
+    if c:
+        print(f"checkpoint: {c['checkpoint_gb']:.1f} GB in {c['checkpoint_s']:.1f} s; the same bytes written plainly in "
+              f"{c['plain_write_s']:.1f} s ({c['write_gb_per_s']:.2f} GB/s): {c['ratio_to_plain_write']:.2f}x")
+a = load("attention_gpu.json")
+if a:
+    print(f"\nattention: {a.get('varlen_attn')}, grouped K/V natively: {a.get('varlen_native_gqa')}")
+    for layout in ("padded", "packed"):
+        for name, errors in ((a.get(layout) or {}).get("relative_errors_out_dq_dk_dv") or {}).items():
+            print(f"  {layout:<6} {name:<20} rel. error vs fp32 (out, dq, dk, dv): {', '.join(f'{e:.1e}' for e in errors)}")
 print(f"\nfiles in {out}: {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))}")
 EOF
 

@@ -1,45 +1,54 @@
-"""Per-stage times of one RL step on the Megatron policy: old pass, anchor pass, update, EMA update,
-checkpoint; tokens/s and achieved model FLOP/s, with and without Top-k KL. Writes JSON.
+"""One RL step on the trainer's own path, per configuration: old pass, anchor pass, update, EMA;
+tokens/s, model FLOP/s and MFU, the CUDA allocator's peak; and one checkpoint save timed against a
+plain write of the same bytes to the same disk. Writes one JSON record per configuration.
 
-    python benchmarks/train_step.py                       # CPU, tiny-qwen2, one process (gloo)
-    python benchmarks/train_step.py --model deepseek-r1-distill-qwen-1.5b --dtype bf16 \
-        --seqs 16 --seq-len 2048 --micro-batch 1 --peak-tflops 989 --checkpoint once \
-        --out benchmarks/results/train_step_gpu.json   # one GPU (NCCL world of one), random weights
+    python benchmarks/train_step.py                      # CPU flow check: tiny-qwen2, fp32, toy sizes
+    python benchmarks/train_step.py --model deepseek-r1-distill-qwen-1.5b --dtype bf16 --peak-tflops 989 \\
+        --case attention=unfused,tokens=2048 --case attention=sdpa,tokens=2048 \\
+        --case attention=sdpa,tokens=8192 --case attention=sdpa,tokens=16384,recompute=full \\
+        --checkpoint --out benchmarks/results/train_step_gpu.json
 
-One process, TP = PP = DP = 1. Each variant (``--kl``: topk, k3) builds the policy
-(``mcore.model.build_gpt_model``: the Transformer Engine layer spec when TE is importable, else
-Megatron's local spec, picked automatically; on a CUDA machine the model is moved to the GPU),
-Megatron DDP (fp32 grad buffers) + Adam (fp32 main params for bf16), the EMA anchor (compute weights
-in ``--dtype``, fp32 master on the same device) and runs ``--warmup`` + ``--repeats`` RL steps on
-random tokens (the micro-batches are moved to the device before the old pass, outside the timing);
-every stage is timed with ``perf_counter`` between two device synchronizes
-(``torch.cuda.synchronize`` on CUDA), and the medians are reported. ``--checkpoint`` saves every
-step (default), once (the last step of the first variant: a 1.5B-parameter checkpoint with its
-optimizer and anchor is ~30 GB) or never. On CUDA the JSON also has the CUDA allocator's peaks: over
-the variant, per stage (max over steps) and the memory held after building and after the steps; an
-out-of-memory variant is recorded as such (``ok: false, oom: true``) and the next one still runs.
-The JSON is rewritten after each variant.
+A case is ``key=value`` pairs: ``attention`` (a ``model.attention_backend``: te, sdpa, unfused;
+default sdpa), ``tokens`` (the token budget of a packed micro-batch, ``train.max_tokens_per_microbatch``;
+default 2048), ``recompute`` (none, selective, full), ``kl`` (the recipe's KL estimator, or topk:
+a reverse Top-k KL with k = ``--k``), ``packed`` (1, or 0: one right-padded row per sequence),
+``fusions`` (auto: ``mcore.fusions.fusion_plan`` for this machine; off). One process (DP 1, TP 1),
+the model with random weights (``--model``), the loss of ``--recipe`` (``algorithm.loss``, bound
+by ``trainer.build.bind_loss``), its EMA anchor in bf16 (fp32 master), Megatron DDP + Adam.
 
-    old pass      forward_stats on the policy: log pi_old at the targets (+ top-k ids and log-probs)
-    anchor pass   forward_stats on the anchor: log pi_ref at the targets (+ at the policy's top-k)
-    update        train_step: forward + backward (PPO clip + beta KL) + optimizer step
-    ema update    EmaAnchor.update(): master = tau master + (1 - tau) main params, then the cast
-    checkpoint    save_checkpoint (policy, optimizer, anchor master, RNG) into a temporary directory
+Each step's samples are ``--tokens-per-step`` tokens of sequences of exactly ``tokens`` tokens
+(``--lengths full``: the worst case of a budget, one sequence filling each row; ``mixed``: lengths
+uniform in [tokens / 8, tokens], several per row), a quarter prompt, turned into micro-batches by
+``trainer.batch.micro_batches`` as the trainer does. The old pass computes what the bound loss
+needs (``StatsPlan``: the policy's top-k for a reverse Top-k KL), the anchor pass the anchor's
+log-probs (at those ids), with the vocab kernels of ``parallel.vocab_parallel`` (the fused Triton
+ones on CUDA). Every stage is timed between two device synchronizes; medians over ``--repeats``
+steps after ``--warmup``.
 
-Model FLOPs per token: 2 N (forward) and 6 N (update), N = non-embedding parameters + the output
-layer, plus attention 4 L s h per token forward (x3 for forward + backward), the convention of
-Megatron-LM's ``num_floating_point_operations`` without the causal halving. MFU = achieved /
-``--peak-tflops`` (only reported when a peak is given: CPUs have no meaningful one here).
+Model FLOPs of a step (``flops`` in each record): per token, 2 N forward (N = the matmul
+parameters: the layers and the output layer, not the embedding lookup), x3 for forward + backward;
+attention 4 L d_attn per token and layer forward for a sequence of L tokens (d_attn = heads x
+head_dim: QK^T and AV), halved for causal masking in ``mfu`` (the FLOPs the model needs) and not
+halved in ``mfu_megatron`` (Megatron-LM's ``num_floating_point_operations`` convention, that of the
+13.6 % measured earlier); the step is two forward passes (old, anchor) and one update. Recompute
+is not counted (model FLOPs). MFU = achieved / ``--peak-tflops``.
+
+``--checkpoint``: after the first case that fits, one save (``mcore.checkpoint.save_checkpoint``:
+policy, optimizer, anchor master, RNG) into ``--checkpoint-dir``, then a plain sequential write of
+the same number of bytes to a file in the same directory (1 GiB writes, fsync), each removed after.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,11 +61,36 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_empg.config import ParallelConfig, load_model_config  # noqa: E402
-from megatron_empg.core.microbatch import MicroBatch  # noqa: E402
+from megatron_empg.config import LossConfig, ParallelConfig, RunConfig, load_config, load_model_config  # noqa: E402
 
-STAGES = ("old_pass", "anchor_pass", "update", "ema_update", "checkpoint")
 CUDA = torch.cuda.is_available()
+STAGES = ("old_pass", "anchor_pass", "update", "ema_update")
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    attention: str = "sdpa"
+    tokens: int = 2048
+    recompute: str = "none"
+    kl: str = "recipe"
+    packed: bool = True
+    fusions: str = "auto"
+
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        values = {}
+        for item in filter(None, text.split(",")):
+            key, _, value = item.partition("=")
+            if key not in fields:
+                raise SystemExit(f"--case {text!r}: unknown key {key!r}; expected {sorted(fields)}")
+            values[key] = int(value) if key == "tokens" else value in ("1", "true") if key == "packed" else value
+        return cls(**values)
+
+    def name(self) -> str:
+        layout = "packed" if self.packed else "padded"
+        return f"{self.attention} {layout} {self.tokens} recompute={self.recompute} kl={self.kl} fusions={self.fusions}"
 
 
 def _sync() -> None:
@@ -64,54 +98,77 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, peaks: dict | None = None, stage: str | None = None):
-    """Run fn between two device synchronizes; the seconds, and on CUDA the allocator's peak during
-    fn kept as the max over calls in peaks[stage]."""
-    if CUDA and peaks is not None:
+def _timed(fn, peaks: dict, stage: str):
+    """fn() between two device synchronizes: (its result, seconds); the allocator's peak during it
+    is kept as the max over calls in ``peaks[stage]``."""
+    if CUDA:
         torch.cuda.reset_peak_memory_stats()
     _sync()
     start = time.perf_counter()
     out = fn()
     _sync()
     elapsed = time.perf_counter() - start
-    if CUDA and peaks is not None:
+    if CUDA:
         peaks[stage] = max(peaks.get(stage, 0), torch.cuda.max_memory_allocated())
     return out, elapsed
 
 
-def model_flops_per_token(model_cfg, seq_len: int) -> dict:
-    """Forward and update (forward + backward) FLOPs per token (module docstring)."""
-    n_embedding = model_cfg.vocab_size * model_cfg.hidden_size
-    # The embedding lookup is no matmul; the output layer is one, tied or not.
-    n = model_cfg.num_parameters() - n_embedding + (n_embedding if model_cfg.tie_word_embeddings else 0)
-    attention = 4 * model_cfg.num_layers * seq_len * model_cfg.num_attention_heads * model_cfg.kv_channels
-    forward = 2 * n + attention
-    return {"forward": forward, "update": 3 * forward, "matmul_params": n}
+def step_flops(model_cfg, lengths: list[int]) -> dict:
+    """Model FLOPs of one step (two forward passes and one update) over sequences of ``lengths``
+    tokens (module docstring); with and without the causal halving of attention."""
+    embedding = model_cfg.vocab_size * model_cfg.hidden_size
+    matmul_params = model_cfg.num_parameters() - embedding + (embedding if model_cfg.tie_word_embeddings else 0)
+    tokens = sum(lengths)
+    d_attn = model_cfg.num_attention_heads * model_cfg.kv_channels
+    attention_full = sum(4 * length * length * d_attn for length in lengths) * model_cfg.num_layers
+    linear = 2 * matmul_params * tokens
+    passes = 2 + 3  # old + anchor forward, update forward + backward (2x)
+    return {
+        "matmul_params": matmul_params,
+        "step_flops_causal": passes * (linear + attention_full / 2),
+        "step_flops_megatron": passes * (linear + attention_full),
+        "formula": "5 x (2 N tokens + sum_seq 4 L^2 heads head_dim layers [x 1/2 causal]); N = layer and "
+                   "output-layer matmul parameters; 5 = old + anchor forward + update (forward + 2x backward)",
+    }  # fmt: skip
 
 
-def _batch(vocab_size: int, seqs: int, seq_len: int, micro_batch: int, device) -> list[MicroBatch]:
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab_size, (seqs, seq_len + 1), generator=g)
-    mask = torch.zeros(seqs, seq_len, dtype=torch.bool)
-    mask[:, seq_len // 4 :] = True  # a quarter prompt, the rest response
-    full = {
-        "input_ids": tokens[:, :-1],
-        "target_ids": tokens[:, 1:],
-        "loss_mask": mask,
-        "advantages": torch.randn(seqs, 1, generator=g).expand(seqs, seq_len).clone(),
-    }
-    full = {k: v.to(device) for k, v in full.items()}
-    return [MicroBatch(**{k: v[i : i + micro_batch] for k, v in full.items()}) for i in range(0, seqs, micro_batch)]
+def _samples(vocab: int, case: Case, tokens_per_step: int, lengths_mode: str, seed: int):
+    from megatron_empg.trainer.batch import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < tokens_per_step:
+        if lengths_mode == "full":
+            lengths.append(case.tokens)
+        else:
+            lengths.append(int(torch.randint(case.tokens // 8, case.tokens + 1, (1,), generator=g)))
+    samples = []
+    for i, length in enumerate(lengths):
+        ids = torch.randint(1, vocab, (length,), generator=g).tolist()
+        prompt = max(1, length // 4)
+        response = ids[prompt:]
+        samples.append(Sample(ids[:prompt], response, [-1.0] * len(response), "stop", group=i // 8))
+    advantages = torch.randn(len(samples), generator=g).tolist()
+    return samples, advantages
 
 
-def run_variant(args, kl: str, ckpt_root: Path, progress: dict, checkpoint_steps: set[int]) -> dict:
-    from megatron_empg.mcore.anchor import EmaAnchor
-    from megatron_empg.mcore.checkpoint import save_checkpoint
-    from megatron_empg.mcore.model import build_gpt_model
+def _micro_batches(samples, advantages, case: Case, device):
+    from megatron_empg.trainer.batch import MicroBatchPlan, micro_batches
+
+    plan = MicroBatchPlan(packing=True, max_tokens=case.tokens) if case.packed else \
+        MicroBatchPlan(packing=False, micro_batch_size=max(1, case.tokens // max(s.length for s in samples)))  # fmt: skip
+    return [mb.to(device) for mb in micro_batches(samples, advantages, plan)]
+
+
+def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict, dict]:
+    """(the record, what a checkpoint save needs) of one case."""
     from megatron_empg.config import OptimizerConfig
+    from megatron_empg.mcore.anchor import EmaAnchor
+    from megatron_empg.mcore.attention_backends import resolve_attention_backend
+    from megatron_empg.mcore.fusions import FUSIONS, FusionPlan, fusion_plan
+    from megatron_empg.mcore.model import build_gpt_model, recompute_overrides
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
-    from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from megatron_empg.config import LossConfig
+    from megatron_empg.mcore.parallel_state import initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
     from megatron_empg.trainer.build import bind_loss
 
@@ -119,231 +176,255 @@ def run_variant(args, kl: str, ckpt_root: Path, progress: dict, checkpoint_steps
     parallel = ParallelConfig()
     groups = initialize_model_parallel(parallel, seed=0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    device = torch.device("cuda") if CUDA else torch.device("cpu")  # "cuda": the current device
+    device = torch.device("cuda") if CUDA else torch.device("cpu")
+    attention = resolve_attention_backend(case.attention)
+    fusions = fusion_plan(attention, cuda=CUDA)
+    if case.fusions == "off":
+        fusions = FusionPlan(dict.fromkeys(FUSIONS, False), dict.fromkeys(FUSIONS, "off for this case"))
+    loss_cfg = recipe.algorithm.loss
+    if case.kl == "topk":
+        loss_cfg = dataclasses.replace(loss_cfg, kl="topk", kl_args={"direction": "reverse", "importance_weight": True})
+    elif case.kl != "recipe":
+        loss_cfg = dataclasses.replace(loss_cfg, kl=case.kl, kl_args={})
+    loss, plan = bind_loss(loss_cfg, vocab_size=model_cfg.vocab_size, topk=args.k)
     peaks: dict[str, int] = {}
-    memory: dict[str, int] = {}
-    checkpoint_errors: list[str] = []
-    progress.update(kl=kl, stage="build", step=None)
-    try:
-        policy = build_gpt_model(model_cfg, parallel, params_dtype=dtype)
-        settings = OptimizerConfig(lr=1e-6, clip_grad=1.0)
-        ddp = wrap_with_ddp(policy, settings)
-        optimizer = build_optimizer(ddp, settings)
-        scheduler = build_scheduler(optimizer, settings)
-        anchor = EmaAnchor.from_configs(model_cfg, parallel, ddp, optimizer, tau=0.99, period=1, compute_dtype=dtype)
-        k = args.k if kl == "topk" else 0
-        vocab = model_cfg.vocab_size
-        loss, _ = bind_loss(LossConfig(
-            kl=kl, kl_coef=0.05, chunk_size=args.chunk_size,
-            kl_args={"direction": "reverse", "importance_weight": True} if kl == "topk" else {},
-        ), vocab_size=vocab, topk=args.k)  # fmt: skip
-        times = {stage: [] for stage in STAGES}
-        if CUDA:
-            _sync()
-            memory["allocated_after_build_bytes"] = torch.cuda.memory_allocated()
-            memory["peak_during_build_bytes"] = torch.cuda.max_memory_allocated()
-        for step in range(args.warmup + args.repeats):
-            progress.update(step=step, stage="batch")
-            mbs = _batch(vocab, args.seqs, args.seq_len, args.micro_batch, device)
-            progress["stage"] = "old_pass"
-            old, t_old = _timed(
-                lambda: forward_stats(ddp, mbs, StatsRequest(vocab_size=vocab, k=k), groups), peaks, "old_pass"
-            )
-            for mb, stats in zip(mbs, old, strict=True):
-                mb.old_logprobs = stats["logprobs"]
-                if k:
-                    mb.topk_ids = stats["topk_ids"]
-            request = StatsRequest(vocab_size=vocab, extra_ids_key="topk_ids" if k else None, with_entropy=False)
-            progress["stage"] = "anchor_pass"
-            ref, t_anchor = _timed(lambda: forward_stats(anchor.models, mbs, request, groups), peaks, "anchor_pass")
-            for mb, stats in zip(mbs, ref, strict=True):
-                mb.anchor_logprobs = stats["logprobs"]
-                if k:
-                    mb.topk_anchor_logprobs = stats["extra_logprobs"]
-            progress["stage"] = "update"
-            _, t_update = _timed(
-                lambda: train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups), peaks, "update"
-            )
-            progress["stage"] = "ema_update"
-            _, t_ema = _timed(anchor.update, peaks, "ema_update")
-            t_ckpt = None
-            if step in checkpoint_steps:
-                progress["stage"] = "checkpoint"
-                try:
-                    _, t_ckpt = _timed(
-                        lambda: save_checkpoint(
-                            ckpt_root / kl, step, models=ddp, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
-                            groups=groups, keep_last=1,
-                        ),
-                        peaks, "checkpoint",
-                    )  # fmt: skip
-                except Exception as err:  # noqa: BLE001 - e.g. a full disk: recorded, the timing goes on
-                    checkpoint_errors.append(f"step {step}: {type(err).__name__}: {err}"[:500])
-            if step >= args.warmup:
-                for stage, t in zip(STAGES, (t_old, t_anchor, t_update, t_ema, t_ckpt)):
-                    if t is not None:
-                        times[stage].append(t)
-        if CUDA:
-            memory["allocated_after_steps_bytes"] = torch.cuda.memory_allocated()
-            memory["reserved_after_steps_bytes"] = torch.cuda.memory_reserved()
-    finally:
-        destroy_model_parallel()
-    medians = {stage: (statistics.median(ts) if ts else None) for stage, ts in times.items()}
-    step_s = sum(medians[s] for s in ("old_pass", "anchor_pass", "update", "ema_update"))
-    tokens = args.seqs * args.seq_len
-    flops = model_flops_per_token(model_cfg, args.seq_len)
-    step_flops = tokens * (2 * flops["forward"] + flops["update"])  # two forward-only passes + update
-    result = {
-        "kl": kl,
+    progress.update(stage="build", step=None)
+    policy = build_gpt_model(model_cfg, parallel, params_dtype=dtype, attention_backend=attention.name,
+                             fusions=fusions, **recompute_overrides(case.recompute))  # fmt: skip
+    settings = OptimizerConfig(lr=1e-6, clip_grad=1.0)
+    ddp = wrap_with_ddp(policy, settings)
+    optimizer = build_optimizer(ddp, settings)
+    scheduler = build_scheduler(optimizer, settings)
+    anchor = EmaAnchor.from_configs(model_cfg, parallel, ddp, optimizer, tau=0.95, period=1, compute_dtype=dtype,
+                                    attention_backend=attention.name, fusions=fusions)  # fmt: skip
+    built_bytes = torch.cuda.memory_allocated() if CUDA else None
+    vocab = model_cfg.vocab_size
+    old_request = StatsRequest(vocab_size=vocab, k=plan.old_topk, with_entropy=False)
+    anchor_request = StatsRequest(vocab_size=vocab, k=plan.anchor_topk, with_entropy=False,
+                                  extra_ids_key="topk_ids" if plan.anchor_at_old_topk else None)  # fmt: skip
+    times: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    lengths: list[int] = []
+    for step in range(args.warmup + args.repeats):
+        progress.update(step=step, stage="batch")
+        samples, advantages = _samples(vocab, case, args.tokens_per_step, args.lengths, seed=step)
+        lengths = [s.length for s in samples]
+        mbs = _micro_batches(samples, advantages, case, device)
+        progress["stage"] = "old_pass"
+        old, t_old = _timed(lambda: forward_stats(ddp, mbs, old_request, groups), peaks, "old_pass")
+        for mb, out in zip(mbs, old, strict=True):
+            mb.old_logprobs = out["logprobs"]
+            if plan.old_topk:
+                mb.topk_ids = out["topk_ids"]
+        progress["stage"] = "anchor_pass"
+        ref, t_anchor = _timed(lambda: forward_stats(anchor.models, mbs, anchor_request, groups), peaks, "anchor_pass")
+        for mb, out in zip(mbs, ref, strict=True):
+            mb.anchor_logprobs = out["logprobs"]
+            if plan.anchor_at_old_topk:
+                mb.topk_anchor_logprobs = out["extra_logprobs"]
+        progress["stage"] = "update"
+        _, t_update = _timed(lambda: train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups), peaks, "update")
+        progress["stage"] = "ema_update"
+        _, t_ema = _timed(anchor.update, peaks, "ema_update")
+        if step >= args.warmup:
+            for stage, t in zip(STAGES, (t_old, t_anchor, t_update, t_ema)):
+                times[stage].append(t)
+    medians = {stage: statistics.median(ts) for stage, ts in times.items()}
+    step_s = sum(medians.values())
+    flops = step_flops(model_cfg, lengths)
+    record = {
+        "case": case.name(),
         "ok": True,
-        "k": k,
-        "tokens_per_step": tokens,
+        "attention_backend": attention.name,
+        "packed": case.packed,
+        "tokens_per_microbatch": case.tokens,
+        "microbatches": len(mbs),
+        "sequence_lengths": "full" if args.lengths == "full" else "mixed",
+        "recompute": case.recompute,
+        "kl": loss_cfg.kl,
+        "topk": plan.old_topk or plan.anchor_topk,
+        "fusions": {f: v for f, v in fusions.overrides.items() if v},
+        "tokens_per_step": sum(lengths),
         "stage_seconds_median": medians,
-        "stage_seconds_all": times,
-        "step_seconds_without_checkpoint": step_s,
-        "tokens_per_second": tokens / step_s,
-        "ema_update_share_of_step": medians["ema_update"] / step_s,
-        "achieved_model_tflops": step_flops / step_s / 1e12,
-        "model_flops_per_token": flops,
+        "step_seconds": step_s,
+        "tokens_per_s": sum(lengths) / step_s,
+        "achieved_tflops": flops["step_flops_causal"] / step_s / 1e12,
+        "flops": flops,
     }
     if args.peak_tflops:
-        result["mfu"] = result["achieved_model_tflops"] / args.peak_tflops
-    if checkpoint_errors:
-        result["checkpoint_errors"] = checkpoint_errors
+        record["mfu"] = flops["step_flops_causal"] / step_s / 1e12 / args.peak_tflops
+        record["mfu_megatron"] = flops["step_flops_megatron"] / step_s / 1e12 / args.peak_tflops
+        record["peak_tflops"] = args.peak_tflops
     if CUDA:
-        result["cuda_memory"] = {
-            **memory,
-            "peak_allocated_bytes": max([memory.get("peak_during_build_bytes", 0), *peaks.values()]),
-            "peak_allocated_by_stage_bytes": peaks,
-            "max_reserved_bytes": torch.cuda.max_memory_reserved(),
-            "device_total_bytes": torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
-        }
-    return result
+        record["peak_gib"] = max(peaks.values()) / GIB
+        record["peak_gib_by_stage"] = {k: v / GIB for k, v in peaks.items()}
+        record["allocated_after_build_gib"] = built_bytes / GIB
+    return record, {"models": ddp, "optimizer": optimizer, "scheduler": scheduler, "anchor": anchor, "groups": groups}
 
 
-def _failure(kl: str, err: BaseException, progress: dict) -> dict:
-    out = {
-        "kl": kl,
-        "ok": False,
-        "oom": isinstance(err, torch.cuda.OutOfMemoryError),
-        "failed_at": {"stage": progress.get("stage"), "step": progress.get("step")},
-        "error": f"{type(err).__name__}: {err}"[:1500],
-    }
+def plain_write(path: Path, num_bytes: int, block: int = GIB) -> float:
+    """Seconds to write ``num_bytes`` to a new file at ``path`` sequentially (``block``-byte writes
+    of one reused buffer) and fsync it; the file is removed after."""
+    buffer = memoryview(os.urandom(min(block, 2**24)) * max(1, block // 2**24))
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = num_bytes
+        while left > 0:
+            left -= f.write(buffer[: min(left, len(buffer))])
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return elapsed
+
+
+def time_checkpoint(state: dict, directory: Path) -> dict:
+    """One save of ``state`` (``run_case``'s) against a plain write of as many bytes, same disk."""
+    from megatron_empg.mcore.checkpoint import save_checkpoint
+
+    directory.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="ckpt_", dir=directory))
+    try:
+        _sync()
+        start = time.perf_counter()
+        saved = save_checkpoint(root, 1, keep_last=1, **state)
+        _sync()
+        save_s = time.perf_counter() - start
+        num_bytes = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    write_s = plain_write(directory / "plain_write.bin", num_bytes)
+    return {
+        "checkpoint_s": save_s, "checkpoint_gb": num_bytes / 1e9, "plain_write_s": write_s,
+        "write_gb_per_s": num_bytes / 1e9 / write_s, "checkpoint_gb_per_s": num_bytes / 1e9 / save_s,
+        "ratio_to_plain_write": save_s / write_s, "directory": str(directory), "filesystem": _filesystem(directory),
+    }  # fmt: skip
+
+
+def _filesystem(path: Path) -> str:
+    try:
+        return subprocess.run(["df", "-T", str(path)], capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _failure(case: Case, err: BaseException, progress: dict) -> dict:
+    out = {"case": case.name(), "ok": False, "attention_backend": case.attention, "tokens_per_microbatch": case.tokens,
+           "recompute": case.recompute, "packed": case.packed, "oom": isinstance(err, torch.cuda.OutOfMemoryError),
+           "failed_at": dict(progress), "error": f"{type(err).__name__}: {err}"[:1500]}  # fmt: skip
     if CUDA:
-        out["cuda_memory"] = {
-            "allocated_at_failure_bytes": torch.cuda.memory_allocated(),
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "device_total_bytes": torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
-        }
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     return out
 
 
-def _gib(n) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.1f} GiB"
+def _machine() -> dict:
+    from megatron_empg.mcore.attention import varlen_attention
+    from megatron_empg.mcore.attention_backends import te_import_error
+
+    varlen = varlen_attention()
+    info = {
+        "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if CUDA else "cpu", "torch_threads": torch.get_num_threads(),
+        "transformer_engine": te_import_error() is None, "varlen_attn": varlen.describe() if varlen else None,
+    }  # fmt: skip
+    try:
+        import megatron.core
+        import triton
+
+        info.update(megatron_core=getattr(megatron.core, "__version__", None), triton=triton.__version__)
+    except ImportError:
+        pass
+    if CUDA:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.update(torch_cuda=torch.version.cuda, device_total_bytes=props.total_memory,
+                    multiprocessors=props.multi_processor_count)  # fmt: skip
+    return info
 
 
-def _summary(v: dict) -> str:
-    if not v.get("ok"):
-        mem = v.get("cuda_memory", {})
-        what = "OUT OF MEMORY" if v.get("oom") else "FAILED"
-        return (f"kl={v['kl']:<5} {what} at {v['failed_at']['stage']} (step {v['failed_at']['step']}), "
-                f"peak {_gib(mem.get('peak_allocated_bytes'))}: {v['error'][:300]}")
-    stages = ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in v["stage_seconds_median"].items() if t is not None)
-    line = f"kl={v['kl']:<5} {v['tokens_per_second']:.0f} tokens/s, EMA {100 * v['ema_update_share_of_step']:.2f}%"
-    if "mfu" in v:
-        line += f", {v['achieved_model_tflops']:.0f} TFLOP/s, MFU {100 * v['mfu']:.1f}%"
-    if "cuda_memory" in v:
-        line += f", peak {_gib(v['cuda_memory']['peak_allocated_bytes'])}"
-    return line + f" | {stages}"
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        return out.stdout.strip() + ("+dirty" if dirty else "") or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _summary(record: dict) -> str:
+    if not record["ok"]:
+        return f"{record['case']}: {'OUT OF MEMORY' if record['oom'] else 'FAILED'} at {record['failed_at']}: " \
+               f"{record['error'][:300]}"  # fmt: skip
+    stages = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in record["stage_seconds_median"].items())
+    line = f"{record['case']}: {record['tokens_per_s']:.0f} tokens/s"
+    if "mfu" in record:
+        line += f", MFU {100 * record['mfu']:.1f}% (Megatron convention {100 * record['mfu_megatron']:.1f}%)"
+    if "peak_gib" in record:
+        line += f", peak {record['peak_gib']:.1f} GiB"
+    return f"{line} | {stages}"
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-qwen2")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--seqs", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--model", default=None, help="default: tiny-qwen2 on CPU, the recipe's model on CUDA")
+    p.add_argument("--recipe", default=str(REPO / "recipes/r1_distill_qwen_1.5b_math_ema_pg.yaml"))
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16" if CUDA else "fp32")
+    p.add_argument("--case", action="append", type=Case.parse, help="repeatable; default: one sdpa case")
+    p.add_argument("--tokens-per-step", type=int, default=32768 if CUDA else 512)
+    p.add_argument("--lengths", choices=("full", "mixed"), default="full")
     p.add_argument("--k", type=int, default=32)
-    p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (H100 SXM bf16 dense: 989)")
-    p.add_argument("--kl", default="topk,k3", help="comma list of the variants' KL estimators (topk, k3, ...)")
-    p.add_argument("--checkpoint", choices=("every", "once", "none"), default="every",
-                   help="save a checkpoint every step, once (last step of the first variant) or never")
-    p.add_argument("--out", default=None,
-                   help="default benchmarks/results/train_step_cpu.json (train_step_gpu.json on a CUDA machine)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak for the MFU (H100 SXM: 989)")
+    p.add_argument("--checkpoint", action="store_true", help="time one save against a plain write (first case)")
+    p.add_argument("--checkpoint-dir", default=tempfile.gettempdir())
+    p.add_argument("--out", default=str(REPO / f"benchmarks/results/train_step_{'gpu' if CUDA else 'cpu'}.json"))
     args = p.parse_args(argv)
-    if args.out is None:
-        args.out = str(REPO / f"benchmarks/results/train_step_{'gpu' if CUDA else 'cpu'}.json")
-    kls = [x for x in args.kl.split(",") if x]
-    n_steps = args.warmup + args.repeats
+    recipe = load_config(RunConfig, args.recipe)
+    args.model = args.model or (recipe.model if CUDA else "tiny-qwen2")
+    cases = args.case or [Case(tokens=2048 if CUDA else 128)]
+
+    from megatron_empg.mcore.parallel_state import destroy_model_parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     if CUDA:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if CUDA else "gloo", rank=0, world_size=1)
-    variants: list[dict] = []
+    report = {"benchmark": "train_step", "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "commit": _commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": _machine(),
+              "params": {k: v for k, v in vars(args).items() if k != "case"}, "records": []}  # fmt: skip
     try:
-        with tempfile.TemporaryDirectory(prefix="train_step_bench_") as tmp:
-            for i, kl in enumerate(kls):
-                steps = {"every": set(range(n_steps)), "once": {n_steps - 1} if i == 0 else set(), "none": set()}
-                progress: dict = {}
+        for case in cases:
+            progress: dict = {}
+            state = None
+            if CUDA:
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                record, state = run_case(args, case, recipe, progress)
+                if args.checkpoint and "checkpoint" not in report:
+                    report["checkpoint"] = {"case": case.name(), **time_checkpoint(state, Path(args.checkpoint_dir))}
+                    record.update(report["checkpoint"])
+            except torch.cuda.OutOfMemoryError as err:
+                record = _failure(case, err, progress)
+            finally:
+                state = None
+                destroy_model_parallel()
+                gc.collect()
                 if CUDA:
-                    torch.cuda.reset_peak_memory_stats()
-                try:
-                    variants.append(run_variant(args, kl, Path(tmp), progress, steps[args.checkpoint]))
-                except torch.cuda.OutOfMemoryError as err:
-                    variants.append(_failure(kl, err, progress))
-                if CUDA:
-                    gc.collect()
                     torch.cuda.empty_cache()
-                print(_summary(variants[-1]), flush=True)
-                _write_report(args, variants)
+            record.update(device=report["machine"]["device"], commit=report["commit"])
+            report["records"].append(record)
+            print(_summary(record), flush=True)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     finally:
         dist.destroy_process_group()
+    if "checkpoint" in report:
+        c = report["checkpoint"]
+        print(f"checkpoint: {c['checkpoint_gb']:.1f} GB in {c['checkpoint_s']:.1f} s; plain write {c['plain_write_s']:.1f} s "
+              f"({c['write_gb_per_s']:.2f} GB/s): {c['ratio_to_plain_write']:.2f}x", flush=True)  # fmt: skip
     print(f"wrote {args.out}")
-    if not all(v.get("ok") for v in variants):
+    if not all(r["ok"] for r in report["records"]):
         sys.exit(1)
-
-
-def _machine() -> dict:
-    from megatron_empg.mcore.model import te_available
-
-    info = {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if CUDA else "cpu",
-        "torch_threads": torch.get_num_threads(),
-        "transformer_engine": te_available(),
-    }
-    try:
-        import megatron.core
-
-        info["megatron_core"] = getattr(megatron.core, "__version__", None)
-    except ImportError:
-        pass
-    if CUDA:
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        info.update(torch_cuda=torch.version.cuda, device_total_memory_bytes=props.total_memory,
-                    multiprocessors=props.multi_processor_count)  # fmt: skip
-    return info
-
-
-def _write_report(args, variants: list[dict]) -> None:
-    report = {
-        "benchmark": "train_step",
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": _machine(),
-        "params": vars(args),
-        "variants": variants,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import types
 import torch
 
 from megatron_empg.mcore.attention_backends import AttentionChoice
+from megatron_empg.parallel.fused_output import accumulate_weight_grad_
 
 FUSIONS = ("bias_activation_fusion", "gradient_accumulation_fusion", "apply_rope_fusion", "masked_softmax_fusion",
            "persist_layer_norm", "bias_dropout_fusion")  # fmt: skip
@@ -92,17 +93,10 @@ def _softmax_extensions() -> bool:
 
 def _addmm_(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """main_grad [out, in] += grad_output.T [out, tokens] @ total_input [tokens, in] (apex's argument
-    order; ``total_input`` and ``grad_output`` may have leading dims), the products of
-    the model-dtype operands summed in main_grad's dtype (one GEMM with fp32 output on CUDA; on
-    CPU, which has no mixed-dtype GEMM, the same operands exactly upcast)."""
-    grad_output = grad_output.reshape(-1, grad_output.shape[-1])
-    total_input = total_input.reshape(-1, total_input.shape[-1])
-    if grad_output.dtype == main_grad.dtype:
-        main_grad.addmm_(grad_output.t(), total_input)
-    elif main_grad.is_cuda:
-        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
-    else:
-        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+    order; leading dims are flattened into tokens): ``parallel.fused_output.accumulate_weight_grad_``,
+    one GEMM with fp32 output on CUDA."""
+    accumulate_weight_grad_(main_grad, grad_output.reshape(-1, grad_output.shape[-1]),
+                            total_input.reshape(-1, total_input.shape[-1]), None)  # fmt: skip
 
 
 WgradAccumulation = types.SimpleNamespace(wgrad_gemm_accum_fp32=_addmm_, wgrad_gemm_accum_fp16=_addmm_)

@@ -82,7 +82,7 @@ def _main_grad(weight: Tensor) -> Tensor | None:
     return getattr(weight, "main_grad", None) if hasattr(weight, "grad_added_to_main_grad") else None
 
 
-def _accumulate_weight_grad_(acc: Tensor, grad: Tensor, hidden: Tensor, scratch: Tensor | None) -> None:
+def accumulate_weight_grad_(acc: Tensor, grad: Tensor, hidden: Tensor, scratch: Tensor | None) -> None:
     """acc [V_local, H] += grad.T @ hidden, the products of the model-dtype operands ``grad`` [c, V_local]
     and ``hidden`` [c, H] summed in ``acc``'s dtype. ``scratch``: None or a free [>= c, V_local] buffer
     of acc's dtype."""
@@ -159,7 +159,7 @@ class _FusedOutputLogprobs(torch.autograd.Function):
             if grad_hidden is not None:
                 torch.mm(grad, weight, out=grad_hidden[s:e])
             if grad_weight is not None:
-                _accumulate_weight_grad_(grad_weight, grad, hidden[s:e], scratch)
+                accumulate_weight_grad_(grad_weight, grad, hidden[s:e], scratch)
         if main_grad is not None:  # a dummy for DDP's hook, or none when tied (module docstring)
             weight.grad_added_to_main_grad = True
             grad_weight = None if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)

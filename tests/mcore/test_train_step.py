@@ -44,6 +44,11 @@ def loss_fn(vocab_size: int):
 OPTIM = dict(lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10, lr_decay_style="cosine", min_lr=1e-4, clip_grad=1.0)
 # fp32: layouts regroup matmuls and all-reduces; observed differences are ~1e-7
 TOL = dict(rtol=1e-5, atol=1e-5)
+# The parameters after 3 Adam steps: Adam divides by sqrt(v), so where an element's gradient nearly
+# cancels a 1e-7 difference in it moves the parameter by up to ~1% of lr (worst seen over these
+# layouts: 7e-6 with the unfused attention, 1.1e-5 with sdpa, at lr 1e-3); a layout bug moves
+# parameters by ~lr.
+PARAM_TOL = dict(rtol=1e-5, atol=3e-5)
 
 # (name, world size, TP, PP, distributed optimizer)
 LAYOUTS_2 = [("tp2", 2, 2, 1, False), ("pp2", 2, 1, 2, False), ("dp2_distopt", 2, 1, 1, True)]
@@ -170,7 +175,7 @@ def _assert_same_params(rank_result: dict, reference_params: dict, what: str) ->
     for name, (shard, partition) in rank_result["params"].items():
         full, _ = reference_params[name]
         expected = tp_slice(full, partition, rank_result["tp_rank"], rank_result["tp"])
-        torch.testing.assert_close(shard, expected, **TOL, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(shard, expected, **PARAM_TOL, msg=lambda m: f"{what} {name}: {m}")
 
 
 def test_reference_trains_and_reports(reference):
