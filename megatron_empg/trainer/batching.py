@@ -30,20 +30,22 @@ from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.trainer.balance import attention_quadratic, imbalance, sequence_cost
 from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
-from megatron_empg.trainer.forward_batch import ForwardPlan
+from megatron_empg.trainer.forward_batch import ForwardPlan, forward_groups
 from megatron_empg.trainer.layout import row_multiple
 
 
 @dataclasses.dataclass
 class StepBatch:
     """This replica's ``[mini-batch][micro-batch]`` of one step on the policy's device, with its
-    ``tokens`` (of the samples in them), ``slots`` (positions computed, padding included) and
-    ``imbalance`` (max / mean tokens over the replicas of this rank's engine; 1: balanced)."""
+    ``tokens`` (of the samples in them), ``slots`` (positions computed, padding included),
+    ``imbalance`` (max / mean tokens over the replicas of this rank's engine; 1: balanced) and
+    ``forward_micro_batches`` (the old and anchor passes' micro-batches each, ``forward_plan``)."""
 
     minis: list[list[MicroBatch]]
     tokens: int
     slots: int
     imbalance: float
+    forward_micro_batches: int
 
     def sampler_gap(self) -> tuple[float, int]:
         """(sum, count) of |log pi_old - the engine's log-prob| over the loss tokens, after the old
@@ -108,7 +110,8 @@ class BatchStage:
             minis.append([mb.to(device) for mb in calls])
         tokens = [sum(replicas[r][i].length for mini in share for r, i in mini) for share in shares]
         slots = sum(mb.input_ids.numel() for mini in minis for mb in mini)
-        return StepBatch(minis, tokens[self.replica], slots, imbalance(tokens))
+        forward = forward_groups([mb.shape[1] for mini in minis for mb in mini], self.forward_plan)
+        return StepBatch(minis, tokens[self.replica], slots, imbalance(tokens), len(forward))
 
     def _engine_advantages(self, advantages: torch.Tensor) -> dict[int, list[float]]:
         """``{r: [B] advantages}`` of the R replicas of this rank's engine, from one all-gather

@@ -90,9 +90,7 @@ def forward_rows(micro: Sequence[MicroBatch], plan: ForwardPlan) -> ForwardRows:
         if not mb.packed or mb.shape[0] != 1:
             raise ValueError(f"{FIELD} needs packed rows, got a micro-batch of shape {mb.shape}")
     widths = [mb.shape[1] for mb in micro]
-    if max(widths, default=0) > plan.max_tokens:
-        raise ValueError(f"a row of {max(widths)} tokens exceeds {FIELD}={plan.max_tokens}")
-    groups = _groups(widths, plan)
+    groups = forward_groups(widths, plan)
     row_widths = [sum(widths[i] for i in g) for g in groups]
     if plan.fixed_shape:
         row_widths = [max(row_widths, default=0)] * len(groups)
@@ -104,9 +102,15 @@ def forward_rows(micro: Sequence[MicroBatch], plan: ForwardPlan) -> ForwardRows:
     return ForwardRows(batches, spans)
 
 
-def _groups(widths: Sequence[int], plan: ForwardPlan) -> list[list[int]]:
-    """Consecutive indices of ``widths`` per forward row: as few rows as the budget allows (a
-    multiple of ``count_multiple``); under ``fixed_shape`` at the narrowest common width."""
+def forward_groups(widths: Sequence[int], plan: ForwardPlan) -> list[list[int]]:
+    """The indices of the update rows (of lengths ``widths``) each forward row holds: consecutive,
+    as few forward rows as the budget allows (a multiple of ``count_multiple``), under
+    ``fixed_shape`` at the narrowest common width; one each without a budget. A row wider than
+    the budget is a ValueError naming ``train.max_tokens_per_forward_microbatch``."""
+    if plan.max_tokens is None:
+        return [[i] for i in range(len(widths))]
+    if max(widths, default=0) > plan.max_tokens:
+        raise ValueError(f"a row of {max(widths)} tokens exceeds {FIELD}={plan.max_tokens}")
     count = -(-len(_fill(widths, plan.max_tokens)) // plan.count_multiple) * plan.count_multiple
     width = plan.max_tokens
     if plan.fixed_shape:  # every row is padded to the widest: the narrowest width at this count

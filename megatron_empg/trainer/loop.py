@@ -431,7 +431,7 @@ class Trainer:
         local = {**rollout.sums[self.batching.replica], "loss_tokens": sum(s.loss_tokens for s in samples),
                  "trained": len(samples), "no_loss": sum(s.loss_tokens == 0 for s in samples), "batch_tokens": batch.tokens,
                  "batch_slots": batch.slots, "micro_batches": sum(len(mini) for mini in batch.minis),
-                 "imbalance": batch.imbalance}  # fmt: skip
+                 "forward_micro_batches": batch.forward_micro_batches, "imbalance": batch.imbalance}  # fmt: skip
         local["sampler_gap"], local["sampler_gap_tokens"] = batch.sampler_gap()
         totals = all_reduce_sums({**local, **behavior}, self.groups.dp_group)
         seconds = sum(times.values())
@@ -441,6 +441,7 @@ class Trainer:
             "response/no_loss_fraction": totals["no_loss"] / max(totals["trained"], 1),
             "batch/padding_fraction": 1.0 - totals["batch_tokens"] / max(totals["batch_slots"], 1),
             "batch/micro_batches_mean": totals["micro_batches"] / self.groups.dp_size,
+            "batch/forward_micro_batches_mean": totals["forward_micro_batches"] / self.groups.dp_size,
             "batch/replica_imbalance": totals["imbalance"] / self.groups.dp_size,
             "batch/sampler_logprob_gap": totals["sampler_gap"] / max(totals["sampler_gap_tokens"], 1),
             **behavior_metrics(totals),
