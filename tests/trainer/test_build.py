@@ -331,6 +331,11 @@ def test_check_prints_the_layout_or_the_error(tmp_path):
                f"tokenizer={tmp_path}"]  # fmt: skip
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("ok: demo-qwen2 on 1 ranks (TP 1 x PP 1 x DP 1)"), out.stderr
+    assert "128 samples in 2 packed micro-batches; advantage" in out.stdout
+    out = subprocess.run([*command, "train.max_tokens_per_forward_microbatch=4096"], cwd=REPO, capture_output=True,
+                         text=True)  # fmt: skip
+    assert out.returncode == 0 and "128 samples in 2 packed micro-batches (old and anchor passes: their rows back to " \
+        "back, at most 4096 tokens); advantage" in out.stdout, out.stdout + out.stderr  # fmt: skip
     out = subprocess.run([*command, "--world-size", "2"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2 and "empg: error: rollout.in_process: true needs a world of one process" in out.stderr
     out = subprocess.run([*command, "rollout.in_process=false", "weight_sync.transport=shm_file", "--world-size", "2"],
