@@ -96,7 +96,7 @@ def forward_rows(micro: Sequence[MicroBatch], plan: ForwardPlan) -> ForwardRows:
         row_widths = [max(row_widths, default=0)] * len(groups)
     batches, spans = [], []
     for row, (members, width) in enumerate(zip(groups, row_widths)):
-        batches.append(merge_rows([micro[i] for i in members], width))
+        batches.append(_merge_rows([micro[i] for i in members], width))
         starts = itertools.accumulate((widths[i] for i in members), initial=0)
         spans.extend(RowSpan(row, start, widths[i]) for i, start in zip(members, starts))
     return ForwardRows(batches, spans)
@@ -140,7 +140,7 @@ def _fill(widths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def merge_rows(rows: Sequence[MicroBatch], width: int) -> MicroBatch:
+def _merge_rows(rows: Sequence[MicroBatch], width: int) -> MicroBatch:
     """One packed [1, ``width``] row: ``rows`` (packed [1, s_i] rows) back to back, then padding
     to ``width`` as a segment of its own. Every per-token field is concatenated (zeros in the
     padding; ``position_ids`` 0, 1, ... there), ``seq_ids`` renumbered, ``cu_seqlens`` offset, and
@@ -170,10 +170,9 @@ def merge_rows(rows: Sequence[MicroBatch], width: int) -> MicroBatch:
         elif any(part is None for part in parts):
             raise ValueError(f"{name} is set on some micro-batches of a forward row and not on others")
         else:
-            if name == "seq_ids":
-                parts = [ids + first for ids, first in zip(parts, itertools.accumulate(segments, initial=0))]
             padding = parts[0].new_zeros((1, pad, *parts[0].shape[2:]))
-            if name == "seq_ids":
+            if name == "seq_ids":  # numbered on from the rows before; the padding is the last segment
+                parts = [ids + first for ids, first in zip(parts, itertools.accumulate(segments, initial=0))]
                 padding += sum(segments)
             elif name == "position_ids":
                 padding = torch.arange(pad, dtype=padding.dtype, device=device)[None]

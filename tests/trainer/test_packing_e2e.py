@@ -91,8 +91,8 @@ def test_forward_rows_of_three_update_rows_train_as_the_update_rows(tmp_path, wa
         assert ours["batch/micro_batches_mean"] == theirs["batch/micro_batches_mean"] > 6
         assert theirs["batch/forward_micro_batches_mean"] == theirs["batch/micro_batches_mean"]
         assert ours["batch/forward_micro_batches_mean"] <= ours["batch/micro_batches_mean"] / 2
-    last = "checkpoints/step_00000003"
-    ours, reference = (run_distributed(_parameters, 1, str(run / last))[0] for run in (tmp_path / "forward", packed_run))
+    ours, reference = (run_distributed(_parameters, 1, str(run / "checkpoints" / "step_00000003"))[0]
+                       for run in (tmp_path / "forward", packed_run))  # fmt: skip
     assert ours.keys() == reference.keys() and len(reference) > 5
     # fp32; Adam moves a weight by up to ~lr (3e-5) on rounding-level gradient differences where its
     # gradient is near 0 (tests/trainer/test_packing.py), so 3 steps of lr <= 3e-5 bound any difference
