@@ -133,6 +133,11 @@ class TrainConfig:
     ``packing``: a micro-batch is one row of its sequences back to back, attention and positions
     restarting at each (Megatron's THD layout), instead of one right-padded row per sequence.
     ``max_tokens_per_microbatch`` needs it and must hold a sequence of ``max_seq_len``.
+    ``max_tokens_per_forward_microbatch``: the forward-only passes (old and anchor), which keep no
+    activations for a backward pass, run on the update's packed rows concatenated in order into rows
+    of at most that many tokens, padding included (``trainer.forward_batch``); null: on the
+    update's micro-batches. It needs packing and must hold the update's widest row (checked at bind,
+    ``trainer.layout``). The logits of one such row, [tokens, V / TP] bf16, are the passes' peak.
     ``balance``: each mini-batch's samples are split between the replicas of one engine by
     estimated compute (tokens plus the attention's quadratic term) rather than kept where they
     were sampled; the gradient is the same.
@@ -159,6 +164,7 @@ class TrainConfig:
     recompute_num_layers: int = 1
     packing: bool = True
     max_tokens_per_microbatch: int | None = None
+    max_tokens_per_forward_microbatch: int | None = None
     balance: bool = True
     fused_output_loss: bool = False
 
@@ -177,6 +183,10 @@ class TrainConfig:
                     "max_tokens_per_microbatch",
                     f"{budget} cannot hold a sequence of max_seq_len={self.max_seq_len} tokens; set it to at least that",
                 )
+        if self.max_tokens_per_forward_microbatch is not None and not self.packing:
+            raise ConfigError(
+                "max_tokens_per_forward_microbatch", "needs packing: true (forward rows are packed rows back to back)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,9 @@ the engine group first (one all-gather), then each mini-batch's samples are spli
 replicas by estimated compute (``batch.replica_shares``, cost ``balance.sequence_cost`` with the
 model's attention term); every rank computes the same split. Samples that do not train are left
 out; the rest become micro-batches as ``train.packing`` / ``max_tokens_per_microbatch`` /
-``micro_batch_size`` say, one shape per call under pipeline parallelism.
+``micro_batch_size`` say, one shape per call under pipeline parallelism. The forward-only passes
+run on them, or with ``max_tokens_per_forward_microbatch`` on rows of them back to back
+(``forward_plan``, ``trainer.forward_batch``).
 
     stage = BatchStage(config, model, placement, groups, pad_id=...)
     batch = stage.build(replicas, advantages, device=...)   # StepBatch
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import torch
 import torch.distributed as dist
@@ -29,18 +30,22 @@ from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.trainer.balance import attention_quadratic, imbalance, sequence_cost
 from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
+from megatron_empg.trainer.forward_batch import ForwardPlan, forward_groups
+from megatron_empg.trainer.layout import row_multiple
 
 
 @dataclasses.dataclass
 class StepBatch:
     """This replica's ``[mini-batch][micro-batch]`` of one step on the policy's device, with its
-    ``tokens`` (of the samples in them), ``slots`` (positions computed, padding included) and
-    ``imbalance`` (max / mean tokens over the replicas of this rank's engine; 1: balanced)."""
+    ``tokens`` (of the samples in them), ``slots`` (positions computed, padding included),
+    ``imbalance`` (max / mean tokens over the replicas of this rank's engine; 1: balanced) and
+    ``forward_micro_batches`` (the old and anchor passes' micro-batches each, ``forward_plan``)."""
 
     minis: list[list[MicroBatch]]
     tokens: int
     slots: int
     imbalance: float
+    forward_micro_batches: int
 
     def sampler_gap(self) -> tuple[float, int]:
         """(sum, count) of |log pi_old - the engine's log-prob| over the loss tokens, after the old
@@ -74,13 +79,14 @@ class BatchStage:
         self.replicas = groups.dp_size // placement.num_engines  # R: the replicas of one engine
         self.replica = groups.dp_rank % self.replicas  # this rank's among them
         train, parallel = config.train, config.parallel
-        pp, tp = parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size
+        pp = parallel.pipeline_model_parallel_size
+        count_multiple = pp if parallel.virtual_pipeline_model_parallel_size else 1
         self.plan = MicroBatchPlan(
             packing=train.packing, micro_batch_size=train.micro_batch_size, max_tokens=train.max_tokens_per_microbatch,
-            fixed_shape=pp > 1, count_multiple=pp if parallel.virtual_pipeline_model_parallel_size else 1,
-            pad_multiple=math.lcm(8, tp) if parallel.sequence_parallel else 8,  # rows split over TP
-            pad_id=pad_id,
+            fixed_shape=pp > 1, count_multiple=count_multiple, pad_multiple=row_multiple(parallel), pad_id=pad_id,
         )  # fmt: skip
+        self.forward_plan = ForwardPlan(max_tokens=train.max_tokens_per_forward_microbatch, fixed_shape=pp > 1,
+                                        count_multiple=count_multiple)  # fmt: skip
         quadratic = attention_quadratic(model.hidden_size, model.parameters_per_layer())
         balance = train.balance and self.replicas > 1
         self.cost = functools.partial(sequence_cost, quadratic=quadratic) if balance else None
@@ -104,7 +110,8 @@ class BatchStage:
             minis.append([mb.to(device) for mb in calls])
         tokens = [sum(replicas[r][i].length for mini in share for r, i in mini) for share in shares]
         slots = sum(mb.input_ids.numel() for mini in minis for mb in mini)
-        return StepBatch(minis, tokens[self.replica], slots, imbalance(tokens))
+        forward = forward_groups([mb.shape[1] for mini in minis for mb in mini], self.forward_plan)
+        return StepBatch(minis, tokens[self.replica], slots, imbalance(tokens), len(forward))
 
     def _engine_advantages(self, advantages: torch.Tensor) -> dict[int, list[float]]:
         """``{r: [B] advantages}`` of the R replicas of this rank's engine, from one all-gather

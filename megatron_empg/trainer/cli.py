@@ -139,9 +139,11 @@ def _engine_ranks(layout) -> str:
 
 def _micro_batches(train, layout) -> str:
     layout_name = "packed" if train.packing else "padded"
+    forward = train.max_tokens_per_forward_microbatch
+    forward = f" (old and anchor passes: their rows back to back, at most {forward} tokens)" if forward else ""
     if layout.micro_batches_per_replica is None:
-        return f"{layout_name} micro-batches of at most {train.max_tokens_per_microbatch} tokens"
-    return f"{layout.micro_batches_per_replica} {layout_name} micro-batches"
+        return f"{layout_name} micro-batches of at most {train.max_tokens_per_microbatch} tokens{forward}"
+    return f"{layout.micro_batches_per_replica} {layout_name} micro-batches{forward}"
 
 
 def _train(config: RunConfig, *, resume: bool, overwrite: bool = False) -> int:

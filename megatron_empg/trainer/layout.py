@@ -11,8 +11,9 @@ job is queued, and ``trainer.build.bind`` runs it first of all its checks. Every
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from megatron_empg.config import ConfigError, ModelConfig, RunConfig
+from megatron_empg.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from megatron_empg.rollout.engines import ENGINES, EngineKind
 
 
@@ -54,6 +55,8 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
     - disaggregated (``rollout.placement``): the world is the training ranks (the grid above)
       plus ``rollout.engine_ranks``, whose engines (``rollout.tensor_parallel_size`` ranks each)
       divide the replicas.
+    - the forward-only passes' rows (``train.max_tokens_per_forward_microbatch``) hold the
+      update's widest row.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
@@ -110,6 +113,7 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
         micro_batches = _count_micro_batches(config, samples, dp, where)
     _check_engine_split(config, model)
     _check_recompute(config, model)
+    _check_forward_budget(config)
     engines = _check_engine_placement(config, dp, where)
     return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches, engines, engine_ranks)
 
@@ -131,6 +135,33 @@ def _count_micro_batches(config: RunConfig, samples: int, dp: int, where: str) -
             f"train.micro_batch_size={train.micro_batch_size} ({where}), got {config.algorithm.mini_batches}",
         )
     return micro_batches
+
+
+def row_multiple(parallel: ParallelConfig) -> int:
+    """What every micro-batch's row length is rounded up to: 8, or a multiple of TP as well under
+    sequence parallelism (the rows are split over the TP ranks)."""
+    return math.lcm(8, parallel.tensor_model_parallel_size) if parallel.sequence_parallel else 8
+
+
+def widest_row(train: TrainConfig, parallel: ParallelConfig) -> int:
+    """The most tokens (padding included) a packed row of the update can have: its token budget,
+    or ``micro_batch_size`` sequences of ``max_seq_len`` without one, rounded up to ``row_multiple``."""
+    tokens = train.max_tokens_per_microbatch or train.micro_batch_size * train.max_seq_len
+    return -(-tokens // row_multiple(parallel)) * row_multiple(parallel)
+
+
+def _check_forward_budget(config: RunConfig) -> None:
+    """A forward row holds whole update rows: its budget must hold the widest."""
+    train = config.train
+    budget, widest = train.max_tokens_per_forward_microbatch, widest_row(train, config.parallel)
+    if budget is not None and budget < widest:
+        of = f"train.max_tokens_per_microbatch={train.max_tokens_per_microbatch}" if train.max_tokens_per_microbatch \
+            else f"train.micro_batch_size={train.micro_batch_size} x train.max_seq_len={train.max_seq_len}"  # fmt: skip
+        raise ConfigError(
+            "train.max_tokens_per_forward_microbatch",
+            f"{budget} cannot hold the update's widest packed row, {of} rounded up to a multiple of "
+            f"{row_multiple(config.parallel)} = {widest} tokens; set it to at least that",
+        )
 
 
 def _check_recompute(config: RunConfig, model: ModelConfig) -> None:

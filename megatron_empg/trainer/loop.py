@@ -51,6 +51,7 @@ from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.batching import BatchStage, StepBatch
 from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout, prompt_batches, validation_sets
+from megatron_empg.trainer.forward_batch import forward_rows
 from megatron_empg.trainer.metrics import all_reduce_sums, rollout_metrics, sample_means
 from megatron_empg.trainer.remote import RemoteEngines, Start
 from megatron_empg.trainer.rollout import RolloutStage
@@ -324,13 +325,12 @@ class Trainer:
     def old_pass(self, micro: list[MicroBatch]) -> None:
         """log pi_old at the targets (and the policy's top-k for a reverse Top-k KL) into ``micro``;
         they are the anchor's too when it is the behaviour policy (``StatsPlan.anchor_is_old``)."""
-        from megatron_empg.mcore.step import StatsRequest, forward_stats, share_stats
+        from megatron_empg.mcore.step import StatsRequest
 
         plan = self.components.stats
         request = StatsRequest(vocab_size=self.model.vocab_size, k=plan.old_topk, with_entropy=False,
                                chunk_size=self.config.algorithm.loss.chunk_size)  # fmt: skip
-        outputs = share_stats(forward_stats(self.models, micro, request, self.groups), micro, request, self.groups)
-        for mb, out in zip(micro, outputs):
+        for mb, out in zip(micro, self._forward_stats(self.models, micro, request)):
             mb.old_logprobs = out["logprobs"]
             if plan.old_topk:
                 mb.topk_ids = out["topk_ids"]
@@ -341,7 +341,7 @@ class Trainer:
 
     def anchor_pass(self, micro: list[MicroBatch]) -> None:
         """log pi_ref at the targets and at the Top-k ids (forward KL: the anchor's own top-k)."""
-        from megatron_empg.mcore.step import StatsRequest, forward_stats, share_stats
+        from megatron_empg.mcore.step import StatsRequest
 
         plan = self.components.stats
         if not plan.anchor:
@@ -351,13 +351,21 @@ class Trainer:
             extra_ids_key="topk_ids" if plan.anchor_at_old_topk else None,
             chunk_size=self.config.algorithm.loss.chunk_size,
         )  # fmt: skip
-        outputs = share_stats(forward_stats(self.anchor.models, micro, request, self.groups), micro, request, self.groups)
-        for mb, out in zip(micro, outputs):
+        for mb, out in zip(micro, self._forward_stats(self.anchor.models, micro, request)):
             mb.anchor_logprobs = out["logprobs"]
             if plan.anchor_at_old_topk:
                 mb.topk_anchor_logprobs = out["extra_logprobs"]
             elif plan.anchor_topk:
                 mb.topk_ids, mb.topk_anchor_logprobs = out["topk_ids"], out["topk_logprobs"]
+
+    def _forward_stats(self, models, micro: list[MicroBatch], request) -> list[dict[str, torch.Tensor]]:
+        """``request``'s per-token statistics of ``models`` for each of ``micro``, on every
+        pipeline stage, computed on the forward rows (``train.max_tokens_per_forward_microbatch``)."""
+        from megatron_empg.mcore.step import forward_stats, share_stats
+
+        rows = forward_rows(micro, self.batching.forward_plan)
+        outputs = forward_stats(models, rows.batches, request, self.groups)
+        return rows.split_stats(share_stats(outputs, rows.batches, request, self.groups))
 
     def update(self, minis: list[list[MicroBatch]]) -> dict[str, float]:
         """One optimizer step per mini-batch (of micro-batches); the mean of their metrics."""
@@ -427,7 +435,7 @@ class Trainer:
         local = {**rollout.sums[self.batching.replica], "loss_tokens": sum(s.loss_tokens for s in samples),
                  "trained": len(samples), "no_loss": sum(s.loss_tokens == 0 for s in samples), "batch_tokens": batch.tokens,
                  "batch_slots": batch.slots, "micro_batches": sum(len(mini) for mini in batch.minis),
-                 "imbalance": batch.imbalance}  # fmt: skip
+                 "forward_micro_batches": batch.forward_micro_batches, "imbalance": batch.imbalance}  # fmt: skip
         local["sampler_gap"], local["sampler_gap_tokens"] = batch.sampler_gap()
         totals = all_reduce_sums({**local, **behavior}, self.groups.dp_group)
         seconds = sum(times.values())
@@ -437,6 +445,7 @@ class Trainer:
             "response/no_loss_fraction": totals["no_loss"] / max(totals["trained"], 1),
             "batch/padding_fraction": 1.0 - totals["batch_tokens"] / max(totals["batch_slots"], 1),
             "batch/micro_batches_mean": totals["micro_batches"] / self.groups.dp_size,
+            "batch/forward_micro_batches_mean": totals["forward_micro_batches"] / self.groups.dp_size,
             "batch/replica_imbalance": totals["imbalance"] / self.groups.dp_size,
             "batch/sampler_logprob_gap": totals["sampler_gap"] / max(totals["sampler_gap_tokens"], 1),
             **behavior_metrics(totals),

@@ -89,6 +89,35 @@ def test_layout_splits_the_step_over_replicas():
             check_layout(config(), model, world)
 
 
+def test_forward_budget_must_hold_the_updates_widest_row():
+    """``train.max_tokens_per_forward_microbatch``: forward rows hold whole update rows, so a budget
+    below the widest one is refused at the bind step, not when a step builds its rows."""
+    model = load_model_config("tiny-qwen2")
+
+    def layout(**train):
+        config = {"model": "tiny-qwen2", "tokenizer": "/tmp/tokenizer", "rollout": {"in_process": False},
+                  "weight_sync": {"transport": "shm_file"}, "train": {"prompts_per_step": 8, **train}}  # fmt: skip
+        return check_layout(from_dict(RunConfig, config), model, 1)
+
+    # without a budget: micro_batch_size sequences of max_seq_len per row
+    assert layout(micro_batch_size=4, max_seq_len=100, max_tokens_per_forward_microbatch=400).dp == 1
+    # a budget of 1001 makes rows of up to 1008 (a multiple of 8)
+    assert layout(max_seq_len=1000, max_tokens_per_microbatch=1001, max_tokens_per_forward_microbatch=1008).dp == 1
+    for train, words in [
+        ({"micro_batch_size": 4, "max_seq_len": 100, "max_tokens_per_forward_microbatch": 399},
+         "399 cannot hold the update's widest packed row, train.micro_batch_size=4 x train.max_seq_len=100 rounded up "
+         "to a multiple of 8 = 400 tokens"),
+        ({"max_seq_len": 1000, "max_tokens_per_microbatch": 1001, "max_tokens_per_forward_microbatch": 1007},
+         "train.max_tokens_per_microbatch=1001 rounded up to a multiple of 8 = 1008 tokens; set it to at least that"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            layout(**train)
+        assert e.value.field == "train.max_tokens_per_forward_microbatch" and words in str(e.value), e.value
+    with pytest.raises(ConfigError) as e:
+        layout(packing=False, max_tokens_per_forward_microbatch=10_000)
+    assert e.value.field == "train.max_tokens_per_forward_microbatch" and "needs packing: true" in str(e.value)
+
+
 def test_layout_module_imports_no_torch():
     code = "import sys; import megatron_empg.trainer.layout, megatron_empg.trainer.launch_check; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -143,6 +172,8 @@ def test_layout_module_imports_no_torch():
         (["algorithm.loss.kl=rpg_kl", "algorithm.loss.kl_args={}"], 1, "algorithm.loss.kl", "unknown name 'rpg_kl'"),
         (["algorithm.overlong_buffer=48"], 1, "algorithm.overlong_buffer", "must be < rollout.sampling.max_tokens"),
         (["algorithm.overlong_buffer=-1"], 1, "algorithm.overlong_buffer", "must be >= 0"),
+        (["train.max_tokens_per_forward_microbatch=2000"], 1, "train.max_tokens_per_forward_microbatch",
+         "train.micro_batch_size=64 x train.max_seq_len=32 rounded up to a multiple of 8 = 2048 tokens"),
         (["algorithm.topk=300"], 1, "algorithm.topk", "<= model.vocab_size"),
         (["data.reward=math_verify", "data.source=files", "data.train_files=[x.jsonl]"], 1, "data.reward",
          "unknown name 'math_verify'"),
@@ -300,6 +331,11 @@ def test_check_prints_the_layout_or_the_error(tmp_path):
                f"tokenizer={tmp_path}"]  # fmt: skip
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("ok: demo-qwen2 on 1 ranks (TP 1 x PP 1 x DP 1)"), out.stderr
+    assert "128 samples in 2 packed micro-batches; advantage" in out.stdout
+    out = subprocess.run([*command, "train.max_tokens_per_forward_microbatch=4096"], cwd=REPO, capture_output=True,
+                         text=True)  # fmt: skip
+    assert out.returncode == 0 and "128 samples in 2 packed micro-batches (old and anchor passes: their rows back to " \
+        "back, at most 4096 tokens); advantage" in out.stdout, out.stdout + out.stderr  # fmt: skip
     out = subprocess.run([*command, "--world-size", "2"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2 and "empg: error: rollout.in_process: true needs a world of one process" in out.stderr
     out = subprocess.run([*command, "rollout.in_process=false", "weight_sync.transport=shm_file", "--world-size", "2"],

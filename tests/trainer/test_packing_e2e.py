@@ -1,13 +1,18 @@
 """``empg train`` on the CPU demo (its warm start; the transformers engine, so no vLLM start-up):
-packed rows in token-budget micro-batches train exactly as padded rows over 3 steps, and on two
-data-parallel ranks sharing one engine, balancing the samples between the replicas changes which
-replica trains on what, never the result."""
+packed rows in token-budget micro-batches train exactly as padded rows over 3 steps; the forward
+passes on rows of three update rows (``train.max_tokens_per_forward_microbatch``) train as on the
+update rows, to the parameters; and on two data-parallel ranks sharing one engine, balancing the
+samples between the replicas changes which replica trains on what, never the result."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from megatron_empg.trainer.metrics_log import read_metrics
+from tests.dist import run_distributed
 from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, demo_config, run_train
 
 # Per step: every metric of the update (losses, KL, entropy, grad norm) and of the rollouts (the
@@ -37,12 +42,19 @@ def _assert_same_training(a: list[dict], b: list[dict]) -> None:
             assert y[key] == pytest.approx(x[key], rel=CLOSE_REL, abs=CLOSE_ABS), (step, key)
 
 
+@pytest.fixture(scope="module")
+def packed_run(tmp_path_factory, warm_start) -> Path:
+    """3 demo steps in packed rows of at most 160 tokens: the run's directory (metrics, checkpoints)."""
+    tmp = tmp_path_factory.mktemp("packed")
+    _metrics(_config(tmp, "packed", warm_start, packing=True, max_tokens_per_microbatch=160), tmp, "packed")
+    return tmp / "packed"
+
+
 @pytest.mark.megatron
 @pytest.mark.timeout(600)
-def test_packing_on_equals_packing_off_over_three_steps(tmp_path, warm_start):
+def test_packing_on_equals_packing_off_over_three_steps(tmp_path, warm_start, packed_run):
     padded = _metrics(_config(tmp_path, "padded", warm_start, packing=False), tmp_path, "padded")
-    packed = _metrics(_config(tmp_path, "packed", warm_start, packing=True, max_tokens_per_microbatch=160),
-                      tmp_path, "packed")  # fmt: skip
+    packed = read_metrics(packed_run / "metrics.jsonl")
     _assert_same_training(padded, packed)
     for x, y in zip(padded, packed):
         # 128 samples of 7-19 tokens: padded to the micro-batch's longest (a multiple of 8), packed
@@ -51,6 +63,41 @@ def test_packing_on_equals_packing_off_over_three_steps(tmp_path, warm_start):
         assert y["batch/micro_batches_mean"] > x["batch/micro_batches_mean"] == 2  # 128 / 64; 160-token rows
         # the engine (transformers, fp32) and the old pass agree on every sampled token's log-prob
         assert x["batch/sampler_logprob_gap"] < 1e-4 and y["batch/sampler_logprob_gap"] < 1e-4
+
+
+def _parameters(rank: int, world_size: int, checkpoint: str) -> dict[str, torch.Tensor]:
+    """The model tensors of a training checkpoint (``mcore.convert.ModelCheckpointReader``)."""
+    from megatron_empg.mcore.convert import ModelCheckpointReader, megatron_session
+
+    with megatron_session():
+        reader = ModelCheckpointReader(checkpoint)
+        return {name: reader.read(name) for name in reader.names}
+
+
+@pytest.mark.dist
+@pytest.mark.megatron
+@pytest.mark.timeout(600)
+def test_forward_rows_of_three_update_rows_train_as_the_update_rows(tmp_path, warm_start, packed_run):
+    """The old pass (log-probs, the policy's top-8) and the anchor pass (log-probs at those ids) on
+    rows of up to 480 tokens: the same losses, KL, grad norms and samples at every step, and the
+    same parameters after the 3 steps."""
+    config = _config(tmp_path, "forward", warm_start, packing=True, max_tokens_per_microbatch=160,
+                     max_tokens_per_forward_microbatch=480)  # fmt: skip
+    forward = _metrics(config, tmp_path, "forward")
+    packed = read_metrics(packed_run / "metrics.jsonl")
+    _assert_same_training(packed, forward)
+    assert [r["rollout/digest"] for r in forward] == [r["rollout/digest"] for r in packed]
+    for ours, theirs in zip(forward, packed):  # ~12 update rows of ~160 tokens: ~4 forward rows of 3
+        assert ours["batch/micro_batches_mean"] == theirs["batch/micro_batches_mean"] > 6
+        assert theirs["batch/forward_micro_batches_mean"] == theirs["batch/micro_batches_mean"]
+        assert ours["batch/forward_micro_batches_mean"] <= ours["batch/micro_batches_mean"] / 2
+    ours, reference = (run_distributed(_parameters, 1, str(run / "checkpoints" / "step_00000003"))[0]
+                       for run in (tmp_path / "forward", packed_run))  # fmt: skip
+    assert ours.keys() == reference.keys() and len(reference) > 5
+    # fp32; Adam moves a weight by up to ~lr (3e-5) on rounding-level gradient differences where its
+    # gradient is near 0 (tests/trainer/test_packing.py), so 3 steps of lr <= 3e-5 bound any difference
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.dist

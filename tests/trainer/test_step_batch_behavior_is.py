@@ -26,7 +26,7 @@ def _step_batch() -> StepBatch:
     first = _micro([[0.5, 3.0, 9.0]], [[True, True, False]])
     second = _micro([[1.0, 2.5], [0.25, 5.0]], [[True, True], [True, False]])
     third = _micro([[1.5]], [[True]])
-    return StepBatch([[first, second], [third]], tokens=8, slots=9, imbalance=1.0)
+    return StepBatch([[first, second], [third]], tokens=8, slots=9, imbalance=1.0, forward_micro_batches=3)
 
 
 def test_tis_sets_each_micro_batch_and_sums_the_stats():
@@ -51,6 +51,6 @@ def test_none_leaves_the_weights_none_and_still_sums_the_stats():
 
 
 def test_a_replica_without_micro_batches_sums_zeros():
-    empty = StepBatch([], tokens=0, slots=0, imbalance=1.0)
+    empty = StepBatch([], tokens=0, slots=0, imbalance=1.0, forward_micro_batches=0)
     assert empty.behavior_is("mis", 2.0) == {
         "behavior/ratio": 0.0, "behavior/clipped": 0.0, "behavior/k3": 0.0, "behavior/tokens": 0.0}  # fmt: skip
