@@ -179,9 +179,26 @@ def forward_stats(
 
     for model in models:
         model.eval()
+    outputs = []
     with torch.no_grad():
-        outputs = _run_schedule(models, microbatches, forward_step, forward_only=True)
+        for run in _same_shape_runs(microbatches, groups.pp_size):
+            outputs += _run_schedule(models, run, forward_step, forward_only=True)
     return outputs if groups.is_last_stage else None
+
+
+def _same_shape_runs(microbatches: Sequence[MicroBatch], pp_size: int) -> list[Sequence[MicroBatch]]:
+    """The schedule calls of a forward-only pass: under pipeline parallelism, each run of
+    consecutive micro-batches of one [b, s] (a pipeline call exchanges fixed-size activations; the
+    mini-batches of a step may differ in width, each a multiple of the interleaved schedule's
+    group); else all of them in one call."""
+    if pp_size == 1:
+        return [microbatches]
+    runs: list[list[MicroBatch]] = []
+    for batch in microbatches:
+        if not runs or runs[-1][0].shape != batch.shape:
+            runs.append([])
+        runs[-1].append(batch)
+    return runs
 
 
 def share_stats(

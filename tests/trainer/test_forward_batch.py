@@ -221,12 +221,14 @@ def _stats_both_ways(rank: int, world_size: int, parallel: ParallelConfig, budge
         old = StatsRequest(vocab_size=model.vocab_size, k=K, with_entropy=False)
         rows = forward_rows(micro, plan)
         update_old, forward_old = per_call(old), rows.split_stats(stats(rows.batches, old))
+        one_call = stats(micro, old)  # both calls' rows in one pass (under PP: one schedule call per width)
         for mb, out in zip(micro, update_old):
             mb.topk_ids = out["topk_ids"]
         anchor = StatsRequest(vocab_size=model.vocab_size, k=K, extra_ids_key="topk_ids", with_entropy=True)
         rows = forward_rows(micro, plan)  # again, with the extra ids
         update_anchor, forward_anchor = per_call(anchor), rows.split_stats(stats(rows.batches, anchor))
         return {"update": list(zip(update_old, update_anchor)), "forward": list(zip(forward_old, forward_anchor)),
+                "one_call": one_call,
                 "widths": [mb.shape[1] for mb in micro], "rows": rows.batches, "spans": rows.spans}  # fmt: skip
     finally:
         destroy_model_parallel()
@@ -259,3 +261,6 @@ def test_forward_rows_give_the_update_rows_statistics(world_size, parallel):
                     else:
                         torch.testing.assert_close(actual, expected, rtol=0, atol=ATOL, msg=f"{rank} {i} {name}")
         assert {"extra_logprobs", "entropy"} <= result["update"][0][1].keys()
+        for (expected, _), actual in zip(result["update"], result["one_call"], strict=True):
+            assert torch.equal(actual["topk_ids"], expected["topk_ids"])
+            torch.testing.assert_close(actual["logprobs"], expected["logprobs"], rtol=0, atol=ATOL)
