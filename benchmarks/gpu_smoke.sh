@@ -9,8 +9,8 @@
 #   b. benchmarks/train_step.py, R1-Distill-Qwen-1.5B bf16, DP 1, 32k tokens per step, the 8k
 #      recipe's loss, packed rows of one sequence each (the worst case of a budget)
 #                                                                      -> train_step_gpu.json
-#      unfused vs sdpa at 2k (the A/B), sdpa at 8k (k3 and Top-k), sdpa at 16k and 24k with full
-#      recompute; one checkpoint save against a plain write of the same bytes (same disk)
+#      unfused vs sdpa at 2k (the A/B), sdpa at 8k (k3, Top-k, forward passes at 16k), sdpa at 16k
+#      and 24k with full recompute; one checkpoint save against a plain write of the same bytes
 #   c. (SMOKE_KERNELS=1) the vocab kernels (vocab_kernel_gpu.json) and topk_kl (topk_kl_gpu.json),
 #      measured in an earlier run and not repeated by default
 #   then a summary table (last in the output).
@@ -96,6 +96,7 @@ TRAIN_ARGS=(--model "$MODEL" --dtype bf16 --tokens-per-step 32768 --warmup 1 --r
     --checkpoint-dir "${SMOKE_CHECKPOINT_DIR:-/tmp/empg_ckpt}" ${PEAK:+--peak-tflops "$PEAK"})
 TRAIN_CASES=(--case attention=unfused,tokens=2048 --case attention=sdpa,tokens=2048
     --case attention=sdpa,tokens=8192 --case attention=sdpa,tokens=8192,kl=topk
+    --case attention=sdpa,tokens=8192,forward_tokens=16384
     --case attention=sdpa,tokens=16384,recompute=full --case attention=sdpa,tokens=24576,recompute=full)
 if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
     # the kernels under Triton's interpreter (vocab_kernel.py also sets it for --device cpu)
@@ -104,7 +105,7 @@ if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
     TOPK_ARGS=(--device cpu --tokens 256 --vocab 4096 --tp 1 --repeats 2 --sweep-tokens 256 --sweep-chunks 128
         --sweep-variants ours_vp_inplace --no-tracked)
     TRAIN_ARGS=(--model tiny-qwen2 --dtype fp32 --tokens-per-step 512 --warmup 1 --repeats 1 --checkpoint
-        --checkpoint-dir "$OUT_DIR/ckpt_tmp")
+        --checkpoint-dir "${TMPDIR:-/tmp}/empg_ckpt_dry")
     TRAIN_CASES=(--case attention=unfused,tokens=128 --case attention=sdpa,tokens=128
         --case attention=sdpa,tokens=256,kl=topk --case attention=sdpa,tokens=512,recompute=full)
 fi
@@ -140,7 +141,7 @@ step "gpu tests (pytest -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py)" 15
 PYTEST_COUNTS=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)' "$LOG" | tail -n1 | tr -d '=' | sed -E 's/^ +| +$//g' || true)
 [[ -n "$PYTEST_COUNTS" ]] && STEPS[-1]="${STEPS[-1]%%|*}|$(cut -d'|' -f2 <<<"${STEPS[-1]}"): $PYTEST_COUNTS|${STEPS[-1]##*|}"
 # expandable segments: less fragmentation for the 1.5B model's long-lived states and activations
-step "train_step: unfused vs sdpa 2k, sdpa 8k (k3, topk), 16k and 24k full recompute, checkpoint" 330 \
+step "train_step: unfused vs sdpa 2k; sdpa 8k (k3, topk, forward 16k); 16k, 24k full recompute; checkpoint" 330 \
     env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
     "$PY" benchmarks/train_step.py "${TRAIN_ARGS[@]}" "${TRAIN_CASES[@]}" --out "$OUT_DIR/train_step_gpu.json"
 if [[ "${SMOKE_KERNELS:-0}" == 1 ]]; then

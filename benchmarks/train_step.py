@@ -12,7 +12,9 @@ A case is ``key=value`` pairs: ``attention`` (a ``model.attention_backend``: te,
 default sdpa), ``tokens`` (the token budget of a packed micro-batch, ``train.max_tokens_per_microbatch``;
 default 2048), ``recompute`` (none, selective, full), ``kl`` (the recipe's KL estimator, or topk:
 a reverse Top-k KL with k = ``--k``), ``packed`` (1, or 0: one right-padded row per sequence),
-``fusions`` (auto: ``mcore.fusions.fusion_plan`` for this machine; off). One process (DP 1, TP 1),
+``fusions`` (auto: ``mcore.fusions.fusion_plan`` for this machine; off), ``forward_tokens`` (the
+old and anchor passes' budget, ``train.max_tokens_per_forward_microbatch``; 0: the update's rows).
+One process (DP 1, TP 1),
 the model with random weights (``--model``), the loss of ``--recipe`` (``algorithm.loss``, bound
 by ``trainer.build.bind_loss``), its EMA anchor in bf16 (fp32 master), Megatron DDP + Adam.
 
@@ -76,6 +78,7 @@ class Case:
     kl: str = "recipe"
     packed: bool = True
     fusions: str = "auto"
+    forward_tokens: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Case:
@@ -85,12 +88,15 @@ class Case:
             key, _, value = item.partition("=")
             if key not in fields:
                 raise SystemExit(f"--case {text!r}: unknown key {key!r}; expected {sorted(fields)}")
-            values[key] = int(value) if key == "tokens" else value in ("1", "true") if key == "packed" else value
+            values[key] = int(value) if key in ("tokens", "forward_tokens") else \
+                value in ("1", "true") if key == "packed" else value  # fmt: skip
         return cls(**values)
 
     def name(self) -> str:
         layout = "packed" if self.packed else "padded"
-        return f"{self.attention} {layout} {self.tokens} recompute={self.recompute} kl={self.kl} fusions={self.fusions}"
+        forward = f" forward={self.forward_tokens}" if self.forward_tokens else ""
+        return f"{self.attention} {layout} {self.tokens}{forward} recompute={self.recompute} kl={self.kl} " \
+               f"fusions={self.fusions}"  # fmt: skip
 
 
 def _sync() -> None:
@@ -171,6 +177,7 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
     from megatron_empg.mcore.parallel_state import initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
     from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.forward_batch import ForwardPlan, forward_rows
 
     model_cfg = load_model_config(args.model)
     parallel = ParallelConfig()
@@ -209,14 +216,18 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         samples, advantages = _samples(vocab, case, args.tokens_per_step, args.lengths, seed=step)
         lengths = [s.length for s in samples]
         mbs = _micro_batches(samples, advantages, case, device)
+        rows = forward_rows(mbs, ForwardPlan(max_tokens=case.forward_tokens or None))
         progress["stage"] = "old_pass"
-        old, t_old = _timed(lambda: forward_stats(ddp, mbs, old_request, groups), peaks, "old_pass")
+        old, t_old = _timed(lambda: rows.split_stats(forward_stats(ddp, rows.batches, old_request, groups)), peaks,
+                            "old_pass")  # fmt: skip
         for mb, out in zip(mbs, old, strict=True):
             mb.old_logprobs = out["logprobs"]
             if plan.old_topk:
                 mb.topk_ids = out["topk_ids"]
+        rows = forward_rows(mbs, ForwardPlan(max_tokens=case.forward_tokens or None))  # with the old pass's ids
         progress["stage"] = "anchor_pass"
-        ref, t_anchor = _timed(lambda: forward_stats(anchor.models, mbs, anchor_request, groups), peaks, "anchor_pass")
+        ref, t_anchor = _timed(lambda: rows.split_stats(forward_stats(anchor.models, rows.batches, anchor_request,
+                                                                      groups)), peaks, "anchor_pass")  # fmt: skip
         for mb, out in zip(mbs, ref, strict=True):
             mb.anchor_logprobs = out["logprobs"]
             if plan.anchor_at_old_topk:
@@ -238,6 +249,8 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         "packed": case.packed,
         "tokens_per_microbatch": case.tokens,
         "microbatches": len(mbs),
+        "forward_tokens_per_microbatch": case.forward_tokens or case.tokens,
+        "forward_microbatches": len(rows.batches),
         "sequence_lengths": "full" if args.lengths == "full" else "mixed",
         "recompute": case.recompute,
         "kl": loss_cfg.kl,
