@@ -6,6 +6,9 @@
 #   a. python3 -m pytest -q -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py  (EMPG_GPU_RESULTS_DIR = the output folder):
 #      two RL steps through empg train; the sdpa backend's CUDA paths and the fusions
 #      without TE against fp32 references (attention_gpu.json)
+#   a2. benchmarks/topk_kernel.py --device cuda: the old pass's stats call at k = 32 with the torch
+#      top-k, the Triton top-k, and at k = 0, 16,384 tokens x 151,936 bf16 (check, ratio, kernel
+#      sweep)                                                          -> topk_kernel_gpu.json
 #   b. benchmarks/train_step.py, R1-Distill-Qwen-1.5B bf16, DP 1, 32k tokens per step, the 8k
 #      recipe's loss, packed rows of one sequence each (the worst case of a budget)
 #                                                                      -> train_step_gpu.json
@@ -16,8 +19,8 @@
 #   then a summary table (last in the output).
 #
 # Everything the steps print goes to smoke.log too; results land in ${OUT:-benchmarks/results}
-# (at most 6 files from this script; the device tool returns at most 8). Each step has a time cap and the
-# whole run a budget (SMOKE_BUDGET_S, default 540 s) so that it ends inside the device tool's 10
+# (3 files from this script, 5 with SMOKE_KERNELS=1, and the GPU tests' 3; the device tool returns
+# at most 8). Each step has a time cap and the whole run a budget (SMOKE_BUDGET_S, default 540 s) so that it ends inside the device tool's 10
 # minutes; a step that fails or runs out of time is recorded and the next one still runs. Exit
 # status: 0 when every step passed, 1 otherwise. SMOKE_CPU_DRY_RUN=1 runs the same flow on a CPU at
 # toy sizes (a check of this script, not a measurement).
@@ -90,6 +93,8 @@ PEAK=${SMOKE_PEAK_TFLOPS:-$PEAK}
 MODEL=deepseek-r1-distill-qwen-1.5b
 VK_ARGS=(--device cuda --tokens 16384 --vocab 151936 --ids 33 --warmup 3 --repeats 10)
 VK_ENV=()
+TK_ARGS=(--device cuda --tokens 16384 --vocab 151936 --k 32 --warmup 2 --repeats 5 --torch-repeats 2)
+TK_ENV=()
 TOPK_ARGS=(--device cuda --tokens 16384 --tp 1 --warmup 3 --repeats 10
     --sweep-tokens 16384 --sweep-chunks "1024,4096" --sweep-variants ours_vp_inplace)
 TRAIN_ARGS=(--model "$MODEL" --dtype bf16 --tokens-per-step 32768 --warmup 1 --repeats 2 --checkpoint
@@ -102,6 +107,9 @@ if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
     # the kernels under Triton's interpreter (vocab_kernel.py also sets it for --device cpu)
     VK_ARGS=(--device cpu --tokens 16 --vocab 512 --ids 33 --warmup 1 --repeats 1 --copy-gb 0.01 --sweep 256:4)
     VK_ENV=(TRITON_INTERPRET=1)
+    TK_ARGS=(--device cpu --tokens 16 --vocab 512 --k 32 --warmup 1 --repeats 1 --torch-repeats 1 --copy-gb 0.01
+        --sweep 256:4)
+    TK_ENV=(TRITON_INTERPRET=1)
     TOPK_ARGS=(--device cpu --tokens 256 --vocab 4096 --tp 1 --repeats 2 --sweep-tokens 256 --sweep-chunks 128
         --sweep-variants ours_vp_inplace --no-tracked)
     TRAIN_ARGS=(--model tiny-qwen2 --dtype fp32 --tokens-per-step 512 --warmup 1 --repeats 1 --checkpoint
@@ -140,6 +148,8 @@ step "gpu tests (pytest -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py)" 15
 # pytest's own count (a skip on the GPU machine is no pass): appended to the step's status
 PYTEST_COUNTS=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)' "$LOG" | tail -n1 | tr -d '=' | sed -E 's/^ +| +$//g' || true)
 [[ -n "$PYTEST_COUNTS" ]] && STEPS[-1]="${STEPS[-1]%%|*}|$(cut -d'|' -f2 <<<"${STEPS[-1]}"): $PYTEST_COUNTS|${STEPS[-1]##*|}"
+step "topk_kernel ${TK_ARGS[*]:0:2}" 60 \
+    env "${TK_ENV[@]}" "$PY" benchmarks/topk_kernel.py "${TK_ARGS[@]}" --out "$OUT_DIR/topk_kernel_gpu.json"
 # expandable segments: less fragmentation for the 1.5B model's long-lived states and activations
 step "train_step: unfused vs sdpa 2k; sdpa 8k (k3, topk, forward 16k); 16k, 24k full recompute; checkpoint" 330 \
     env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
@@ -225,6 +235,23 @@ if k:
               f"fwd {best['forward_GBps']:.0f} GB/s, bwd {best['backward_GBps']:.0f} GB/s")
     if k.get("error"):
         print("vocab_kernel error:", k["error"].strip().splitlines()[-1])
+
+t = load("topk_kernel_gpu.json")
+if t:
+    p, v = t.get("params", {}), t.get("variants") or {}
+    print(f"\ntopk_kernel: T={p.get('tokens')} V={p.get('vocab')} k={p.get('k')} bf16, old pass"
+          f"{' (PARTIAL)' if t.get('partial') else ''}{'' if t.get('measurement') else ' (CPU flow check)'}")
+    print("  ".join(f"{name} {x['time_ms']['median']:.3f} ms" for name, x in v.items()))
+    r, c = t.get("ratios"), t.get("check")
+    if r:
+        print(f"triton_topk / triton_k0 = {r['triton_topk_over_triton_k0']:.2f}, "
+              f"torch_topk / triton_topk = {r['torch_topk_over_triton_topk']:.1f}")
+    if c:
+        print(f"check vs torch: {'OK' if c.get('ok') else 'MISMATCH'}: top-k ids "
+              f"{'identical' if c.get('topk_ids_equal') else 'DIFFER'} ({c.get('rows_with_tie_across_kth')} rows tied "
+              f"at the k-th place)")
+    if t.get("error"):
+        print("topk_kernel error:", t["error"].strip().splitlines()[-1])
 
 d = load("train_step_gpu.json")
 if d:

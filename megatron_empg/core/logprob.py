@@ -235,7 +235,7 @@ def topk_value_then_id(z: Tensor, k: int) -> tuple[Tensor, Tensor]:
     kth = top.values[:, k - 1 : k]  # [N, 1]
     ids = top.indices[:, :k].clone()
     rows = (top.values[:, k : k + 1] == kth).squeeze(-1).nonzero().squeeze(-1)  # ambiguous rows
-    if rows.numel():
+    if rows.numel():  # no sync of its own (nonzero() has synced): skips the [N, V] scan below
         # Every value > kth is selected and sorted first; the remaining slots (where the selection
         # holds kth) take the lowest tied ids. nonzero() lists the tied ids row by row, ascending.
         tie_row, tie_id = (z == kth).nonzero(as_tuple=True)  # all rows: cheaper than copying z[rows]

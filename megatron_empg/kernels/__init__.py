@@ -2,13 +2,15 @@
 
 ``vocab_logprob_kernels(logits)`` is the dispatch of ``parallel.vocab_parallel`` (the environment
 variable ``EMPG_VOCAB_KERNEL``, see ``vocab_logprob_triton``): the kernel module when it serves
-these logits, else None (the chunked torch path). ``core`` never imports this layer.
+these logits, else None (the chunked torch path); ``vocab_topk_kernel(logits, k)`` the same for the
+top-k (``topk_triton``). ``core`` never imports this layer.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -40,8 +42,8 @@ def vocab_logprob_kernels(logits: Tensor) -> ModuleType | None:
     """``vocab_logprob_triton`` when it serves ``logits`` [T, V_local], else None.
 
     It serves bf16 / fp32 logits with unit column stride, on CUDA (mode ``auto``) or on any
-    device (mode ``triton``); never in mode ``torch``. The caller adds the rule k == 0 (no top-k).
-    In mode ``triton`` an ImportError of triton propagates.
+    device (mode ``triton``); never in mode ``torch``. In mode ``triton`` an ImportError of triton
+    propagates.
     """
     mode = vocab_kernel_mode()
     if mode == "torch" or (mode == "auto" and not logits.is_cuda):
@@ -53,3 +55,13 @@ def vocab_logprob_kernels(logits: Tensor) -> ModuleType | None:
 
         return vocab_logprob_triton
     return _import_or_none()
+
+
+def vocab_topk_kernel(logits: Tensor, k: int) -> Callable[..., tuple[Tensor, Tensor]] | None:
+    """``topk_triton.topk`` when ``vocab_logprob_kernels`` serves ``logits`` and 1 <= k <=
+    ``topk_triton.MAX_K``, else None (the chunked torch path, ``core.logprob.topk_value_then_id``)."""
+    if k < 1 or vocab_logprob_kernels(logits) is None:
+        return None
+    from megatron_empg.kernels import topk_triton  # triton imported: vocab_logprob_kernels did
+
+    return topk_triton.topk if k <= topk_triton.MAX_K else None

@@ -1,5 +1,5 @@
-"""Fused Triton kernels for the k = 0 passes of ``parallel.vocab_parallel`` (the update pass; the
-anchor pass and the old pass without top-k).
+"""Fused Triton kernels for the passes of ``parallel.vocab_parallel`` (the update pass; the anchor
+and old passes, whose top-k columns come from ``topk_triton``).
 
 Both kernels run one program per token row, streaming the row's V_local columns of this TP rank's
 logits shard [T, V_local] (bf16 or fp32; accumulation in fp32) in blocks of ``BLOCK``:
@@ -25,8 +25,9 @@ the sums reduced once at the end.
 Dispatch (``megatron_empg.kernels.vocab_logprob_kernels``): the environment variable
 ``EMPG_VOCAB_KERNEL`` selects the implementation, read at each call:
 
-    auto    (default) these kernels when the logits are on CUDA, triton imports, the logits are
-            bf16 / fp32 with unit column stride and k == 0; else the chunked torch path
+    auto    (default) these kernels when the logits are on CUDA, triton imports and the logits
+            are bf16 / fp32 with unit column stride (at k > 0 with ``topk_triton`` for the top-k,
+            up to its ``MAX_K``); else the chunked torch path
     triton  the same, on any device: CPU tensors run under Triton's interpreter, which must be
             on (TRITON_INTERPRET=1) when triton is first imported and at each launch (tests);
             raises if triton does not import

@@ -15,9 +15,10 @@ softmax, logsumexp and top-k. Nothing here gathers the vocabulary:
               re-rank the TP * k candidates by (value, -id)
 
 Only one [chunk, V_local] float32 temporary exists at a time (two when the entropy gradient is
-needed). Without top-k (k = 0: the update and old passes) on CUDA, the local pass and the backward
-are instead one fused Triton kernel each, with no temporary (``kernels.vocab_logprob_triton``:
-one read of the logits forward, one read and one write backward; ``EMPG_VOCAB_KERNEL`` selects).
+needed). On CUDA, the local pass and the backward are instead fused Triton kernels, with no
+temporary (``kernels.vocab_logprob_triton``: one read of the logits forward, one read and one
+write backward; with top-k, ``kernels.topk_triton`` reads them once more for the local top-k, up
+to k = ``topk_triton.MAX_K``; ``EMPG_VOCAB_KERNEL`` selects).
 With ``inplace_backward=True`` the gradient is written into the logits buffer, as Megatron's
 vocab-parallel cross-entropy does; use it only when nothing else reads those logits.
 """
@@ -41,7 +42,7 @@ from megatron_empg.core.logprob import (
     topk_value_then_id,
 )
 from megatron_empg.core.topk_kl import TopkKL, topk_kl_from_gathered, topk_kl_ids
-from megatron_empg.kernels import vocab_logprob_kernels
+from megatron_empg.kernels import vocab_logprob_kernels, vocab_topk_kernel
 
 
 class VocabShard(NamedTuple):
@@ -102,23 +103,36 @@ def _local_pass(
 
         lse_local | sum_j p_j^local z_j (E) | z at the M owned ids (0 elsewhere) | top-k_local z | their global ids
 
-    A shard of padding only reports lse_local = -inf (no mass, no entropy term, no candidates).
-    Ids travel as floats: exact below 2^24 (float32).
+    A shard of padding only reports lse_local = -inf (no mass, no entropy term, no candidates);
+    past its n_valid real columns, the top-k columns hold its padding ids at -inf, as the torch
+    top-k of the masked chunk ranks them. Ids travel as floats: exact below 2^24 (float32).
+
+    With the kernels selected (``kernels.vocab_logprob_kernels``; at k > 0 also
+    ``vocab_topk_kernel``: k_local <= ``topk_triton.MAX_K``), two fused reads of the logits
+    (``local_stats``, ``topk``) and no [chunk, V_local] temporary; else the chunked torch path.
     """
     acc = accumulation_dtype(logits.dtype)
     num_tokens, width = logits.shape
     n_valid = shard.num_valid(width)
-    kernels = vocab_logprob_kernels(logits) if k == 0 else None
-    if kernels is not None:  # one fused read of the logits, same packed columns
-        return kernels.local_stats(logits, torch.where(owned, local_ids, -1), n_valid, with_entropy=with_entropy)
     local_k = min(k, width)
+    kernels = vocab_logprob_kernels(logits)
+    topk_kernel = vocab_topk_kernel(logits, local_k) if local_k else None
+    if kernels is not None and (local_k == 0 or topk_kernel is not None):
+        stats = kernels.local_stats(logits, torch.where(owned, local_ids, -1), n_valid, with_entropy=with_entropy)
+        if not local_k:
+            return stats
+        packed = torch.empty(num_tokens, stats.shape[1] + 2 * local_k, dtype=acc, device=logits.device)
+        packed[:, : stats.shape[1]] = stats
+        top_values, top_ids = _topk_columns(packed, local_k, shard.vocab_start)
+        real_k = min(local_k, n_valid)  # the rest stays padding at -inf
+        if real_k:
+            values, ids = topk_kernel(logits, real_k, n_valid)
+            top_values[:, :real_k], top_ids[:, :real_k] = values, (ids + shard.vocab_start).to(acc)
+        return packed
     first_id = 2 if with_entropy else 1
     packed = torch.zeros(num_tokens, first_id + local_ids.shape[1] + 2 * local_k, dtype=acc, device=logits.device)
-    top_values = packed[:, packed.shape[1] - 2 * local_k : packed.shape[1] - local_k]
-    top_ids = packed[:, packed.shape[1] - local_k :]
     packed[:, 0] = float("-inf")
-    top_values.fill_(float("-inf"))  # a shard of padding only offers its own (padded, distinct) ids
-    top_ids.copy_(torch.arange(shard.vocab_start, shard.vocab_start + local_k, dtype=acc).expand_as(top_ids))
+    top_values, top_ids = _topk_columns(packed, local_k, shard.vocab_start)
     if n_valid:
         scratch = torch.empty(min(chunk_size, num_tokens), width, dtype=acc, device=logits.device)
         for s, e in chunk_ranges(num_tokens, chunk_size):
@@ -132,6 +146,17 @@ def _local_pass(
         del scratch
     packed[:, first_id : first_id + local_ids.shape[1]] = torch.where(owned, logits.gather(-1, local_ids).to(acc), 0)
     return packed
+
+
+def _topk_columns(packed: Tensor, local_k: int, vocab_start: int) -> tuple[Tensor, Tensor]:
+    """The last 2 k_local columns of ``packed`` [T, C] as (values, global ids) views, set to what a
+    shard of padding only offers: -inf at its own (padded, distinct) ids."""
+    width = packed.shape[1]
+    top_values = packed[:, width - 2 * local_k : width - local_k]
+    top_ids = packed[:, width - local_k :]
+    top_values.fill_(float("-inf"))
+    top_ids.copy_(torch.arange(vocab_start, vocab_start + local_k, dtype=packed.dtype).expand_as(top_ids))
+    return top_values, top_ids
 
 
 def _reduce_pass(gathered: Tensor, *, num_ids: int, k: int, with_entropy: bool) -> TokenStats:

@@ -191,23 +191,6 @@ def test_k0_passes_run_the_kernels(monkeypatch):
     assert calls == ["local_stats", "logsoftmax_backward", "local_stats"]
 
 
-def test_topk_pass_never_dispatches(monkeypatch):
-    """k > 0 (the old pass's top-k index set) stays on the torch path even when triton is forced."""
-
-    def fail(*args, **kwargs):
-        raise AssertionError("local_stats called with k > 0")
-
-    monkeypatch.setattr(vocab_logprob_triton, "local_stats", fail)
-    logits = _shard_logits(37, 30, torch.float32, seed=0)
-    kw = dict(vocab_start=0, vocab_size=30, tp_group=None)
-    with _mode("torch"):
-        expected = vocab_parallel_token_stats(logits, None, 3, **kw)
-    with _mode("triton"):
-        stats = vocab_parallel_token_stats(logits, None, 3, **kw)
-    assert torch.equal(stats.topk_ids, expected.topk_ids)
-    torch.testing.assert_close(stats.topk_logprobs, expected.topk_logprobs)
-
-
 # ---------------------------------------------------------------- compiled for an H100, on any machine
 
 _COMPILE_SM90 = textwrap.dedent(
