@@ -35,9 +35,15 @@ nothing loads, or a committed ``step_N`` that ``find_latest_checkpoint`` finds e
 was not yet updated. Deletion renames a directory out of the ``step_N`` namespace before removing
 its files, so a half-deleted checkpoint is never mistaken for a complete one.
 
-Integrity (``mcore.checkpoint_files``, ``mcore.checkpoint_verify``). After ``dist_checkpointing.save`` rank 0 lists the files,
-every rank computes the CRC32s of its share (``assign_files``: by size, over the ranks) and rank 0
-records them with the sizes in ``empg_checkpoint.json``. Every completeness check compares the
+Writing (``mcore.checkpoint_stream``). ``dist_checkpointing.save`` plans and finalises the save;
+the shard files are written by a streaming writer (8 MiB writes, each file's CRC32 computed while
+it is written, no copies of the state before writing), fully parallel over DP (each replicated
+tensor written by one DP rank, spread by size).
+
+Integrity (``mcore.checkpoint_files``, ``mcore.checkpoint_verify``). After ``dist_checkpointing.save``
+rank 0 lists the files, the ranks' CRC32s of their shard files are gathered, every rank computes
+the CRC32s of its share of the other files (``assign_files``: ``.metadata``, ``metadata.json``)
+and rank 0 records them with the sizes in ``empg_checkpoint.json``. Every completeness check compares the
 sizes, so a truncated or missing file makes a resume fall back to an older checkpoint (WARNING
 naming the file); ``find_verified_checkpoint`` also compares the CRC32s (every rank reads its
 share, split over the current world) and skips a damaged checkpoint the same way. Checkpoints
@@ -356,11 +362,13 @@ def save_checkpoint(
             tools/convert_megatron_to_hf.py can convert the checkpoint on its own.
         hf_assets: a HF model directory whose config and tokenizer files (no weights) are copied
             into ``hf/`` (see ``copy_hf_assets``).
-        checksums: record every file's CRC32 in the manifest (the ranks share the read: about
-            3 GB/s per rank from the page cache), for ``find_verified_checkpoint``. Without, sizes only.
+        checksums: record every file's CRC32 in the manifest (the shards': computed while they
+            are written, beside the writes), for ``find_verified_checkpoint``. Without, sizes only.
     """
     cpu_shims.import_megatron()
     from megatron.core import dist_checkpointing
+
+    from megatron_empg.mcore.checkpoint_stream import save_strategy
 
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step={step!r} must be an int >= 0")
@@ -404,16 +412,20 @@ def save_checkpoint(
             optimizer_status = "fresh"
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    if anchor is not None:
-        state.update(anchor_sharded_state(anchor, anchor.full_master_state()))
+    if anchor is not None:  # the master's own tensors (no copy): nothing updates them during the save
+        state.update(anchor_sharded_state(anchor, anchor.full_master_state(copy=False)))
     state["rng_state"] = rng_sharded_object(groups, get_rng_state())
     state["extra_state"] = extra
 
     layout = layout_of(groups)
     content = {"format": FORMAT, "format_version": FORMAT_VERSION, **optimizer_metadata(optimizer_kind)}
+    strategy, streaming = save_strategy(groups, checksums)
     try:
-        on_every_rank(lambda: dist_checkpointing.save(state, str(tmp), content_metadata=content), f"writing {tmp}")
-        files = measure_on_all_ranks(tmp, checksums)
+        on_every_rank(
+            lambda: dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata=content),
+            f"writing {tmp}",
+        )
+        files = measure_on_all_ranks(tmp, checksums, written=streaming.files)
     except CheckpointError as e:
         raise _failed_save(root, tmp, final, str(e)) from None
     _before_commit(tmp)
