@@ -6,7 +6,7 @@ Megatron's writer (``FileSystemWriterAsync``, megatron-core 0.19.2), measured on
 checkpoint (``benchmarks/checkpoint_save.py``), spent 5x a plain sequential write of the same bytes:
 
     writes      ``torch.save`` hands each tensor's storage to one ``write()`` call; a 1 GiB
-                ``write()`` ran 2.5-7x slower than the same bytes in 16 MiB pieces
+                ``write()`` ran 4-7x slower than the same bytes in 1-16 MiB pieces
     CRC32s      torch.save computes a CRC32 of every zip record, and the manifest's CRC32s were a
                 second pass reading every file back after the save
     copies      CPU tensors that are views (every parameter: a view of its DDP buffer) are cloned
@@ -53,7 +53,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy  # noqa: E402
 from torch.distributed.checkpoint import filesystem as _dcp_filesystem  # noqa: E402
 
-WRITE_CHUNK = 8 << 20  # bytes per write(): 1-16 MiB write alike; one huge write() is several times slower
+WRITE_CHUNK = 8 << 20  # bytes per write(): 1-8 MiB wrote fastest on the CPU VM; one huge write() 4-7x slower
 
 # torch.distributed.checkpoint's per-item writer, as Megatron's writer calls it (its arguments
 # changed across torch versions: the transforms and the serialization format were added).
