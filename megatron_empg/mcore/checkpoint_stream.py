@@ -73,12 +73,14 @@ class _Sink:
         self.crc32 = 0
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")  # valid during this call only: the CRC32 is awaited below
+        view = memoryview(data).cast("B")  # valid during this call only (torch's buffer)
         crc32 = self.crc_pool.submit(zlib.crc32, view, self.crc32) if self.crc_pool is not None else None
-        for start in range(0, len(view), WRITE_CHUNK):
-            self.file.write(view[start : start + WRITE_CHUNK])
-        if crc32 is not None:
-            self.crc32 = crc32.result()
+        try:
+            for start in range(0, len(view), WRITE_CHUNK):
+                self.file.write(view[start : start + WRITE_CHUNK])
+        finally:  # the thread reads ``view``: neither return nor raise (a full disk) before it is done
+            if crc32 is not None:
+                self.crc32 = crc32.result()
         self.size += len(view)
         return len(view)
 

@@ -6,7 +6,9 @@ storage. (Saves through it: ``test_checkpoint*.py``; manifest CRC32s checked aga
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import io
+import time
 import zlib
 
 import pytest
@@ -39,6 +41,27 @@ def test_sink_writes_every_byte_in_pieces_and_its_crc32(tmp_path, monkeypatch, c
     assert sink.tell() == sink.size == len(written)
     assert sink.crc32 == (zlib.crc32(written) if checksums else 0)
     assert pieces == [6] + [1000] * 12 + [999] + [1000] * 5 + [600]  # no piece over WRITE_CHUNK; b"" writes none
+
+
+def test_a_failed_write_waits_for_the_crc32_of_its_buffer(tmp_path, monkeypatch):
+    """The CRC32 thread reads the caller's buffer (torch frees it once ``write`` is left): a write
+    that fails (a full disk) must not raise before that thread is done with it."""
+    finished, crc32 = [], zlib.crc32
+
+    def slow_crc32(data, value):
+        time.sleep(0.3)
+        finished.append(len(data))
+        return crc32(data, value)
+
+    class FullDisk(io.FileIO):
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_stream.zlib, "crc32", slow_crc32)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, FullDisk(tmp_path / "file", "wb") as f:
+        with pytest.raises(OSError, match="No space"):
+            checkpoint_stream._Sink(f, pool).write(b"x" * 100)
+        assert finished == [100]  # done before the error came out, not after
 
 
 def test_a_cpu_view_gets_a_storage_of_its_own_bytes_without_a_copy():
