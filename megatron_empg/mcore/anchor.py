@@ -621,14 +621,17 @@ class EmaAnchor:
         the tensors are the live master (do not modify)."""
         return {e.key: (e.master, e.start, e.end) for e in self._entries}
 
-    def full_master_state(self) -> dict[str, Tensor]:
+    def full_master_state(self, *, copy: bool = True) -> dict[str, Tensor]:
         """key ``"<chunk>.<name>"`` -> float32 master in the parameter's local TP/PP shape (a copy).
 
         With the distributed optimizer the DP ranks' ranges are gathered (one coalesced
         all-gather over DP, through float32 buffers the size of the anchor's flat buffers).
+        ``copy=False`` without it: views of the master itself (no second float32 copy of the
+        model: a checkpoint save, which reads them before the next update), changed by ``update``.
         """
         if not self.sharded:
-            return {e.key: e.master.view(self._params[e.index].param.shape).clone() for e in self._entries}
+            views = {e.key: e.master.view(self._params[e.index].param.shape) for e in self._entries}
+            return {key: view.clone() for key, view in views.items()} if copy else views
         device = self._flats[0].data.device if self._flats else torch.device("cpu")
         fulls = [torch.zeros(flat.data.numel(), dtype=torch.float32, device=device) for flat in self._flats]
         for e in self._entries:

@@ -13,9 +13,10 @@ Manifest. ``empg_checkpoint.json`` lists every other file of its checkpoint dire
 (relative POSIX paths; ``crc32``: ``zlib.crc32`` of the whole file, absent when the save was
 made without checksums). Sizes are checked by every completeness check (``checkpoint_problem``:
 one ``stat`` per file), so a truncated or missing file makes ``find_latest_checkpoint`` fall back
-to an older checkpoint. The CRC32s need a read of every byte (about 3 GB/s per process from the
-page cache); the ranks share that work (``assign_files``). A checkpoint without ``files`` (saved
-before manifests were recorded) passes with its files unchecked.
+to an older checkpoint. At save the shards' CRC32s are computed while they are written
+(``mcore.checkpoint_stream``); verifying them needs a read of every byte (about 3 GB/s per process
+from the page cache), which the ranks share (``assign_files``). A checkpoint without ``files``
+(saved before manifests were recorded) passes with its files unchecked.
 """
 
 from __future__ import annotations

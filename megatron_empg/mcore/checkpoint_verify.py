@@ -89,19 +89,28 @@ def check_same_on_all_ranks(obj: Any, what: str) -> None:
 # Integrity: the files' CRC32s, shared by the ranks.
 
 
-def measure_on_all_ranks(directory: Path, checksums: bool) -> dict[str, dict]:
+def measure_on_all_ranks(
+    directory: Path, checksums: bool, written: dict[str, dict] | None = None
+) -> dict[str, dict]:
     """The manifest entries (``{"size", "crc32"}``) of every file in ``directory`` but
-    ``empg_checkpoint.json``: rank 0 lists the files, every rank reads its share
-    (``assign_files``), rank 0 gets them all (every rank does). Without ``checksums``: sizes from
-    the listing, nothing read. Collective."""
+    ``empg_checkpoint.json``: rank 0 lists the files; the entries each rank measured while writing
+    its files (``written``: ``StreamingSaveStrategy.files``) are gathered, and the other files are
+    read, every rank its share (``assign_files``). Without ``checksums``: sizes from the listing,
+    nothing read. Every rank gets them all. Collective."""
     sizes = rank0_then_share(lambda: list_files(directory, exclude=(INFO_FILE,)), f"listing {directory}")
     if not checksums:
         return {name: {"size": size} for name, size in sizes.items()}
-    share = checkpoint_files.assign_files(sizes, dist.get_world_size())[dist.get_rank()]
+    measured: dict[str, dict] = {}
+    for part in on_every_rank(lambda: dict(written or {}), f"gathering the checksums of {directory}"):
+        measured.update(part)  # entries of vanished files stay: the commit's size check names them
+    rest = {name: size for name, size in sizes.items() if name not in measured}
+    share = checkpoint_files.assign_files(rest, dist.get_world_size())[dist.get_rank()]
     parts = on_every_rank(
         lambda: checkpoint_files.measure_files(directory, share), f"checksumming the files of {directory}"
     )
-    return {name: entry for part in parts for name, entry in part.items()}
+    for part in parts:
+        measured.update(part)
+    return measured
 
 
 def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> list[str]:

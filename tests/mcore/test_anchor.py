@@ -344,6 +344,11 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
         back = a.full_master_state()
         out["roundtrip_err"] = max(_max_err(back[k], state[k]) for k in state)
         out["roundtrip_compute"] = _compute_vs_master(a)["bad"]
+        # copy=False (the checkpoint's): the same values; without the distributed optimizer, the master itself.
+        views, shards = b.full_master_state(copy=False), b.master_shards()
+        out["no_copy_equal"] = views.keys() == state.keys() and all(torch.equal(views[k], state[k]) for k in state)
+        out["no_copy_is_master"] = all(views[k].data_ptr() == m.data_ptr() for k, (m, _, _) in shards.items())
+        out["copy_is_master"] = any(state[k].data_ptr() == m.data_ptr() for k, (m, _, _) in shards.items())
         try:
             a.load_full_master_state({k: v for k, v in list(state.items())[1:]})
             out["roundtrip_missing_key"] = "accepted"
@@ -592,6 +597,9 @@ def test_master_state_round_trip(runs, name):
         assert res["roundtrip_err"] == 0
         assert res["roundtrip_compute"] == []
         assert "anchor master state: missing ['0." in res["roundtrip_missing_key"]
+        assert res["no_copy_equal"] and not res["copy_is_master"]
+        sharded = next(layout[3] for layout in LAYOUTS if layout[0] == name)
+        assert res["no_copy_is_master"] != sharded  # sharded: gathered into new buffers
 
 
 @pytest.mark.dist
