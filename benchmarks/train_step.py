@@ -37,7 +37,9 @@ is not counted (model FLOPs). MFU = achieved / ``--peak-tflops``.
 
 ``--checkpoint``: after the first case that fits, one save (``mcore.checkpoint.save_checkpoint``:
 policy, optimizer, anchor master, RNG) into ``--checkpoint-dir``, then a plain sequential write of
-the same number of bytes to a file in the same directory (1 GiB writes, fsync), each removed after.
+the same number of bytes to a file in the same directory (``checkpoint_save.plain_write``: 8 MiB
+writes, fsync), each removed after; ``benchmarks/checkpoint_save.py`` has the repeated, itemised
+measurement.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from megatron_empg.config import LossConfig, ParallelConfig, RunConfig, load_config, load_model_config  # noqa: E402
 
@@ -274,25 +277,16 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
     return record, {"models": ddp, "optimizer": optimizer, "scheduler": scheduler, "anchor": anchor, "groups": groups}
 
 
-def plain_write(path: Path, num_bytes: int, block: int = GIB) -> float:
-    """Seconds to write ``num_bytes`` to a new file at ``path`` sequentially (``block``-byte writes
-    of one reused buffer) and fsync it; the file is removed after."""
-    buffer = memoryview(os.urandom(min(block, 2**24)) * max(1, block // 2**24))
-    start = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        left = num_bytes
-        while left > 0:
-            left -= f.write(buffer[: min(left, len(buffer))])
-        os.fsync(f.fileno())
-    elapsed = time.perf_counter() - start
-    path.unlink()
-    return elapsed
-
-
 def time_checkpoint(state: dict, directory: Path) -> dict:
-    """One save of ``state`` (``run_case``'s) against a plain write of as many bytes, same disk."""
-    from megatron_empg.mcore.checkpoint import save_checkpoint
+    """One save of ``state`` (``run_case``'s) against a plain write of as many bytes, same disk
+    (``checkpoint_save.plain_write``: the streaming writer's 8 MiB pieces, fsync). Megatron's
+    writer process is started first, as the trainer does at start-up."""
+    from checkpoint_save import plain_write
 
+    from megatron_empg.mcore.checkpoint import save_checkpoint
+    from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer
+
+    start_checkpoint_writer()
     directory.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ckpt_", dir=directory))
     try:
