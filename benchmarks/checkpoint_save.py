@@ -56,7 +56,7 @@ nested in it), so the phases and ``other`` sum to the save's time:
 ``--recipes``: per GPU recipe (``recipes/``, at the world size of its comments: one node of 8 GPUs),
 the bytes a save writes in total and per rank (``mcore.checkpoint_size.checkpoint_bytes``) and the
 predicted save time at two rates: the one GPU run's (61 s for the 1.5B benchmark checkpoint with
-Megatron's writer, ``benchmarks/results/train_step_gpu.json``) and a measured save of this script
+Megatron's writer, ``benchmarks/results/train_step_gpu_d63de0f.json``) and a measured save of this script
 (``--after-result``: the GPU result once there is one, else the CPU one), to
 ``benchmarks/results/checkpoint_recipes.json``.
 """
@@ -425,13 +425,13 @@ def gpu_rate() -> dict:
     from megatron_empg.config import OptimizerConfig, ParallelConfig
     from megatron_empg.mcore.checkpoint_size import checkpoint_bytes
 
-    run = json.loads((REPO / "benchmarks/results/train_step_gpu.json").read_text())
+    run = json.loads((REPO / "benchmarks/results/train_step_gpu_d63de0f.json").read_text())
     seconds = run["variants"][0]["stage_seconds_median"]["checkpoint"]
     model = load_model_config(run["params"]["model"])
     # train_step.py: TP = PP = DP = 1, OptimizerConfig() (not distributed), the anchor, bf16 params
     nbytes = checkpoint_bytes(model, ParallelConfig(), OptimizerConfig(), anchor=True, params_dtype="bfloat16",
                               world_size=1).total  # fmt: skip
-    return {"source": "benchmarks/results/train_step_gpu.json", "device": run["machine"]["device"],
+    return {"source": "benchmarks/results/train_step_gpu_d63de0f.json", "device": run["machine"]["device"],
             "writer": "Megatron's FileSystemWriterAsync (before mcore.checkpoint_stream)", "model": model.name,
             "bytes": nbytes, "seconds": seconds, "bytes_per_second": nbytes / seconds}  # fmt: skip
 

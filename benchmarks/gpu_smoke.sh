@@ -14,6 +14,8 @@
 #                                                                      -> train_step_gpu.json
 #      unfused vs sdpa at 2k (the A/B), sdpa at 8k (k3, Top-k, forward passes at 16k), sdpa at 16k
 #      and 24k with full recompute; one checkpoint save against a plain write of the same bytes
+#   b2. benchmarks/plan_vs_gpu.py on those results: the memory plan (empg plan) against each
+#      configuration's measured peaks, printed (within 10 % is the goal)
 #   c. (SMOKE_KERNELS=1) the vocab kernels (vocab_kernel_gpu.json) and topk_kl (topk_kl_gpu.json),
 #      measured in an earlier run and not repeated by default
 #   then a summary table (last in the output).
@@ -143,17 +145,20 @@ step() {  # step NAME CAP_S CMD...: run with a time cap (within the budget), out
     STEPS+=("$name|$status|$((SECONDS - t0))")
 }
 
-step "gpu tests (pytest -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py)" 150 \
+step "gpu tests (pytest -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py)" 140 \
     env EMPG_GPU_RESULTS_DIR="$OUT_DIR" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py
 # pytest's own count (a skip on the GPU machine is no pass): appended to the step's status
 PYTEST_COUNTS=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|errors?|deselected)' "$LOG" | tail -n1 | tr -d '=' | sed -E 's/^ +| +$//g' || true)
 [[ -n "$PYTEST_COUNTS" ]] && STEPS[-1]="${STEPS[-1]%%|*}|$(cut -d'|' -f2 <<<"${STEPS[-1]}"): $PYTEST_COUNTS|${STEPS[-1]##*|}"
-step "topk_kernel ${TK_ARGS[*]:0:2}" 60 \
+step "topk_kernel ${TK_ARGS[*]:0:2}" 50 \
     env "${TK_ENV[@]}" "$PY" benchmarks/topk_kernel.py "${TK_ARGS[@]}" --out "$OUT_DIR/topk_kernel_gpu.json"
 # expandable segments: less fragmentation for the 1.5B model's long-lived states and activations
-step "train_step: unfused vs sdpa 2k; sdpa 8k (k3, topk, forward 16k); 16k, 24k full recompute; checkpoint" 330 \
+step "train_step: unfused vs sdpa 2k; sdpa 8k (k3, topk, forward 16k); 16k, 24k full recompute; checkpoint" 310 \
     env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
     "$PY" benchmarks/train_step.py "${TRAIN_ARGS[@]}" "${TRAIN_CASES[@]}" --out "$OUT_DIR/train_step_gpu.json"
+# the memory plan against the peaks just measured (configurations it has not seen): printed only
+step "plan_vs_gpu (the memory plan against this run's peaks)" 40 \
+    "$PY" benchmarks/plan_vs_gpu.py --results "$OUT_DIR" --out ""
 if [[ "${SMOKE_KERNELS:-0}" == 1 ]]; then
     step "vocab_kernel ${VK_ARGS[*]:0:2}" 90 \
         env "${VK_ENV[@]}" "$PY" benchmarks/vocab_kernel.py "${VK_ARGS[@]}" --out "$OUT_DIR/vocab_kernel_gpu.json"

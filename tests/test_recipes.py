@@ -63,6 +63,19 @@ def test_every_recipe_binds_at_its_world_size(path, tmp_path):
     assert components.layout.world_size == WORLD_SIZES.get(path.name, 8)
 
 
+@pytest.mark.parametrize("path", [p for p in sorted(RECIPES.glob("*.yaml")) if p.name not in WORLD_SIZES],
+                         ids=lambda p: p.name)  # fmt: skip
+def test_every_gpu_recipe_plans_within_an_h100_at_its_world_size(path, tmp_path):
+    """``empg plan``'s numbers (``trainer.memory_plan``) for one 80 GB H100 per rank; the recipes'
+    comments quote them."""
+    from megatron_empg.trainer.build import bind
+    from megatron_empg.trainer.memory_plan import DEFAULT_DEVICE_BYTES, plan_memory
+
+    plan = plan_memory(bind(_with_local_paths(path, tmp_path), 8, check_paths=False))
+    assert plan.device_bytes == DEFAULT_DEVICE_BYTES and plan.fits, plan.describe()
+    assert {"rollout", "update", "old_pass"} <= set(plan.ranks[0].phases)
+
+
 def test_r1_math_recipe_has_the_published_hyperparameters():
     config = load_config(RunConfig, RECIPES / f"{R1}.yaml")
     assert config.model_config().hf_model_id == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"

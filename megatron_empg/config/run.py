@@ -152,6 +152,10 @@ class TrainConfig:
     [tokens, V / TP] logits and their gradient never exist whole: at 16,384 tokens of a 151,936
     vocabulary 0.78 GB of GPU memory instead of 5.4 GB, for 1.5x the output layer's and the loss's
     time (one more GEMM; H100, benchmarks/README.md). The gradient is the same up to rounding.
+
+    ``memory_check``: what a run does when its memory plan (``trainer.memory_plan``, ``empg plan``)
+    exceeds the GPU, checked before anything starts: ``error`` (with the changes that would fit)
+    or ``warn`` and start anyway.
     """
 
     steps: int = 100
@@ -167,6 +171,7 @@ class TrainConfig:
     max_tokens_per_forward_microbatch: int | None = None
     balance: bool = True
     fused_output_loss: bool = False
+    memory_check: Literal["error", "warn"] = "error"
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "recompute_num_layers"):

@@ -20,7 +20,10 @@ every record of each data file; it starts nothing and touches no device. In orde
    of CPU per million rows of DAPO-Math's shape), ``init_from`` (a HF directory's ``config.json`` must
    describe ``model``), ``continue_from``, ``tokenizer``.
 
-``empg check CONFIG [overrides] --world-size N`` runs it alone.
+5. with the GPU's memory (``device_bytes``), the memory plan of every rank (``trainer.memory_plan``):
+   a run that does not fit is an error listing the changes that would (``trainer.memory_fixes``).
+
+``empg check CONFIG [overrides] --world-size N [--gpu-memory-gib M]`` runs it alone.
 """
 
 from __future__ import annotations
@@ -105,9 +108,10 @@ class Components:
     attention: AttentionChoice
 
 
-def bind(config: RunConfig, world_size: int, *, check_paths: bool = True) -> Components:
+def bind(config: RunConfig, world_size: int, *, check_paths: bool = True, device_bytes: int | None = None) -> Components:
     """Resolve and check every setting of ``config`` for a run on ``world_size`` ranks (module
-    docstring). ``check_paths=False`` skips the files (a machine that cannot see them).
+    docstring). ``check_paths=False`` skips the files (a machine that cannot see them);
+    ``device_bytes`` (the GPU's memory) also checks the memory plan (``trainer.memory_fixes``).
 
     Raises ``ConfigError`` naming the dotted field and what was expected."""
     model = config.model_config()
@@ -133,7 +137,12 @@ def bind(config: RunConfig, world_size: int, *, check_paths: bool = True) -> Com
     _check_lengths(config, model)
     if check_paths:
         _check_paths(config, model)
-    return Components(config, model, layout, advantage, loss_fn, stats, reward, engine, transport, attention)
+    components = Components(config, model, layout, advantage, loss_fn, stats, reward, engine, transport, attention)
+    if device_bytes is not None:
+        from megatron_empg.trainer.memory_fixes import check_memory
+
+        check_memory(components, world_size, device_bytes, bind=bind)
+    return components
 
 
 def _registered(field: str, name: str, registry: dict[str, Any]) -> Any:

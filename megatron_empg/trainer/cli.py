@@ -1,7 +1,8 @@
 """``empg``: the command line.
 
     empg train CONFIG.yaml [a.b.c=value ...] [--resume | --overwrite]   # one process, or every rank under torchrun/srun
-    empg check CONFIG.yaml [a.b.c=value ...] --world-size N   # bind and check everything, start nothing
+    empg check CONFIG.yaml [a.b.c=value ...] --world-size N [--gpu-memory-gib M]   # bind and check everything
+    empg plan CONFIG.yaml [a.b.c=value ...] --world-size N [--gpu-memory-gib M] [--json]   # every rank's memory
     empg print-config CONFIG.yaml [a.b.c=value ...]       # the resolved config as YAML
     empg --version
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import socket
 import sys
@@ -78,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run the RL loop")
     check = commands.add_parser("check", help="bind and check every setting for a world size; start nothing")
+    plan = commands.add_parser("plan", help="every rank's GPU memory per phase, and what fits when it does not")
     show = commands.add_parser("print-config", help="print the resolved config")
-    for sub in (train, check, show):
+    for sub in (train, check, plan, show):
         sub.add_argument("config", help="YAML file (e.g. recipes/demo_cpu.yaml)")
         sub.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
     start = train.add_mutually_exclusive_group()
@@ -87,13 +90,20 @@ def main(argv: list[str] | None = None) -> int:
                        help="continue from the newest intact checkpoint (none yet: start at step 0)")
     start.add_argument("--overwrite", action="store_true",
                        help="start a new run over an earlier run's checkpoints and metrics (deletes them)")
-    check.add_argument("--world-size", type=int, default=1, help="the number of ranks the run will have (default 1)")
+    for sub in (check, plan):
+        sub.add_argument("--world-size", type=int, default=1, help="the number of ranks the run will have (default 1)")
+        sub.add_argument("--gpu-memory-gib", type=float, default=None,
+                         help="each GPU's memory: check the memory plan against it (plan: default an H100 80GB)")
     check.add_argument("--skip-paths", action="store_true", help="do not read data files or model directories")
+    plan.add_argument("--json", action="store_true", help="the plan as JSON (bytes)")
     args = parser.parse_args(argv)
     try:
         config = load_run_config(args.config, args.overrides)
-        if args.command == "check":
-            components = _bind(config, args.world_size, check_paths=not args.skip_paths)
+        if args.command in ("check", "plan"):
+            device = None if args.gpu_memory_gib is None else _gib_bytes(args.gpu_memory_gib)
+            check_paths = args.command == "check" and not args.skip_paths
+            components = _bind(config, args.world_size, check_paths=check_paths,
+                               device_bytes=device if args.command == "check" else None)  # fmt: skip
     except (ConfigError, FileNotFoundError) as e:
         parser.exit(2, f"empg: error: {e}\n")
     if args.command == "print-config":
@@ -102,15 +112,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         sys.stdout.write(_describe(components))
         return 0
+    if args.command == "plan":
+        return _plan(components, args.world_size, device, as_json=args.json)
     return _train(config, resume=args.resume, overwrite=args.overwrite)
 
 
-def _bind(config: RunConfig, world_size: int, *, check_paths: bool = True):
+def _bind(config: RunConfig, world_size: int, *, check_paths: bool = True, device_bytes: int | None = None):
     from megatron_empg.trainer.build import bind
 
     if world_size < 1:
         raise ConfigError("--world-size", f"must be >= 1, got {world_size}")
-    return bind(config, world_size, check_paths=check_paths)
+    return bind(config, world_size, check_paths=check_paths, device_bytes=device_bytes)
+
+
+def _gib_bytes(gib: float) -> int:
+    if not gib > 0:
+        raise ConfigError("--gpu-memory-gib", f"must be > 0, got {gib}")
+    return int(gib * 2**30)
+
+
+def _plan(components, world_size: int, device_bytes: int | None, *, as_json: bool) -> int:
+    """``empg plan``: the plan, and when it does not fit the changes that would; exit 0 either way
+    (``empg check --gpu-memory-gib`` is the gate)."""
+    from megatron_empg.trainer.build import bind
+    from megatron_empg.trainer.memory_fixes import cheapest_fixes
+    from megatron_empg.trainer.memory_plan import plan_memory
+
+    plan = plan_memory(components, device_bytes=device_bytes)
+    fixes = [] if plan.fits else cheapest_fixes(components, world_size, plan.device_bytes, bind=bind)
+    if as_json:
+        out = plan.to_json()
+        out["fixes"] = [{"label": f.label, "overrides": list(f.overrides), "peak_bytes": f.peak_bytes} for f in fixes]
+        sys.stdout.write(json.dumps(out, indent=1) + "\n")
+        return 0
+    sys.stdout.write(plan.describe() + "\n")
+    if fixes:
+        sys.stdout.write("changes that fit:\n" + "".join(f"  {f.describe()}\n" for f in fixes))
+    elif not plan.fits:
+        sys.stdout.write("no change found that fits\n")
+    return 0
 
 
 def _describe(components) -> str:

@@ -123,10 +123,12 @@ class Trainer:
     def _check_machine(self, *, engine_here: bool) -> None:
         """What only the machine can tell, before the engines start: room in ``weight_sync.shm_dir``
         for a bucket file (on each engine's owner: ``engine_here``), a GPU with Transformer Engine
-        for a TE FP8 anchor. A ``ConfigError`` on every rank together (the lowest rank's, if several)."""
+        for a TE FP8 anchor, the memory plan against this GPU. A ``ConfigError`` on every rank
+        together (the lowest rank's, if several)."""
         problem = None
         try:
             machine.check_machine(self.config, self.model, engine_rank=engine_here)
+            machine.check_memory_here(self.components)
         except ConfigError as error:
             problem = (error.field, error.reason)
         problems = [problem]

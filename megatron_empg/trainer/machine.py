@@ -1,6 +1,7 @@
 """What only the machine a run starts on can tell, checked before its engine starts (the config is
 ``trainer.build``'s): room in ``weight_sync.shm_dir`` for a weight-sync bucket file, a GPU with
-Transformer Engine for a TE FP8 anchor; and which FP8 anchor ``algorithm.anchor.fp8: auto`` means here.
+Transformer Engine for a TE FP8 anchor, the memory plan against this GPU; and which FP8 anchor
+``algorithm.anchor.fp8: auto`` means here.
 """
 
 from __future__ import annotations
@@ -54,3 +55,15 @@ def bucket_file_bytes(config: RunConfig, model: ModelConfig) -> int:
     largest *= model.hidden_size * size
     whole = model.num_parameters() * size
     return max(min(int(config.weight_sync.bucket_size_mb * 2**20), whole), largest) + 2**20
+
+
+def check_memory_here(components) -> None:
+    """On a GPU: the run's memory plan against this GPU's memory (``trainer.memory_fixes.check_memory``:
+    a ``ConfigError`` with the changes that fit, or a warning with ``train.memory_check: warn``)."""
+    if not torch.cuda.is_available():
+        return
+    from megatron_empg.trainer.build import bind
+    from megatron_empg.trainer.memory_fixes import check_memory
+
+    device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    check_memory(components, components.layout.world_size, device, bind=bind)

@@ -1,0 +1,303 @@
+"""Every rank's GPU memory before launch, per phase of a step, from the bound config (``empg plan``;
+checked against the device by ``empg check --gpu-memory-gib`` and by ``empg train`` before its
+engines start).
+
+A training rank (the plan covers every pipeline stage and reports the most loaded) holds, always:
+
+    weights, gradients (DDP's fp32 buffer), fp32 main parameters and Adam's m, v (both / DP with the
+    distributed optimizer), the EMA anchor (compute weights, fp32 master / DP; none when the KL's
+    anchor is the behaviour policy), the unfused attention's score buffer (Megatron's
+    GlobalMemoryBuffer, kept once grown), the step's micro-batch tensors, a sleeping engine
+    (colocated), its CUDA context
+
+and on top of that, one phase at a time:
+
+    rollout      the engine awake (vLLM: ``gpu_memory_utilization`` x the device; hf: its weights
+                 and KV cache) in place of the asleep one
+    weight sync  the engine's weights woken, one bucket on the GPU
+    old / anchor the forward-only passes: one forward micro-batch's logits, one layer's working set
+    update       the activations of the micro-batches in flight (``memory_terms.layer_activations``
+                 x layers x tokens, the pipeline's in-flight count, recompute), the logits and
+                 their gradient (last stage), the largest weight's bf16 gradient
+    optimizer    Adam's temporaries (torch's foreach: one fp32 buffer per shard)
+    checkpoint   a DP-sharded anchor master gathered whole
+
+An engine rank (``rollout.placement: disaggregated``) holds its vLLM budget. The device holds the
+allocator's peak plus ``Calibration.allocator_slack`` of it, the CUDA context and the engine's
+share. Host memory per node: /dev/shm buckets, pinned or offloaded copies, reward workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from megatron_empg.config import RunConfig
+from megatron_empg.mcore.checkpoint_size import DTYPE_BYTES
+from megatron_empg.trainer import memory_terms as terms
+from megatron_empg.trainer.memory_terms import BF16, FP32, GIB, CUDA, Calibration, rank_shape
+
+# torch reports 85,017,493,504 bytes for an H100 80GB HBM3 (benchmarks/results/train_step_gpu_d63de0f.json)
+DEFAULT_DEVICE_BYTES = 85_017_493_504
+PHASES = ("rollout", "weight_sync", "old_pass", "anchor_pass", "update", "optimizer", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """What the machine runs besides the config: ``fused_swiglu`` (CUDA's fusion plan),
+    ``vocab_kernels`` ("triton" on CUDA, "torch": the chunked fp32 path), the constants."""
+
+    fused_swiglu: bool = True
+    vocab_kernels: str = "triton"
+    calibration: Calibration = CUDA
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """One kind of rank: ``resident`` terms (name -> bytes, always held), ``phases`` (phase ->
+    its transient terms), ``device`` (bytes not managed by the trainer's allocator: the CUDA
+    context, the engine's share, by phase)."""
+
+    kind: str
+    resident: dict[str, int]
+    phases: dict[str, dict[str, int]]
+    device: dict[str, dict[str, int]]
+    slack: float
+
+    def allocated(self, phase: str) -> int:
+        """The trainer allocator's bytes in ``phase`` (what ``torch.cuda.max_memory_allocated`` reads)."""
+        return sum(self.resident.values()) + sum(self.phases[phase].values())
+
+    def total(self, phase: str) -> int:
+        """The device bytes in ``phase``: allocated, its slack, and the rest."""
+        return int(self.allocated(phase) * (1 + self.slack)) + sum(self.device[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.total(self.peak_phase)
+
+    def group(self, *names: str) -> int:
+        return sum(v for k, v in self.resident.items() if k in names)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The plan of a bound run on ``device_bytes`` per GPU."""
+
+    summary: str
+    device_bytes: int
+    device_assumed: bool
+    ranks: list[RankPlan]  # the most loaded training stage, then the engine rank (disaggregated)
+    host: dict[str, int]
+    stages: list[RankPlan]  # every pipeline stage's training rank
+
+    @property
+    def peak(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.peak_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return all(r.peak_bytes <= self.device_bytes for r in self.ranks)
+
+    def to_json(self) -> dict[str, Any]:
+        ranks = []
+        for r in self.ranks:
+            ranks.append({
+                "kind": r.kind, "peak_bytes": r.peak_bytes, "peak_phase": r.peak_phase,
+                "weights_and_optimizer_bytes": r.group("weights", "gradients", "main_parameters", "adam"),
+                "anchor_bytes": r.group("anchor_weights", "anchor_master"),
+                "activation_bytes": r.phases.get("update", {}).get("activations", 0),
+                "resident": r.resident, "phases": r.phases, "device": r.device,
+                "phase_totals": {p: r.total(p) for p in r.phases},
+            })  # fmt: skip
+        return {"summary": self.summary, "device_bytes": self.device_bytes, "device_assumed": self.device_assumed,
+                "fits": self.fits, "ranks": ranks, "host": self.host}  # fmt: skip
+
+    def describe(self) -> str:
+        lines = [self.summary]
+        for r in self.ranks:
+            free = self.device_bytes - r.peak_bytes
+            verdict = f"fits ({_gib(free)} free)" if free >= 0 else f"DOES NOT FIT ({_gib(-free)} over)"
+            lines.append(f"{r.kind}: peak {_gib(r.peak_bytes)} of {_gib(self.device_bytes)} in the {r.peak_phase} "
+                         f"phase: {verdict}")  # fmt: skip
+            held = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in r.resident.items() if v)
+            lines.append(f"  held always: {held}")
+            for phase in r.phases:
+                extra = {**r.phases[phase], **r.device[phase]}
+                parts = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in extra.items() if v) or "-"
+                lines.append(f"  {phase:<12} {_gib(r.total(phase)):>10}  = held + {parts}")
+        lines.append("host per node: " + ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in self.host.items()))
+        return "\n".join(lines)
+
+    def dump(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def plan_memory(components, *, device_bytes: int | None = None, options: PlanOptions = PlanOptions(),
+                ranks_per_node: int = 8) -> MemoryPlan:  # fmt: skip
+    """The ``MemoryPlan`` of ``components`` (``trainer.build.bind``'s) on GPUs of ``device_bytes``
+    (None: an H100 80GB's, marked as assumed)."""
+    config, model, layout = components.config, components.model, components.layout
+    device = device_bytes or DEFAULT_DEVICE_BYTES
+    stages = [_training_stage(components, p, device, options) for p in range(layout.pp)]
+    ranks = [max(stages, key=lambda r: r.peak_bytes)]
+    if layout.engine_ranks:
+        ranks.append(_engine_rank(config, device, options.calibration))
+    summary = (f"plan: {model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
+               f"{f', {layout.engine_ranks} engine ranks' if layout.engine_ranks else ''}), attention "
+               f"{model.attention_backend}, {config.train.params_dtype}; device {_gib(device)}"
+               f"{' (assumed: an H100 80GB; --gpu-memory-gib to set it)' if device_bytes is None else ''}")  # fmt: skip
+    return MemoryPlan(summary, device, device_bytes is None, ranks, _host(components, ranks_per_node), stages)
+
+
+def _update_tokens(config: RunConfig) -> tuple[int, int]:
+    """(tokens of the update's largest micro-batch, rows in it)."""
+    train = config.train
+    if train.max_tokens_per_microbatch is not None:
+        return train.max_tokens_per_microbatch, 1
+    rows = 1 if train.packing else train.micro_batch_size
+    return train.micro_batch_size * train.max_seq_len, rows
+
+
+def _in_flight_layers(layers: int, pp: int, vpp: int | None, pp_rank: int) -> int:
+    """Layers of activations held at once on stage ``pp_rank``: a micro-batch per stage ahead in
+    1F1B (at most PP), Megatron's warm-up count + 1 model chunks with the interleaved schedule."""
+    if pp == 1:
+        return layers
+    if not vpp:
+        return (pp - pp_rank) * layers
+    chunks = (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1
+    return chunks * (layers // vpp)
+
+
+def _training_stage(components, pp_rank: int, device: int, options: PlanOptions) -> RankPlan:
+    config, model, layout, stats = components.config, components.model, components.layout, components.stats
+    train, parallel, cal = config.train, config.parallel, options.calibration
+    shape = rank_shape(model, parallel, pp_rank)
+    dp_shard = layout.dp if config.optimizer.use_distributed_optimizer else 1
+    params_bytes = DTYPE_BYTES[train.params_dtype]
+    attention = model.attention_backend
+    tokens, rows = _update_tokens(config)
+    forward_tokens = train.max_tokens_per_forward_microbatch or tokens
+    heads = model.num_attention_heads // layout.tp
+    anchor = config.algorithm.anchor
+    resident = {
+        "weights": shape.params * params_bytes,
+        "gradients": shape.params * FP32,
+        "main_parameters": shape.params * FP32 // dp_shard if params_bytes != FP32 else 0,
+        "adam": 2 * shape.params * FP32 // dp_shard,
+        "anchor_weights": 0,
+        "anchor_master": 0,
+        "score_buffer": BF16 * heads * min(train.max_seq_len, max(tokens, forward_tokens)) ** 2
+        if attention == "unfused" else 0,
+        "micro_batches": terms.microbatch_tensor_bytes(
+            config, layout.samples_per_replica * train.max_seq_len, stats.old_topk or stats.anchor_topk),
+    }  # fmt: skip
+    if stats.anchor:
+        anchor_bytes = {"bfloat16": BF16, "float32": FP32, "float8_e4m3fn": 1 + BF16}[anchor.compute_dtype]
+        resident["anchor_weights"] = shape.params * anchor_bytes
+        resident["anchor_master"] = 0 if anchor.master_on_cpu else shape.params * FP32 // dp_shard
+    linear, quadratic = terms.layer_activations(model, layout.tp, attention, fused_swiglu=options.fused_swiglu, cal=cal)
+    in_flight = _in_flight_layers(shape.layers, layout.pp, parallel.virtual_pipeline_model_parallel_size, pp_rank)
+    squares = terms.sequence_terms(tokens, train.max_seq_len)
+    per_layer = linear * tokens + quadratic * squares
+    if train.recompute == "full":
+        unit = train.recompute_num_layers
+        activations = in_flight // unit * BF16 * model.hidden_size * tokens + unit * per_layer
+    elif train.recompute == "selective":
+        activations = in_flight * linear * tokens + (10 * heads * squares if quadratic else 0)  # one layer's scores
+    else:
+        activations = in_flight * per_layer + (4 * heads * squares if quadratic else 0)  # + the softmax's fp32 gradient
+    vocab = shape.vocab_rows if shape.last_stage else 0
+    scratch = FP32 * cal.vocab_chunk * vocab if options.vocab_kernels == "torch" else 0
+    if train.fused_output_loss:
+        update_logits = BF16 * cal.fused_output_chunk * vocab
+    else:
+        update_logits = terms.logits_bytes(tokens, vocab, inplace_backward=config.algorithm.loss.inplace_backward,
+                                           padded_rows=rows)  # fmt: skip
+    h, f = model.hidden_size, model.ffn_hidden_size // layout.tp
+    forward_layer = forward_tokens * (BF16 * (4 * h + 3 * heads * model.kv_channels) + (6 if options.fused_swiglu else 8) * f)
+    if attention == "unfused":
+        forward_layer += 8 * heads * terms.sequence_terms(forward_tokens, train.max_seq_len)
+    forward = {"logits": BF16 * forward_tokens * vocab, "vocab_scratch": scratch, "one_layer": int(forward_layer)}
+    engine = _colocated_engine(config, model, layout, device, cal)
+    phases = {
+        "rollout": {},
+        "weight_sync": {"bucket": int(config.weight_sync.bucket_size_mb * 2**20)},
+        "old_pass": dict(forward),
+        "anchor_pass": dict(forward) if stats.anchor else {},
+        "update": {"activations": int(activations), "logits": update_logits, "vocab_scratch": 2 * scratch,
+                   "weight_gradient": BF16 * shape.largest_weight},  # fmt: skip
+        "optimizer": {"adam_temporaries": shape.params * FP32 // dp_shard},
+        # the save gathers a sharded anchor master whole (EmaAnchor.full_master_state); the rest
+        # goes to the host one tensor at a time (mcore.checkpoint_stream)
+        "checkpoint": {"anchor_master_gathered": shape.params * FP32
+                       if stats.anchor and dp_shard > 1 and not anchor.master_on_cpu else 0},
+    }
+    asleep = {"cuda_context": cal.cuda_context, **engine["asleep"]}
+    device_terms = {phase: dict(asleep) for phase in PHASES}
+    device_terms["rollout"] = {"cuda_context": cal.cuda_context, **engine["awake"]}
+    device_terms["weight_sync"] = {"cuda_context": cal.cuda_context, **engine["weights"]}
+    kind = "training rank" + (f" (pipeline stage {pp_rank} of {layout.pp})" if layout.pp > 1 else "")
+    return RankPlan(kind, resident, phases, device_terms, cal.allocator_slack)
+
+
+def _colocated_engine(config: RunConfig, model, layout, device: int, cal: Calibration) -> dict[str, dict[str, int]]:
+    """The engine's share of a training rank's GPU: asleep, awake, woken weights only."""
+    rollout = config.rollout
+    if layout.engine_ranks:  # disaggregated: the engines have GPUs of their own
+        return {"asleep": {}, "awake": {}, "weights": {}}
+    weights = terms.params_bytes(model, rollout.dtype, rollout.tensor_parallel_size)
+    context = cal.cuda_context if not rollout.in_process else 0
+    if rollout.engine == "hf":
+        tokens = layout.samples_per_replica * (layout.dp // layout.engines) * (rollout.max_model_len or model.max_position_embeddings)
+        kv = terms.kv_cache_bytes_per_token(model, rollout.dtype) * tokens
+        asleep = {} if rollout.sleep_while_training else {"engine_weights": weights}
+        return {"asleep": asleep, "awake": {"engine_weights": weights, "engine_kv_cache": kv},
+                "weights": {"engine_weights": weights}}  # fmt: skip
+    awake = int(rollout.gpu_memory_utilization * device)
+    if not rollout.sleep_while_training:
+        asleep = {"engine_awake": awake, "engine_context": context}
+    else:
+        asleep = {"engine_asleep": cal.engine_asleep}
+    return {"asleep": asleep, "awake": {"engine_awake": awake, "engine_context": context},
+            "weights": {"engine_asleep": cal.engine_asleep, "engine_weights": weights}}  # fmt: skip
+
+
+def _engine_rank(config: RunConfig, device: int, cal: Calibration) -> RankPlan:
+    awake = int(config.rollout.gpu_memory_utilization * device)
+    phases = {"rollout": {}}
+    return RankPlan("engine rank", {}, phases, {"rollout": {"cuda_context": cal.cuda_context, "engine_awake": awake}}, 0.0)
+
+
+def _host(components, ranks_per_node: int) -> dict[str, int]:
+    """Host memory per node of ``ranks_per_node`` GPUs (one rank each)."""
+    from megatron_empg.trainer.machine import bucket_file_bytes
+
+    config, model, layout = components.config, components.model, components.layout
+    per_node = min(ranks_per_node, layout.world_size)
+    engines = max(1, layout.engines * per_node // max(layout.training_ranks, 1)) if not layout.engine_ranks else 0
+    rollout, anchor = config.rollout, config.algorithm.anchor
+    shape = rank_shape(model, config.parallel, 0)
+    dp_shard = layout.dp if config.optimizer.use_distributed_optimizer else 1
+    host = {
+        "shm_buckets": engines * bucket_file_bytes(config, model) if config.weight_sync.transport == "shm_file" else 0,
+        "anchor_master_pinned": per_node * shape.params * FP32 // dp_shard
+        if components.stats.anchor and anchor.master_on_cpu else 0,
+        "engine_weights_offloaded": engines * terms.params_bytes(model, rollout.dtype, rollout.tensor_parallel_size)
+        if rollout.sleep_while_training and rollout.sleep_level == 1 else 0,
+        "checkpoint_staging": per_node * shape.largest_weight * FP32,  # one tensor per rank at a time
+    }  # fmt: skip
+    return host

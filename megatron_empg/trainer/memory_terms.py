@@ -1,0 +1,132 @@
+"""The terms of a rank's GPU memory, each a closed form of the config (``trainer.memory_plan`` adds
+them up per phase). Torch-free: the config module only.
+
+Bytes per token and layer that one transformer layer keeps for its backward (``layer_activations``;
+bf16, h = hidden, q = heads x head_dim and kv = groups x head_dim of this TP rank, f = ffn / TP):
+
+    RMSNorms (input, pre-MLP)   2 x (c_norm h + 4)       (q/k norms: c_norm (q + kv) + 4 (heads + groups))
+    QKV input, fc1 input        2h + 2h
+    RoPE cos, sin (q and k)     8 head_dim
+    attention, sdpa / te        2q (q after RoPE) + 2kv (k after RoPE) + 2(q + 2kv) (the QKV output, kept by v)
+                                + 2q (the output, which is also the projection's input: SDPA's and varlen's
+                                outputs are laid out [s, heads, dim] in memory) + 4 heads (logsumexp)
+    attention, unfused          2q (q) + 4q (k, v expanded to the query heads) + 2q (the projection's input),
+                                and 6 heads x L per token of a sequence of L (fp32 softmax + bf16 copy)
+    SwiGLU                      10f (fc1 output 4f, silu output 2f, the up half + 0.0 2f, fc2 input 2f);
+                                6f fused (fc1 output, fc2 input)
+
+c_norm (``Calibration.norm_bytes_per_element``) is what torch's RMSNorm keeps per element: 8 on the
+CPU (its composite form keeps two float32 copies: measured with ``saved_tensors_hooks``,
+``tests/trainer/test_memory_plan.py``), 6 on CUDA, fitted to the one GPU run of the step (H100,
+torch 2.11, the unfused local spec: 129 KB per token and layer measured, 130.6 KB by this formula).
+The other GPU-only constants are ``Calibration``'s too, each with where it comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_empg.config import ModelConfig, ParallelConfig, RunConfig
+from megatron_empg.mcore.checkpoint_size import DTYPE_BYTES, local_parameters
+
+GIB = 2**30
+MIB = 2**20
+FP32 = 4
+BF16 = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The constants of the plan that only a GPU shows, in one place."""
+
+    norm_bytes_per_element: float = 6.0  # CUDA, fitted to the H100 run (module docstring); CPU: 8, measured
+    # Estimates, not measured yet (the smoke kit's train_step records the allocator's peak, not these):
+    cuda_context: int = 600 * MIB  # the CUDA context, cuBLAS workspaces and NCCL buffers of one process
+    allocator_slack: float = 0.05  # the caching allocator's reserve beyond its peak (expandable segments)
+    engine_asleep: int = 1 * GIB  # a vLLM engine asleep: its CUDA context and graph pool stay
+    fused_output_chunk: int = 1024  # parallel.fused_output.FUSED_CHUNK_SIZE
+    vocab_chunk: int = 256  # core.logprob.DEFAULT_CHUNK_SIZE: the torch vocab path's fp32 scratch rows
+
+
+CUDA = Calibration()
+CPU = dataclasses.replace(CUDA, norm_bytes_per_element=8.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankShape:
+    """What one training rank holds of the model: ``params`` (elements on this TP x PP rank),
+    ``layers`` on its pipeline stage, ``vocab_rows`` (its shard of the padded vocabulary), whether
+    it has the output layer (last stage), and the largest weight it computes a gradient for."""
+
+    params: int
+    layers: int
+    vocab_rows: int
+    last_stage: bool
+    largest_weight: int
+
+
+def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> RankShape:
+    """The ``RankShape`` of TP rank 0 (which also holds the replicated norms) of stage ``pp_rank``.
+    A tied embedding is held twice on a last stage that is not the first (Megatron keeps a copy)."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    tensors = [n for n, _ in local_parameters(model, parallel, 0, pp_rank)]
+    vocab_rows = parallel.padded_vocab_size(model.vocab_size) // tp
+    last = pp_rank == pp - 1
+    if last and model.tie_word_embeddings and pp > 1:
+        tensors.append(vocab_rows * model.hidden_size)
+    return RankShape(params=sum(tensors), layers=model.num_layers // pp, vocab_rows=vocab_rows, last_stage=last,
+                     largest_weight=max(tensors))  # fmt: skip
+
+
+def layer_activations(model: ModelConfig, tp: int, attention: str, *, fused_swiglu: bool,
+                      cal: Calibration = CUDA) -> tuple[float, float]:  # fmt: skip
+    """(bytes per token, bytes per token x sequence length) one layer keeps for backward (module
+    docstring); the second is the unfused attention's scores, 0 for the fused backends."""
+    h, d = model.hidden_size, model.kv_channels
+    heads = model.num_attention_heads // tp
+    groups = max(1, model.num_query_groups // tp)
+    q, kv, f = heads * d, groups * d, model.ffn_hidden_size // tp
+    norm = cal.norm_bytes_per_element
+    linear = 2 * (norm * h + 4) + BF16 * h + BF16 * h + 8 * d
+    if model.qk_layernorm:
+        linear += norm * (q + kv) + 4 * (heads + groups)
+    if attention == "unfused":
+        linear += BF16 * (q + 2 * q + q)
+        quadratic = 6 * heads
+    else:
+        linear += BF16 * (q + kv + (q + 2 * kv) + q) + FP32 * heads
+        quadratic = 0
+    linear += (6 if fused_swiglu else 10) * f
+    return linear, quadratic
+
+
+def sequence_terms(tokens: int, max_seq_len: int) -> int:
+    """Sum of L^2 over the sequences of a row of ``tokens`` at worst: as many ``max_seq_len``
+    sequences as fit, then one of the rest."""
+    full, rest = divmod(tokens, max_seq_len)
+    return full * max_seq_len**2 + rest**2
+
+
+def logits_bytes(tokens: int, vocab_rows: int, *, inplace_backward: bool, padded_rows: int) -> int:
+    """The update pass's logits [tokens, V_local] bf16 on the last stage, with their gradient (in
+    place by default) and, for padded micro-batches of several rows, GPTModel's transposed copy."""
+    copies = 1 + (0 if inplace_backward else 1) + (1 if padded_rows > 1 else 0)
+    return copies * tokens * vocab_rows * BF16
+
+
+def params_bytes(model: ModelConfig, dtype: str, tp: int = 1) -> int:
+    """The whole model's weights in ``dtype``, split over ``tp`` (an engine's copy)."""
+    return model.num_parameters() * DTYPE_BYTES[dtype] // tp
+
+
+def kv_cache_bytes_per_token(model: ModelConfig, dtype: str, tp: int = 1) -> int:
+    """K and V of one token over every layer, as an engine caches them."""
+    groups = max(1, model.num_query_groups // tp)
+    return 2 * model.num_layers * groups * model.kv_channels * DTYPE_BYTES[dtype]
+
+
+def microbatch_tensor_bytes(config: RunConfig, tokens: int, k: int) -> int:
+    """The per-token tensors of a step's micro-batches (ids, targets, mask, advantages, sampler and
+    old / anchor log-probs, positions, the Top-k ids and log-probs) over ``tokens``."""
+    per_token = 8 + 8 + 1 + 4 + 4 + 8 + 8 + 4 + 4 + 4 + k * (8 + 4)
+    return per_token * tokens
