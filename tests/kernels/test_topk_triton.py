@@ -16,13 +16,12 @@ real columns than k, padding only; two shards reduced as a TP = 2 all-gather wou
 ``core.logprob.topk_logprobs`` on the whole vocabulary; the fallback above ``MAX_K``; and a compile
 for an H100, which the interpreter skips.
 
-Without CUDA the kernel runs under Triton's interpreter, set as in ``test_vocab_logprob_triton``
-(which see) when this module imports triton and the kernel modules, and around each test.
+Without CUDA the kernel runs under Triton's interpreter (``tests.kernels.interpreter``), set when
+this module imports triton and the kernel modules, and around each test.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -33,40 +32,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.kernels.interpreter import DEVICE, import_kernels, marks  # noqa: E402
+from tests.kernels.interpreter import env as _env  # noqa: E402
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-with _env("TRITON_INTERPRET", "1") if DEVICE == "cpu" else contextlib.nullcontext():
-    triton = pytest.importorskip("triton")
-    from megatron_empg.kernels import topk_triton, vocab_logprob_triton  # noqa: E402
-
-
-def _interpreted(fn) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(fn, InterpretedFunction)
-
-
-pytestmark = [
-    pytest.mark.skipif(
-        DEVICE == "cpu"
-        and not (_interpreted(triton.language.standard.max) and _interpreted(topk_triton._topk_kernel)),
-        reason="no CUDA, and triton was imported before TRITON_INTERPRET=1 was set: run pytest tests/kernels alone",
-    ),
-    pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"),
-]
+triton, topk_triton, vocab_logprob_triton = import_kernels()
+pytestmark = marks(triton, topk_triton._topk_kernel)
 
 from megatron_empg.core.logprob import topk_logprobs, topk_value_then_id  # noqa: E402
 from megatron_empg.kernels import KERNEL_ENV, vocab_topk_kernel  # noqa: E402

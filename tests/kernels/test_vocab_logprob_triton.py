@@ -4,11 +4,8 @@ Every check runs the same call twice, with ``EMPG_VOCAB_KERNEL=torch`` and ``=tr
 the two: ``_local_pass``'s packed statistics, ``vocab_parallel_logprobs`` values and gradients (in
 place and not, through the log-probs, the entropy or both), ``rl_loss`` for every kind of term it
 has, and the same at TP = 2 on gloo ranks. Without CUDA the kernels run under Triton's interpreter
-on CPU tensors, so that plain ``pytest`` (``make test``, CI) runs them: triton reads
-TRITON_INTERPRET=1 when a function is decorated (its own ``tl.max`` etc. when triton is imported,
-ours when the kernel module is) and at each launch, so this module imports both with it set (and
-puts the environment back), and an autouse fixture sets it around each test. Where triton was
-imported before without it, the tests skip (run ``pytest tests/kernels`` alone). With CUDA they run
+on CPU tensors (``tests.kernels.interpreter``: imported with TRITON_INTERPRET=1, and an autouse
+fixture sets it around each test; where triton was imported before without it, the tests skip). With CUDA they run
 compiled, on the GPU, but for the TP = 2 test (CPU ranks on gloo: without CUDA only). Without a GPU,
 one test also compiles the kernels for an H100 (``test_kernels_compile_for_sm90_with_vector_loads``),
 which the interpreter does not.
@@ -26,7 +23,6 @@ copied, so equal exactly. ``rl_loss`` sums and metrics (up to ~5): 1e-5 relative
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -38,42 +34,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.kernels.interpreter import DEVICE, import_kernels, marks  # noqa: E402
+from tests.kernels.interpreter import env as _env  # noqa: E402
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    """os.environ[name] = value inside the block (also in spawned ranks, which have no monkeypatch)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-with _env("TRITON_INTERPRET", "1") if DEVICE == "cpu" else contextlib.nullcontext():
-    triton = pytest.importorskip("triton")
-    from megatron_empg.kernels import vocab_logprob_triton  # noqa: E402
-
-
-def _interpreted(fn) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(fn, InterpretedFunction)
-
-
-pytestmark = [
-    pytest.mark.skipif(
-        DEVICE == "cpu"
-        and not (_interpreted(triton.language.standard.max) and _interpreted(vocab_logprob_triton._local_stats_kernel)),
-        reason="no CUDA, and triton was imported before TRITON_INTERPRET=1 was set: run pytest tests/kernels alone",
-    ),
-    # the interpreter computes with numpy: log(0) = -inf is the lse of a shard of padding only
-    pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"),
-]
+triton, topk_triton, vocab_logprob_triton = import_kernels()
+pytestmark = marks(triton, vocab_logprob_triton._local_stats_kernel)
 
 from megatron_empg.core.microbatch import MicroBatch  # noqa: E402
 from megatron_empg.kernels import KERNEL_ENV, vocab_logprob_kernels  # noqa: E402
