@@ -15,6 +15,14 @@ Two layouts of [b, s] rows:
 
 Every per-token tensor follows the layout, so a loss that sums over a sequence reads ``seq_ids``
 (``core.aggregation.aggregate``), never the row.
+
+Context parallelism (``parallel.context_parallel.split_microbatch``): a packed row split over
+``cp_size`` ranks. Every ``cu_seqlens`` segment (length a multiple of 2 * cp_size) is cut into
+2 * cp_size equal chunks, and rank r keeps chunks r and 2 * cp_size - 1 - r of each, segment after
+segment (the load-balanced causal split of Megatron / Transformer Engine). Its per-token tensors
+are then [1, S / cp_size]: ``position_ids`` stay each token's position within its sequence and
+``seq_ids`` its sequence, while ``cu_seqlens`` and ``max_seqlen`` still describe the FULL row
+(every rank knows the whole layout; attention gathers the other ranks' keys).
 """
 
 from __future__ import annotations
@@ -47,6 +55,10 @@ class MicroBatch:
         anchor_logprobs: [B, S] float32 log pi_ref(target), from the anchor pass (a KL only).
         topk_ids: [B, S, K] int64 Top-k index set (a Top-k KL only).
         topk_anchor_logprobs: [B, S, K] float32 log pi_ref at ``topk_ids`` (a Top-k KL only).
+        cp_size: context-parallel ranks the packed row is split over (1: the whole row is here).
+        cp_rank: which of them holds this share. With ``cp_size`` > 1 every per-token tensor is
+            this rank's [1, S_full / cp_size] (module docstring) and ``cu_seqlens`` / ``max_seqlen``
+            are the full row's; ``shape`` is the local (1, S_full / cp_size).
     """
 
     input_ids: Tensor
@@ -63,6 +75,8 @@ class MicroBatch:
     anchor_logprobs: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_anchor_logprobs: Tensor | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
 
     @property
     def packed(self) -> bool:
@@ -70,7 +84,7 @@ class MicroBatch:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(B, S)."""
+        """(B, S): the local shape (under context parallelism, this rank's share of the row)."""
         return tuple(self.input_ids.shape)
 
     def to(self, device: torch.device) -> MicroBatch:

@@ -157,6 +157,10 @@ def _merge_rows(rows: Sequence[MicroBatch], width: int) -> MicroBatch:
     for field in dataclasses.fields(MicroBatch):
         name = field.name
         parts = [getattr(mb, name) for mb in rows]
+        if name in ("cp_size", "cp_rank"):  # whole rows are merged; a context-parallel split comes after
+            if any(part != field.default for part in parts):
+                raise ValueError(f"rows split over context-parallel ranks ({name}={parts}) cannot be merged")
+            continue
         if name == "max_seqlen":
             values[name] = max(*parts, pad)
         elif name == "cu_seqlens":
