@@ -13,7 +13,9 @@ sequence's real tokens, so the causal mask alone keeps real queries off it.
 ``SdpaAttention``   ``scaled_dot_product_attention`` on padded rows; on packed rows
                     ``varlen_attn`` on CUDA where this torch has it, else SDPA per length bucket of
                     the row (``mcore.thd``). Keeps q, k, v, the output and its logsumexp for
-                    backward, never the [heads, s, s] scores.
+                    backward, never the [heads, s, s] scores. Under context parallelism
+                    (``context_parallel_size`` > 1) packed rows only, split over the CP group:
+                    ``mcore.cp_attention``.
 ``UnfusedAttention`` Megatron's ``DotProductAttention`` (the [b * heads, s, s] scores, an fp32 softmax
                     and a copy), which also takes packed rows, per length bucket: the reference.
 """
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore.cp_attention import context_parallel_attention
 from megatron_empg.mcore.thd import ThdLayout
 
 cpu_shims.install_pre_import()
@@ -86,8 +89,6 @@ class SdpaAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None):  # fmt: skip
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SdpaAttention: context parallelism is not supported")
         unsupported = {
             "attention_dropout": (config.attention_dropout if attention_dropout is None else attention_dropout) != 0,
             "softmax_type": config.softmax_type != "vanilla",
@@ -97,10 +98,16 @@ class SdpaAttention(MegatronModule):
             raise ValueError(f"SdpaAttention does not support {[k for k, v in unsupported.items() if v]}")
         _check_causal(attn_mask_type, None)
         self.attn_mask_type = attn_mask_type
+        cp = config.context_parallel_size
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            required = ["tp", "cp"] if cp > 1 else ["tp"]
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=required)
+        # Megatron's cp_comm_type (p2p, a2a, ...) names TE's schemes; this attention all-gathers K / V.
+        self.cp_group = pg_collection.cp if cp > 1 else None
+        if self.cp_group is not None and self.cp_group.size() != cp:
+            raise ValueError(f"context_parallel_size={cp} but the CP process group has {self.cp_group.size()} ranks")
         tp = pg_collection.tp.size()
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
@@ -111,9 +118,16 @@ class SdpaAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):  # fmt: skip
         _check_causal(attn_mask_type or self.attn_mask_type, attention_bias)
+        varlen = varlen_attention() if query.is_cuda else None
+        if self.cp_group is not None:
+            if packed_seq_params is None:
+                raise ValueError(f"SdpaAttention under context parallelism (context_parallel_size="
+                                 f"{self.cp_group.size()}) takes packed THD rows split over the CP ranks "
+                                 "(parallel.context_parallel.split_microbatch); got padded rows")  # fmt: skip
+            return context_parallel_attention(query, key, value, _thd_layout(packed_seq_params), self.cp_group,
+                                              self.softmax_scale, varlen)  # fmt: skip
         if packed_seq_params is not None:
             layout = _thd_layout(packed_seq_params)
-            varlen = varlen_attention() if query.is_cuda else None
             if varlen is not None:
                 return varlen(query, key, value, layout, self.softmax_scale)
             return self._buckets(query, key, value, layout)
@@ -168,6 +182,14 @@ class _Varlen:
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, layout: ThdLayout, scale: float) -> Tensor:
         """[t, heads, dim], [t, groups, dim] x 2 -> [t, heads * dim]."""
+        cu, longest = layout.cu_seqlens_q, layout.max_seqlen_q
+        return self.segments(query, key, value, cu, cu, longest, longest, scale)
+
+    def segments(self, query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                 max_seqlen_q: int, max_seqlen_k: int, scale: float) -> Tensor:  # fmt: skip
+        """Query segment i ([t_q, heads, dim] at ``cu_seqlens_q``) attends causally to key / value
+        segment i ([t_k, groups, dim] at ``cu_seqlens_k``, int32) -> [t_q, heads * dim]. Where a
+        key segment is longer, the causal mask is the kernel's (flash: aligned to the bottom right)."""
         kwargs = dict(self.causal)
         if self.takes_scale:
             kwargs["scale"] = scale
@@ -178,8 +200,7 @@ class _Varlen:
                 kwargs["enable_gqa"] = True
             elif not _varlen_native_gqa():
                 key, value = (x.repeat_interleave(query.size(1) // x.size(1), dim=1) for x in (key, value))
-        cu = layout.cu_seqlens_q
-        out = self.fn(query, key, value, cu, cu, layout.max_seqlen_q, layout.max_seqlen_q, **kwargs)
+        out = self.fn(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
         return out.reshape(out.size(0), -1)
 
 

@@ -8,8 +8,9 @@ module import, so the bind step resolves the setting in milliseconds.
              ``torch.nn.functional.scaled_dot_product_attention`` on padded rows (flash / cuDNN /
              memory-efficient kernels on CUDA, the CPU flash kernel on CPU) and, on packed rows,
              ``torch.nn.attention.varlen.varlen_attn`` on CUDA where this torch has it, else SDPA
-             per length bucket. No [b, heads, s, s] scores are kept. Needs torch >= 2.5 (SDPA's
-             ``enable_gqa``).
+             per length bucket. No [b, heads, s, s] scores are kept. Context parallelism: packed
+             rows split over the CP group, K / V all-gathered (``mcore.cp_attention``). Needs
+             torch >= 2.5 (SDPA's ``enable_gqa``).
     unfused  Megatron's local spec with its ``DotProductAttention`` (packed rows per length
              bucket): the [b, heads, s, s] scores, an fp32 softmax and a bf16 copy of it are
              written and kept for backward. The reference the others are tested against.

@@ -14,6 +14,9 @@ that object with what the layers need besides the boundaries, built once per mic
                unpack a bucket into a right-padded batch and pack it back; built on first use
                (one host read of ``cu_seqlens`` per micro-batch), only by the attentions that need
                them (the unfused one, and SDPA where ``varlen_attn`` is not available)
+    cp_chunks  under context parallelism (a micro-batch split by ``parallel.context_parallel.
+               split_microbatch``: local rows, the full row's ``cu_seqlens``), this rank's
+               ``CpChunks``: what the CP attention (``mcore.cp_attention``) needs, for every layer
 
 Sequences go into a bucket with others within ``BUCKET_RATIO`` of its longest, so a row costs a
 few batched calls (one per bucket) and at most ``BUCKET_RATIO``^2 x sum L^2 scores.
@@ -21,7 +24,9 @@ few batched calls (one per bucket) and at most ``BUCKET_RATIO``^2 x sum L^2 scor
 Importing this module also replaces megatron-core 0.19's THD RoPE (``rope_utils.
 _apply_rotary_pos_emb_thd``, used unless ``apply_rope_fusion``), which rotates one sequence at a
 time in a Python loop with host syncs, by ``vectorized_thd_rope``: the same rotation at every
-token's own position in one call; context parallelism keeps the original.
+token's own position in one call. Under context parallelism the decoder's pre-hook has already
+gathered the table at the local tokens' global positions, so the rotation is the same; a table
+given as is under CP goes to megatron-core's function (which slices it per CP rank).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch import Tensor
 
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.mcore import cpu_shims
+from megatron_empg.parallel.context_parallel import CpChunks
 
 cpu_shims.install_pre_import()
 
@@ -97,11 +103,12 @@ def length_buckets(lengths: list[int], device: torch.device | None = None) -> li
 
 @dataclasses.dataclass
 class ThdLayout(PackedSeqParams):
-    """Megatron's THD ``PackedSeqParams`` of one packed row, with its ``positions`` ([t] int64)
-    and, on first use, its length buckets (module docstring). Megatron reads only the base
-    class's fields."""
+    """Megatron's THD ``PackedSeqParams`` of one packed row, with its ``positions`` ([t] int64),
+    under context parallelism this rank's ``cp_chunks`` and, on first use, its length buckets
+    (module docstring). Megatron reads only the base class's fields."""
 
     positions: Tensor | None = None
+    cp_chunks: CpChunks | None = None
     _buckets: list[LengthBucket] | None = dataclasses.field(default=None, repr=False)
 
     def buckets(self) -> list[LengthBucket]:
@@ -114,10 +121,17 @@ class ThdLayout(PackedSeqParams):
 
 
 def thd_layout(batch: MicroBatch) -> ThdLayout:
-    """The ``ThdLayout`` of a packed micro-batch (``batch.packed``); no host sync."""
+    """The ``ThdLayout`` of a packed micro-batch (``batch.packed``); no host sync, except one read
+    of ``cu_seqlens`` for a CP rank's share (``batch.cp_size`` > 1), whose ``CpChunks`` it builds.
+    ``cu_seqlens`` / ``max_seqlen`` are the full row's either way: GPTModel sizes the RoPE table by
+    ``max_seqlen_q``, the longest full segment, and does not slice it per CP rank for THD rows."""
+    cp_chunks = None
+    if batch.cp_size > 1:
+        cp_chunks = CpChunks.from_cu_seqlens(batch.cu_seqlens, batch.cp_size, batch.cp_rank)
     return ThdLayout(
         qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
         max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen, positions=batch.position_ids.reshape(-1),
+        cp_chunks=cp_chunks,
     )  # fmt: skip
 
 
@@ -128,10 +142,12 @@ def thd_layout(batch: MicroBatch) -> ThdLayout:
 def _per_token_rope(module, args, kwargs):
     """The decoder's forward pre-hook: for a ``ThdLayout`` row, RoPE table rows [max_s, 1, 1, d]
     -> one row per token [t, 1, 1, d] (the table at ``positions``), which ``vectorized_thd_rope``
-    applies as is in every layer."""
+    applies as is in every layer. Without CP a table already of t rows is the row's own (one
+    sequence filling it: positions 0 .. t-1); a CP rank's t local tokens can equal the longest
+    full segment in number while their positions are not 0 .. t-1, so under CP it always gathers."""
     layout, table = kwargs.get("packed_seq_params"), kwargs.get("rotary_pos_emb")
     if isinstance(layout, ThdLayout) and layout.positions is not None and isinstance(table, Tensor):
-        if table.size(0) != layout.positions.numel():
+        if layout.cp_chunks is not None or table.size(0) != layout.positions.numel():
             kwargs["rotary_pos_emb"] = table[layout.positions]
     return args, kwargs
 
@@ -153,12 +169,14 @@ def vectorized_thd_rope(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotary_int
     """RoPE of a packed row ``t`` [t, heads, dim]: token i rotated by ``freqs`` at its position in
     its ``cu_seqlens`` sequence, as megatron-core's loop does, in one call and without a host sync.
     ``freqs`` with one row per token ([t, 1, 1, d]: ``_per_token_rope``'s, or a row of one
-    sequence) is applied as it is; a table [max_s, 1, 1, d] is indexed per token first. Context
-    parallelism (and the deprecated argument) go to megatron-core's own function."""
-    if cp_group is None or cp_group.size() != 1 or multi_latent_attention is not None:
+    sequence) is applied as it is, whatever the CP group (under CP ``_per_token_rope`` gathers
+    the table at the local tokens' global positions); a table [max_s, 1, 1, d] is indexed per
+    token first. A table under CP (and the deprecated argument) go to megatron-core's function."""
+    per_token = freqs.size(0) == t.size(0)
+    if cp_group is None or (cp_group.size() != 1 and not per_token) or multi_latent_attention is not None:
         return _LOOPED_THD_ROPE(t, cu_seqlens, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, cp_group,
                                 multi_latent_attention)  # fmt: skip
-    if freqs.size(0) != t.size(0):  # a table: per-sequence positions from the boundaries
+    if not per_token:  # a table: per-sequence positions from the boundaries
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=t.size(0))
         freqs = freqs[torch.arange(t.size(0), device=t.device) - starts]
