@@ -211,8 +211,9 @@ class CpChunks:
         cu_q = torch.tensor([0, *(q.length for q in chunks)]).cumsum(0).to(torch.int32)
         cu_k = torch.tensor([0, *(q.key_length for q in chunks)]).cumsum(0).to(torch.int32)
         index = _ranges([(q.segment_start, q.key_end) for q in chunks], int(cu_k[-1]))
-        return KeyRanges(index.to(device), cu_q.to(device), cu_k.to(device),
-                         max((q.length for q in chunks), default=0), max((q.key_length for q in chunks), default=0))  # fmt: skip
+        longest_q = max((q.length for q in chunks), default=0)
+        longest_k = max((q.key_length for q in chunks), default=0)
+        return KeyRanges(index.to(device), cu_q.to(device), cu_k.to(device), longest_q, longest_k)
 
     def chunk_buckets(self, device=None) -> tuple[ChunkBucket, ...]:
         """The local chunks grouped by key-range length, longest first, each within

@@ -106,7 +106,8 @@ def _check_buckets(chunks: CpChunks, local: list[int], segment: list[tuple[int, 
 
 
 def test_cp_chunks_reject_a_segment_that_does_not_split():
-    with pytest.raises(ValueError, match=r"segment 2 of the packed row has 6 tokens, not a multiple of 2 \* cp_size = 4"):
+    message = r"segment 2 of the packed row has 6 tokens, not a multiple of 2 \* cp_size = 4"
+    with pytest.raises(ValueError, match=message):
         CpChunks((8, 4, 6, 4), 2, 0)
     with pytest.raises(ValueError, match="CP rank 2 of 2"):
         CpChunks((8,), 2, 2)
