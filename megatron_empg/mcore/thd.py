@@ -114,6 +114,8 @@ class ThdLayout(PackedSeqParams):
     def buckets(self) -> list[LengthBucket]:
         """The row's length buckets: built on the first call (one read of ``cu_seqlens_q`` to the
         host), the same objects for every later layer and for recompute."""
+        if self.cp_chunks is not None:  # cu_seqlens are the full row's, the rows a CP rank's share
+            raise ValueError("length buckets of a CP rank's share of a row: its attention reads cp_chunks")
         if self._buckets is None:
             cu = self.cu_seqlens_q.tolist()
             self._buckets = length_buckets([b - a for a, b in zip(cu[:-1], cu[1:])], self.cu_seqlens_q.device)

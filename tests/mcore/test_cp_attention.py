@@ -193,3 +193,13 @@ def test_varlen_path_after_the_gather(cp, bottom_right):
         # bottom right: one varlen call over the rank's 2 chunks per segment; top left: masked SDPA
         assert calls == ([2 * len(lengths)] if bottom_right else [])
         torch.testing.assert_close(out, expected[chunks.local_index()], **TOL)
+
+
+def test_a_cp_share_has_no_whole_row_length_buckets():
+    from megatron_empg.mcore.thd import thd_layout
+    from megatron_empg.parallel.context_parallel import split_microbatch
+
+    layout = thd_layout(split_microbatch(_batch([8, 4], 100, seed=0), 2, 1))
+    assert (layout.cp_chunks.cp_size, layout.cp_chunks.cp_rank, layout.max_seqlen_q) == (2, 1, 8)
+    with pytest.raises(ValueError, match="CP rank's share"):
+        layout.buckets()
