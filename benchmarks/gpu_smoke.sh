@@ -5,7 +5,8 @@
 #   0. installs the carried wheels (.whl/*.whl: megatron-core) into /tmp/site, prints the device
 #   a. python3 -m pytest -q -m gpu tests/gpu tests/weight_sync/test_cuda_ipc.py  (EMPG_GPU_RESULTS_DIR = the output folder):
 #      two RL steps through empg train; the sdpa backend's CUDA paths and the fusions
-#      without TE against fp32 references (attention_gpu.json)
+#      without TE against fp32 references (attention_gpu.json); the context-parallel attention's
+#      varlen path for simulated CP ranks against sdpa on the full row (cp_attention_gpu.json)
 #   a2. benchmarks/topk_kernel.py --device cuda: the old pass's stats call at k = 32 with the torch
 #      top-k, the Triton top-k, and at k = 0, 16,384 tokens x 151,936 bf16 (check, ratio, kernel
 #      sweep)                                                          -> topk_kernel_gpu.json
@@ -16,12 +17,12 @@
 #      and 24k with full recompute; one checkpoint save against a plain write of the same bytes
 #   b2. benchmarks/plan_vs_gpu.py on those results: the memory plan (empg plan) against each
 #      configuration's measured peaks, printed (within 10 % is the goal)
-#   c. (SMOKE_KERNELS=1) the vocab kernels (vocab_kernel_gpu.json) and topk_kl (topk_kl_gpu.json),
-#      measured in an earlier run and not repeated by default
+#   c. (SMOKE_KERNELS=1) the vocab kernels (vocab_kernel_gpu.json), measured in an earlier run and
+#      not repeated by default
 #   then a summary table (last in the output).
 #
 # Everything the steps print goes to smoke.log too; results land in ${OUT:-benchmarks/results}
-# (3 files from this script, 5 with SMOKE_KERNELS=1, and the GPU tests' 3; the device tool returns
+# (3 files from this script, 4 with SMOKE_KERNELS=1, and the GPU tests' 4; the device tool returns
 # at most 8). Each step has a time cap and the whole run a budget (SMOKE_BUDGET_S, default 540 s) so that it ends inside the device tool's 10
 # minutes; a step that fails or runs out of time is recorded and the next one still runs. Exit
 # status: 0 when every step passed, 1 otherwise. SMOKE_CPU_DRY_RUN=1 runs the same flow on a CPU at
@@ -159,11 +160,9 @@ step "train_step: unfused vs sdpa 2k; sdpa 8k (k3, topk, forward 16k); 16k, 24k 
 # the memory plan against the peaks just measured (configurations it has not seen): printed only
 step "plan_vs_gpu (the memory plan against this run's peaks)" 40 \
     "$PY" benchmarks/plan_vs_gpu.py --results "$OUT_DIR" --out ""
-if [[ "${SMOKE_KERNELS:-0}" == 1 ]]; then
+if [[ "${SMOKE_KERNELS:-0}" == 1 ]]; then  # (topk_kl.py by hand: the kit's files would pass the tool's 8)
     step "vocab_kernel ${VK_ARGS[*]:0:2}" 90 \
         env "${VK_ENV[@]}" "$PY" benchmarks/vocab_kernel.py "${VK_ARGS[@]}" --out "$OUT_DIR/vocab_kernel_gpu.json"
-    step "topk_kl --device cuda" 150 \
-        "$PY" benchmarks/topk_kl.py "${TOPK_ARGS[@]}" --out "$OUT_DIR/topk_kl_gpu.json"
 fi
 
 # ---------------------------------------------------------------- summary (last in the output)

@@ -1,4 +1,5 @@
-"""Every shipped GPU recipe's memory plan at its world size (8 ranks, one H100 80GB each): the
+"""Every shipped GPU recipe's memory plan at its world size (8 ranks, 16 for the 32k Qwen3-8B one;
+one H100 80GB each): the
 planned peak per rank and its phase, the terms behind it, and, where it does not fit, the changes
 that would. Writes ``benchmarks/results/plan_recipes.json`` and prints the README's table.
 
@@ -16,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CPU_RECIPES = ("demo_cpu.yaml", "demo_cpu_grpo.yaml")
-WORLD_SIZE = 8
+WORLD_SIZES = {"qwen3_8b_dapo_math_rpg_urkl_32k_cp4.yaml": 16}  # the rest: one node of 8 (their comments)
 
 
 def main(argv=None) -> int:
@@ -36,17 +37,18 @@ def main(argv=None) -> int:
     for path in sorted((REPO / "recipes").glob("*.yaml")):
         if path.name in CPU_RECIPES:
             continue
-        components = bind(load_config(RunConfig, path), WORLD_SIZE, check_paths=False)
+        world = WORLD_SIZES.get(path.name, 8)
+        components = bind(load_config(RunConfig, path), world, check_paths=False)
         plan = plan_memory(components, device_bytes=device)
-        fixes = [] if plan.fits else cheapest_fixes(components, WORLD_SIZE, plan.device_bytes, bind=bind)
-        record = {**plan.to_json()["ranks"][0], "recipe": path.name, "world_size": WORLD_SIZE,
+        fixes = [] if plan.fits else cheapest_fixes(components, world, plan.device_bytes, bind=bind)
+        record = {**plan.to_json()["ranks"][0], "recipe": path.name, "world_size": world,
                   "device_bytes": plan.device_bytes, "fits": plan.fits,
                   "fixes": [{"label": f.label, "overrides": list(f.overrides), "peak_bytes": f.peak_bytes} for f in fixes]}  # fmt: skip
         rows.append(record)
         gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
         rank = plan.ranks[0]
         fits = "yes" if plan.fits else "no: " + "; ".join(" ".join(f["overrides"]) for f in record["fixes"])
-        print(f"| `{path.stem}` | {WORLD_SIZE} | {gib(rank.peak_bytes)} GiB ({rank.peak_phase}) | "
+        print(f"| `{path.stem}` | {world} | {gib(rank.peak_bytes)} GiB ({rank.peak_phase}) | "
               f"{gib(rank.total('update'))} GiB | {gib(record['weights_and_optimizer_bytes'])} GiB | "
               f"{gib(record['anchor_bytes'])} GiB | {gib(record['activation_bytes'])} GiB | {fits} |")
     Path(args.out).write_text(json.dumps({"device_bytes": plan.device_bytes, "recipes": rows}, indent=1) + "\n")

@@ -15,8 +15,9 @@ from megatron_empg.config import RunConfig, load_config, read_yaml
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 R1 = "r1_distill_qwen_1.5b_math_ema_pg"
 # The world each recipe is written for: the CPU demos run in one process, the GPU recipes on one
-# node of 8 GPUs (their comments; the reference runs' layout).
-WORLD_SIZES = {"demo_cpu.yaml": 1, "demo_cpu_grpo.yaml": 1}
+# node of 8 GPUs (their comments; the reference runs' layout), the 32k Qwen3-8B one on two.
+WORLD_SIZES = {"demo_cpu.yaml": 1, "demo_cpu_grpo.yaml": 1, "qwen3_8b_dapo_math_rpg_urkl_32k_cp4.yaml": 16}
+CPU_RECIPES = ("demo_cpu.yaml", "demo_cpu_grpo.yaml")
 
 
 def _record(config: RunConfig) -> dict:
@@ -63,7 +64,7 @@ def test_every_recipe_binds_at_its_world_size(path, tmp_path):
     assert components.layout.world_size == WORLD_SIZES.get(path.name, 8)
 
 
-@pytest.mark.parametrize("path", [p for p in sorted(RECIPES.glob("*.yaml")) if p.name not in WORLD_SIZES],
+@pytest.mark.parametrize("path", [p for p in sorted(RECIPES.glob("*.yaml")) if p.name not in CPU_RECIPES],
                          ids=lambda p: p.name)  # fmt: skip
 def test_every_gpu_recipe_plans_within_an_h100_at_its_world_size(path, tmp_path):
     """``empg plan``'s numbers (``trainer.memory_plan``) for one 80 GB H100 per rank; the recipes'
@@ -71,7 +72,7 @@ def test_every_gpu_recipe_plans_within_an_h100_at_its_world_size(path, tmp_path)
     from megatron_empg.trainer.build import bind
     from megatron_empg.trainer.memory_plan import DEFAULT_DEVICE_BYTES, plan_memory
 
-    plan = plan_memory(bind(_with_local_paths(path, tmp_path), 8, check_paths=False))
+    plan = plan_memory(bind(_with_local_paths(path, tmp_path), WORLD_SIZES.get(path.name, 8), check_paths=False))
     assert plan.device_bytes == DEFAULT_DEVICE_BYTES and plan.fits, plan.describe()
     assert {"rollout", "update", "old_pass"} <= set(plan.ranks[0].phases)
 

@@ -202,20 +202,33 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Model parallelism; the data-parallel size is what the world size leaves over."""
+    """Model parallelism; the data-parallel size is what the world size leaves over.
+
+    ``context_parallel_size`` (CP): every packed row is split over CP ranks (each sequence padded to
+    a multiple of 2 x CP and cut into 2 x CP chunks, rank r holding chunks r and 2 CP - 1 - r:
+    ``parallel.context_parallel``); the CP ranks of a replica hold the same weights and train on the
+    same samples, their gradients summed with the data-parallel ones. World = TP x PP x CP x DP.
+    """
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None  # model chunks per pipeline rank
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
+    context_parallel_size: int = 1
 
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
 
+    @property
+    def replica_size(self) -> int:
+        """Ranks per data-parallel replica: TP x PP x CP."""
+        return self.model_parallel_size * self.context_parallel_size
+
     def validate(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by",
+                     "context_parallel_size"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         vpp = self.virtual_pipeline_model_parallel_size
@@ -234,12 +247,13 @@ class ParallelConfig:
         return padded_vocab_size(vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
 
     def validate_world_size(self, world_size: int) -> None:
-        if world_size < 1 or world_size % self.model_parallel_size:
+        if world_size < 1 or world_size % self.replica_size:
+            cp = " x context_parallel_size" if self.context_parallel_size > 1 else ""
             raise ConfigError(
                 "tensor_model_parallel_size",
                 f"world size {world_size} is not divisible by tensor_model_parallel_size x "
-                f"pipeline_model_parallel_size = {self.tensor_model_parallel_size} x "
-                f"{self.pipeline_model_parallel_size}",
+                f"pipeline_model_parallel_size{cp} = {self.tensor_model_parallel_size} x "
+                f"{self.pipeline_model_parallel_size}{f' x {self.context_parallel_size}' if cp else ''}",
             )
 
     def validate_for(self, model: ModelConfig, world_size: int | None = None) -> None:

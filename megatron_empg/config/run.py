@@ -180,14 +180,10 @@ class TrainConfig:
         if self.max_seq_len < 2:
             raise ConfigError("max_seq_len", f"must be >= 2, got {self.max_seq_len!r}")
         budget = self.max_tokens_per_microbatch
-        if budget is not None:
-            if not self.packing:
-                raise ConfigError("max_tokens_per_microbatch", "needs packing: true (a token budget fills packed rows)")
-            if budget < self.max_seq_len:
-                raise ConfigError(
-                    "max_tokens_per_microbatch",
-                    f"{budget} cannot hold a sequence of max_seq_len={self.max_seq_len} tokens; set it to at least that",
-                )
+        if budget is not None and not self.packing:
+            raise ConfigError("max_tokens_per_microbatch", "needs packing: true (a token budget fills packed rows)")
+        # that it holds a sequence of max_seq_len is checked with the layout (a budget is per
+        # context-parallel rank: trainer.layout)
         if self.max_tokens_per_forward_microbatch is not None and not self.packing:
             raise ConfigError(
                 "max_tokens_per_forward_microbatch", "needs packing: true (forward rows are packed rows back to back)"

@@ -14,6 +14,11 @@ Modes (verl's ``agg_loss`` names; values ``l[b, s]``, mask ``m[b, s]``, ``n_b = 
 
 Here b is a row, unless ``seq_ids`` says which sequence each position belongs to (packed rows of
 several sequences, ``core.microbatch``): then b runs over the sequences.
+
+Context parallelism splits every sequence of a packed row over the CP ranks: each rank sums its
+tokens of sequence b, divided by the sequence's token count over all of them (``sequence_tokens``,
+all-reduced by the caller: a division by a constant is linear, so the ranks' parts add up to the
+sequence's mean), and one rank counts the sequences (``counts_sequences``).
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ def masked_values(values: Tensor, loss_mask: Tensor) -> Tensor:
     return torch.where(loss_mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean", seq_ids: Tensor | None = None) -> LossSum:
+def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean", seq_ids: Tensor | None = None, *,
+              sequence_tokens: Tensor | None = None, counts_sequences: bool = True) -> LossSum:  # fmt: skip
     """Reduce per-token values to a ``LossSum`` under one of ``AGG_MODES``.
 
     Args:
@@ -49,6 +55,11 @@ def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean", seq_i
         mode: one of ``AGG_MODES``.
         seq_ids: [B, S] int64 >= 0, the sequence of each position (packed rows), or None (each
             row is one sequence). Only the seq-mean modes read it.
+        sequence_tokens: [N] int64, each sequence's loss tokens over every context-parallel rank
+            (``sequence_token_counts`` summed over the CP group), or None (the rows hold whole
+            sequences). Only the seq-mean modes read it.
+        counts_sequences: whether this rank's count includes the sequences (False on all but one
+            context-parallel rank).
 
     Returns:
         ``LossSum`` whose ``count`` is the number of tokens (token-mean) or of sequences with at
@@ -67,18 +78,30 @@ def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean", seq_i
         per_seq, tokens_per_seq = masked.sum(dim=-1), loss_mask.sum(dim=-1)  # [B]
     else:
         per_seq, tokens_per_seq = _segment_sums(masked, loss_mask, seq_ids)  # [N]
+    if sequence_tokens is not None:
+        check_same_shape(per_seq=per_seq, sequence_tokens=sequence_tokens)
+        tokens_per_seq = sequence_tokens
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / tokens_per_seq.clamp(min=1).to(per_seq.dtype)
-    return LossSum(per_seq.sum(), (tokens_per_seq > 0).sum())
+    count = (tokens_per_seq > 0).sum()
+    return LossSum(per_seq.sum(), count if counts_sequences else torch.zeros_like(count))
+
+
+def sequence_token_counts(loss_mask: Tensor, seq_ids: Tensor | None) -> Tensor:
+    """[N] int64 loss tokens per sequence of ``loss_mask`` [B, S] (per row without ``seq_ids``)."""
+    if seq_ids is None:
+        return loss_mask.sum(dim=-1)
+    check_same_shape(loss_mask=loss_mask, seq_ids=seq_ids)
+    ids = seq_ids.reshape(-1)
+    count = int(ids.max()) + 1 if ids.numel() else 0
+    return torch.zeros(count, dtype=torch.long, device=ids.device).index_add(0, ids, loss_mask.reshape(-1).long())
 
 
 def _segment_sums(masked: Tensor, loss_mask: Tensor, seq_ids: Tensor) -> tuple[Tensor, Tensor]:
     """[N] sums of ``masked`` [B, S] and [N] int64 loss-token counts per sequence id (N = max id + 1)."""
     check_same_shape(values=masked, seq_ids=seq_ids)
-    ids = seq_ids.reshape(-1)
-    count = int(ids.max()) + 1 if ids.numel() else 0
-    per_seq = masked.new_zeros(count).index_add(0, ids, masked.reshape(-1))
-    tokens = torch.zeros(count, dtype=torch.long, device=ids.device).index_add(0, ids, loss_mask.reshape(-1).long())
+    tokens = sequence_token_counts(loss_mask, seq_ids)
+    per_seq = masked.new_zeros(tokens.numel()).index_add(0, seq_ids.reshape(-1), masked.reshape(-1))
     return per_seq, tokens
 
 

@@ -39,13 +39,18 @@ def unwrap(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
 
 
 def layout_of(groups: ParallelGroups) -> dict[str, int | None]:
-    return {
+    """The grid a checkpoint was saved on (``cp`` only when context-parallel: the layouts saved
+    before there was CP compare equal to CP 1)."""
+    layout = {
         "tp": groups.tp_size,
         "pp": groups.pp_size,
         "vpp": groups.vpp_size,
         "dp": groups.dp_size,
         "world_size": groups.world_size,
     }
+    if groups.cp_size > 1:
+        layout["cp"] = groups.cp_size
+    return layout
 
 
 def optimizer_has_state(optimizer) -> bool:
@@ -182,14 +187,17 @@ def anchor_sharded_state(anchor, master: Mapping[str, torch.Tensor] | None) -> d
 
 def rng_sharded_object(groups: ParallelGroups, state: Any):
     """Per-rank RNG states as one ShardedObject over the (PP, TP, DP) grid (as Megatron-LM's
-    ``rng_state``, with DP added: every rank's own state is kept)."""
+    ``rng_state``, with DP added: every rank's own state is kept; and CP, when there is one)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    shape, offset = (groups.pp_size, groups.tp_size, groups.dp_size), (groups.pp_rank, groups.tp_rank, groups.dp_rank)
+    if groups.cp_size > 1:
+        shape, offset = (*shape, groups.cp_size), (*offset, groups.cp_rank)
     return ShardedObject(
         "rng_state",
         state,
-        (groups.pp_size, groups.tp_size, groups.dp_size),
-        (groups.pp_rank, groups.tp_rank, groups.dp_rank),
+        shape,
+        offset,
         replica_id=0,
     )
 

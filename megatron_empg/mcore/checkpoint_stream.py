@@ -183,9 +183,10 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
 
 
 def save_strategy(groups, checksums: bool) -> tuple[object, StreamingSaveStrategy]:
-    """The ``sharded_strategy`` for ``dist_checkpointing.save`` (fully parallel over DP when the DP
-    size is above 1) and the streaming strategy under it (its ``files`` after the save)."""
+    """The ``sharded_strategy`` for ``dist_checkpointing.save`` (fully parallel over the ranks that
+    hold the same weights, DP x CP, when there are several) and the streaming strategy under it
+    (its ``files`` after the save)."""
     streaming = StreamingSaveStrategy(checksums)
-    if groups.dp_size == 1:
+    if groups.sum_size == 1:
         return streaming, streaming
-    return FullyParallelSaveStrategyWrapper(streaming, groups.dp_group), streaming
+    return FullyParallelSaveStrategyWrapper(streaming, groups.sum_group), streaming

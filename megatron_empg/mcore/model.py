@@ -120,6 +120,11 @@ def transformer_config(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        # Transformer Engine's CP attention: the ring (p2p) exchange of K/V blocks, overlapped with
+        # the attention of the blocks already there (Megatron-LM's default); without TE the local
+        # spec's SdpaAttention all-gathers K and V instead (mcore.attention).
+        cp_comm_type="p2p",
         # The interleaved schedule sends activations and gradients to both neighbours in one call.
         # Batched, the ops go out in a fixed order (send prev, recv prev, send next, recv next): at
         # PP 2 both neighbours are one rank, whose sends and receives then pair up crossed (a

@@ -37,8 +37,8 @@ class ParallelGroups:
 
     tp_group: ProcessGroup
     pp_group: ProcessGroup
-    dp_group: ProcessGroup
-    mp_group: ProcessGroup  # TP x PP: all ranks holding one replica of the model
+    dp_group: ProcessGroup  # the replicas of the data (not the CP ranks of one replica)
+    mp_group: ProcessGroup  # TP x PP: all ranks holding one copy of the model's weights
     tp_rank: int
     tp_size: int
     pp_rank: int
@@ -48,6 +48,10 @@ class ParallelGroups:
     vpp_size: int | None  # model chunks per pipeline rank (None: no interleaving)
     rank: int
     world_size: int
+    cp_group: ProcessGroup | None = None  # the context-parallel ranks sharing each row (None: CP 1)
+    cp_rank: int = 0
+    cp_size: int = 1
+    dp_cp_group: ProcessGroup | None = None  # DP x CP: the ranks whose gradients (and sums) add up
 
     @property
     def is_first_stage(self) -> bool:
@@ -62,6 +66,15 @@ class ParallelGroups:
     @property
     def num_model_chunks(self) -> int:
         return self.vpp_size or 1
+
+    @property
+    def sum_group(self) -> ProcessGroup:
+        """The group over which per-token sums and counts add up (DP x CP; DP without CP)."""
+        return self.dp_cp_group if self.dp_cp_group is not None else self.dp_group
+
+    @property
+    def sum_size(self) -> int:
+        return self.dp_size * self.cp_size
 
 
 def current_groups() -> ParallelGroups:
@@ -83,6 +96,10 @@ def current_groups() -> ParallelGroups:
         vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
+        cp_group=ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None,
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
     )
 
 
@@ -117,6 +134,7 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, **mega
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
         **megatron_kwargs,
     )
     groups = current_groups()

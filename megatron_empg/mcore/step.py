@@ -37,6 +37,7 @@ from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.mcore.thd import thd_layout
 from megatron_empg.parallel.collectives import collective_device
+from megatron_empg.parallel.context_parallel import CpChunks, split_microbatch
 from megatron_empg.parallel.fused_output import OutputLayerInput
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.rl_loss import RLLoss
@@ -107,6 +108,7 @@ def _data_iterators(microbatches: Sequence[MicroBatch], num_chunks: int):
 
 def _run_schedule(models, microbatches: Sequence[MicroBatch], forward_step, *, forward_only: bool) -> list:
     b, s = microbatches[0].shape
+    s *= microbatches[0].cp_size  # Megatron sizes the pipeline's messages as seq_length / CP
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=_data_iterators(microbatches, len(models)),
@@ -249,6 +251,8 @@ def score_sequences(
         raise ValueError(f"sequences must all have the same length >= 2, got lengths {sorted(lengths)}")
     device = next(models[0].parameters()).device
     ids = torch.tensor(list(sequences), dtype=torch.long, device=device)
+    if groups.cp_size > 1:  # packed rows split over the context-parallel ranks, then gathered back
+        return _score_context_parallel(models, ids, vocab_size, groups)[:, :-1]
     targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # the last position is dropped
     microbatches = [MicroBatch(ids[i : i + 1], targets[i : i + 1]) for i in range(len(ids))]
     outputs = forward_stats(models, microbatches, StatsRequest(vocab_size=vocab_size, with_entropy=False), groups)
@@ -257,17 +261,47 @@ def score_sequences(
         logprobs.copy_(torch.cat([out["logprobs"] for out in outputs]))
     return broadcast_from_last_stage(logprobs, groups)[:, :-1]
 
+
+def _score_context_parallel(models, ids: Tensor, vocab_size: int, groups: ParallelGroups) -> Tensor:
+    """``score_sequences``' [N, L] log-probs (the last position meaningless) under context
+    parallelism: each sequence a packed row padded to a multiple of 2 x CP, this rank's share
+    scored, the shares all-gathered over the CP group and put back in order."""
+    n, length = ids.shape
+    width = -(-length // (2 * groups.cp_size)) * 2 * groups.cp_size
+    rows = torch.zeros(n, width, dtype=torch.long, device=ids.device)
+    rows[:, :length] = ids
+    targets = torch.cat([rows[:, 1:], torch.zeros_like(rows[:, :1])], dim=1)
+    cu = torch.tensor([0, width], dtype=torch.int32, device=ids.device)
+    positions = torch.arange(width, device=ids.device)[None]
+    chunks = CpChunks.from_cu_seqlens([0, width], groups.cp_size, groups.cp_rank)
+    microbatches = [
+        split_microbatch(MicroBatch(rows[i : i + 1], targets[i : i + 1], position_ids=positions,
+                                    seq_ids=torch.zeros_like(positions), cu_seqlens=cu, max_seqlen=width),
+                         groups.cp_size, groups.cp_rank)
+        for i in range(n)
+    ]  # fmt: skip
+    outputs = forward_stats(models, microbatches, StatsRequest(vocab_size=vocab_size, with_entropy=False), groups)
+    local = torch.empty(n, width // groups.cp_size, dtype=torch.float32, device=ids.device)
+    if outputs is not None:
+        local.copy_(torch.cat([out["logprobs"] for out in outputs]))
+    local = broadcast_from_last_stage(local, groups)
+    shares = [torch.empty_like(local) for _ in range(groups.cp_size)]
+    dist.all_gather(shares, local, group=groups.cp_group)
+    full = torch.cat(shares, dim=1)[:, chunks.full_order(ids.device)]  # rank-major -> the row's order
+    return full[:, :length]
+
 # ---------------------------------------------------------------- update pass
 
 
 LossFunction = Callable[..., RLLoss]
-"""``loss_fn(logits [b, s, V_local] | OutputLayerInput, batch: MicroBatch, *, vocab_start, tp_group)
--> RLLoss``."""
+"""``loss_fn(logits [b, s, V_local] | OutputLayerInput, batch: MicroBatch, *, vocab_start, tp_group
+[, cp_group]) -> RLLoss``; ``cp_group`` under context parallelism."""
 
 
 def _update_loss(batch: MicroBatch, loss_fn: LossFunction, groups: ParallelGroups, output):
     width = output.weight.shape[0] if isinstance(output, OutputLayerInput) else output.shape[-1]
-    out = loss_fn(output, batch, **_vocab_shard(width, groups))
+    cp = {"cp_group": groups.cp_group} if groups.cp_size > 1 else {}  # the batch is one CP rank's share
+    out = loss_fn(output, batch, **_vocab_shard(width, groups), **cp)
     # Megatron accumulates the count in an int32 tensor and, with calculate_per_token_loss, divides
     # the gradients once by its global sum (finalize_model_grads).
     return out.loss.loss_sum, out.loss.count.to(torch.int), out.metrics
@@ -292,17 +326,17 @@ class StepResult:
 
 
 def reduce_metrics(per_microbatch: list[dict[str, LossSum]] | None, groups: ParallelGroups) -> dict[str, float]:
-    """Sum (sum, count) pairs over micro-batches and DP ranks, divide once, and share the result
-    from the last pipeline stage with every rank. One all-reduce and one broadcast."""
+    """Sum (sum, count) pairs over micro-batches and DP (x CP) ranks, divide once, and share the
+    result from the last pipeline stage with every rank. One all-reduce and one broadcast."""
     names = sorted(per_microbatch[0]) if per_microbatch else []
     names = broadcast_object_from_last_stage(names, groups)
-    sums = torch.zeros(2 * len(names), dtype=torch.float64, device=collective_device(groups.dp_group))
+    sums = torch.zeros(2 * len(names), dtype=torch.float64, device=collective_device(groups.sum_group))
     for metrics in per_microbatch or []:
         for i, name in enumerate(names):
             sums[2 * i] += metrics[name].loss_sum.double()
             sums[2 * i + 1] += metrics[name].count.double()
-    if groups.is_last_stage and groups.dp_size > 1:
-        dist.all_reduce(sums, group=groups.dp_group)
+    if groups.is_last_stage and groups.sum_size > 1:
+        dist.all_reduce(sums, group=groups.sum_group)
     sums = broadcast_from_last_stage(sums, groups)
     return {name: (sums[2 * i] / sums[2 * i + 1].clamp(min=1)).item() for i, name in enumerate(names)}
 

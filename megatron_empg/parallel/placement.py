@@ -107,22 +107,26 @@ class EnginePlacement:
         return box[0]
 
 
-def build_placement(num_engines: int, *, tp_rank: int, pp_rank: int, dp_rank: int, dp_size: int) -> EnginePlacement:
+def build_placement(num_engines: int, *, tp_rank: int, pp_rank: int, dp_rank: int, dp_size: int,
+                    cp_rank: int = 0) -> EnginePlacement:  # fmt: skip
     """The placement of ``num_engines`` engines over the current world; every rank calls it
     together (one object all-gather of each rank's grid coordinates and node, then one
-    ``new_group`` per engine group of more than one rank and less than the world)."""
+    ``new_group`` per engine group of more than one rank and less than the world). A replica's
+    context-parallel ranks are all in its group; its CP rank 0 owns and feeds (they hold the same
+    weights)."""
     if num_engines < 1 or dp_size % num_engines:
         raise ValueError(f"{num_engines} engines do not divide the {dp_size} data-parallel replicas")
     rank = dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (tp_rank, pp_rank, dp_rank, socket.gethostname()))
+    dist.all_gather_object(everyone, (tp_rank, pp_rank, cp_rank, dp_rank, socket.gethostname()))
     replicas_per_engine = dp_size // num_engines
     members = tuple(
-        tuple(r for r, (_, _, dp, _) in enumerate(everyone) if dp // replicas_per_engine == e) for e in range(num_engines)
+        tuple(r for r, (_, _, _, dp, _) in enumerate(everyone) if dp // replicas_per_engine == e)
+        for e in range(num_engines)
     )
     owners = tuple(
-        next(r for r, (tp, pp, dp, _) in enumerate(everyone) if (tp, pp, dp) == (0, 0, e * replicas_per_engine))
+        next(r for r, (tp, pp, cp, dp, _) in enumerate(everyone) if (tp, pp, cp, dp) == (0, 0, 0, e * replicas_per_engine))
         for e in range(num_engines)
     )
     engine = dp_rank // replicas_per_engine
@@ -136,11 +140,11 @@ def build_placement(num_engines: int, *, tp_rank: int, pp_rank: int, dp_rank: in
             created = None
         if e == engine:
             group = created
-    host = everyone[rank][3]
-    on_node = [e for e, owner in enumerate(owners) if everyone[owner][3] == host]
+    host = everyone[rank][4]
+    on_node = [e for e, owner in enumerate(owners) if everyone[owner][4] == host]
     return EnginePlacement(
         num_engines=num_engines, engine=engine, owners=owners, members=members, group=group,
-        feeds_engine=dp_rank % replicas_per_engine == 0, rank=rank,
+        feeds_engine=dp_rank % replicas_per_engine == 0 and cp_rank == 0, rank=rank,
         node_slot=on_node.index(engine) if engine in on_node else 0, node_slots=max(len(on_node), 1),
         local_rank=local_rank,
     )  # fmt: skip

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_empg.core.aggregation import LossSum, aggregate
+from megatron_empg.core.aggregation import LossSum, aggregate, sequence_token_counts
 from megatron_empg.core.checks import check_choice, check_same_shape
 from megatron_empg.core.kl import KL_ESTIMATORS, sampled_kl
 from megatron_empg.core.microbatch import MicroBatch
@@ -65,6 +65,7 @@ def rl_loss(
     vocab_start: int,
     vocab_size: int,
     tp_group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | None = None,
     policy_loss: str = "ppo_clip",
     policy_loss_args: dict | None = None,
     kl: str | None = None,
@@ -88,6 +89,9 @@ def rl_loss(
             (or None: no correction); the seq-mean modes average over its sequences (``seq_ids``),
             not its rows.
         vocab_start, vocab_size, tp_group: the vocab shard (see ``vocab_parallel_logprobs``).
+        cp_group: the context-parallel group when ``batch`` is one rank's share of rows split
+            over it (``parallel.context_parallel``): the seq-mean modes divide by each sequence's
+            loss tokens over the group, and its rank 0 counts the sequences. None: whole rows.
         policy_loss: a key of ``ALL_POLICY_LOSSES`` (``ppo_clip`` covers GRPO, DAPO, dual-clip;
             ``rpg*`` the RPG surrogates); ``policy_loss_args``: its keyword arguments.
         kl: None, a sampled estimator of ``core.kl`` (``k1`` .. ``k5``, ``k3pp``) on log pi(y) vs
@@ -147,7 +151,8 @@ def rl_loss(
     weights = batch.behavior_weights
 
     pg = ALL_POLICY_LOSSES[policy_loss](logprobs, old, batch.advantages, **(policy_loss_args or {}), validate=validate)
-    total = aggregate(_weighted(pg.values, weights), mask, agg_mode, seq_ids)
+    split = _context_parallel(mask, seq_ids, cp_group) if agg_mode != "token-mean" else {}
+    total = aggregate(_weighted(pg.values, weights), mask, agg_mode, seq_ids, **split)
     metrics = {"policy_loss": LossSum(total.loss_sum.detach(), total.count)}
     for name, values in pg.metrics.items():
         metrics[name] = aggregate(values, mask)
@@ -168,17 +173,27 @@ def rl_loss(
             )  # fmt: skip
         if kl != "topk":  # the Top-k KL weights its sampled tail itself
             kl_values = _weighted(kl_values, weights)
-        kl_sum = aggregate(kl_values, mask, agg_mode, seq_ids)
+        kl_sum = aggregate(kl_values, mask, agg_mode, seq_ids, **split)
         total = LossSum(total.loss_sum + kl_coef * kl_sum.loss_sum, total.count)
         metrics["kl"] = aggregate(kl_values.detach(), mask)
     if entropy is not None:
         entropy = entropy.reshape(lead)
         if entropy_coef > 0:
-            bonus = aggregate(entropy, mask, agg_mode, seq_ids).loss_sum
+            bonus = aggregate(entropy, mask, agg_mode, seq_ids, **split).loss_sum
             total = LossSum(total.loss_sum - entropy_coef * bonus, total.count)
         metrics["entropy"] = aggregate(entropy.detach(), mask)
     metrics["loss"] = LossSum(total.loss_sum.detach(), total.count)
     return RLLoss(total, metrics)
+
+
+def _context_parallel(mask: Tensor, seq_ids: Tensor | None, cp_group: dist.ProcessGroup | None) -> dict:
+    """``aggregate``'s arguments for a micro-batch split over ``cp_group``: each sequence's loss
+    tokens over the group (one all-reduce of [N] int64) and whether this rank counts sequences."""
+    if cp_group is None or dist.get_world_size(cp_group) == 1:
+        return {}
+    tokens = sequence_token_counts(mask, seq_ids)
+    dist.all_reduce(tokens, group=cp_group)
+    return {"sequence_tokens": tokens, "counts_sequences": dist.get_rank(cp_group) == 0}
 
 
 def _weighted(values: Tensor, weights: Tensor | None) -> Tensor:

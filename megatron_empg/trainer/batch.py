@@ -90,7 +90,10 @@ class MicroBatchPlan:
     ``max_tokens``: a token budget per micro-batch (packed layout only) instead of
     ``micro_batch_size`` samples. ``fixed_shape``: one [b, s] for every micro-batch of the call
     (pipeline parallelism). ``count_multiple``: the number of micro-batches is a multiple of it
-    (the interleaved schedule runs them in groups of the pipeline size).
+    (the interleaved schedule runs them in groups of the pipeline size). ``segment_multiple``
+    (packed only): every sequence's segment, and the row's padding segment, padded to a multiple of
+    it (2 x CP under context parallelism: ``parallel.context_parallel``); the padding tokens after
+    a sequence are its own, with no loss.
     """
 
     packing: bool = True
@@ -100,10 +103,18 @@ class MicroBatchPlan:
     count_multiple: int = 1
     pad_multiple: int = 8
     pad_id: int = 0
+    segment_multiple: int = 1
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and not self.packing:
             raise ValueError("a token budget per micro-batch (max_tokens) needs the packed layout")
+        if self.segment_multiple > 1 and not self.packing:
+            raise ValueError("segments padded to a multiple (context parallelism) need the packed layout")
+
+    @property
+    def row_multiple(self) -> int:
+        """What each row's length is rounded up to."""
+        return math.lcm(self.pad_multiple, self.segment_multiple)
 
 
 def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: MicroBatchPlan) -> list[MicroBatch]:
@@ -112,7 +123,7 @@ def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: 
     A sample longer than ``plan.max_tokens`` is a ValueError naming ``train.max_tokens_per_microbatch``."""
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
-    lengths = [s.length for s in samples]
+    lengths = [_round_up(s.length, plan.segment_multiple) for s in samples]
     if plan.max_tokens is not None:
         bins = micro_batch_bins(lengths, plan.max_tokens, multiple_of=plan.count_multiple)
         if plan.fixed_shape:
@@ -121,7 +132,7 @@ def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: 
         count = _round_up(max(1, math.ceil(len(samples) / plan.micro_batch_size)), plan.count_multiple)
         bins = partition(lengths, count, equal_count=True) if plan.packing else _similar_lengths(lengths, count)
     if plan.packing:
-        widths = [_round_up(max(sum(lengths[i] for i in b), 1), plan.pad_multiple) for b in bins]
+        widths = [_round_up(max(sum(lengths[i] for i in b), 1), plan.row_multiple) for b in bins]
         rows = [1] * len(bins)
     else:
         widths = [_round_up(max([lengths[i] for i in b], default=1), plan.pad_multiple) for b in bins]
@@ -132,7 +143,7 @@ def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: 
     for members, width, row_count in zip(bins, widths, rows):
         chosen, chosen_advantages = [samples[i] for i in members], [float(advantages[i]) for i in members]
         if plan.packing:
-            out.append(_packed_row(chosen, chosen_advantages, width, plan.pad_id))
+            out.append(_packed_row(chosen, chosen_advantages, width, plan.pad_id, plan.segment_multiple))
         else:
             out.append(_padded_rows(chosen, chosen_advantages, width, row_count, plan.pad_id))
     return out
@@ -144,7 +155,7 @@ def _fewest_slots(lengths: Sequence[int], bins: list[list[int]], plan: MicroBatc
     ``count x longest row`` among the budget's count and the next ``_EXTRA_ROWS`` multiples."""
 
     def slots(candidate: list[list[int]]) -> int:
-        return len(candidate) * _round_up(max(sum(lengths[i] for i in b) for b in candidate), plan.pad_multiple)
+        return len(candidate) * _round_up(max(sum(lengths[i] for i in b) for b in candidate), plan.row_multiple)
 
     best = bins
     for extra in range(1, _EXTRA_ROWS + 1):
@@ -209,14 +220,16 @@ def _padded_rows(samples: Sequence[Sample], advantages: Sequence[float], width: 
     return out.micro_batch()
 
 
-def _packed_row(samples: Sequence[Sample], advantages: Sequence[float], width: int, pad_id: int):
-    """One row of the samples back to back, then padding (its own segment)."""
+def _packed_row(samples: Sequence[Sample], advantages: Sequence[float], width: int, pad_id: int,
+                segment_multiple: int = 1):  # fmt: skip
+    """One row of the samples back to back (each in a segment padded to ``segment_multiple``),
+    then padding (its own segment)."""
     out = _Rows(1, width, pad_id)
-    lengths = [s.length for s in samples]
+    lengths = [_round_up(s.length, segment_multiple) for s in samples]
     offset = 0
-    for sample, advantage in zip(samples, advantages):
+    for sample, advantage, length in zip(samples, advantages, lengths):
         out.put(0, offset, sample, advantage)
-        offset += sample.length
+        offset += length
     if offset < width:
         lengths.append(width - offset)
     bounds = torch.tensor([0, *lengths]).cumsum(0)

@@ -7,9 +7,12 @@ the engine group first (one all-gather), then each mini-batch's samples are spli
 replicas by estimated compute (``batch.replica_shares``, cost ``balance.sequence_cost`` with the
 model's attention term); every rank computes the same split. Samples that do not train are left
 out; the rest become micro-batches as ``train.packing`` / ``max_tokens_per_microbatch`` /
-``micro_batch_size`` say, one shape per call under pipeline parallelism. The forward-only passes
-run on them, or with ``max_tokens_per_forward_microbatch`` on rows of them back to back
-(``forward_plan``, ``trainer.forward_batch``).
+``micro_batch_size`` say, one shape per call under pipeline parallelism. Under context
+parallelism every sequence is padded to a multiple of 2 x CP, the budget is per CP rank (a full
+row holds CP x as many tokens), and each rank keeps its share of every row
+(``parallel.context_parallel.split_microbatch``). The forward-only passes run on them, or with
+``max_tokens_per_forward_microbatch`` on rows of them back to back (``forward_plan``,
+``trainer.forward_batch``).
 
     stage = BatchStage(config, model, placement, groups, pad_id=...)
     batch = stage.build(replicas, advantages, device=...)   # StepBatch
@@ -27,6 +30,7 @@ from megatron_empg.config import ModelConfig, RunConfig
 from megatron_empg.core.behavior_is import BEHAVIOR_STATS, behavior_stats, behavior_weights
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.collectives import collective_device
+from megatron_empg.parallel.context_parallel import split_microbatch
 from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.trainer.balance import attention_quadratic, imbalance, sequence_cost
 from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
@@ -78,12 +82,16 @@ class BatchStage:
         self.config, self.placement = config, placement
         self.replicas = groups.dp_size // placement.num_engines  # R: the replicas of one engine
         self.replica = groups.dp_rank % self.replicas  # this rank's among them
+        self.cp_size, self.cp_rank = groups.cp_size, groups.cp_rank
         train, parallel = config.train, config.parallel
         pp = parallel.pipeline_model_parallel_size
         count_multiple = pp if parallel.virtual_pipeline_model_parallel_size else 1
+        budget = train.max_tokens_per_microbatch  # per context-parallel rank: a full row holds CP x as many
         self.plan = MicroBatchPlan(
-            packing=train.packing, micro_batch_size=train.micro_batch_size, max_tokens=train.max_tokens_per_microbatch,
-            fixed_shape=pp > 1, count_multiple=count_multiple, pad_multiple=row_multiple(parallel), pad_id=pad_id,
+            packing=train.packing, micro_batch_size=train.micro_batch_size,
+            max_tokens=None if budget is None else budget * self.cp_size, fixed_shape=pp > 1,
+            count_multiple=count_multiple, pad_multiple=row_multiple(parallel), pad_id=pad_id,
+            segment_multiple=2 * self.cp_size if self.cp_size > 1 else 1,
         )  # fmt: skip
         self.forward_plan = ForwardPlan(max_tokens=train.max_tokens_per_forward_microbatch, fixed_shape=pp > 1,
                                         count_multiple=count_multiple)  # fmt: skip
@@ -107,7 +115,7 @@ class BatchStage:
         minis = []
         for items in shares[self.replica]:
             calls = micro_batches([replicas[r][i] for r, i in items], [advantages_of[r][i] for r, i in items], self.plan)
-            minis.append([mb.to(device) for mb in calls])
+            minis.append([split_microbatch(mb, self.cp_size, self.cp_rank).to(device) for mb in calls])
         tokens = [sum(replicas[r][i].length for mini in share for r, i in mini) for share in shares]
         slots = sum(mb.input_ids.numel() for mini in minis for mb in mini)
         forward = forward_groups([mb.shape[1] for mini in minis for mb in mini], self.forward_plan)

@@ -157,7 +157,8 @@ def _describe(components) -> str:
     """What ``empg check`` found: the layout and the resolved names."""
     c, layout, loss = components.config, components.layout, components.config.algorithm.loss
     return (
-        f"ok: {components.model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp} x DP {layout.dp}); "
+        f"ok: {components.model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp}"
+        f"{f' x CP {layout.cp}' if layout.cp > 1 else ''} x DP {layout.dp}); "
         f"per replica and step {layout.prompts_per_replica} prompts, {layout.samples_per_replica} samples in "
         f"{_micro_batches(c.train, layout)}; advantage {c.algorithm.advantage}, policy loss "
         f"{loss.policy_loss}, KL {loss.kl or 'none'}, reward {c.data.reward}, engine {c.rollout.engine} "

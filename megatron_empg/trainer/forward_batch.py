@@ -144,7 +144,10 @@ def _merge_rows(rows: Sequence[MicroBatch], width: int) -> MicroBatch:
     """One packed [1, ``width``] row: ``rows`` (packed [1, s_i] rows) back to back, then padding
     to ``width`` as a segment of its own. Every per-token field is concatenated (zeros in the
     padding; ``position_ids`` 0, 1, ... there), ``seq_ids`` renumbered, ``cu_seqlens`` offset, and
-    ``max_seqlen`` the longest segment. A single row that needs no padding is returned itself."""
+    ``max_seqlen`` the longest segment. A single row that needs no padding is returned itself.
+    Context-parallel shares (``cp_size`` > 1) merge as their full rows would (a share of the merged
+    row is the shares back to back): ``cu_seqlens`` in full-row tokens, the padding a segment of
+    ``cp_size`` x its local width (even: both of a rank's chunks)."""
     used = sum(mb.shape[1] for mb in rows)
     if used > width:
         raise ValueError(f"rows of {used} tokens do not fit a forward row of {width}")
@@ -153,21 +156,22 @@ def _merge_rows(rows: Sequence[MicroBatch], width: int) -> MicroBatch:
     pad = width - used
     segments = [len(mb.cu_seqlens) - 1 for mb in rows]
     device = rows[0].input_ids.device
+    cp = rows[0].cp_size  # context-parallel shares: cu_seqlens describe the full rows (CP x as long)
     values: dict[str, object] = {}
     for field in dataclasses.fields(MicroBatch):
         name = field.name
         parts = [getattr(mb, name) for mb in rows]
-        if name in ("cp_size", "cp_rank"):  # whole rows are merged; a context-parallel split comes after
-            if any(part != field.default for part in parts):
-                raise ValueError(f"rows split over context-parallel ranks ({name}={parts}) cannot be merged")
-            continue
-        if name == "max_seqlen":
-            values[name] = max(*parts, pad)
+        if name in ("cp_size", "cp_rank"):
+            if len(set(parts)) != 1:
+                raise ValueError(f"{name} differs between the micro-batches of a forward row: {parts}")
+            values[name] = parts[0]
+        elif name == "max_seqlen":
+            values[name] = max(*parts, pad * cp)
         elif name == "cu_seqlens":
-            offsets = itertools.accumulate((mb.shape[1] for mb in rows), initial=0)
+            offsets = itertools.accumulate((mb.shape[1] * cp for mb in rows), initial=0)
             bounds = [parts[0][:1]] + [cu[1:] + offset for cu, offset in zip(parts, offsets)]
             if pad:
-                bounds.append(torch.tensor([width], dtype=parts[0].dtype, device=device))
+                bounds.append(torch.tensor([width * cp], dtype=parts[0].dtype, device=device))
             values[name] = torch.cat(bounds)
         elif all(part is None for part in parts):
             values[name] = None

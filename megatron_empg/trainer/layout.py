@@ -19,7 +19,7 @@ from megatron_empg.rollout.engines import ENGINES, EngineKind
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The grid of a run: ``world_size = tp * pp * dp`` processes; each data-parallel replica
+    """The grid of a run: ``world_size = tp * pp * cp * dp`` training processes; each data-parallel replica
     takes ``prompts_per_replica`` whole prompt groups per step, ``samples_per_replica`` samples in
     ``micro_batches_per_replica`` micro-batches (None: as many as ``train.max_tokens_per_microbatch``
     needs, which depends on the lengths sampled)."""
@@ -33,10 +33,11 @@ class Layout:
     micro_batches_per_replica: int | None
     engines: int  # rollout engines (``rollout.engines``), each serving dp / engines replicas
     engine_ranks: int = 0  # ranks that only run engines (``rollout.placement: disaggregated``), the last ones
+    cp: int = 1  # context-parallel ranks per replica (each holds a share of every row)
 
     @property
     def training_ranks(self) -> int:
-        """The ranks that train: ``tp * pp * dp``, the first of the world."""
+        """The ranks that train: ``tp * pp * cp * dp``, the first of the world."""
         return self.world_size - self.engine_ranks
 
 
@@ -62,27 +63,30 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
     parallel, train, rollout = config.parallel, config.train, config.rollout
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
     engine_ranks = rollout.engine_ranks if rollout.disaggregated else 0
     training = world_size - engine_ranks
     if training < 1:
         raise ConfigError("rollout.engine_ranks", f"{engine_ranks} engine ranks leave no training rank in a world "
                                                   f"of {world_size}")  # fmt: skip
-    if training % (tp * pp):
+    grid = f"TP {tp} x PP {pp}" + (f" x CP {cp}" if cp > 1 else "")
+    if training % (tp * pp * cp):
         of = f"the {training} training ranks (world {world_size} - rollout.engine_ranks {engine_ranks})" if engine_ranks \
             else f"the world of {world_size} processes"  # fmt: skip
         raise ConfigError(
             "parallel.tensor_model_parallel_size",
             f"{of} is not divisible by parallel.tensor_model_parallel_size x "
-            f"parallel.pipeline_model_parallel_size = {tp} x {pp}",
+            f"parallel.pipeline_model_parallel_size{' x parallel.context_parallel_size' if cp > 1 else ''} = "
+            f"{grid.replace('TP ', '').replace('PP ', '').replace('CP ', '')}",
         )
     _check_engine_process(config, engine_kind(config), training)
     try:
         parallel.validate_for(model)
     except ConfigError as error:
         raise ConfigError(f"parallel.{error.field}", error.reason) from None
-    dp = training // (tp * pp)
-    where = f"world {world_size} / (TP {tp} x PP {pp})" if not engine_ranks else \
-        f"{training} training ranks / (TP {tp} x PP {pp})"  # fmt: skip
+    _check_context_parallel(config, model)
+    dp = training // (tp * pp * cp)
+    where = f"world {world_size} / ({grid})" if not engine_ranks else f"{training} training ranks / ({grid})"
     if train.prompts_per_step % dp:
         raise ConfigError(
             "train.prompts_per_step",
@@ -115,7 +119,31 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
     _check_recompute(config, model)
     _check_forward_budget(config)
     engines = _check_engine_placement(config, dp, where)
-    return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches, engines, engine_ranks)
+    return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches, engines, engine_ranks, cp)
+
+
+def _check_context_parallel(config: RunConfig, model: ModelConfig) -> None:
+    """Context parallelism splits packed rows (``train.packing``) in the sdpa or TE attention, and
+    a sequence of ``train.max_seq_len`` (padded to 2 x CP) must fit a row of CP x the budget."""
+    train, cp = config.train, config.parallel.context_parallel_size
+    if cp == 1:
+        budget = train.max_tokens_per_microbatch
+        if budget is not None and budget < train.max_seq_len:
+            raise ConfigError("train.max_tokens_per_microbatch", f"{budget} cannot hold a sequence of "
+                              f"max_seq_len={train.max_seq_len} tokens; set it to at least that")  # fmt: skip
+        return
+    field = "parallel.context_parallel_size"
+    if not train.packing:
+        raise ConfigError(field, f"{cp} splits packed rows: it needs train.packing true")
+    if model.attention_backend not in ("sdpa", "te"):
+        raise ConfigError(field, f"{cp} needs model.attention_backend sdpa or te (their context-parallel "
+                                 f"attention), got {model.attention_backend}")  # fmt: skip
+    longest = -(-train.max_seq_len // (2 * cp)) * 2 * cp
+    budget = train.max_tokens_per_microbatch
+    if budget is not None and budget * cp < longest:
+        raise ConfigError("train.max_tokens_per_microbatch", f"{budget} per context-parallel rank x {cp} ranks cannot "
+                          f"hold a sequence of max_seq_len={train.max_seq_len} padded to a multiple of 2 x CP "
+                          f"({longest}); set it to at least {-(-longest // cp)}")  # fmt: skip
 
 
 def _count_micro_batches(config: RunConfig, samples: int, dp: int, where: str) -> int:
@@ -144,9 +172,11 @@ def row_multiple(parallel: ParallelConfig) -> int:
 
 
 def widest_row(train: TrainConfig, parallel: ParallelConfig) -> int:
-    """The most tokens (padding included) a packed row of the update can have: its token budget,
-    or ``micro_batch_size`` sequences of ``max_seq_len`` without one, rounded up to ``row_multiple``."""
-    tokens = train.max_tokens_per_microbatch or train.micro_batch_size * train.max_seq_len
+    """The most tokens (padding included) a packed row of the update can have on one rank: its
+    token budget, or ``micro_batch_size`` sequences of ``max_seq_len`` without one (a CP rank's
+    share of them), rounded up to ``row_multiple``."""
+    tokens = train.max_tokens_per_microbatch or -(-train.micro_batch_size * train.max_seq_len
+                                                  // parallel.context_parallel_size)  # fmt: skip
     return -(-tokens // row_multiple(parallel)) * row_multiple(parallel)
 
 

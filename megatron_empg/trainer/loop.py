@@ -94,7 +94,8 @@ class Trainer:
         self.groups = groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
         # Disaggregated engines are, to the training ranks, one engine behind rank 0 (the link's end).
         self.placement = build_placement(1 if remote else layout.engines, tp_rank=groups.tp_rank,
-                                         pp_rank=groups.pp_rank, dp_rank=groups.dp_rank, dp_size=groups.dp_size)  # fmt: skip
+                                         pp_rank=groups.pp_rank, dp_rank=groups.dp_rank, dp_size=groups.dp_size,
+                                         cp_rank=groups.cp_rank)  # fmt: skip
         self.batching = BatchStage(config, self.model, self.placement, groups,
                                    pad_id=self.tokenizer.pad_token_id or 0)  # fmt: skip
         self._check_machine(engine_here=self.placement.is_owner and not remote)
@@ -439,7 +440,11 @@ class Trainer:
                  "batch_slots": batch.slots, "micro_batches": sum(len(mini) for mini in batch.minis),
                  "forward_micro_batches": batch.forward_micro_batches, "imbalance": batch.imbalance}  # fmt: skip
         local["sampler_gap"], local["sampler_gap_tokens"] = batch.sampler_gap()
-        totals = all_reduce_sums({**local, **behavior}, self.groups.dp_group)
+        from_rows = {"batch_slots": local["batch_slots"], "sampler_gap": local["sampler_gap"],
+                     "sampler_gap_tokens": local["sampler_gap_tokens"], **behavior}  # fmt: skip
+        if self.groups.cp_size > 1:  # each context-parallel rank holds its share of every row
+            from_rows = all_reduce_sums(from_rows, self.groups.cp_group)
+        totals = all_reduce_sums({**local, **from_rows}, self.groups.dp_group)
         seconds = sum(times.values())
         metrics = {
             **sample_means(totals),

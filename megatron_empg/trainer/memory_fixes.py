@@ -6,8 +6,8 @@ step), the forward passes on the update's rows, the engine asleep while training
 ``gpu_memory_utilization`` (a smaller KV cache), the sdpa attention (faster, not slower), the
 distributed optimizer, the anchor's master in host memory (a copy each EMA update), selective then
 full recompute (one more forward of the attention / of every layer), a smaller token budget (more,
-shorter micro-batches), more tensor parallelism (fewer data-parallel replicas). Context
-parallelism is not there yet. Each is planned alone; if none fits, they are added up in that order
+shorter micro-batches), context parallelism (each row over more ranks), more tensor parallelism
+(fewer data-parallel replicas). Each is planned alone; if none fits, they are added up in that order
 (each only if it lowers the peak) until the plan fits, and those the others do without are dropped.
 """
 
@@ -77,6 +77,13 @@ def _candidates(components, plan: MemoryPlan) -> list[tuple[str, tuple[str, ...]
         step = 1024
         for smaller in range((budget - 1) // step * step, train.max_seq_len - 1, -step):
             out.append((f"micro-batches of {smaller} tokens", (f"train.max_tokens_per_microbatch={smaller}",)))
+    cp = config.parallel.context_parallel_size
+    if train.packing and model.attention_backend in ("sdpa", "te"):
+        for more in (2 * cp, 4 * cp):  # the same rows over more ranks: the per-rank budget shrinks
+            split = [f"parallel.context_parallel_size={more}"]
+            if budget is not None:
+                split.append(f"train.max_tokens_per_microbatch={-(-budget * cp // more)}")
+            out.append((f"context parallelism {more}", tuple(split)))
     tp = config.parallel.tensor_model_parallel_size
     for more in (2 * tp, 4 * tp):
         if more <= 8:

@@ -155,7 +155,8 @@ def plan_memory(components, *, device_bytes: int | None = None, options: PlanOpt
     ranks = [max(stages, key=lambda r: r.peak_bytes)]
     if layout.engine_ranks:
         ranks.append(_engine_rank(config, device, options.calibration))
-    summary = (f"plan: {model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
+    summary = (f"plan: {model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp}"
+               f"{f' x CP {layout.cp}' if layout.cp > 1 else ''} x DP {layout.dp}"
                f"{f', {layout.engine_ranks} engine ranks' if layout.engine_ranks else ''}), attention "
                f"{model.attention_backend}, {config.train.params_dtype}; device {_gib(device)}"
                f"{' (assumed: an H100 80GB; --gpu-memory-gib to set it)' if device_bytes is None else ''}")  # fmt: skip
@@ -163,12 +164,13 @@ def plan_memory(components, *, device_bytes: int | None = None, options: PlanOpt
 
 
 def _update_tokens(config: RunConfig) -> tuple[int, int]:
-    """(tokens of the update's largest micro-batch, rows in it)."""
+    """(tokens of the update's largest micro-batch on one rank, rows in it): a context-parallel
+    rank holds 1 / CP of every row."""
     train = config.train
     if train.max_tokens_per_microbatch is not None:
         return train.max_tokens_per_microbatch, 1
     rows = 1 if train.packing else train.micro_batch_size
-    return train.micro_batch_size * train.max_seq_len, rows
+    return -(-train.micro_batch_size * train.max_seq_len // config.parallel.context_parallel_size), rows
 
 
 def _in_flight_layers(layers: int, pp: int, vpp: int | None, pp_rank: int) -> int:
@@ -186,7 +188,7 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
     config, model, layout, stats = components.config, components.model, components.layout, components.stats
     train, parallel, cal = config.train, config.parallel, options.calibration
     shape = rank_shape(model, parallel, pp_rank)
-    dp_shard = layout.dp if config.optimizer.use_distributed_optimizer else 1
+    dp_shard = layout.dp * layout.cp if config.optimizer.use_distributed_optimizer else 1  # DP x CP
     params_bytes = DTYPE_BYTES[train.params_dtype]
     attention = model.attention_backend
     tokens, rows = _update_tokens(config)
@@ -202,14 +204,15 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
         "anchor_master": 0,
         "score_buffer": BF16 * heads * min(train.max_seq_len, max(tokens, forward_tokens)) ** 2
         if attention == "unfused" else 0,
-        "micro_batches": terms.microbatch_tensor_bytes(
-            config, layout.samples_per_replica * train.max_seq_len, stats.old_topk or stats.anchor_topk),
+        "micro_batches": terms.microbatch_tensor_bytes(  # this rank's share of the step's rows, on the device
+            config, layout.samples_per_replica * train.max_seq_len // layout.cp, stats.old_topk or stats.anchor_topk),
     }  # fmt: skip
     if stats.anchor:
         anchor_bytes = {"bfloat16": BF16, "float32": FP32, "float8_e4m3fn": 1 + BF16}[anchor.compute_dtype]
         resident["anchor_weights"] = shape.params * anchor_bytes
         resident["anchor_master"] = 0 if anchor.master_on_cpu else shape.params * FP32 // dp_shard
-    linear, quadratic = terms.layer_activations(model, layout.tp, attention, fused_swiglu=options.fused_swiglu, cal=cal)
+    linear, quadratic = terms.layer_activations(model, layout.tp, attention, fused_swiglu=options.fused_swiglu,
+                                                cp=layout.cp, cal=cal)  # fmt: skip
     in_flight = _in_flight_layers(shape.layers, layout.pp, parallel.virtual_pipeline_model_parallel_size, pp_rank)
     squares = terms.sequence_terms(tokens, train.max_seq_len)
     per_layer = linear * tokens + quadratic * squares
@@ -291,7 +294,7 @@ def _host(components, ranks_per_node: int) -> dict[str, int]:
     engines = max(1, layout.engines * per_node // max(layout.training_ranks, 1)) if not layout.engine_ranks else 0
     rollout, anchor = config.rollout, config.algorithm.anchor
     shape = rank_shape(model, config.parallel, 0)
-    dp_shard = layout.dp if config.optimizer.use_distributed_optimizer else 1
+    dp_shard = layout.dp * layout.cp if config.optimizer.use_distributed_optimizer else 1
     host = {
         "shm_buckets": engines * bucket_file_bytes(config, model) if config.weight_sync.transport == "shm_file" else 0,
         "anchor_master_pinned": per_node * shape.params * FP32 // dp_shard

@@ -78,10 +78,12 @@ def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> Ra
                      largest_weight=max(tensors))  # fmt: skip
 
 
-def layer_activations(model: ModelConfig, tp: int, attention: str, *, fused_swiglu: bool,
+def layer_activations(model: ModelConfig, tp: int, attention: str, *, fused_swiglu: bool, cp: int = 1,
                       cal: Calibration = CUDA) -> tuple[float, float]:  # fmt: skip
     """(bytes per token, bytes per token x sequence length) one layer keeps for backward (module
-    docstring); the second is the unfused attention's scores, 0 for the fused backends."""
+    docstring); the second is the unfused attention's scores, 0 for the fused backends. Under
+    context parallelism (``cp`` > 1) per token of this rank's share, plus the K and V gathered from
+    the other CP ranks, which the attention keeps: 4 kv (cp - 1)."""
     h, d = model.hidden_size, model.kv_channels
     heads = model.num_attention_heads // tp
     groups = max(1, model.num_query_groups // tp)
@@ -94,7 +96,7 @@ def layer_activations(model: ModelConfig, tp: int, attention: str, *, fused_swig
         linear += BF16 * (q + 2 * q + q)
         quadratic = 6 * heads
     else:
-        linear += BF16 * (q + kv + (q + 2 * kv) + q) + FP32 * heads
+        linear += BF16 * (q + kv + (q + 2 * kv) + q) + FP32 * heads + BF16 * 2 * kv * (cp - 1)
         quadratic = 0
     linear += (6 if fused_swiglu else 10) * f
     return linear, quadratic

@@ -99,10 +99,10 @@ def _cp_worker(rank: int, world_size: int, rows: list[list[int]]) -> dict:
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.parallel.context_parallel import split_microbatch
 
-    initialize_model_parallel(ParallelConfig(), seed=1234, context_parallel_size=world_size)
+    initialize_model_parallel(ParallelConfig(context_parallel_size=world_size), seed=1234)
     try:
         cfg = load_model_config("tiny-qwen2")
-        (cp_model,) = build_gpt_model(cfg, ParallelConfig(), attention_backend="sdpa", context_parallel_size=world_size)
+        (cp_model,) = build_gpt_model(cfg, ParallelConfig(context_parallel_size=world_size), attention_backend="sdpa")
         (ref_model,) = build_gpt_model(cfg, ParallelConfig(), attention_backend="sdpa")  # no CP: the full row
         ref_model.load_state_dict(cp_model.state_dict())
         ours = cp_model.decoder.layers[0].self_attention.core_attention
