@@ -28,28 +28,12 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.megatron,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("megatron_world"),
 ]
 
 # a packed row of 8192: four sequences and a padding segment, every length a multiple of 2 * 4
 SEGMENTS = [4096, 2048, 1024, 520, 504]
 RESULTS: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_world():
-    """A process group of one and Megatron's parallel state (the unfused attention's buffers)."""
-    import torch.distributed as dist
-
-    from megatron_empg.config import ParallelConfig
-    from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from tests.dist import free_port
-
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)  # fmt: skip
-    initialize_model_parallel(ParallelConfig(), seed=0)
-    yield
-    destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _layout():
