@@ -1,42 +1,31 @@
-"""The RL loop of ``../shared/DESIGN.md``: one ``Trainer.step`` is
+"""The RL loop: one ``Trainer.step`` is
 
     rollout -> rewards -> advantages -> micro-batches -> old pass -> anchor pass
     -> update (per mini-batch) -> EMA update -> weight sync (+ consistency gate) -> metrics
     -> checkpoint
 
-each stage a short method. SPMD: every rank runs the same loop. The rollout stage
-(``trainer.rollout``) holds the engines where ``rollout.engines`` places them
-(``parallel.placement``: by default one per data-parallel replica, on its first rank): each
-samples its replicas' prompts, each is synced from its own replica, and the consistency gate
-probes all of them. With ``rollout.sleep_while_training`` the engines sleep from the end of the
-rollout to the weight sync, which wakes their weights first and their KV caches after. The
-micro-batches (``trainer.batch``) are packed rows by default, balanced between the replicas that
-share an engine (each holds all their samples).
-A step uses the data cursor's next global prompt batch (with ``algorithm.dynamic_sampling``, as
-many as it takes to fill the batch with informative groups); the cursor is checkpointed, so a
-resumed run continues with the same prompts.
-
-With ``rollout.placement: disaggregated`` the engines run on ranks of their own
-(``trainer.engine_rank``): the training ranks receive each step's rollout, push the weights to
-all engines from rank 0 and check the engines' probes (``trainer.remote``). With ``rollout.mode:
-one_step_off`` the rollout of the next step is drawn while this one trains, with the weights it
-started from; it is received before the step's weight push (``time/rollout_wait``: how long the
-trainers waited for it) and checkpointed with the step, so a resumed run trains on it as the
-uninterrupted one would.
+each stage a short method. SPMD: every rank runs the same loop. The engines are one object
+(``trainer.engines``) wherever they run: colocated on the training ranks (by default one per
+data-parallel replica, on its first rank; each samples its replicas' prompts and is synced from
+its own replica, and sleeps while the step trains) or disaggregated on ranks of their own (their
+rollouts arrive over the link; with ``rollout.mode: one_step_off`` the next step's is drawn while
+this one trains). The loop asks them for a step's rollout, pushes the weights into them and gates
+the push, and checkpoints what they hold between steps. The micro-batches (``trainer.batch``) are
+packed rows by default, balanced between the replicas that share an engine (each holds all their
+samples). A step uses the data cursor's next global prompt batch (with
+``algorithm.dynamic_sampling``, as many as it takes to fill the batch with informative groups);
+the cursor is checkpointed, so a resumed run continues with the same prompts.
 
 A ``Trainer`` is built from what ``trainer.build.bind`` resolved (``Components``): it branches on
-no configured name.
+no configured name, and on no placement.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import statistics
-import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,19 +34,17 @@ from megatron_empg.config import ConfigError, to_yaml
 from megatron_empg.core.behavior_is import behavior_metrics
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.link import Link
-from megatron_empg.parallel.placement import build_placement
 from megatron_empg.trainer import machine
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.batching import BatchStage, StepBatch
 from megatron_empg.trainer.build import Components
-from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout, prompt_batches, validation_sets
+from megatron_empg.trainer.collect import Scorer, StepRollout, prompt_batches, validation_sets
+from megatron_empg.trainer.engines import build_engines, engine_on_this_rank, training_placement
 from megatron_empg.trainer.forward_batch import forward_rows
-from megatron_empg.trainer.metrics import all_reduce_sums, rollout_metrics, sample_means
-from megatron_empg.trainer.remote import RemoteEngines, Start
-from megatron_empg.trainer.rollout import RolloutStage
+from megatron_empg.trainer.metrics import all_reduce_sums, rollout_metrics, sample_means, timed
 from megatron_empg.trainer.run_dir import check_fresh_start
 from megatron_empg.trainer.signals import any_rank_signalled, ignored_in_children, stop_signals
-from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer, write_hf_config
+from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -87,22 +74,18 @@ class Trainer:
         layout = components.layout
         if dist.get_world_size() != layout.training_ranks:
             raise ValueError(f"bound for {layout.training_ranks} training ranks, running on {dist.get_world_size()}")
-        remote = layout.engine_ranks > 0
-        if remote and (dist.get_rank() == 0) != (link is not None):
-            raise ValueError("disaggregated engines need the link on training rank 0, and only there")
         self.tokenizer = load_tokenizer(config)
         self.groups = groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
-        # Disaggregated engines are, to the training ranks, one engine behind rank 0 (the link's end).
-        self.placement = build_placement(1 if remote else layout.engines, tp_rank=groups.tp_rank,
-                                         pp_rank=groups.pp_rank, dp_rank=groups.dp_rank, dp_size=groups.dp_size,
-                                         cp_rank=groups.cp_rank)  # fmt: skip
+        self.placement = training_placement(layout, groups, link)
         self.batching = BatchStage(config, self.model, self.placement, groups,
                                    pad_id=self.tokenizer.pad_token_id or 0)  # fmt: skip
-        self._check_machine(engine_here=self.placement.is_owner and not remote)
-        # The engines start before the policy is built (vLLM checks the free GPU memory it is given).
-        self.remote = RemoteEngines(link) if remote else None
-        self.rollouts = None if remote else RolloutStage(config, self.model, self.tokenizer, components.engine,
-                                                         self.placement, run_dir=self.run_dir)  # fmt: skip
+        self._check_machine(engine_here=engine_on_this_rank(layout, self.placement))
+        self._build_data()
+        self.engines = build_engines(
+            components, self.placement, tokenizer=self.tokenizer, batches=self.batches, scorer=self.scorer,
+            validation_sets=self.validation_sets, probe=self._probe_batch(), dp_size=groups.dp_size,
+            replica=self.batching.replica, run_dir=self.run_dir, link=link,
+        )  # fmt: skip
         # Megatron's checkpoint writer (a spawned process): a pre-emption signal to the process group must
         # not kill it
         with ignored_in_children():
@@ -110,13 +93,8 @@ class Trainer:
         parallel_state.seed_everything(config.train.seed, groups.pp_rank)  # again: an in-process vLLM seeds globally
         self._build_policy()
         self.anchor = self._build_anchor()
-        self._build_data()
-        self.transport = self._build_transport(link)
-        self.probe = self._probe_batch()
         self.step_index = 0
         self.optimizer_steps = 0
-        self.synced_version: str | None = None
-        self.pending: StepRollout | None = None  # one_step_off: the next step's rollout, drawn already
         self._stop_signal: int | None = None
 
     # ------------------------------------------------------------------ setup
@@ -181,24 +159,10 @@ class Trainer:
 
     def _build_data(self) -> None:
         """The data cursor (global batches; with disaggregated engines a copy of the engines', kept
-        for the checkpoints), the rollout collector of colocated engines, and the validation sets."""
+        for the checkpoints), the scorer and the validation sets (every rank: a bad file stops all)."""
         self.batches = prompt_batches(self.config, self.tokenizer)
         self.scorer = Scorer(self.config, self.tokenizer, self.components.reward)
-        self.collector = None if self.rollouts is None else RolloutCollector(
-            self.config, self.rollouts, self.batches, self.scorer, dp_size=self.groups.dp_size,
-            replica=self.batching.replica,
-        )  # fmt: skip
-        self.validation_sets = validation_sets(self.config, self.tokenizer)  # every rank: a bad file stops all
-
-    def _build_transport(self, link: Link | None):
-        """How this rank's weights reach the engines, where it feeds one: its colocated engine's
-        ``weight_sync.transport``, or the link to the disaggregated engines (training rank 0)."""
-        from megatron_empg.weight_sync.transport import LinkTransport
-
-        if self.remote is not None:
-            return LinkTransport(link) if link is not None else None
-        engine = self.rollouts.engine
-        return self.components.transport(engine, self.config.weight_sync) if engine is not None else None
+        self.validation_sets = validation_sets(self.config, self.tokenizer)
 
     def _probe_batch(self) -> list[list[int]]:
         from megatron_empg.weight_sync.gate import probe_batch
@@ -221,18 +185,13 @@ class Trainer:
         outputs = []
         validation = self.config.validation
         steps = self.config.train.steps
-        ahead = self.config.rollout.mode == "one_step_off"
         with self._signals():
-            if self.remote is not None:
-                self.remote.start(Start(self.step_index, self.batches.state_dict(), pending=self.pending is not None,
-                                        validate=validation.at_start and not resumed))  # fmt: skip
+            self.engines.start(self.step_index, validate=validation.at_start and not resumed)
             self.sync_weights()  # the engine starts from dummy weights (or those of before the resume)
             if validation.at_start and not resumed:  # the weights this run starts from
                 outputs.append(StepOutput(self.step_index, self.validate()))
                 if logger is not None:
                     logger.log(self.step_index, outputs[-1].metrics)
-            if ahead and self.pending is None and self.step_index < steps:  # the pipeline's first rollout
-                self.pending = self._receive_rollout()
             while self.step_index < steps:
                 out = self.step()
                 if validation.interval and self.step_index % validation.interval == 0:
@@ -244,48 +203,40 @@ class Trainer:
                 last = self.step_index == steps
                 # A local decision (the handler may set _stop_signal again at any time): every rank
                 # stops after the same step; the engine ranks' signals come with their messages.
-                signalled = max(self._stop_signal or 0, self.remote.engine_signal or 0) if self.remote else \
-                    self._stop_signal  # fmt: skip
+                signalled = max(self._stop_signal or 0, self.engines.signal)
                 stop = any_rank_signalled(signalled or None, dist.group.WORLD)
                 if last or (interval and self.step_index % interval == 0) or stop is not None:
                     self.save()
-                if self.remote is not None:
-                    self.remote.control(stop=stop is not None or last)
+                self.engines.end_of_step(stop=stop is not None or last)
                 if stop is not None:
                     log.warning("signal %d: checkpointed at step %d, stopping", stop, self.step_index)
                     break
-            if self.remote is not None:
-                self.remote.stopped = True  # the engines stop with the loop (with no step left: at once)
         return outputs
 
     def step(self) -> StepOutput:
         times: dict[str, float] = {}
-        with _timed(times, "rollout"):
-            rollout = self.rollout(times)
-            if self.rollouts is not None:
-                self.rollouts.sleep()
+        with timed(times, "rollout"):
+            rollout = self.engines.rollout(times)
         times["rollout"] -= times.get("rewards", 0.0)  # scored inside it (between generation batches)
         samples = rollout.replicas[self.batching.replica]
-        with _timed(times, "advantages"):
+        with timed(times, "advantages"):
             advantages = self.advantages(samples)
-        with _timed(times, "batching"):
+        with timed(times, "batching"):
             batch = self.batching.build(rollout.replicas, advantages, device=next(self.models[0].parameters()).device)
         micro = [mb for mini in batch.minis for mb in mini]
-        with _timed(times, "old_pass"):
+        with timed(times, "old_pass"):
             self.old_pass(micro)
             algorithm = self.config.algorithm
             behavior = batch.behavior_is(algorithm.behavior_is, algorithm.behavior_is_cap)  # vs the sampler
-        with _timed(times, "anchor_pass"):
+        with timed(times, "anchor_pass"):
             self.anchor_pass(micro)
-        with _timed(times, "update"):
+        with timed(times, "update"):
             update_metrics = self.update(batch.minis)
-        with _timed(times, "ema_update"):
+        with timed(times, "ema_update"):
             ema_updates = self.ema_update()
         self.step_index += 1
-        if self.config.rollout.mode == "one_step_off" and self.step_index < self.config.train.steps:
-            with _timed(times, "rollout_wait"):  # the next step's rollout, drawn while this one trained
-                self.pending = self._receive_rollout()
-        with _timed(times, "weight_sync"):
+        self.engines.trained(self.step_index, times)
+        with timed(times, "weight_sync"):
             sync_metrics = self.sync_weights()
         metrics = self.metrics(rollout, samples, batch, update_metrics, sync_metrics, times, behavior)
         metrics["anchor/updates"] = float(ema_updates)
@@ -294,30 +245,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ stages
 
-    def rollout(self, times: dict[str, float]) -> StepRollout:
-        """This step's samples of each replica of this rank's engine, scored
-        (``trainer.collect``; scoring time in ``times["rewards"]``): drawn by the colocated
-        engines now, or received from the disaggregated ones (one_step_off: drawn already)."""
-        if self.pending is not None:
-            rollout, self.pending = self.pending, None
-            return rollout
-        if self.remote is not None:
-            return self._receive_rollout()
-        return self.collector.collect(times)
-
-    def _receive_rollout(self) -> StepRollout:
-        """The disaggregated engines' next rollout (all replicas), on every training rank; the data
-        cursor follows theirs."""
-        rollout = self.remote.rollout()
-        self.batches.load_state_dict(rollout.data_state)
-        return rollout
-
     def validate(self) -> dict[str, float]:
         """``val/...`` metrics of the validation prompts under the engines' weights, the same on
         every rank (``RolloutStage.validate``: the engines split the prompts)."""
-        if self.remote is not None:
-            return self.remote.validation()
-        return self.rollouts.validate(self.validation_sets, self.scorer, self.step_index)
+        return self.engines.validate(self.step_index)
 
     def advantages(self, samples: list[Sample]) -> torch.Tensor:
         """[B] per-sample advantages (groups are this replica's prompts: whole groups never split)."""
@@ -396,35 +327,18 @@ class Trainer:
         """Push the policy into the engine, then the consistency gate (raises on a mismatch)."""
         from megatron_empg.mcore.model import named_weight_shards
         from megatron_empg.mcore.step import score_sequences
-        from megatron_empg.weight_sync import bridge, gate
+        from megatron_empg.weight_sync import bridge
 
-        sync = self.config.weight_sync
         groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.placement.feeds_engine)
         shards = named_weight_shards(self.models)
-        version = f"step-{self.step_index}"
-        if self.rollouts is not None:
-            self.rollouts.wake_weights()  # the new weights land before the KV cache takes its memory back
-        report = bridge.sync_weights(shards, self.model, groups, self.transport, version,
-                                     bucket_bytes=int(sync.bucket_size_mb * 2**20), placement=self.placement)  # fmt: skip
-        if self.rollouts is not None:
-            self.rollouts.wake_kv_cache()
-            self.rollouts.weights_version = self.step_index
-        self.synced_version = version
+        report = self.engines.push(shards, groups, self.step_index)
         metrics = {"sync/seconds": report.seconds, "sync/gbytes": report.num_bytes / 1e9}
-        if sync.gate_tolerance is not None:
+        if self.config.weight_sync.gate_tolerance is not None:
             for model in self.models:
                 model.eval()
             score = lambda seqs: score_sequences(self.models, seqs, self.model.vocab_size, self.groups)  # noqa: E731
             diagnose = lambda: bridge.round_trip_errors(shards, self.model, groups)  # noqa: E731
-            if self.remote is not None:
-                metrics["sync/gate_max_logprob_diff"] = gate.verify_probes(
-                    self.remote.probes(), score, version, tolerance=sync.gate_tolerance, diagnose=diagnose)  # fmt: skip
-            else:
-                metrics["sync/gate_max_logprob_diff"] = gate.verify_sync(
-                    self.rollouts.engine, self.probe, score, version, tolerance=sync.gate_tolerance,
-                    continuation=sync.probe_continuation, seed=sync.probe_seed, diagnose=diagnose,
-                    placement=self.placement,
-                )  # fmt: skip
+            metrics["sync/gate_max_logprob_diff"] = self.engines.gate(self.step_index, score, diagnose)
         return metrics
 
     def metrics(self, rollout: StepRollout, samples: list[Sample], batch: StepBatch, update_metrics, sync_metrics,
@@ -476,28 +390,15 @@ class Trainer:
             "anchor_num_updates": self.anchor.num_updates if self.anchor is not None else 0,
             "data": self.batches.state_dict(),
             "config_yaml": to_yaml(self.config),
-            "pending_rollout": self.pending,  # one_step_off: restored on resume, not drawn again
+            "engines": self.engines.state_dict(),  # e.g. one_step_off's next rollout: not drawn again
         }
         return save_checkpoint(
             cfg.dir, self.step_index, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler,
             anchor=self.anchor, extra_state=extra, groups=self.groups, keep_last=cfg.keep_last,
             checksums=cfg.verify == "checksum",
             model_name=self.model.name, optimizer_format=cfg.optimizer_format, model_config=self.model,
-            hf_assets=self._hf_assets(),  # the tokenizer
+            hf_assets=self.engines.hf_assets(),  # the tokenizer
         )  # fmt: skip
-
-    def _hf_assets(self) -> Path | None:
-        """A HF config + tokenizer directory for the checkpoints' ``hf/`` (rank 0): the engine's."""
-        if self.rollouts is not None:
-            return self.rollouts.model_dir if self.rollouts.engine is not None else None
-        if dist.get_rank() != 0:
-            return None
-        directory = self.run_dir / "hf_assets"
-        if not directory.is_dir():
-            directory.mkdir(parents=True, exist_ok=True)
-            write_hf_config(self.model, directory)
-            self.tokenizer.save_pretrained(directory)
-        return directory
 
     def resume(self) -> bool:
         """Load the newest intact checkpoint of ``checkpoint.dir`` (a damaged one is named and skipped:
@@ -511,7 +412,7 @@ class Trainer:
             return False
         extra = self._load_training_state(found.path)
         self.batches.load_state_dict(extra["data"])
-        self.pending = extra.get("pending_rollout")
+        self.engines.load_state_dict(extra["engines"])
         log.info("resumed from %s at step %d", found.path, self.step_index)
         return True
 
@@ -555,19 +456,5 @@ class Trainer:
         """Stops the engines (disaggregated ones are told to, if the run ended early: an error)."""
         from megatron_empg.mcore import parallel_state
 
-        if self.rollouts is not None:
-            self.rollouts.shutdown()
-        if self.remote is not None:
-            self.remote.close()
+        self.engines.close()
         parallel_state.destroy_model_parallel()
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers.
-
-
-@contextlib.contextmanager
-def _timed(times: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    times[name] = time.perf_counter() - start

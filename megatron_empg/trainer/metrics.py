@@ -1,14 +1,17 @@
 """Per-sample metrics of a step or a validation pass, as sums that add up over batches and
 data-parallel replicas (``sample_sums``, ``add_sums``, ``all_reduce_sums``), and their means
-(``sample_means``); and what a step's rollout was drawn with (``rollout_metrics``)."""
+(``sample_means``); what a step's rollout was drawn with (``rollout_metrics``); stage timers
+(``timed``)."""
 
 from __future__ import annotations
 
 import array
+import contextlib
 import math
 import statistics
+import time
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
@@ -82,3 +85,11 @@ def rollout_metrics(rollout: StepRollout, step: int) -> dict[str, float]:
         digest = zlib.crc32(array.array("q", [s.group, *s.response_ids]).tobytes(), digest)
     return {"rollout/staleness_mean": statistics.fmean(lags) if lags else 0.0,
             "rollout/staleness_max": float(max(lags, default=0)), "rollout/digest": float(digest)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def timed(times: dict[str, float], name: str) -> Iterator[None]:
+    """``times[name]``: the seconds the block took (a step's ``time/...`` metrics)."""
+    start = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - start
