@@ -1,0 +1,267 @@
+"""The rollout engines as the training loop sees them: one protocol, two placements.
+
+``ColocatedEngines`` live on the training ranks (``rollout.placement: colocated``): they draw a
+step's rollout when it starts, sleep while it trains (``rollout.sleep_while_training``) and wake
+for the weight push. ``DisaggregatedEngines`` run on engine ranks of their own
+(``trainer.engine_rank``), behind the link on training rank 0 (``trainer.remote``): the training
+ranks receive their rollouts and probes, and with ``rollout.mode: one_step_off`` hold the next
+step's rollout, drawn while this one trained, which a checkpoint keeps.
+
+Every training rank calls, in this order::
+
+    engines.start(step, validate=...)        # where the run starts
+    engines.push(shards, groups, step)       # the weights of `step` training steps done ...
+    engines.gate(step, score, diagnose)      # ... and the consistency gate on them
+    engines.validate(step)                   # val/... metrics (validation steps)
+    per step:  engines.rollout(times) -> update -> engines.trained(step, times) -> push -> gate
+               -> [validate] -> [checkpoint: state_dict()] -> engines.end_of_step(stop)
+    engines.close()
+
+``Trainer`` holds one (``build_engines``) and asks nothing about where they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_empg.config import ModelConfig, RunConfig
+from megatron_empg.parallel.link import Link
+from megatron_empg.parallel.placement import EnginePlacement, build_placement
+from megatron_empg.trainer.build import Components
+from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout
+from megatron_empg.trainer.layout import Layout
+from megatron_empg.trainer.metrics import timed
+from megatron_empg.trainer.remote import RemoteEngines, Start
+from megatron_empg.trainer.rollout import RolloutStage
+from megatron_empg.trainer.start import write_hf_config
+from megatron_empg.weight_sync.bridge import SyncGroups, SyncReport
+
+Score = Callable[[list[list[int]]], Tensor]  # the trainer's log-probs of probe sequences
+Diagnose = Callable[[], dict[str, float]]  # per tensor family: the worst round-trip error
+
+
+class Engines(Protocol):
+    """What the training loop asks of its engines (module docstring: the order of the calls)."""
+
+    def start(self, step: int, *, validate: bool) -> None:
+        """The run starts after ``step`` training steps; ``validate``: the loop validates the
+        starting weights."""
+
+    def rollout(self, times: dict[str, float]) -> StepRollout:
+        """This step's rollout, scored (scoring time in ``times["rewards"]``)."""
+
+    def trained(self, step: int, times: dict[str, float]) -> None:
+        """The update of the step that makes ``step`` steps done is over; the weights not pushed yet."""
+
+    def push(self, shards: Sequence, groups: SyncGroups, step: int) -> SyncReport:
+        """The policy after ``step`` training steps into every engine (every rank: its shards)."""
+
+    def gate(self, step: int, score: Score, diagnose: Diagnose) -> float:
+        """The consistency gate on the weights just pushed: the largest |log-prob difference|;
+        raises ``weight_sync.gate.ConsistencyError`` above ``weight_sync.gate_tolerance``."""
+
+    def validate(self, step: int) -> dict[str, float]:
+        """``val/...`` metrics under the engines' weights, the same on every rank."""
+
+    @property
+    def signal(self) -> int:
+        """The largest stop signal the engines reported (0: none)."""
+
+    def end_of_step(self, stop: bool) -> None:
+        """After each step's checkpoint: go on, or (the last step, a signal) stop."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold of the engines to resume as the run would have gone on."""
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def hf_assets(self) -> Path | None:
+        """A HF config + tokenizer directory for the checkpoints' ``hf/`` (rank 0; None elsewhere)."""
+
+    def close(self) -> None: ...
+
+
+def training_placement(layout: Layout, groups, link: Link | None) -> EnginePlacement:
+    """The engines as this training rank sees them (``parallel.placement``; every training rank
+    calls it together): colocated, ``layout.engines`` of them on the training ranks;
+    disaggregated, one engine behind training rank 0, the link's end (``link``: there only)."""
+    remote = layout.engine_ranks > 0
+    if remote and (dist.get_rank() == 0) != (link is not None):
+        raise ValueError("disaggregated engines need the link on training rank 0, and only there")
+    return build_placement(1 if remote else layout.engines, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
+                           dp_rank=groups.dp_rank, dp_size=groups.dp_size, cp_rank=groups.cp_rank)  # fmt: skip
+
+
+def engine_on_this_rank(layout: Layout, placement: EnginePlacement) -> bool:
+    """Whether this training rank's process holds an engine (the machine checks its room)."""
+    return layout.engine_ranks == 0 and placement.is_owner
+
+
+def build_engines(components: Components, placement: EnginePlacement, *, tokenizer, batches, scorer: Scorer,
+                  validation_sets: dict, probe: list[list[int]], dp_size: int, replica: int, run_dir: Path,
+                  link: Link | None) -> Engines:  # fmt: skip
+    """The engines of ``components.layout`` for this training rank: the engines start here (before
+    the policy is built: vLLM checks the free GPU memory it is given). ``batches``: the data
+    cursor (disaggregated engines send theirs with each rollout and the training ranks' copy
+    follows it, for the checkpoints)."""
+    config = components.config
+    if components.layout.engine_ranks > 0:
+        return DisaggregatedEngines(config, components.model, link, batches, tokenizer=tokenizer, run_dir=run_dir,
+                                    placement=placement)  # fmt: skip
+    stage = RolloutStage(config, components.model, tokenizer, components.engine, placement, run_dir=run_dir)
+    transport = components.transport(stage.engine, config.weight_sync) if stage.engine is not None else None
+    collector = RolloutCollector(config, stage, batches, scorer, dp_size=dp_size, replica=replica)
+    return ColocatedEngines(config, components.model, stage, collector, transport, scorer=scorer,
+                            validation_sets=validation_sets, probe=probe)  # fmt: skip
+
+
+def _push(config: RunConfig, model: ModelConfig, shards, groups: SyncGroups, transport, step: int,
+          placement: EnginePlacement) -> SyncReport:  # fmt: skip
+    from megatron_empg.weight_sync import bridge
+
+    return bridge.sync_weights(shards, model, groups, transport, version_name(step),
+                               bucket_bytes=int(config.weight_sync.bucket_size_mb * 2**20), placement=placement)  # fmt: skip
+
+
+def version_name(step: int) -> str:
+    """The label of the weights after ``step`` training steps (the gate's messages name it)."""
+    return f"step-{step}"
+
+
+class ColocatedEngines:
+    """Engines on the training ranks (``trainer.rollout.RolloutStage``): a step's rollout is drawn
+    when it starts (``trainer.collect.RolloutCollector``), then they sleep until the push wakes
+    them, their weights first, their KV cache after."""
+
+    signal = 0  # the training ranks' own signals are the loop's
+
+    def __init__(self, config: RunConfig, model: ModelConfig, stage: RolloutStage, collector: RolloutCollector,
+                 transport, *, scorer: Scorer, validation_sets: dict, probe: list[list[int]]) -> None:  # fmt: skip
+        self.config, self.model, self.stage, self.collector = config, model, stage, collector
+        self.transport, self.scorer, self.validation_sets, self.probe = transport, scorer, validation_sets, probe
+
+    def start(self, step: int, *, validate: bool) -> None:
+        pass
+
+    def rollout(self, times: dict[str, float]) -> StepRollout:
+        rollout = self.collector.collect(times)
+        self.stage.sleep()
+        return rollout
+
+    def trained(self, step: int, times: dict[str, float]) -> None:
+        pass
+
+    def push(self, shards, groups: SyncGroups, step: int) -> SyncReport:
+        self.stage.wake_weights()  # the new weights land before the KV cache takes its memory back
+        report = _push(self.config, self.model, shards, groups, self.transport, step, self.stage.placement)
+        self.stage.wake_kv_cache()
+        self.stage.weights_version = step
+        return report
+
+    def gate(self, step: int, score: Score, diagnose: Diagnose) -> float:
+        from megatron_empg.weight_sync.gate import verify_sync
+
+        sync = self.config.weight_sync
+        return verify_sync(self.stage.engine, self.probe, score, version_name(step), tolerance=sync.gate_tolerance,
+                           continuation=sync.probe_continuation, seed=sync.probe_seed, diagnose=diagnose,
+                           placement=self.stage.placement)  # fmt: skip
+
+    def validate(self, step: int) -> dict[str, float]:
+        return self.stage.validate(self.validation_sets, self.scorer, step)
+
+    def end_of_step(self, stop: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}  # a step's rollout is drawn inside the step: nothing is in flight between steps
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def hf_assets(self) -> Path | None:
+        return self.stage.model_dir if self.stage.engine is not None else None
+
+    def close(self) -> None:
+        self.stage.shutdown()
+
+
+class DisaggregatedEngines:
+    """Engines on ranks of their own, one engine behind training rank 0 to the training ranks
+    (``trainer.remote.RemoteEngines``: rank 0 holds the link and shares what it receives).
+    ``rollout.mode: one_step_off``: the next step's rollout is received once this step has
+    trained (``time/rollout_wait``: how long the trainers waited for it) and held until that step
+    (``pending``, checkpointed)."""
+
+    def __init__(self, config: RunConfig, model: ModelConfig, link: Link | None, batches, *, tokenizer,
+                 run_dir: Path, placement: EnginePlacement) -> None:  # fmt: skip
+        from megatron_empg.weight_sync.transport import LinkTransport
+
+        self.config, self.model, self.batches, self.tokenizer = config, model, batches, tokenizer
+        self.run_dir, self.placement = run_dir, placement
+        self.remote = RemoteEngines(link)
+        self.transport = LinkTransport(link) if link is not None else None
+        self.ahead = config.rollout.mode == "one_step_off"
+        self.pending: StepRollout | None = None  # one_step_off: the next step's rollout, drawn already
+
+    def start(self, step: int, *, validate: bool) -> None:
+        self.remote.start(Start(step, self.batches.state_dict(), pending=self.pending is not None, validate=validate))
+        self.remote.stopped = step >= self.config.train.steps  # no step left: the engines stop at once
+
+    def rollout(self, times: dict[str, float]) -> StepRollout:
+        rollout, self.pending = self.pending or self._receive(), None
+        return rollout
+
+    def trained(self, step: int, times: dict[str, float]) -> None:
+        if self.ahead and step < self.config.train.steps:
+            with timed(times, "rollout_wait"):  # the next step's rollout, drawn while this one trained
+                self.pending = self._receive()
+
+    def _receive(self) -> StepRollout:
+        """The engines' next rollout (all replicas), on every training rank; the data cursor
+        follows theirs."""
+        rollout = self.remote.rollout()
+        self.batches.load_state_dict(rollout.data_state)
+        return rollout
+
+    def push(self, shards, groups: SyncGroups, step: int) -> SyncReport:
+        return _push(self.config, self.model, shards, groups, self.transport, step, self.placement)
+
+    def gate(self, step: int, score: Score, diagnose: Diagnose) -> float:
+        from megatron_empg.weight_sync.gate import verify_probes
+
+        return verify_probes(self.remote.probes(), score, version_name(step),
+                             tolerance=self.config.weight_sync.gate_tolerance, diagnose=diagnose)  # fmt: skip
+
+    def validate(self, step: int) -> dict[str, float]:
+        return self.remote.validation()
+
+    @property
+    def signal(self) -> int:
+        return self.remote.engine_signal or 0
+
+    def end_of_step(self, stop: bool) -> None:
+        self.remote.control(stop=stop)
+
+    def state_dict(self) -> dict:
+        return {"pending_rollout": self.pending}  # restored on resume, not drawn again
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = state.get("pending_rollout")
+
+    def hf_assets(self) -> Path | None:
+        """Written once into the run directory (the engines' own are on other ranks)."""
+        if dist.get_rank() != 0:
+            return None
+        directory = self.run_dir / "hf_assets"
+        if not directory.is_dir():
+            directory.mkdir(parents=True, exist_ok=True)
+            write_hf_config(self.model, directory)
+            self.tokenizer.save_pretrained(directory)
+        return directory
+
+    def close(self) -> None:
+        self.remote.close()
