@@ -32,12 +32,14 @@ class Link:
     """Messages between training rank 0 and the engine ranks (link ranks 1 ..).
 
     ``broadcast_object`` / ``broadcast_tensor`` go from one link rank to all others;
-    ``send_object`` / ``recv_object`` between two. Tensors travel over NCCL when the link has it
-    (``device`` cuda), else over gloo."""
+    ``send_object`` / ``recv_object`` between two, on a gloo group of their own, so one thread may
+    receive while another broadcasts (``rollout.max_staleness`` >= 1). Tensors travel over NCCL
+    when the link has it (``device`` cuda), else over gloo."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, *, nccl: bool) -> None:
         self.rank, self.size = rank, size
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("link/gloo/", store), rank, size, timeout)
+        self._mail = dist.ProcessGroupGloo(dist.PrefixStore("link/mail/", store), rank, size, timeout)
         self._nccl = None
         self.device = torch.device("cpu")
         if nccl:
@@ -60,14 +62,14 @@ class Link:
 
     def send_object(self, obj, *, dst: int) -> None:
         data = _to_bytes(obj)
-        self._wait(self._gloo.send([torch.tensor([len(data)], dtype=torch.int64)], dst, 0))
-        self._wait(self._gloo.send([data], dst, 1))
+        self._wait(self._mail.send([torch.tensor([len(data)], dtype=torch.int64)], dst, 0))
+        self._wait(self._mail.send([data], dst, 1))
 
     def recv_object(self, *, src: int):
         length = torch.empty(1, dtype=torch.int64)
-        self._wait(self._gloo.recv([length], src, 0))
+        self._wait(self._mail.recv([length], src, 0))
         data = torch.empty(int(length), dtype=torch.uint8)
-        self._wait(self._gloo.recv([data], src, 1))
+        self._wait(self._mail.recv([data], src, 1))
         return pickle.loads(data.numpy().tobytes())
 
     # ---------------------------------------------------------------- tensors
