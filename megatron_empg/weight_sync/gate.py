@@ -194,3 +194,48 @@ def verify_probes(
         family_errors = diagnose() if diagnose else None
         raise ConsistencyError(mismatch_message(version, results[worst], tolerance, family_errors, worst))
     return results[worst][0]
+
+
+def engine_self_check(engine: ProbeEngine, sequences: Sequence[Sequence[int]], logprobs: Tensor, probe_length: int) -> float:
+    """Largest |sampler - scoring| log-prob gap of the engine on the continuation it sampled after
+    the probe (``engine_probe``'s ``sequences`` and ``logprobs``, whose tokens from
+    ``probe_length`` on were sampled): generation reads the prefix cache, scoring recomputes, so
+    KV left from older weights shows here. The engines' half of the gate when the training ranks
+    can no longer score those weights (``verify_staged_probes``)."""
+    if logprobs.size(1) <= probe_length - 1:
+        return 0.0
+    scored = torch.tensor(engine.score(sequences), dtype=torch.float64)
+    return max_difference(scored[:, probe_length - 1 :], logprobs[:, probe_length - 1 :])[0]
+
+
+def verify_staged_probes(
+    probes: Sequence[tuple[list[list[int]], Tensor]],
+    self_checks: Sequence[float],
+    trainer_logprobs: Tensor,
+    version: str,
+    *,
+    tolerance: float,
+    diagnose: Callable[[], dict[str, float]] | None = None,
+) -> float:
+    """The gate of engines that load pushed weights later (``rollout.max_staleness`` >= 1), on the
+    training ranks, once the engines' probes of those weights arrive: ``trainer_logprobs`` [N, L-1]
+    are the trainer's log-probs of the probe batch computed when it pushed ``version``; engine e's
+    teacher-forced log-probs of the probe (the first L-1 of ``probes[e]``) must match them, and its
+    ``self_checks[e]`` (``engine_self_check``) must be within ``tolerance`` too. Above it every
+    rank runs ``diagnose()`` (on the trainer's current weights: a layout fault shows on any) and
+    raises the same ``ConsistencyError`` naming the worst engine. Returns the max difference."""
+    width = trainer_logprobs.size(1)
+    results = [max_difference(trainer_logprobs, logprobs[:, :width]) for _, logprobs in probes]
+    worst = max(range(len(results)), key=lambda e: results[e][0])
+    if not results[worst][0] <= tolerance:
+        family_errors = diagnose() if diagnose else None
+        raise ConsistencyError(mismatch_message(version, results[worst], tolerance, family_errors, worst))
+    stale = max(range(len(self_checks)), key=lambda e: self_checks[e], default=None)
+    if stale is not None and not self_checks[stale] <= tolerance:
+        raise ConsistencyError(
+            f"weight sync {version}: engine {stale}'s sampler and its own scoring disagree by up to "
+            f"{self_checks[stale]:.3g} (tolerance {tolerance:g}) on the continuation it sampled after the probe, "
+            f"while its scoring matches the trainer: KV computed with older weights is the suspect (a prefix "
+            f"cache not reset by the update)"
+        )  # fmt: skip
+    return max(results[worst][0], max(self_checks, default=0.0))
