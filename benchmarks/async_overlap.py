@@ -17,8 +17,8 @@ last one, in three configurations:
 
     disaggregated_sync          3 processes: 2 training ranks (DP 2) + 1 engine rank
                                 (``rollout.placement=disaggregated rollout.engine_ranks=1``,
-                                ``rollout.mode=sync``): the engine draws step s, then waits
-    disaggregated_one_step_off  the same with ``rollout.mode=one_step_off``: the engine draws
+                                ``rollout.max_staleness=0``): the engine draws step s, then waits
+    disaggregated_one_step_off  the same with ``rollout.max_staleness=1``: the engine draws
                                 step s+1 with step s's starting weights while step s trains
     colocated_sync              2 processes, one engine per training rank (``--no-colocated``: skip)
 
@@ -109,9 +109,9 @@ RECIPE = REPO / "recipes" / "demo_cpu.yaml"
 WARM_START = REPO / "runs" / "demo" / "warm_start"
 LAUNCHER = REPO / "launchers" / "torchrun.sh"
 RUNS = {  # name -> (processes, overrides)
-    "disaggregated_sync": (3, ["rollout.placement=disaggregated", "rollout.engine_ranks=1", "rollout.mode=sync"]),
+    "disaggregated_sync": (3, ["rollout.placement=disaggregated", "rollout.engine_ranks=1", "rollout.max_staleness=0"]),
     "disaggregated_one_step_off": (3, ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
-                                       "rollout.mode=one_step_off"]),  # fmt: skip
+                                       "rollout.max_staleness=1"]),  # fmt: skip
     "colocated_sync": (2, []),
 }
 ENGINE_OVERRIDES = {

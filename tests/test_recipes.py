@@ -214,7 +214,7 @@ def test_one_step_off_recipe_puts_half_the_gpus_on_engines(tmp_path):
     layout = bind(_with_local_paths(path, tmp_path), 8).layout
     assert (layout.training_ranks, layout.engine_ranks, layout.dp, layout.engines) == (4, 4, 4, 4)
     config = load_config(RunConfig, path)
-    assert (config.rollout.mode, config.rollout.sleep_while_training) == ("one_step_off", False)
+    assert (config.rollout.max_staleness, config.rollout.sleep_while_training) == (1, False)
     assert (config.algorithm.behavior_is, config.algorithm.behavior_is_cap) == ("tis", 2.0)
     base = load_config(RunConfig, RECIPES / f"{R1}.yaml")
     assert (config.algorithm.loss, config.optimizer, config.train) == (base.algorithm.loss, base.optimizer, base.train)

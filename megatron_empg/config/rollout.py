@@ -4,7 +4,7 @@ engines (``weight_sync``)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 from megatron_empg.config.schema import ConfigError
 
@@ -111,10 +111,17 @@ class RolloutConfig:
     ``tensor_parallel_size`` of them (E = engine_ranks / tensor_parallel_size, dividing the
     data-parallel size of the other ranks, which train); training replica 0 broadcasts the weights
     to every engine after each step (``weight_sync.transport`` is then how an engine rank hands
-    them to its own engine). ``mode``: ``sync`` (a step's samples are drawn with the weights it
-    starts from) or ``one_step_off`` (disaggregated only: the engines draw step s+1's samples with
-    step s's starting weights while step s trains; each sample carries the version that drew it).
+    them to its own engine). ``max_staleness`` k: how many weight versions the
+    engines may run ahead of the trainer (disaggregated only for k > 0): 0 draws a step's samples
+    with the weights it starts from; k >= 1 lets the engines draw step t's samples with any
+    weights from step t - 1 - k on (the weights after t - 1 - k steps) while earlier steps train
+    (1: one step off, step t drawn by step t - 1's starting weights); each sample carries the
+    version that drew it.
     """
+
+    RETIRED: ClassVar[dict[str, str]] = {
+        "mode": "was replaced by rollout.max_staleness: mode sync is max_staleness 0, one_step_off is 1",
+    }
 
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -132,7 +139,7 @@ class RolloutConfig:
     search_agent: SearchAgentConfig | None = None  # null: one response per sample, no tools
     placement: Literal["colocated", "disaggregated"] = "colocated"
     engine_ranks: int = 0  # disaggregated: how many of the job's ranks only run engines
-    mode: Literal["sync", "one_step_off"] = "sync"
+    max_staleness: int = 0
 
     @property
     def disaggregated(self) -> bool:
@@ -171,9 +178,13 @@ class RolloutConfig:
         elif self.engine_ranks:
             raise ConfigError("engine_ranks", f"needs placement disaggregated (colocated engines use training ranks), "
                               f"got {self.engine_ranks!r}")  # fmt: skip
-        if self.mode == "one_step_off" and not self.disaggregated:
-            raise ConfigError("mode", "one_step_off needs placement disaggregated: colocated engines share the "
-                              "training GPUs, so generation cannot overlap training")  # fmt: skip
+        if self.max_staleness < 0:
+            raise ConfigError("max_staleness", f"must be >= 0 (0: every step drawn by the weights it starts from), "
+                              f"got {self.max_staleness!r}")  # fmt: skip
+        if self.max_staleness > 0 and not self.disaggregated:
+            raise ConfigError("max_staleness", f"{self.max_staleness} needs placement disaggregated: colocated engines "
+                              "draw on the training ranks between steps (and sleep while they train), so they cannot "
+                              "run ahead of the trainer")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -206,6 +206,10 @@ def _build(cls: type[T], data: Mapping, path: str) -> T:
     bad = [k for k in data if not isinstance(k, str)]
     if bad:
         raise ConfigError(path, f"keys must be strings, got {bad!r}; allowed keys: {allowed}")
+    retired = getattr(cls, "RETIRED", {})
+    for key in data:
+        if key in retired:  # a key that was replaced: say by what
+            raise ConfigError(join_path(path, key), retired[key])
     unknown = [k for k in data if k not in fields]
     if unknown:
         what = "unknown key" if len(unknown) == 1 else "unknown keys"
@@ -328,6 +332,8 @@ def apply_overrides(data: Mapping, overrides: Iterable[str], *, cls: type | None
             free = tp is None and cls is not None  # inside a free-form dict field
             if cls is not None and not free:
                 fields = _init_fields(tp)
+                if part in getattr(tp, "RETIRED", {}):  # a key that was replaced: say by what
+                    raise ConfigError(where, tp.RETIRED[part])
                 if part not in fields:
                     raise ConfigError(where, f"unknown key in override {override!r}; allowed keys: {', '.join(fields)}")
                 tp = _hints(tp)[part]

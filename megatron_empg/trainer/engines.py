@@ -4,8 +4,9 @@
 step's rollout when it starts, sleep while it trains (``rollout.sleep_while_training``) and wake
 for the weight push. ``DisaggregatedEngines`` run on engine ranks of their own
 (``trainer.engine_rank``), behind the link on training rank 0 (``trainer.remote``): the training
-ranks receive their rollouts and probes, and with ``rollout.mode: one_step_off`` hold the next
-step's rollout, drawn while this one trained, which a checkpoint keeps.
+ranks receive their rollouts and probes; with ``rollout.max_staleness`` k >= 1 the engines run
+ahead up to k weight versions, and the rollouts they drew for later steps wait on the training
+ranks (a checkpoint keeps them).
 
 Every training rank calls, in this order::
 
@@ -13,8 +14,8 @@ Every training rank calls, in this order::
     engines.push(shards, groups, step)       # the weights of `step` training steps done ...
     engines.gate(step, score, diagnose)      # ... and the consistency gate on them
     engines.validate(step)                   # val/... metrics (validation steps)
-    per step:  engines.rollout(times) -> update -> engines.trained(step, times) -> push -> gate
-               -> [validate] -> [checkpoint: state_dict()] -> engines.end_of_step(stop)
+    per step:  engines.rollout(step, times) -> update -> push -> gate -> [validate]
+               -> [checkpoint: state_dict()] -> engines.end_of_step(stop)
     engines.close()
 
 ``Trainer`` holds one (``build_engines``) and asks nothing about where they are.
@@ -22,6 +23,8 @@ Every training rank calls, in this order::
 
 from __future__ import annotations
 
+import collections
+import time
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
@@ -34,8 +37,7 @@ from megatron_empg.parallel.placement import EnginePlacement, build_placement
 from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout
 from megatron_empg.trainer.layout import Layout
-from megatron_empg.trainer.metrics import timed
-from megatron_empg.trainer.remote import RemoteEngines, Start
+from megatron_empg.trainer.remote import FromEngines, RemoteEngines, Start, version_name
 from megatron_empg.trainer.rollout import RolloutStage
 from megatron_empg.trainer.start import write_hf_config
 from megatron_empg.weight_sync.bridge import SyncGroups, SyncReport
@@ -51,11 +53,9 @@ class Engines(Protocol):
         """The run starts after ``step`` training steps; ``validate``: the loop validates the
         starting weights."""
 
-    def rollout(self, times: dict[str, float]) -> StepRollout:
-        """This step's rollout, scored (scoring time in ``times["rewards"]``)."""
-
-    def trained(self, step: int, times: dict[str, float]) -> None:
-        """The update of the step that makes ``step`` steps done is over; the weights not pushed yet."""
+    def rollout(self, step: int, times: dict[str, float]) -> StepRollout:
+        """The rollout of the step after ``step`` training steps, scored (scoring time in
+        ``times["rewards"]``, the wait for engines that run ahead in ``times["rollout_wait"]``)."""
 
     def push(self, shards: Sequence, groups: SyncGroups, step: int) -> SyncReport:
         """The policy after ``step`` training steps into every engine (every rank: its shards)."""
@@ -111,7 +111,7 @@ def build_engines(components: Components, placement: EnginePlacement, *, tokeniz
     config = components.config
     if components.layout.engine_ranks > 0:
         return DisaggregatedEngines(config, components.model, link, batches, tokenizer=tokenizer, run_dir=run_dir,
-                                    placement=placement)  # fmt: skip
+                                    placement=placement, probe=probe)  # fmt: skip
     stage = RolloutStage(config, components.model, tokenizer, components.engine, placement, run_dir=run_dir)
     transport = components.transport(stage.engine, config.weight_sync) if stage.engine is not None else None
     collector = RolloutCollector(config, stage, batches, scorer, dp_size=dp_size, replica=replica)
@@ -125,11 +125,6 @@ def _push(config: RunConfig, model: ModelConfig, shards, groups: SyncGroups, tra
 
     return bridge.sync_weights(shards, model, groups, transport, version_name(step),
                                bucket_bytes=int(config.weight_sync.bucket_size_mb * 2**20), placement=placement)  # fmt: skip
-
-
-def version_name(step: int) -> str:
-    """The label of the weights after ``step`` training steps (the gate's messages name it)."""
-    return f"step-{step}"
 
 
 class ColocatedEngines:
@@ -147,13 +142,10 @@ class ColocatedEngines:
     def start(self, step: int, *, validate: bool) -> None:
         pass
 
-    def rollout(self, times: dict[str, float]) -> StepRollout:
+    def rollout(self, step: int, times: dict[str, float]) -> StepRollout:
         rollout = self.collector.collect(times)
         self.stage.sleep()
         return rollout
-
-    def trained(self, step: int, times: dict[str, float]) -> None:
-        pass
 
     def push(self, shards, groups: SyncGroups, step: int) -> SyncReport:
         self.stage.wake_weights()  # the new weights land before the KV cache takes its memory back
@@ -192,52 +184,119 @@ class ColocatedEngines:
 class DisaggregatedEngines:
     """Engines on ranks of their own, one engine behind training rank 0 to the training ranks
     (``trainer.remote.RemoteEngines``: rank 0 holds the link and shares what it receives).
-    ``rollout.mode: one_step_off``: the next step's rollout is received once this step has
-    trained (``time/rollout_wait``: how long the trainers waited for it) and held until that step
-    (``pending``, checkpointed)."""
+
+    ``rollout.max_staleness`` 0: each step's rollout is received when the step starts and the
+    gate probes the weights as they are pushed. k >= 1: the engines run ahead; what they send is
+    sorted as it arrives (``_take``): rollouts wait in ``ready`` for their step (the oldest first;
+    ``time/rollout_wait``: how long a step waited for one), probes wait for the next gate, which
+    checks them against the log-probs the training ranks computed when they pushed those weights
+    (``weight_sync.gate.verify_staged_probes``). A checkpoint first waits until the engines have
+    loaded the weights just pushed (every rollout drawn with older ones has then arrived) and keeps
+    the rollouts in ``ready``; a resumed run trains them, and the engines draw on from there."""
 
     def __init__(self, config: RunConfig, model: ModelConfig, link: Link | None, batches, *, tokenizer,
-                 run_dir: Path, placement: EnginePlacement) -> None:  # fmt: skip
+                 run_dir: Path, placement: EnginePlacement, probe: list[list[int]]) -> None:  # fmt: skip
         from megatron_empg.weight_sync.transport import LinkTransport
 
         self.config, self.model, self.batches, self.tokenizer = config, model, batches, tokenizer
-        self.run_dir, self.placement = run_dir, placement
-        self.remote = RemoteEngines(link)
+        self.run_dir, self.placement, self.probe = run_dir, placement, probe
+        self.staleness = config.rollout.max_staleness
+        self.remote = RemoteEngines(link, inbox=self.staleness > 0)
         self.transport = LinkTransport(link) if link is not None else None
-        self.ahead = config.rollout.mode == "one_step_off"
-        self.pending: StepRollout | None = None  # one_step_off: the next step's rollout, drawn already
+        self.ready: collections.deque[StepRollout] = collections.deque()  # k >= 1: drawn, not trained yet
+        self.pushed = -1  # the weights last pushed (training steps)
+        self.loaded = -1  # the oldest weights an engine holds, as its last probes said
+        self.trainer_logprobs: dict[int, Tensor] = {}  # k >= 1: per pushed version, until the engines probe it
+        self.unchecked: list[FromEngines] = []  # k >= 1: probes not yet gated
+        self.gate_value = 0.0
 
     def start(self, step: int, *, validate: bool) -> None:
-        self.remote.start(Start(step, self.batches.state_dict(), pending=self.pending is not None, validate=validate))
+        self.remote.start(Start(step, self.batches.state_dict(), pending=len(self.ready),
+                                validate=validate and self.staleness == 0))  # fmt: skip
         self.remote.stopped = step >= self.config.train.steps  # no step left: the engines stop at once
 
-    def rollout(self, times: dict[str, float]) -> StepRollout:
-        rollout, self.pending = self.pending or self._receive(), None
+    def rollout(self, step: int, times: dict[str, float]) -> StepRollout:
+        if self.staleness == 0:
+            return self._receive_rollout()
+        start = time.perf_counter()
+        while not self.ready:
+            self._take(self.remote.receive())
+        times["rollout_wait"] = time.perf_counter() - start
+        rollout = self.ready.popleft()
+        stale = max((step - s.version for replica in rollout.replicas for s in replica), default=0)
+        if stale > self.staleness:
+            raise RuntimeError(f"step {step}'s rollout was drawn {stale} steps back, beyond "
+                               f"rollout.max_staleness={self.staleness}")  # fmt: skip
         return rollout
 
-    def trained(self, step: int, times: dict[str, float]) -> None:
-        if self.ahead and step < self.config.train.steps:
-            with timed(times, "rollout_wait"):  # the next step's rollout, drawn while this one trained
-                self.pending = self._receive()
-
-    def _receive(self) -> StepRollout:
+    def _receive_rollout(self) -> StepRollout:
         """The engines' next rollout (all replicas), on every training rank; the data cursor
         follows theirs."""
         rollout = self.remote.rollout()
         self.batches.load_state_dict(rollout.data_state)
         return rollout
 
+    def _take(self, message: FromEngines) -> FromEngines:
+        """k >= 1: a message of the engines, sorted: a rollout into ``ready`` (the data cursor
+        follows it), probes into ``unchecked``. Returns it."""
+        if message.rollout is not None:
+            self.ready.append(message.rollout)
+            self.batches.load_state_dict(message.rollout.data_state)
+        if message.versions is not None:
+            self.loaded = min(message.versions)
+            if self.config.weight_sync.gate_tolerance is not None:
+                self.unchecked.append(message)
+        return message
+
     def push(self, shards, groups: SyncGroups, step: int) -> SyncReport:
-        return _push(self.config, self.model, shards, groups, self.transport, step, self.placement)
+        report = _push(self.config, self.model, shards, groups, self.transport, step, self.placement)
+        self.pushed = step
+        return report
 
     def gate(self, step: int, score: Score, diagnose: Diagnose) -> float:
         from megatron_empg.weight_sync.gate import verify_probes
 
-        return verify_probes(self.remote.probes(), score, version_name(step),
-                             tolerance=self.config.weight_sync.gate_tolerance, diagnose=diagnose)  # fmt: skip
+        tolerance = self.config.weight_sync.gate_tolerance
+        if self.staleness == 0:
+            return verify_probes(self.remote.probes(), score, version_name(step), tolerance=tolerance, diagnose=diagnose)
+        self.trainer_logprobs[step] = score(self.probe).cpu()
+        if self.loaded < 0:  # the run's first weights: the engines are idle, so wait for their probes
+            self._wait_loaded(step)
+        return self._check_probes(diagnose)
+
+    def _wait_loaded(self, step: int) -> None:
+        """k >= 1: receive until every engine said it holds weights of ``step`` or newer."""
+        while self.loaded < step:
+            self._take(self.remote.receive())
+
+    def _check_probes(self, diagnose: Diagnose | None) -> float:
+        """k >= 1: gate the probes received so far; the largest difference (the last one's if none came)."""
+        from megatron_empg.weight_sync.gate import verify_staged_probes
+
+        tolerance = self.config.weight_sync.gate_tolerance
+        checked = []
+        for message in self.unchecked:
+            for engine, version in enumerate(message.versions):
+                if version not in self.trainer_logprobs:
+                    continue
+                checked.append(verify_staged_probes(
+                    [message.probes[engine]], [message.self_check[engine]], self.trainer_logprobs[version],
+                    version_name(version), tolerance=tolerance, diagnose=diagnose,
+                ))  # fmt: skip
+        self.unchecked.clear()
+        for version in [v for v in self.trainer_logprobs if v < self.loaded]:  # never loaded, or gated
+            del self.trainer_logprobs[version]
+        if checked:
+            self.gate_value = max(checked)
+        return self.gate_value
 
     def validate(self, step: int) -> dict[str, float]:
-        return self.remote.validation()
+        if self.staleness == 0:
+            return self.remote.validation()
+        self.remote.request_validation(step)
+        while (message := self._take(self.remote.receive())).validation is None:
+            pass
+        return message.validation
 
     @property
     def signal(self) -> int:
@@ -247,10 +306,16 @@ class DisaggregatedEngines:
         self.remote.control(stop=stop)
 
     def state_dict(self) -> dict:
-        return {"pending_rollout": self.pending}  # restored on resume, not drawn again
+        """k >= 1: every rollout drawn with weights older than those just pushed, received first
+        (restored on resume, not drawn again)."""
+        if self.staleness == 0:
+            return {}
+        self._wait_loaded(self.pushed)
+        self._check_probes(None)
+        return {"rollouts": list(self.ready)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.pending = state.get("pending_rollout")
+        self.ready = collections.deque(state.get("rollouts", []))
 
     def hf_assets(self) -> Path | None:
         """Written once into the run directory (the engines' own are on other ranks)."""

@@ -8,8 +8,8 @@ each stage a short method. SPMD: every rank runs the same loop. The engines are 
 (``trainer.engines``) wherever they run: colocated on the training ranks (by default one per
 data-parallel replica, on its first rank; each samples its replicas' prompts and is synced from
 its own replica, and sleeps while the step trains) or disaggregated on ranks of their own (their
-rollouts arrive over the link; with ``rollout.mode: one_step_off`` the next step's is drawn while
-this one trains). The loop asks them for a step's rollout, pushes the weights into them and gates
+rollouts arrive over the link; with ``rollout.max_staleness`` k >= 1 they run up to k weight
+versions ahead, drawing later steps while this one trains). The loop asks them for a step's rollout, pushes the weights into them and gates
 the push, and checkpoints what they hold between steps. The micro-batches (``trainer.batch``) are
 packed rows by default, balanced between the replicas that share an engine (each holds all their
 samples). A step uses the data cursor's next global prompt batch (with
@@ -216,8 +216,9 @@ class Trainer:
     def step(self) -> StepOutput:
         times: dict[str, float] = {}
         with timed(times, "rollout"):
-            rollout = self.engines.rollout(times)
-        times["rollout"] -= times.get("rewards", 0.0)  # scored inside it (between generation batches)
+            rollout = self.engines.rollout(self.step_index, times)
+        # scored (between generation batches) or waited for (engines running ahead) inside it
+        times["rollout"] -= times.get("rewards", 0.0) + times.get("rollout_wait", 0.0)
         samples = rollout.replicas[self.batching.replica]
         with timed(times, "advantages"):
             advantages = self.advantages(samples)
@@ -235,7 +236,6 @@ class Trainer:
         with timed(times, "ema_update"):
             ema_updates = self.ema_update()
         self.step_index += 1
-        self.engines.trained(self.step_index, times)
         with timed(times, "weight_sync"):
             sync_metrics = self.sync_weights()
         metrics = self.metrics(rollout, samples, batch, update_metrics, sync_metrics, times, behavior)
@@ -385,12 +385,13 @@ class Trainer:
         from megatron_empg.mcore.checkpoint import save_checkpoint
 
         cfg = self.config.checkpoint
+        engines = self.engines.state_dict()  # first: receiving rollouts drawn ahead moves the data cursor
         extra = {
             "optimizer_steps": self.optimizer_steps,
             "anchor_num_updates": self.anchor.num_updates if self.anchor is not None else 0,
             "data": self.batches.state_dict(),
             "config_yaml": to_yaml(self.config),
-            "engines": self.engines.state_dict(),  # e.g. one_step_off's next rollout: not drawn again
+            "engines": engines,  # e.g. rollouts drawn ahead: trained on resume, not drawn again
         }
         return save_checkpoint(
             cfg.dir, self.step_index, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler,

@@ -295,6 +295,8 @@ def _host(components, ranks_per_node: int) -> dict[str, int]:
     rollout, anchor = config.rollout, config.algorithm.anchor
     shape = rank_shape(model, config.parallel, 0)
     dp_shard = layout.dp * layout.cp if config.optimizer.use_distributed_optimizer else 1
+    # rollout.max_staleness >= 1: each engine owner stages up to 3 whole updates (weight_sync.staging)
+    owners = max(1, min(ranks_per_node, layout.engine_ranks) // rollout.tensor_parallel_size)
     host = {
         "shm_buckets": engines * bucket_file_bytes(config, model) if config.weight_sync.transport == "shm_file" else 0,
         "anchor_master_pinned": per_node * shape.params * FP32 // dp_shard
@@ -302,5 +304,7 @@ def _host(components, ranks_per_node: int) -> dict[str, int]:
         "engine_weights_offloaded": engines * terms.params_bytes(model, rollout.dtype, rollout.tensor_parallel_size)
         if rollout.sleep_while_training and rollout.sleep_level == 1 else 0,
         "checkpoint_staging": per_node * shape.largest_weight * FP32,  # one tensor per rank at a time
+        "staged_weight_updates": owners * 3 * terms.params_bytes(model, rollout.dtype)
+        if layout.engine_ranks and rollout.max_staleness else 0,  # on an engine node
     }  # fmt: skip
     return host

@@ -7,6 +7,10 @@ under torchrun: 2 training ranks and 1 engine rank.
   importance ratios pi_old / mu away from 1); pre-empted after step N, the checkpoint keeps the
   rollout already drawn for step N + 1 and the resumed run trains steps N + 1, N + 2 as the
   uninterrupted run did; no process outlives the pre-emption (the transformers engine);
+- ``max_staleness`` 2 with training slowed (2 s a step) so the engine always runs ahead: step t
+  trains samples drawn by the weights of step max(t - 2, 0), never older (checked per sample);
+  pre-empted after step N, the checkpoint keeps the two rollouts drawn for steps N + 1 and N + 2,
+  and the resumed run trains N + 1 .. N + 3 as the uninterrupted run did;
 - with two engine ranks (2 + 2 processes), a weight push that engine 1 drops on purpose fails the
   consistency gate, naming engine 1 (step 1 ran on both engines, each sampling one replica).
 """
@@ -46,7 +50,41 @@ def _one_step_off(tmp_path, warm_start, name: str, steps: int) -> dict:
     return config
 
 
-ONE_STEP_OFF = (*DISAGGREGATED, "rollout.mode=one_step_off", "algorithm.behavior_is=tis", *HF)
+ONE_STEP_OFF = (*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.behavior_is=tis", *HF)
+
+DRAWN_AHEAD = '''
+import os
+import time
+
+if os.environ.get("RANK") == "0":  # training rank 0: the engines' messages arrive in its inbox
+    import megatron_empg.trainer.loop as loop
+
+    _update = loop.Trainer.update
+
+    def update(self, minis):
+        """Step s trains only once the engines have drawn every step they may draw ahead of it
+        (s + 1 .. s + k, not past the run): if they waited for this step's weights instead, it
+        never trains (the test fails at the deadline)."""
+        engines, step = self.engines, self.step_index + 1
+        want = min(engines.staleness, self.config.train.steps - step)
+        deadline = time.monotonic() + 300
+        while len(engines.ready) + sum(getattr(m, "rollout", None) is not None
+                                       for m in list(engines.remote.inbox.messages.queue)) < want:
+            assert time.monotonic() < deadline, f"step {step} trained before the engines drew {want} ahead"
+            time.sleep(0.05)
+        return _update(self, minis)
+
+    loop.Trainer.update = update
+'''
+
+
+def _drawn_ahead_env(tmp_path) -> dict[str, str]:
+    """The environment of a run whose training rank 0 holds each update until the engines have
+    drawn ahead (``DRAWN_AHEAD``), marked for ``processes_with``."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(DRAWN_AHEAD)
+    return {"PYTHONPATH": f"{hook}:{REPO}", "EMPG_TEST_RUN": tmp_path.name}
 
 
 @pytest.mark.dist
@@ -55,8 +93,9 @@ ONE_STEP_OFF = (*DISAGGREGATED, "rollout.mode=one_step_off", "algorithm.behavior
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
 def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_start):
     reference_steps = 6
+    env = _drawn_ahead_env(tmp_path)  # step s trains once step s + 1 is drawn
     full = run_train(_one_step_off(tmp_path, warm_start, "full", reference_steps), tmp_path, "full", *ONE_STEP_OFF,
-                     nproc=3, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+                     nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)  # fmt: skip
     assert full.returncode == 0, full.stderr[-4000:]
     reference = read_metrics(tmp_path / "full" / "metrics.jsonl")
     assert [r["rollout/staleness_max"] for r in reference] == [0.0] + [1.0] * (reference_steps - 1)
@@ -66,16 +105,15 @@ def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_st
     # (1 + 9e-6 at step 2 of that run).
     assert reference[0]["batch/sampler_logprob_gap"] < 1e-5
     assert all(r["batch/sampler_logprob_gap"] > 1e-4 for r in reference[1:])
-    assert all(r["time/rollout"] < r["time/update"] for r in reference)  # drawn while the previous step trained
 
     # pre-empted once two steps are logged: every rank, the engine rank too, stops after step N
     config = _one_step_off(tmp_path, warm_start, "cut", 1000)
     marker = f"EMPG_TEST_RUN={tmp_path.name}"
-    command, env = train_command(config, tmp_path, "cut", *ONE_STEP_OFF, nproc=3, env=dict([marker.split("=")]))
+    command, env_cut = train_command(config, tmp_path, "cut", *ONE_STEP_OFF, nproc=3, env=env)
     metrics = tmp_path / "cut" / "metrics.jsonl"
     log = tmp_path / "cut.log"
     with log.open("w") as out:
-        launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(command, cwd=REPO, env=env_cut, stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + LAUNCH_TIMEOUT_S
             while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -92,8 +130,7 @@ def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_st
     assert processes_with(marker) == [], "a rank or engine process outlived the pre-empted run"
 
     config["train"]["steps"] = stopped + 2
-    done = run_train(config, tmp_path, "cut", *ONE_STEP_OFF, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S,
-                     env=dict([marker.split("=")]))  # fmt: skip
+    done = run_train(config, tmp_path, "cut", *ONE_STEP_OFF, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert processes_with(marker) == []
     resumed = read_metrics(metrics)
@@ -101,6 +138,60 @@ def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_st
     for step in (stopped + 1, stopped + 2):  # the restored rollout, then one drawn after the resume
         _same_step(resumed[step - 1], reference[step - 1])
         assert resumed[step - 1]["rollout/staleness_max"] == 1.0
+
+
+TWO_AHEAD = (*DISAGGREGATED, "rollout.max_staleness=2", "algorithm.behavior_is=tis", *HF)
+
+
+@pytest.mark.dist
+@pytest.mark.megatron
+@pytest.mark.slow
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
+def test_two_steps_ahead_draws_two_versions_back_and_resumes_its_queue(tmp_path, warm_start):
+    env = _drawn_ahead_env(tmp_path)
+    marker = f"EMPG_TEST_RUN={tmp_path.name}"
+    steps = 6
+    full = run_train(_one_step_off(tmp_path, warm_start, "full", steps), tmp_path, "full", *TWO_AHEAD, nproc=3,
+                     timeout=LAUNCH_TIMEOUT_S, env=env)  # fmt: skip
+    assert full.returncode == 0, full.stderr[-4000:]
+    reference = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    # every sample of step t drawn by the weights of step max(t - 3, 0): steps t + 1 and t + 2 were
+    # drawn while step t trained (the hook), with the newest weights pushed by then
+    assert [r["rollout/staleness_max"] for r in reference] == [0.0, 1.0] + [2.0] * (steps - 2)
+    assert [r["rollout/staleness_mean"] for r in reference] == [0.0, 1.0] + [2.0] * (steps - 2)
+    assert all(r["sync/gate_max_logprob_diff"] < 1e-4 for r in reference)
+
+    # pre-empted once two steps are logged
+    config = _one_step_off(tmp_path, warm_start, "cut", 1000)
+    command, env_cut = train_command(config, tmp_path, "cut", *TWO_AHEAD, nproc=3, env=env)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    log = tmp_path / "cut.log"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(command, cwd=REPO, env=env_cut, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+            while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=LAUNCH_TIMEOUT_S)
+        finally:
+            interrupt(launcher)
+    stops = re.findall(r"signal \d+: checkpointed at step (\d+)", log.read_text())
+    assert stops, log.read_text()[-4000:]
+    stopped = int(stops[0])
+    assert stopped + 3 <= steps, stopped
+    assert processes_with(marker) == [], "a rank or engine process outlived the pre-empted run"
+
+    config["train"]["steps"] = stopped + 3
+    done = run_train(config, tmp_path, "cut", *TWO_AHEAD, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert processes_with(marker) == []
+    resumed = read_metrics(metrics)
+    assert [r["step"] for r in resumed] == list(range(1, stopped + 4))
+    for step in (stopped + 1, stopped + 2, stopped + 3):  # the two restored rollouts, then one drawn after
+        _same_step(resumed[step - 1], reference[step - 1])
+        assert resumed[step - 1]["rollout/staleness_max"] == reference[step - 1]["rollout/staleness_max"]
 
 
 DROP_SECOND_PUSH = '''

@@ -202,3 +202,16 @@ def test_empg_plan_prints_and_writes_json(gib):
     assert plan["fits"] == (gib is None) and bool(plan["fixes"]) == (gib is not None)
     text = subprocess.run([a for a in args if a != "--json"], capture_output=True, text=True, timeout=120)
     assert text.returncode == 0 and "training rank: peak" in text.stdout and "update" in text.stdout
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_engines_drawing_ahead_stage_three_updates_per_owner_in_host_memory(staleness):
+    from megatron_empg.trainer.build import bind
+    from megatron_empg.trainer.memory_plan import plan_memory
+
+    recipe = "recipes/r1_distill_qwen_1.5b_math_ema_pg_one_step_off.yaml"  # 4 training + 4 engine ranks
+    config = load_config(RunConfig, recipe, [f"rollout.max_staleness={staleness}", "rollout.tensor_parallel_size=2"])
+    components = bind(config, 8, check_paths=False)
+    host = plan_memory(components, ranks_per_node=8).host
+    # 4 engine ranks at engine TP 2: 2 owners, each up to 3 whole bf16 updates (loading, newest, arriving)
+    assert host["staged_weight_updates"] == staleness * 2 * 3 * components.model.num_parameters() * 2
