@@ -116,7 +116,10 @@ class RolloutConfig:
     with the weights it starts from; k >= 1 lets the engines draw step t's samples with any
     weights from step t - 1 - k on (the weights after t - 1 - k steps) while earlier steps train
     (1: one step off, step t drawn by step t - 1's starting weights); each sample carries the
-    version that drew it.
+    version that drew it. ``partial`` (k >= 1, an engine whose ``EngineKind`` updates mid
+    generation; no search agent): an engine loads each pushed update between decode steps, and
+    the responses in flight go on with the new weights (their KV recomputed from their tokens);
+    every token carries the version that sampled it.
     """
 
     RETIRED: ClassVar[dict[str, str]] = {
@@ -140,6 +143,7 @@ class RolloutConfig:
     placement: Literal["colocated", "disaggregated"] = "colocated"
     engine_ranks: int = 0  # disaggregated: how many of the job's ranks only run engines
     max_staleness: int = 0
+    partial: bool = False
 
     @property
     def disaggregated(self) -> bool:
@@ -185,6 +189,12 @@ class RolloutConfig:
             raise ConfigError("max_staleness", f"{self.max_staleness} needs placement disaggregated: colocated engines "
                               "draw on the training ranks between steps (and sleep while they train), so they cannot "
                               "run ahead of the trainer")  # fmt: skip
+        if self.partial and self.max_staleness < 1:
+            raise ConfigError("partial", "true needs max_staleness >= 1 (and placement disaggregated): at 0 no weights "
+                              "are pushed while a rollout is drawn")  # fmt: skip
+        if self.partial and self.search_agent is not None:
+            raise ConfigError("partial", "true is not built for the search agent (an episode's turns would need "
+                              "per-turn versions); set rollout.partial=false")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,13 +38,16 @@ class Completion:
     was drawn from (the engine documents which one). ``finish_reason``: ``"stop"`` (eos, stop token
     or stop string), ``"length"`` (``max_tokens`` or the engine's context length reached) or
     ``"abort"``. ``stop_reason``: the stop token id or stop string that ended the response; None
-    for eos, length and abort.
+    for eos, length and abort. ``versions``: ``[T]``, the ``weight_version`` that sampled each
+    token, when the weights may change inside ``generate`` (``between_steps``); None: every token
+    was sampled by the weights of the call's start.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     stop_reason: int | str | None
+    versions: list[str | None] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -52,6 +55,8 @@ class Completion:
                 f"Completion: token_ids and logprobs must have the same length, got "
                 f"{len(self.token_ids)} and {len(self.logprobs)}"
             )
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(f"Completion: {len(self.token_ids)} token ids but {len(self.versions)} versions")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(
                 f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}"
@@ -71,14 +76,18 @@ class RolloutEngine(Protocol):
     """The policy step the engine's weights come from (None: the weights it was started with)."""
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None,
+        between_steps: Callable[[], None] | None = None,
     ) -> list[list[Completion]]:
         """Sample ``sampling.n`` responses to each prompt.
 
         ``prompts``: ``[P][L_p]`` token ids, each prompt non-empty, ids in ``[0, vocab_size)``.
         Seeds: prompt ``i``'s request seed is ``seeds[i]`` (``[P]`` ints) if given, else
         ``sampling.seed + i * n`` (None: unseeded); its sample ``j`` draws from request seed + ``j``.
-        Returns ``[P][n]`` completions, in prompt order and sample order.
+        Returns ``[P][n]`` completions, in prompt order and sample order. ``between_steps``
+        (engines whose ``rollout.engines.EngineKind.updates_mid_generation``): called between
+        decode steps, it may run a weight update that the unfinished responses continue with;
+        the completions then carry ``versions``.
         """
         ...
 

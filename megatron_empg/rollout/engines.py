@@ -16,13 +16,15 @@ from dataclasses import dataclass
 class EngineKind:
     """An implementation of ``rollout.engine.RolloutEngine``: ``target`` (``module:Class``, imported
     when built; the class takes ``(model_dir, rollout_config, *, load_format)``), whether it can run
-    in its own process (``rollout.in_process: false``) and whether it can share a training rank's
+    in its own process (``rollout.in_process: false``), whether it can share a training rank's
     process in a world of several ranks (vLLM's in-process engine cannot: it would join the
-    training world)."""
+    training world) and whether it loads weights between decode steps (``generate``'s
+    ``between_steps``: ``rollout.partial``)."""
 
     target: str
     own_process: bool
     in_process_beside_training: bool
+    updates_mid_generation: bool
 
     def load(self) -> type:
         module, _, name = self.target.partition(":")
@@ -30,6 +32,8 @@ class EngineKind:
 
 
 ENGINES: dict[str, EngineKind] = {
-    "vllm": EngineKind("megatron_empg.rollout.vllm_engine:VllmEngine", own_process=True, in_process_beside_training=False),
-    "hf": EngineKind("megatron_empg.rollout.hf_engine:HfEngine", own_process=False, in_process_beside_training=True),
+    "vllm": EngineKind("megatron_empg.rollout.vllm_engine:VllmEngine", own_process=True,
+                       in_process_beside_training=False, updates_mid_generation=False),
+    "hf": EngineKind("megatron_empg.rollout.hf_engine:HfEngine", own_process=False,
+                     in_process_beside_training=True, updates_mid_generation=True),
 }

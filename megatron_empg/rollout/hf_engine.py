@@ -23,7 +23,12 @@ vLLM 0.32 with ``logprobs_mode="processed_logprobs"``:
   ``max_tokens``, or prompt + response reaching ``max_model_len`` -> ``"length"``.
 * **Batching**: the ``P * n`` responses run together, left-padded (attention mask, position ids
   from its cumsum) with a ``DynamicCache`` that lives for one ``generate`` call; finished responses
-  leave the batch and the cache. ``score``: one right-padded forward, log-softmax in float32.
+  leave the batch and the cache.
+* **Updates between decode steps** (``generate(..., between_steps=)``, partial rollouts): the
+  callback may run a whole weight update; the unfinished responses then go on with the new
+  weights, their KV cache recomputed from their tokens by one forward of the new weights (what
+  those weights compute for that prefix: the continuation is sampled exactly from them), and
+  each token's ``Completion.versions`` entry is the ``weight_version`` that sampled it. ``score``: one right-padded forward, log-softmax in float32.
 * **Weight updates** copy HF-named tensors into the parameters in place (cast to the engine's dtype
   and device). An alias of a tied parameter (``lm_head.weight`` with tied embeddings) is skipped,
   as in vLLM: the embedding carries the value to the one shared parameter. As in vLLM, a failure
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -73,6 +78,7 @@ class _Response:
     generator: torch.Generator | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[str | None] = field(default_factory=list)  # the weight_version that sampled each token
     searched: int = 0  # characters of the decoded text already searched for stop strings
     finish: tuple[FinishReason, int | str | None] | None = None
 
@@ -174,7 +180,8 @@ class HfEngine:
     # Sampling and scoring.
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None,
+        between_steps: Callable[[], None] | None = None,
     ) -> list[list[Completion]]:
         """Sample ``sampling.n`` responses per prompt.
 
@@ -183,6 +190,8 @@ class HfEngine:
         module docstring). Returns ``[P][n]`` ``Completion`` s in prompt and sample order; their
         ``logprobs`` are the processed sampler log-probs (module docstring). A response also ends
         with ``finish_reason="length"`` when prompt + response reach ``max_model_len``.
+        ``between_steps``: called before every decode step but the first; it may update the
+        weights (module docstring); the completions then carry ``versions``.
         """
         self._state.check_idle("generate")
         model = self._model
@@ -201,14 +210,16 @@ class HfEngine:
             for prompt, seed in zip(rows, row_seeds)
         ]
         with torch.inference_mode():
-            self._decode(model, rows, responses, sampling)
+            self._decode(model, rows, responses, sampling, between_steps)
         return [
-            [Completion(r.token_ids, r.logprobs, *r.finish) for r in responses[i * sampling.n : (i + 1) * sampling.n]]
+            [Completion(r.token_ids, r.logprobs, *r.finish, versions=r.versions if between_steps else None)
+             for r in responses[i * sampling.n : (i + 1) * sampling.n]]
             for i in range(len(token_prompts))
-        ]
+        ]  # fmt: skip
 
     def _decode(
-        self, model: PreTrainedModel, rows: list[list[int]], responses: list[_Response], sampling: SamplingConfig
+        self, model: PreTrainedModel, rows: list[list[int]], responses: list[_Response], sampling: SamplingConfig,
+        between_steps: Callable[[], None] | None,
     ) -> None:
         """Generate every response until it finishes: one forward of the unfinished rows per step."""
         from transformers import DynamicCache
@@ -218,6 +229,13 @@ class HfEngine:
         active = list(range(len(rows)))  # indices into responses, in batch order
         stop_ids = sorted(self._all_eos_ids | set(sampling.stop_token_ids))  # masked below min_tokens
         for step in range(max(r.limit for r in responses)):
+            if step and between_steps is not None:
+                version = self.weight_version
+                between_steps()
+                if self.weight_version != version:  # new weights: the unfinished rows' KV from their tokens
+                    sequences = [rows[i] + responses[i].token_ids for i in active]
+                    input_ids, mask = (t.to(self._device) for t in _padded(sequences, left=True))
+                    cache = DynamicCache(config=model.config)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
             logits = model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -240,6 +258,7 @@ class HfEngine:
                 response = responses[i]
                 response.token_ids.append(token)
                 response.logprobs.append(logprob)
+                response.versions.append(self.weight_version)
                 response.finish = self._finish(response, sampling)
                 if response.finish is None:
                     keep.append(b)

@@ -21,7 +21,8 @@ class Trajectory:
     log-prob of each generated token (0.0 on observation tokens). ``finish_reason``: one of
     ``engine.FINISH_REASONS``. ``response_mask``: ``[T]`` bools, True where the policy generated
     the token; None: all generated. ``stats``: per-sample counts summed into the step's metrics
-    (an episode's turns, searches, ...).
+    (an episode's turns, searches, ...). ``versions``: ``[T]``, the engine's ``weight_version``
+    that sampled each token (``Completion.versions``); None: one version for all.
     """
 
     token_ids: list[int]
@@ -29,15 +30,19 @@ class Trajectory:
     finish_reason: str
     response_mask: list[bool] | None = None
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    versions: list[str | None] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"Trajectory: {len(self.token_ids)} token ids but {len(self.logprobs)} log-probs")
         if self.response_mask is not None and len(self.response_mask) != len(self.token_ids):
             raise ValueError(f"Trajectory: {len(self.token_ids)} token ids but {len(self.response_mask)} mask entries")
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(f"Trajectory: {len(self.token_ids)} token ids but {len(self.versions)} versions")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Trajectory.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
 
     @classmethod
     def from_completion(cls, completion: Completion) -> Trajectory:
-        return cls(list(completion.token_ids), list(completion.logprobs), completion.finish_reason)
+        versions = None if completion.versions is None else list(completion.versions)
+        return cls(list(completion.token_ids), list(completion.logprobs), completion.finish_reason, versions=versions)

@@ -43,7 +43,7 @@ import gc
 import os
 import signal
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -219,7 +219,8 @@ class VllmEngine:
     # Sampling and scoring.
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None,
+        between_steps: Callable[[], None] | None = None,
     ) -> list[list[Completion]]:
         """Sample ``sampling.n`` responses per prompt.
 
@@ -228,8 +229,12 @@ class VllmEngine:
         module docstring). Returns ``[P][n]`` ``Completion`` s in prompt and sample order; their
         ``logprobs`` are the processed sampler log-probs (module docstring). A response also ends
         with ``finish_reason="length"`` when prompt + response reach ``max_model_len``.
+        ``between_steps`` is refused: weight updates between decode steps are not wired to vLLM's
+        pause / resume here (``rollout.partial`` is a bind error with this engine).
         """
         self._state.check_idle("generate")
+        if between_steps is not None:
+            raise ValueError("generate: VllmEngine does not take between_steps (no weight updates inside generate)")
         llm = self._llm
         token_prompts, request_seeds = check_generate_arguments(
             prompts, sampling, vocab_size=self.vocab_size, max_model_len=self.max_model_len, seeds=seeds

@@ -41,6 +41,16 @@ from megatron_empg.rollout.trajectory import Trajectory
 from megatron_empg.trainer.balance import micro_batch_bins, partition
 
 
+def version_name(step: int) -> str:
+    """The label of the weights after ``step`` training steps (the gate's messages name it)."""
+    return f"step-{step}"
+
+
+def version_step(name: str) -> int:
+    """The training steps of a ``version_name`` label."""
+    return int(name.removeprefix("step-"))
+
+
 @dataclasses.dataclass
 class Sample:
     """One response to one prompt, with everything the step computes about it."""
@@ -56,15 +66,20 @@ class Sample:
     reward: float = 0.0
     correct: bool = False
     trains: bool = True  # False: no loss term (algorithm.mask_truncated on a truncated response)
-    version: int = 0  # the weights that drew it: training steps done when the engine got them
+    version: int = 0  # the weights that drew it (its first token): training steps done when the engine got them
+    token_versions: list[int] | None = None  # [len(response_ids)] per token (rollout.partial); None: all `version`
 
     @classmethod
     def from_trajectory(cls, example, group: int, trajectory: Trajectory, *, version: int = 0) -> Sample:
         """The sample of ``trajectory``, a response to ``example`` (a ``PromptExample``), in ``group``,
-        drawn with weights ``version``."""
+        drawn with weights ``version`` (its tokens' own versions, ``version_name`` labels, if it has them)."""
+        tokens = None
+        if trajectory.versions is not None:
+            tokens = [version if label is None else version_step(label) for label in trajectory.versions]
+            version = min(tokens, default=version)
         return cls(example.prompt_ids, trajectory.token_ids, trajectory.logprobs, trajectory.finish_reason, group=group,
                    example=example, response_mask=trajectory.response_mask, stats=dict(trajectory.stats),
-                   version=version)  # fmt: skip
+                   version=version, token_versions=tokens)  # fmt: skip
 
     @property
     def length(self) -> int:

@@ -35,9 +35,10 @@ import torch.distributed as dist
 from megatron_empg.parallel.link import LEAD, TRAINER, Link
 from megatron_empg.parallel.placement import engine_world_placement
 from megatron_empg.trainer import machine
+from megatron_empg.trainer.batch import version_step
 from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout, prompt_batches, validation_sets
-from megatron_empg.trainer.remote import Control, FromEngines, Start, version_step
+from megatron_empg.trainer.remote import Control, FromEngines, Start
 from megatron_empg.trainer.rollout import RolloutStage
 from megatron_empg.trainer.signals import stop_signals
 from megatron_empg.trainer.start import load_tokenizer
@@ -79,6 +80,7 @@ class EngineRank:
                                  sync.probe_seed)  # fmt: skip
         self.signal = 0
         self.listener: TrainerListener | None = None  # rollout.max_staleness >= 1: on engine owners
+        self.loaded_in_flight = False  # rollout.partial: an update was loaded inside the last draw
 
     # ------------------------------------------------------------------ the loop
 
@@ -123,6 +125,8 @@ class EngineRank:
         requests served between rollouts."""
         k, steps = self.config.rollout.max_staleness, self.config.train.steps
         self.listener = TrainerListener(self.link) if self.link is not None else None
+        if self.config.rollout.partial and self.listener is not None:
+            self.stage.between_steps = self._load_between_decode_steps
         self.stage.weights_version = -1  # none loaded yet
         self._load_newest(need=start.step)  # the starting weights
         step = start.step + start.pending  # rollouts of steps 1 .. step are on the training ranks
@@ -134,6 +138,9 @@ class EngineRank:
             self._load_newest(need=step - k)  # step + 1 is drawn by weights of step - k or newer
             self.send(FromEngines(rollout=self.draw()))
             step += 1
+            if self.config.rollout.partial:  # updates loaded inside the draw: their probes follow its rollout
+                self._probe_if(self.loaded_in_flight)
+                self.loaded_in_flight = False
 
     def _load_newest(self, need: int) -> None:
         """Wait until the engines hold weights of step ``need`` or newer (serving requests while
@@ -153,8 +160,22 @@ class EngineRank:
                 load_staged(update, self.transport)
                 self.stage.wake_kv_cache()
                 loaded = self.stage.weights_version = version_step(update.version)
-        if self._agree_any(loaded is not None):
+        self._probe_if(loaded is not None)
+
+    def _probe_if(self, loaded: bool) -> None:
+        """Probe what the engines hold if any engine ``loaded`` (every engine rank calls it)."""
+        if self._agree_any(loaded):
             self._probe(ahead=True)
+
+    def _load_between_decode_steps(self) -> None:
+        """``rollout.partial``, inside a draw (this engine alone: no collective): the newest staged
+        update, if one came since the last load; its probes follow the rollout (``_serve_ahead``)."""
+        self.listener.raise_failure()
+        update = self.listener.stage.take()
+        if update is not None:
+            load_staged(update, self.transport)
+            self.stage.weights_version = version_step(update.version)
+            self.loaded_in_flight = True
 
     def _wait_staged(self, need: int) -> bool:
         """The lead: True once its engine holds, or its stage has, weights of step ``need`` or

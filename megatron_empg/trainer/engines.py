@@ -34,10 +34,11 @@ from torch import Tensor
 from megatron_empg.config import ModelConfig, RunConfig
 from megatron_empg.parallel.link import Link
 from megatron_empg.parallel.placement import EnginePlacement, build_placement
+from megatron_empg.trainer.batch import version_name
 from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout
 from megatron_empg.trainer.layout import Layout
-from megatron_empg.trainer.remote import FromEngines, RemoteEngines, Start, version_name
+from megatron_empg.trainer.remote import FromEngines, RemoteEngines, Start
 from megatron_empg.trainer.rollout import RolloutStage
 from megatron_empg.trainer.start import write_hf_config
 from megatron_empg.weight_sync.bridge import SyncGroups, SyncReport

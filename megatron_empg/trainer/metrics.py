@@ -75,16 +75,26 @@ def all_reduce_sums(values: dict[str, float], group) -> dict[str, float]:
 def rollout_metrics(rollout: StepRollout, step: int) -> dict[str, float]:
     """Of all the samples this rank holds (its engine's replicas; with one engine, or disaggregated
     engines, the whole batch): how many training steps older than the weights of ``step``
-    (0-based) the weights that drew them are (``rollout/staleness_mean``, ``_max``; 0: on-policy),
+    (0-based) the weights that drew them are (``rollout/staleness_mean``, ``_max``, of each
+    sample's first token; 0: on-policy; ``rollout/staleness_token_mean`` over response tokens),
+    the share of samples whose tokens span several weight versions (``rollout/partial_fraction``,
+    ``rollout.partial``) and the most versions in one sample (``rollout/versions_per_sample_max``),
     and ``rollout/digest``, a CRC32 of their prompt indices and tokens (two runs that drew the same
     samples log the same digest)."""
     samples = [s for replica in rollout.replicas for s in replica]
     lags = [step - s.version for s in samples]
+    versions = [s.token_versions or [s.version] * len(s.response_ids) for s in samples]
+    token_lags = [step - v for per_token in versions for v in per_token]
+    spans = [len(set(per_token)) for per_token in versions]
     digest = 0
     for s in samples:
         digest = zlib.crc32(array.array("q", [s.group, *s.response_ids]).tobytes(), digest)
     return {"rollout/staleness_mean": statistics.fmean(lags) if lags else 0.0,
-            "rollout/staleness_max": float(max(lags, default=0)), "rollout/digest": float(digest)}  # fmt: skip
+            "rollout/staleness_max": float(max(lags, default=0)),
+            "rollout/staleness_token_mean": statistics.fmean(token_lags) if token_lags else 0.0,
+            "rollout/partial_fraction": sum(n > 1 for n in spans) / len(spans) if spans else 0.0,
+            "rollout/versions_per_sample_max": float(max(spans, default=0)),
+            "rollout/digest": float(digest)}  # fmt: skip
 
 
 @contextlib.contextmanager

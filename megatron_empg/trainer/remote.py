@@ -83,16 +83,6 @@ class FromEngines:
     signal: int = 0
 
 
-def version_name(step: int) -> str:
-    """The label of the weights after ``step`` training steps (the gate's messages name it)."""
-    return f"step-{step}"
-
-
-def version_step(name: str) -> int:
-    """The training steps of a ``version_name`` label."""
-    return int(name.removeprefix("step-"))
-
-
 class RemoteEngines:
     """Every training rank holds one; ``link`` on training rank 0 only (None elsewhere).
     ``inbox``: receive on a thread of training rank 0 (``rollout.max_staleness`` >= 1), so the

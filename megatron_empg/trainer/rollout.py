@@ -46,6 +46,7 @@ class RolloutStage:
     calls ``sample`` and ``validate`` together."""
 
     weights_version = 0  # training steps done when the engines got their weights (the sync sets it)
+    between_steps: Callable[[], None] | None = None  # rollout.partial: given to the engine's generate by `sample`
 
     def __init__(
         self,
@@ -112,26 +113,31 @@ class RolloutStage:
         if sampling.seed is not None:  # no seed stream repeats across steps or engines
             first = step * len(examples) + prompts.start
             sampling = dataclasses.replace(sampling, seed=sampling.seed + first * sampling.n * self.seeds_per_sample)
-        payload, seconds = None, 0.0
+        payload, seconds, start_version = None, 0.0, self.weights_version
         if self.engine is not None:
             start = time.perf_counter()
-            payload = self.generate([examples[p].prompt_ids for p in prompts], sampling)
+            payload = self.generate([examples[p].prompt_ids for p in prompts], sampling, self.between_steps)
             seconds = time.perf_counter() - start
         payload = placement.broadcast_from_owner(payload)
+        version = self.weights_version if self.between_steps is None else start_version  # partial: the first token's
         per_replica = len(examples) // dp_size
         replicas = [
-            [Sample.from_trajectory(examples[p], p, t, version=self.weights_version)
+            [Sample.from_trajectory(examples[p], p, t, version=version)
              for p in range(first, first + per_replica) for t in payload[p - prompts.start]]
             for first in range(prompts.start, prompts.stop, per_replica)
         ]  # fmt: skip
         tokens = sum(len(t.token_ids) for group in payload for t in group) if self.engine is not None else 0
         return replicas, self._engine_metrics(seconds, len(prompts) * sampling.n, tokens)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Trajectory]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 between_steps: Callable[[], None] | None = None) -> list[list[Trajectory]]:  # fmt: skip
         """``[P][n]`` trajectories from this owner's engine: one response per sample, or the search
-        agent's episodes (their masks exclude observations)."""
+        agent's episodes (their masks exclude observations). ``between_steps``: the engine's
+        (``rollout.partial``; never with the agent)."""
         if self.agent is None:
-            return [[Trajectory.from_completion(c) for c in group] for group in self.engine.generate(prompts, sampling)]
+            extra = {} if between_steps is None else {"between_steps": between_steps}
+            completions = self.engine.generate(prompts, sampling, **extra)
+            return [[Trajectory.from_completion(c) for c in group] for group in completions]
         return [[e.trajectory() for e in group] for group in self.agent.rollout(self.engine, prompts, sampling)]
 
     def _engine_metrics(self, seconds: float, samples: int, tokens: int) -> dict[str, float]:
