@@ -194,6 +194,130 @@ def test_two_steps_ahead_draws_two_versions_back_and_resumes_its_queue(tmp_path,
         assert resumed[step - 1]["rollout/staleness_max"] == reference[step - 1]["rollout/staleness_max"]
 
 
+PARTIAL_HANDSHAKE = '''
+import os
+import time
+from pathlib import Path
+
+SIGNALS = Path(os.environ["EMPG_TEST_SIGNALS"])
+DEADLINE_S = 300
+
+
+def wait_for(condition, what):
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+if os.environ.get("RANK") == "2":  # the engine rank: each rollout t >= 2 gets step t - 1's weights at decode step 3
+    import megatron_empg.trainer.engine_rank as engine_rank
+
+    EngineRank = engine_rank.EngineRank
+    _serve_ahead, _draw, _load = EngineRank._serve_ahead, EngineRank.draw, EngineRank._load_between_decode_steps
+
+    def serve_ahead(self, start):
+        self.rollout_step = start.step + start.pending + 1  # the step of the next rollout drawn
+        return _serve_ahead(self, start)
+
+    def draw(self):
+        self.decode_step, self.started_from = 0, self.stage.weights_version
+        try:
+            return _draw(self)
+        finally:
+            self.rollout_step += 1
+
+    def load(self):
+        self.decode_step += 1
+        if self.decode_step == 1:  # tells the trainer it may push: this rollout has begun with older weights
+            (SIGNALS / f"drawing-{self.rollout_step}").touch()
+        if self.decode_step == 3 and self.rollout_step >= 2:
+            stage = self.listener.stage
+            wait_for(lambda: stage.newest > self.started_from or self.listener.pending(),
+                     f"no weights pushed while rollout {self.rollout_step} was drawn")  # fmt: skip
+        return _load(self)
+
+    EngineRank._serve_ahead, EngineRank.draw, EngineRank._load_between_decode_steps = serve_ahead, draw, load
+
+if os.environ.get("RANK") == "0":  # training rank 0: step s's weights go out once rollout s + 1 has begun
+    import megatron_empg.trainer.engines as engines
+
+    _push = engines.DisaggregatedEngines.push
+
+    def push(self, shards, groups, step):
+        if 0 < step < self.config.train.steps:  # (step 0's weights draw rollout 1)
+            wait_for((SIGNALS / f"drawing-{step + 1}").exists, f"rollout {step + 1} never began")
+        return _push(self, shards, groups, step)
+
+    engines.DisaggregatedEngines.push = push
+'''
+PARTIAL = (*DISAGGREGATED, "rollout.max_staleness=1", "rollout.partial=true", "algorithm.behavior_is=tis", *HF)
+
+
+@pytest.mark.dist
+@pytest.mark.megatron
+@pytest.mark.slow
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
+def test_partial_rollouts_take_the_next_weights_mid_response_and_resume(tmp_path, warm_start):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PARTIAL_HANDSHAKE)
+    marker = f"EMPG_TEST_RUN={tmp_path.name}"
+
+    def env(name: str) -> dict[str, str]:
+        signals = tmp_path / f"signals_{name}"
+        signals.mkdir(exist_ok=True)
+        return {"PYTHONPATH": f"{hook}:{REPO}", "EMPG_TEST_RUN": tmp_path.name, "EMPG_TEST_SIGNALS": str(signals)}
+
+    steps = 6
+    full = run_train(_one_step_off(tmp_path, warm_start, "full", steps), tmp_path, "full", *PARTIAL, nproc=3,
+                     timeout=LAUNCH_TIMEOUT_S, env=env("full"))  # fmt: skip
+    assert full.returncode == 0, full.stderr[-4000:]
+    reference = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    # rollout t >= 2 began with step t - 2's weights (its first tokens one step stale) and took step
+    # t - 1's at decode step 3: responses still running then span both versions
+    assert [r["rollout/staleness_max"] for r in reference] == [0.0] + [1.0] * (steps - 1)
+    assert [r["rollout/versions_per_sample_max"] for r in reference] == [1.0] + [2.0] * (steps - 1)
+    assert reference[0]["rollout/partial_fraction"] == 0.0
+    assert all(r["rollout/partial_fraction"] > 0.5 for r in reference[1:])
+    assert all(0.0 < r["rollout/staleness_token_mean"] < 1.0 for r in reference[1:])  # 3 old tokens, the rest new
+    assert all(r["sync/gate_max_logprob_diff"] < 1e-4 for r in reference)  # each loaded version probed
+
+    # pre-empted once two steps are logged; the rollout in flight at the checkpoint is drawn again
+    config = _one_step_off(tmp_path, warm_start, "cut", 1000)
+    command, env_cut = train_command(config, tmp_path, "cut", *PARTIAL, nproc=3, env=env("cut"))
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    log = tmp_path / "cut.log"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(command, cwd=REPO, env=env_cut, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+            while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=LAUNCH_TIMEOUT_S)
+        finally:
+            interrupt(launcher)
+    stops = re.findall(r"signal \d+: checkpointed at step (\d+)", log.read_text())
+    assert stops, log.read_text()[-4000:]
+    stopped = int(stops[0])
+    assert stopped + 2 <= steps, stopped
+    assert processes_with(marker) == [], "a rank or engine process outlived the pre-empted run"
+
+    config["train"]["steps"] = stopped + 2
+    done = run_train(config, tmp_path, "cut", *PARTIAL, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S,
+                     env=env("cut"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert processes_with(marker) == []
+    resumed = read_metrics(metrics)
+    assert [r["step"] for r in resumed] == list(range(1, stopped + 3))
+    for step in (stopped + 1, stopped + 2):  # the restored rollout, then one drawn (and updated) after the resume
+        _same_step(resumed[step - 1], reference[step - 1])
+        for key in ("rollout/staleness_token_mean", "rollout/partial_fraction", "rollout/versions_per_sample_max"):
+            assert resumed[step - 1][key] == reference[step - 1][key], key
+
+
 DROP_SECOND_PUSH = '''
 import os
 
