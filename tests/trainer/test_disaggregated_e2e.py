@@ -50,6 +50,28 @@ def _one_step_off(tmp_path, warm_start, name: str, steps: int) -> dict:
     return config
 
 
+def _preempt_after_two_steps(config: dict, tmp_path, extra: tuple[str, ...], env: dict[str, str]) -> int:
+    """Run ``config`` as ``cut`` (3 processes), SIGTERM the launcher once two steps are logged;
+    the step every rank checkpointed at and stopped after."""
+    command, env_cut = train_command(config, tmp_path, "cut", *extra, nproc=3, env=env)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    log = tmp_path / "cut.log"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(command, cwd=REPO, env=env_cut, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+            while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=LAUNCH_TIMEOUT_S)
+        finally:
+            interrupt(launcher)
+    stops = re.findall(r"signal \d+: checkpointed at step (\d+)", log.read_text())
+    assert stops, log.read_text()[-4000:]
+    return int(stops[0])
+
+
 ONE_STEP_OFF = (*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.behavior_is=tis", *HF)
 
 DRAWN_AHEAD = '''
@@ -92,7 +114,7 @@ def _drawn_ahead_env(tmp_path) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
 def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_start):
-    reference_steps = 6
+    reference_steps = 8  # room for the signal to land a few steps late on a loaded machine
     env = _drawn_ahead_env(tmp_path)  # step s trains once step s + 1 is drawn
     full = run_train(_one_step_off(tmp_path, warm_start, "full", reference_steps), tmp_path, "full", *ONE_STEP_OFF,
                      nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)  # fmt: skip
@@ -109,23 +131,7 @@ def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_st
     # pre-empted once two steps are logged: every rank, the engine rank too, stops after step N
     config = _one_step_off(tmp_path, warm_start, "cut", 1000)
     marker = f"EMPG_TEST_RUN={tmp_path.name}"
-    command, env_cut = train_command(config, tmp_path, "cut", *ONE_STEP_OFF, nproc=3, env=env)
-    metrics = tmp_path / "cut" / "metrics.jsonl"
-    log = tmp_path / "cut.log"
-    with log.open("w") as out:
-        launcher = subprocess.Popen(command, cwd=REPO, env=env_cut, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-            while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-                time.sleep(0.2)
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(timeout=LAUNCH_TIMEOUT_S)
-        finally:
-            interrupt(launcher)
-    stops = re.findall(r"signal \d+: checkpointed at step (\d+)", log.read_text())
-    assert stops, log.read_text()[-4000:]
-    stopped = int(stops[0])
+    stopped = _preempt_after_two_steps(config, tmp_path, ONE_STEP_OFF, env)
     assert stopped + 2 <= reference_steps, stopped
     assert processes_with(marker) == [], "a rank or engine process outlived the pre-empted run"
 
@@ -133,7 +139,7 @@ def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_st
     done = run_train(config, tmp_path, "cut", *ONE_STEP_OFF, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert processes_with(marker) == []
-    resumed = read_metrics(metrics)
+    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, stopped + 3))
     for step in (stopped + 1, stopped + 2):  # the restored rollout, then one drawn after the resume
         _same_step(resumed[step - 1], reference[step - 1])
@@ -150,7 +156,7 @@ TWO_AHEAD = (*DISAGGREGATED, "rollout.max_staleness=2", "algorithm.behavior_is=t
 def test_two_steps_ahead_draws_two_versions_back_and_resumes_its_queue(tmp_path, warm_start):
     env = _drawn_ahead_env(tmp_path)
     marker = f"EMPG_TEST_RUN={tmp_path.name}"
-    steps = 6
+    steps = 9  # room for the signal to land a few steps late on a loaded machine
     full = run_train(_one_step_off(tmp_path, warm_start, "full", steps), tmp_path, "full", *TWO_AHEAD, nproc=3,
                      timeout=LAUNCH_TIMEOUT_S, env=env)  # fmt: skip
     assert full.returncode == 0, full.stderr[-4000:]
@@ -163,23 +169,7 @@ def test_two_steps_ahead_draws_two_versions_back_and_resumes_its_queue(tmp_path,
 
     # pre-empted once two steps are logged
     config = _one_step_off(tmp_path, warm_start, "cut", 1000)
-    command, env_cut = train_command(config, tmp_path, "cut", *TWO_AHEAD, nproc=3, env=env)
-    metrics = tmp_path / "cut" / "metrics.jsonl"
-    log = tmp_path / "cut.log"
-    with log.open("w") as out:
-        launcher = subprocess.Popen(command, cwd=REPO, env=env_cut, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-            while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-                time.sleep(0.2)
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(timeout=LAUNCH_TIMEOUT_S)
-        finally:
-            interrupt(launcher)
-    stops = re.findall(r"signal \d+: checkpointed at step (\d+)", log.read_text())
-    assert stops, log.read_text()[-4000:]
-    stopped = int(stops[0])
+    stopped = _preempt_after_two_steps(config, tmp_path, TWO_AHEAD, env)
     assert stopped + 3 <= steps, stopped
     assert processes_with(marker) == [], "a rank or engine process outlived the pre-empted run"
 
@@ -187,7 +177,7 @@ def test_two_steps_ahead_draws_two_versions_back_and_resumes_its_queue(tmp_path,
     done = run_train(config, tmp_path, "cut", *TWO_AHEAD, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert processes_with(marker) == []
-    resumed = read_metrics(metrics)
+    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, stopped + 4))
     for step in (stopped + 1, stopped + 2, stopped + 3):  # the two restored rollouts, then one drawn after
         _same_step(resumed[step - 1], reference[step - 1])
@@ -269,7 +259,7 @@ def test_partial_rollouts_take_the_next_weights_mid_response_and_resume(tmp_path
         signals.mkdir(exist_ok=True)
         return {"PYTHONPATH": f"{hook}:{REPO}", "EMPG_TEST_RUN": tmp_path.name, "EMPG_TEST_SIGNALS": str(signals)}
 
-    steps = 6
+    steps = 8  # room for the signal to land a few steps late on a loaded machine
     full = run_train(_one_step_off(tmp_path, warm_start, "full", steps), tmp_path, "full", *PARTIAL, nproc=3,
                      timeout=LAUNCH_TIMEOUT_S, env=env("full"))  # fmt: skip
     assert full.returncode == 0, full.stderr[-4000:]
@@ -285,23 +275,7 @@ def test_partial_rollouts_take_the_next_weights_mid_response_and_resume(tmp_path
 
     # pre-empted once two steps are logged; the rollout in flight at the checkpoint is drawn again
     config = _one_step_off(tmp_path, warm_start, "cut", 1000)
-    command, env_cut = train_command(config, tmp_path, "cut", *PARTIAL, nproc=3, env=env("cut"))
-    metrics = tmp_path / "cut" / "metrics.jsonl"
-    log = tmp_path / "cut.log"
-    with log.open("w") as out:
-        launcher = subprocess.Popen(command, cwd=REPO, env=env_cut, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-            while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-                time.sleep(0.2)
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(timeout=LAUNCH_TIMEOUT_S)
-        finally:
-            interrupt(launcher)
-    stops = re.findall(r"signal \d+: checkpointed at step (\d+)", log.read_text())
-    assert stops, log.read_text()[-4000:]
-    stopped = int(stops[0])
+    stopped = _preempt_after_two_steps(config, tmp_path, PARTIAL, env("cut"))
     assert stopped + 2 <= steps, stopped
     assert processes_with(marker) == [], "a rank or engine process outlived the pre-empted run"
 
@@ -310,7 +284,7 @@ def test_partial_rollouts_take_the_next_weights_mid_response_and_resume(tmp_path
                      env=env("cut"))  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert processes_with(marker) == []
-    resumed = read_metrics(metrics)
+    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, stopped + 3))
     for step in (stopped + 1, stopped + 2):  # the restored rollout, then one drawn (and updated) after the resume
         _same_step(resumed[step - 1], reference[step - 1])
