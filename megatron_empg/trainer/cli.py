@@ -163,7 +163,8 @@ def _describe(components) -> str:
         f"{_micro_batches(c.train, layout)}; advantage {c.algorithm.advantage}, policy loss "
         f"{loss.policy_loss}, KL {loss.kl or 'none'}, reward {c.data.reward}, engine {c.rollout.engine} "
         f"x {layout.engines} ({layout.dp // layout.engines} replica(s) each{_engine_ranks(layout)}), weight sync "
-        f"{c.weight_sync.transport}, max staleness {c.rollout.max_staleness}\n"
+        f"{c.weight_sync.transport}, max staleness {c.rollout.max_staleness}"
+        f"{' with partial rollouts' if c.rollout.partial else ''}\n"
         f"attention {components.attention.describe()}; on a GPU: {_fusions(components.attention)}\n"
     )
 
