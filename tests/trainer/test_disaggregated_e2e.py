@@ -72,6 +72,19 @@ def _preempt_after_two_steps(config: dict, tmp_path, extra: tuple[str, ...], env
     return int(stops[0])
 
 
+def _resume(config: dict, tmp_path, extra: tuple[str, ...], env: dict[str, str], stopped: int, *,
+            more: int) -> list[dict]:  # fmt: skip
+    """Resume the pre-empted ``cut`` run for ``more`` steps after step ``stopped``; its metrics
+    (every step logged once, no process left)."""
+    config["train"]["steps"] = stopped + more
+    done = run_train(config, tmp_path, "cut", *extra, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert processes_with(f"EMPG_TEST_RUN={tmp_path.name}") == []
+    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, stopped + more + 1))
+    return resumed
+
+
 ONE_STEP_OFF = (*DISAGGREGATED, "rollout.max_staleness=1", "algorithm.behavior_is=tis", *HF)
 
 DRAWN_AHEAD = '''
@@ -135,12 +148,7 @@ def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_st
     assert stopped + 2 <= reference_steps, stopped
     assert processes_with(marker) == [], "a rank or engine process outlived the pre-empted run"
 
-    config["train"]["steps"] = stopped + 2
-    done = run_train(config, tmp_path, "cut", *ONE_STEP_OFF, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert processes_with(marker) == []
-    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(1, stopped + 3))
+    resumed = _resume(config, tmp_path, ONE_STEP_OFF, env, stopped, more=2)
     for step in (stopped + 1, stopped + 2):  # the restored rollout, then one drawn after the resume
         _same_step(resumed[step - 1], reference[step - 1])
         assert resumed[step - 1]["rollout/staleness_max"] == 1.0
@@ -173,12 +181,7 @@ def test_two_steps_ahead_draws_two_versions_back_and_resumes_its_queue(tmp_path,
     assert stopped + 3 <= steps, stopped
     assert processes_with(marker) == [], "a rank or engine process outlived the pre-empted run"
 
-    config["train"]["steps"] = stopped + 3
-    done = run_train(config, tmp_path, "cut", *TWO_AHEAD, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert processes_with(marker) == []
-    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(1, stopped + 4))
+    resumed = _resume(config, tmp_path, TWO_AHEAD, env, stopped, more=3)
     for step in (stopped + 1, stopped + 2, stopped + 3):  # the two restored rollouts, then one drawn after
         _same_step(resumed[step - 1], reference[step - 1])
         assert resumed[step - 1]["rollout/staleness_max"] == reference[step - 1]["rollout/staleness_max"]
@@ -279,13 +282,7 @@ def test_partial_rollouts_take_the_next_weights_mid_response_and_resume(tmp_path
     assert stopped + 2 <= steps, stopped
     assert processes_with(marker) == [], "a rank or engine process outlived the pre-empted run"
 
-    config["train"]["steps"] = stopped + 2
-    done = run_train(config, tmp_path, "cut", *PARTIAL, "--resume", nproc=3, timeout=LAUNCH_TIMEOUT_S,
-                     env=env("cut"))  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert processes_with(marker) == []
-    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(1, stopped + 3))
+    resumed = _resume(config, tmp_path, PARTIAL, env("cut"), stopped, more=2)
     for step in (stopped + 1, stopped + 2):  # the restored rollout, then one drawn (and updated) after the resume
         _same_step(resumed[step - 1], reference[step - 1])
         for key in ("rollout/staleness_token_mean", "rollout/partial_fraction", "rollout/versions_per_sample_max"):
