@@ -149,18 +149,25 @@ class EngineRank:
         ``need``."""
         while not self._agree(self._wait_staged(need) if self.is_lead else None):
             self._serve_requests()
-        loaded = None
+        loaded = False
         if self.listener is not None:
             listener, stage = self.listener, self.listener.stage
             stage.wait(lambda: stage.newest >= need or self.stage.weights_version >= need or listener.failed)
-            listener.raise_failure()
-            update = stage.take()
-            if update is not None:
-                self.stage.wake_weights()
-                load_staged(update, self.transport)
-                self.stage.wake_kv_cache()
-                loaded = self.stage.weights_version = version_step(update.version)
-        self._probe_if(loaded is not None)
+            loaded = self._load_staged()
+        self._probe_if(loaded)
+
+    def _load_staged(self) -> bool:
+        """This owner's newest staged update into its engine, if one came since its last load (no
+        collective); whether it loaded one."""
+        self.listener.raise_failure()
+        update = self.listener.stage.take()
+        if update is None:
+            return False
+        self.stage.wake_weights()
+        load_staged(update, self.transport)
+        self.stage.wake_kv_cache()
+        self.stage.weights_version = version_step(update.version)
+        return True
 
     def _probe_if(self, loaded: bool) -> None:
         """Probe what the engines hold if any engine ``loaded`` (every engine rank calls it)."""
@@ -170,11 +177,7 @@ class EngineRank:
     def _load_between_decode_steps(self) -> None:
         """``rollout.partial``, inside a draw (this engine alone: no collective): the newest staged
         update, if one came since the last load; its probes follow the rollout (``_serve_ahead``)."""
-        self.listener.raise_failure()
-        update = self.listener.stage.take()
-        if update is not None:
-            load_staged(update, self.transport)
-            self.stage.weights_version = version_step(update.version)
+        if self._load_staged():
             self.loaded_in_flight = True
 
     def _wait_staged(self, need: int) -> bool:

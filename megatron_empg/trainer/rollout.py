@@ -113,13 +113,13 @@ class RolloutStage:
         if sampling.seed is not None:  # no seed stream repeats across steps or engines
             first = step * len(examples) + prompts.start
             sampling = dataclasses.replace(sampling, seed=sampling.seed + first * sampling.n * self.seeds_per_sample)
-        payload, seconds, start_version = None, 0.0, self.weights_version
+        payload, seconds = None, 0.0
+        version = self.weights_version  # at the start: rollout.partial may load newer weights inside generate
         if self.engine is not None:
             start = time.perf_counter()
             payload = self.generate([examples[p].prompt_ids for p in prompts], sampling, self.between_steps)
             seconds = time.perf_counter() - start
         payload = placement.broadcast_from_owner(payload)
-        version = self.weights_version if self.between_steps is None else start_version  # partial: the first token's
         per_replica = len(examples) // dp_size
         replicas = [
             [Sample.from_trajectory(examples[p], p, t, version=version)

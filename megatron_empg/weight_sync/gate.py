@@ -189,6 +189,13 @@ def verify_probes(
     the same verdict; above ``tolerance`` every rank runs ``diagnose()`` and raises the same
     ``ConsistencyError`` naming the worst engine. Returns the max difference over the engines."""
     results = [max_difference(trainer_score(sequences).cpu(), logprobs) for sequences, logprobs in probes]
+    return _worst_engine(results, version, tolerance, diagnose)
+
+
+def _worst_engine(results: Sequence[tuple[float, int, int]], version: str, tolerance: float,
+                  diagnose: Callable[[], dict[str, float]] | None) -> float:  # fmt: skip
+    """The largest of the engines' ``max_difference`` results; above ``tolerance``, ``diagnose()``
+    and a ``ConsistencyError`` naming the worst engine."""
     worst = max(range(len(results)), key=lambda e: results[e][0])
     if not results[worst][0] <= tolerance:
         family_errors = diagnose() if diagnose else None
@@ -225,11 +232,8 @@ def verify_staged_probes(
     rank runs ``diagnose()`` (on the trainer's current weights: a layout fault shows on any) and
     raises the same ``ConsistencyError`` naming the worst engine. Returns the max difference."""
     width = trainer_logprobs.size(1)
-    results = [max_difference(trainer_logprobs, logprobs[:, :width]) for _, logprobs in probes]
-    worst = max(range(len(results)), key=lambda e: results[e][0])
-    if not results[worst][0] <= tolerance:
-        family_errors = diagnose() if diagnose else None
-        raise ConsistencyError(mismatch_message(version, results[worst], tolerance, family_errors, worst))
+    difference = _worst_engine([max_difference(trainer_logprobs, logprobs[:, :width]) for _, logprobs in probes],
+                               version, tolerance, diagnose)  # fmt: skip
     stale = max(range(len(self_checks)), key=lambda e: self_checks[e], default=None)
     if stale is not None and not self_checks[stale] <= tolerance:
         raise ConsistencyError(
@@ -238,4 +242,4 @@ def verify_staged_probes(
             f"while its scoring matches the trainer: KV computed with older weights is the suspect (a prefix "
             f"cache not reset by the update)"
         )  # fmt: skip
-    return max(results[worst][0], max(self_checks, default=0.0))
+    return max(difference, max(self_checks, default=0.0))
