@@ -113,12 +113,12 @@ if os.environ.get("RANK") == "0":  # training rank 0: the engines' messages arri
 '''
 
 
-def _drawn_ahead_env(tmp_path) -> dict[str, str]:
-    """The environment of a run whose training rank 0 holds each update until the engines have
-    drawn ahead (``DRAWN_AHEAD``), marked for ``processes_with``."""
+def _hook_env(tmp_path, sitecustomize: str) -> dict[str, str]:
+    """The environment of a run whose every process imports ``sitecustomize`` (a test's hook) at
+    start-up, marked for ``processes_with``."""
     hook = tmp_path / "hook"
     hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(DRAWN_AHEAD)
+    (hook / "sitecustomize.py").write_text(sitecustomize)
     return {"PYTHONPATH": f"{hook}:{REPO}", "EMPG_TEST_RUN": tmp_path.name}
 
 
@@ -128,7 +128,7 @@ def _drawn_ahead_env(tmp_path) -> dict[str, str]:
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
 def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_start):
     reference_steps = 8  # room for the signal to land a few steps late on a loaded machine
-    env = _drawn_ahead_env(tmp_path)  # step s trains once step s + 1 is drawn
+    env = _hook_env(tmp_path, DRAWN_AHEAD)  # step s trains once step s + 1 is drawn
     full = run_train(_one_step_off(tmp_path, warm_start, "full", reference_steps), tmp_path, "full", *ONE_STEP_OFF,
                      nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)  # fmt: skip
     assert full.returncode == 0, full.stderr[-4000:]
@@ -162,7 +162,7 @@ TWO_AHEAD = (*DISAGGREGATED, "rollout.max_staleness=2", "algorithm.behavior_is=t
 @pytest.mark.slow
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
 def test_two_steps_ahead_draws_two_versions_back_and_resumes_its_queue(tmp_path, warm_start):
-    env = _drawn_ahead_env(tmp_path)
+    env = _hook_env(tmp_path, DRAWN_AHEAD)
     marker = f"EMPG_TEST_RUN={tmp_path.name}"
     steps = 9  # room for the signal to land a few steps late on a loaded machine
     full = run_train(_one_step_off(tmp_path, warm_start, "full", steps), tmp_path, "full", *TWO_AHEAD, nproc=3,
@@ -252,15 +252,13 @@ PARTIAL = (*DISAGGREGATED, "rollout.max_staleness=1", "rollout.partial=true", "a
 @pytest.mark.slow
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
 def test_partial_rollouts_take_the_next_weights_mid_response_and_resume(tmp_path, warm_start):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(PARTIAL_HANDSHAKE)
+    hooked = _hook_env(tmp_path, PARTIAL_HANDSHAKE)
     marker = f"EMPG_TEST_RUN={tmp_path.name}"
 
     def env(name: str) -> dict[str, str]:
         signals = tmp_path / f"signals_{name}"
         signals.mkdir(exist_ok=True)
-        return {"PYTHONPATH": f"{hook}:{REPO}", "EMPG_TEST_RUN": tmp_path.name, "EMPG_TEST_SIGNALS": str(signals)}
+        return {**hooked, "EMPG_TEST_SIGNALS": str(signals)}
 
     steps = 8  # room for the signal to land a few steps late on a loaded machine
     full = run_train(_one_step_off(tmp_path, warm_start, "full", steps), tmp_path, "full", *PARTIAL, nproc=3,
@@ -318,14 +316,10 @@ transport.receive_weights = receive_weights
 @pytest.mark.slow
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
 def test_a_push_dropped_by_one_of_two_engines_fails_the_gate_naming_it(tmp_path, warm_start):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(DROP_SECOND_PUSH)  # imported at start-up by every process
     config = small_demo_config(tmp_path, "dropped", warm_start, 3)
     marker = f"EMPG_TEST_RUN={tmp_path.name}"
     done = run_train(config, tmp_path, "dropped", "rollout.placement=disaggregated", "rollout.engine_ranks=2", *HF,
-                     nproc=4, timeout=LAUNCH_TIMEOUT_S,
-                     env={"PYTHONPATH": f"{hook}:{REPO}", marker.split("=")[0]: marker.split("=")[1]})  # fmt: skip
+                     nproc=4, timeout=LAUNCH_TIMEOUT_S, env=_hook_env(tmp_path, DROP_SECOND_PUSH))  # fmt: skip
     assert done.returncode != 0
     assert "weight sync step-1: engine 1 and trainer log-probs differ" in done.stderr, done.stderr[-4000:]
     assert processes_with(marker) == [], "the engine rank outlived the failed run"

@@ -125,20 +125,26 @@ def test_receive_weights_into_a_stage_keeps_every_bucket_intact():
     assert_same_buckets(stage.take().buckets, first)
 
 
-def test_wait_wakes_when_another_thread_finishes_an_update():
-    stage = WeightStage(version_step)
-    checked = threading.Event()  # the waiter saw the condition false and is about to sleep
+def asleep_waiter(stage: WeightStage, holds) -> tuple[threading.Thread, list[bool]]:
+    """A thread in ``stage.wait(holds)`` with no timeout (a timeout would re-check and pass anyway:
+    only a notification can wake it), returned once it has seen ``holds()`` false; its result list."""
+    checked = threading.Event()
 
     def condition():
-        result = stage.newest >= 3
+        result = holds()
         checked.set()
         return result
 
     results = []
-    # no timeout: only finish's notification can wake it (a timeout would re-check and pass anyway)
     waiter = threading.Thread(target=lambda: results.append(stage.wait(condition)), daemon=True)
     waiter.start()
     assert checked.wait(10)
+    return waiter, results
+
+
+def test_wait_wakes_when_another_thread_finishes_an_update():
+    stage = WeightStage(version_step)
+    waiter, results = asleep_waiter(stage, lambda: stage.newest >= 3)
     stage_update(stage, 3, make_buckets(3))  # takes the stage's lock, so the waiter is already asleep
     waiter.join(10)
     assert not waiter.is_alive(), "finish did not wake the waiter"
@@ -160,17 +166,8 @@ def test_wait_gives_true_at_once_when_the_condition_already_holds():
 
 def test_notify_wakes_a_waiter_whose_condition_another_thread_made_true():
     stage = WeightStage(version_step)
-    flag, checked = threading.Event(), threading.Event()
-
-    def condition():
-        result = flag.is_set()
-        checked.set()
-        return result
-
-    results = []
-    waiter = threading.Thread(target=lambda: results.append(stage.wait(condition)), daemon=True)
-    waiter.start()
-    assert checked.wait(10)
+    flag = threading.Event()
+    waiter, results = asleep_waiter(stage, flag.is_set)
     flag.set()  # e.g. the listener queued a request: no update completes
     stage.notify()
     waiter.join(10)
