@@ -118,7 +118,8 @@ class SdpaAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):  # fmt: skip
         _check_causal(attn_mask_type or self.attn_mask_type, attention_bias)
-        varlen = varlen_attention() if query.is_cuda else None
+        # varlen_attn runs the flash kernel, which takes fp16 / bf16 only: fp32 rows go through SDPA
+        varlen = varlen_attention() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
         if self.cp_group is not None:
             if packed_seq_params is None:
                 raise ValueError(f"SdpaAttention under context parallelism (context_parallel_size="
