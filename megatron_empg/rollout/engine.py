@@ -85,7 +85,7 @@ class RolloutEngine(Protocol):
         Seeds: prompt ``i``'s request seed is ``seeds[i]`` (``[P]`` ints) if given, else
         ``sampling.seed + i * n`` (None: unseeded); its sample ``j`` draws from request seed + ``j``.
         Returns ``[P][n]`` completions, in prompt order and sample order. ``between_steps``
-        (engines whose ``rollout.engines.EngineKind.updates_mid_generation``): called between
+        (engines whose ``rollout.engines.EngineKind.updates_mid_generation``: both shipped): called between
         decode steps, it may run a weight update that the unfinished responses continue with;
         the completions then carry ``versions``.
         """

@@ -33,7 +33,7 @@ class EngineKind:
 
 ENGINES: dict[str, EngineKind] = {
     "vllm": EngineKind("megatron_empg.rollout.vllm_engine:VllmEngine", own_process=True,
-                       in_process_beside_training=False, updates_mid_generation=False),
+                       in_process_beside_training=False, updates_mid_generation=True),
     "hf": EngineKind("megatron_empg.rollout.hf_engine:HfEngine", own_process=False,
                      in_process_beside_training=True, updates_mid_generation=True),
 }

@@ -21,6 +21,17 @@ vLLM is imported only when an engine is built. What the engine does on top of ``
   resets the prefix cache: otherwise a prompt sharing a full KV block (128 tokens on CPU) with an
   earlier one reuses KV of the old weights. A failed update leaves the weights undefined (vLLM's
   layerwise reload has moved layers away); the engine then refuses all work except ``shutdown``.
+* **Updates between decode steps** (``generate(..., between_steps=)``, partial rollouts): the
+  requests are queued with ``LLM.enqueue`` and the engine is stepped here, ``between_steps``
+  called before every step but the first. An update inside it pauses vLLM's scheduler with the
+  requests kept (``LLM.sleep(level=0, mode="keep")``), loads the weights, and resets the prefix
+  cache with ``reset_running_requests=True``: vLLM preempts the running requests, so that their KV
+  is **recomputed** from prompt + generated tokens by the new weights when they are scheduled again
+  (exact: the continuation is what the new weights give for that prefix; no KV of the old weights
+  is kept), then resumes the scheduler. Each token's version comes from vLLM's own tracking
+  (``CompletionOutput.weight_versions``, the version ``finish_weight_update`` set when the token was
+  produced). With the engine in its own process the core steps on its own between two outputs;
+  the pause still comes before the first bucket, so no token is sampled by half-loaded weights.
 * **Environment** (read by vLLM when the engine starts): ``VLLM_ENABLE_V1_MULTIPROCESSING`` from
   ``rollout.in_process``, on CPU ``VLLM_CPU_KVCACHE_SPACE`` from ``rollout.kv_cache_gib`` (without
   it vLLM claims 92 % of the machine's RAM and refuses to start when that much is not free), and
@@ -127,7 +138,7 @@ def _check_no_live_in_process_engine() -> None:
         )
 
 
-def _completion(output: CompletionOutput) -> Completion:
+def _completion(output: CompletionOutput, version: str | None = None, per_token: bool = False) -> Completion:
     token_ids = list(output.token_ids)
     if output.logprobs is None or len(output.logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned no log-prob for some of the {len(token_ids)} generated tokens")
@@ -137,7 +148,13 @@ def _completion(output: CompletionOutput) -> Completion:
             f"(stop_reason={output.stop_reason!r}); expected one of {FINISH_REASONS}"
         )
     logprobs = [step[token].logprob for step, token in zip(output.logprobs, token_ids)]
-    return Completion(token_ids, logprobs, output.finish_reason, output.stop_reason)
+    versions = None
+    if per_token:  # vLLM's spans over the output tokens; none reported: all by ``version``
+        spans = output.weight_versions or []
+        versions = [version] * len(token_ids)
+        for span in spans:
+            versions[span.start : span.end] = [span.version] * (span.end - span.start)
+    return Completion(token_ids, logprobs, output.finish_reason, output.stop_reason, versions=versions)
 
 
 class VllmEngine:
@@ -214,6 +231,7 @@ class VllmEngine:
         self.max_model_len: int = self._llm.model_config.max_model_len
         self.weight_version: str | None = None
         self._state = EngineState()
+        self._stepping = False  # inside generate(between_steps=): an update pauses and preempts
 
     # ----------------------------------------------------------------------------------------
     # Sampling and scoring.
@@ -229,12 +247,10 @@ class VllmEngine:
         module docstring). Returns ``[P][n]`` ``Completion`` s in prompt and sample order; their
         ``logprobs`` are the processed sampler log-probs (module docstring). A response also ends
         with ``finish_reason="length"`` when prompt + response reach ``max_model_len``.
-        ``between_steps`` is refused: weight updates between decode steps are not wired to vLLM's
-        pause / resume here (``rollout.partial`` is a bind error with this engine).
+        ``between_steps``: called before every engine step but the first; it may update the weights
+        (module docstring); the completions then carry ``versions``.
         """
         self._state.check_idle("generate")
-        if between_steps is not None:
-            raise ValueError("generate: VllmEngine does not take between_steps (no weight updates inside generate)")
         llm = self._llm
         token_prompts, request_seeds = check_generate_arguments(
             prompts, sampling, vocab_size=self.vocab_size, max_model_len=self.max_model_len, seeds=seeds
@@ -245,10 +261,38 @@ class VllmEngine:
                 "started with skip_tokenizer_init=True (use sampling.stop_token_ids)"
             )
         params = [self._sampling_params(sampling, seed) for seed in request_seeds]
-        outputs = llm.generate(
-            [{"prompt_token_ids": prompt} for prompt in token_prompts], params, use_tqdm=False
-        )
-        return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        requests = [{"prompt_token_ids": prompt} for prompt in token_prompts]
+        version = self.weight_version  # before the call's updates, if any
+        if between_steps is None:
+            outputs = llm.generate(requests, params, use_tqdm=False)
+        else:
+            outputs = self._step_until_done(requests, params, between_steps)
+        return [
+            [_completion(c, version, per_token=between_steps is not None) for c in sorted(out.outputs, key=lambda c: c.index)]
+            for out in outputs
+        ]  # fmt: skip
+
+    def _step_until_done(self, requests: list[dict], params: list[SamplingParams],
+                         between_steps: Callable[[], None]) -> list:  # fmt: skip
+        """``LLM.generate``'s loop, with ``between_steps`` before every step but the first:
+        ``[P]`` final ``RequestOutput`` s in request order."""
+        llm, engine = self._llm, self._llm.llm_engine
+        ids = llm.enqueue(requests, params, use_tqdm=False)  # vLLM's internal request ids
+        self._stepping = True
+        finished: list = []
+        try:
+            steps = 0
+            while engine.has_unfinished_requests():
+                if steps:
+                    between_steps()
+                steps += 1
+                finished.extend(out for out in engine.step() if out.finished)
+        except BaseException:
+            engine.abort_request(ids, internal=True)  # the unfinished ones; finished ids are ignored
+            raise
+        finally:
+            self._stepping = False
+        return sorted(finished, key=lambda out: int(out.request_id))  # as LLM.generate orders them
 
     def _sampling_params(self, sampling: SamplingConfig, seed: int | None) -> SamplingParams:
         from vllm import SamplingParams
@@ -296,6 +340,8 @@ class VllmEngine:
     def begin_weight_update(self) -> None:
         """Start a weight update (vLLM's layerwise reload); ``generate`` / ``score`` wait for its end."""
         self._state.check_update("begin_weight_update", opening=True)
+        if self._stepping:  # requests in flight: no step until the update is finished
+            self._state.update_phase("begin_weight_update", lambda: self._llm.sleep(level=0, mode="keep"))
         self._state.update_phase("begin_weight_update", self._llm.start_weight_update)
         self._state.update_open = True
 
@@ -345,10 +391,15 @@ class VllmEngine:
         self._state.check_update("finish_weight_update")
         llm = self._llm
 
+        stepping = self._stepping
+
         def finish_and_reset_prefix_cache() -> None:
             llm.finish_weight_update(weight_version=version)
-            if not llm.reset_prefix_cache():  # refused while requests run; cached KV would be stale
+            # refused while requests run, unless they are preempted (their KV recomputed: stepping)
+            if not llm.reset_prefix_cache(reset_running_requests=stepping):
                 raise RuntimeError("vLLM could not reset its prefix cache")
+            if stepping:
+                llm.wake_up(tags=["scheduling"])
 
         self._state.update_phase("finish_weight_update", finish_and_reset_prefix_cache)
         self._state.update_open = False

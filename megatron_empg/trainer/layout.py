@@ -263,7 +263,7 @@ def _check_engine_process(config: RunConfig, engine: EngineKind, world_size: int
     if config.rollout.partial and not engine.updates_mid_generation:
         able = sorted(n for n, kind in ENGINES.items() if kind.updates_mid_generation)
         raise ConfigError("rollout.partial", f"true needs an engine that loads weights between decode steps ({able}); "
-                          f"{name!r} does not (vLLM's pause / resume is not wired here)")  # fmt: skip
+                          f"{name!r} does not")  # fmt: skip
     if not config.rollout.in_process and not engine.own_process:
         raise ConfigError("rollout.in_process", f"false needs an engine that runs in its own process; {name!r} does not")
     if config.rollout.in_process and world_size > 1 and not engine.in_process_beside_training:

@@ -332,7 +332,7 @@ def test_finish_weight_update_resets_the_prefix_cache(rig, tiny_model):
     assert worst_error() < TOLERANCE
     assert_scores_equal(rig.engine.score([prompt]), [hf_score(rig.reference, prompt)])
 
-    rig.engine._llm.reset_prefix_cache = lambda: True  # an engine that forgot the reset
+    rig.engine._llm.reset_prefix_cache = lambda **_: True  # an engine that forgot the reset
     try:
         rig.push(hf_model(tiny_model, seed=4), "no-reset")
         assert worst_error() > 1e-2

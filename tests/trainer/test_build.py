@@ -141,9 +141,6 @@ def test_layout_module_imports_no_torch():
         (["rollout.max_staleness=-1"], 1, "rollout.max_staleness", "must be >= 0"),
         (["rollout.mode=one_step_off"], 1, "rollout.mode", "one_step_off is 1"),
         (["rollout.partial=true"], 1, "rollout.partial", "needs max_staleness >= 1"),
-        (["rollout.placement=disaggregated", "rollout.engine_ranks=1", "rollout.max_staleness=1", "rollout.partial=true",
-          "rollout.in_process=false", "weight_sync.transport=shm_file"], 3, "rollout.partial",
-         "loads weights between decode steps"),
         (["rollout.placement=disaggregated", "rollout.engine_ranks=1", "rollout.engines=single"], 3, "rollout.engines",
          "is for placement colocated"),
         (["rollout.placement=disaggregated", "rollout.engine_ranks=1"], 3, "rollout.in_process", "engine rank"),
@@ -199,6 +196,20 @@ def test_bind_names_the_field_of_each_bad_setting(tmp_path, overrides, world, fi
     with pytest.raises(ConfigError) as e:
         bind(demo(tmp_path, *overrides), world)
     assert e.value.field == field and words in str(e.value), e.value
+
+
+def test_partial_rollouts_need_an_engine_that_updates_mid_generation(tmp_path, monkeypatch):
+    """Both shipped engines do (vLLM and transformers); one registered without it is refused."""
+    from megatron_empg.rollout.engines import ENGINES, EngineKind
+
+    monkeypatch.setitem(ENGINES, "paused", EngineKind("x:Y", own_process=True, in_process_beside_training=False,
+                                                      updates_mid_generation=False))  # fmt: skip
+    partial = ("rollout.placement=disaggregated", "rollout.engine_ranks=1", "rollout.max_staleness=1",
+               "rollout.partial=true", "rollout.in_process=false", "weight_sync.transport=shm_file")  # fmt: skip
+    assert bind(demo(tmp_path, *partial), 3).engine.target.endswith("VllmEngine")
+    with pytest.raises(ConfigError) as e:
+        bind(demo(tmp_path, *partial, "rollout.engine=paused"), 3)
+    assert e.value.field == "rollout.partial" and "(['hf', 'vllm']); 'paused' does not" in str(e.value), e.value
 
 
 def test_bind_resolves_the_registries_and_what_the_passes_compute(tmp_path):

@@ -193,6 +193,7 @@ import time
 from pathlib import Path
 
 SIGNALS = Path(os.environ["EMPG_TEST_SIGNALS"])
+SWITCH = int(os.environ.get("EMPG_TEST_SWITCH", "3"))  # the decode step (engine step) the weights change at
 DEADLINE_S = 300
 
 
@@ -203,7 +204,7 @@ def wait_for(condition, what):
         time.sleep(0.02)
 
 
-if os.environ.get("RANK") == "2":  # the engine rank: each rollout t >= 2 gets step t - 1's weights at decode step 3
+if os.environ.get("RANK") == "2":  # the engine rank: each rollout t >= 2 gets step t - 1's weights at decode step SWITCH
     import megatron_empg.trainer.engine_rank as engine_rank
 
     EngineRank = engine_rank.EngineRank
@@ -224,8 +225,11 @@ if os.environ.get("RANK") == "2":  # the engine rank: each rollout t >= 2 gets s
         self.decode_step += 1
         if self.decode_step == 1:  # tells the trainer it may push: this rollout has begun with older weights
             (SIGNALS / f"drawing-{self.rollout_step}").touch()
-        if self.decode_step == 3 and self.rollout_step >= 2:
+        if self.decode_step == SWITCH and self.rollout_step >= 2:
             stage = self.listener.stage
+            llm = getattr(self.stage.engine, "_llm", None)
+            if llm is not None:  # vLLM's engine core steps on its own: held (requests kept) until the weights come
+                llm.sleep(level=0, mode="keep")
             wait_for(lambda: stage.newest > self.started_from or self.listener.pending(),
                      f"no weights pushed while rollout {self.rollout_step} was drawn")  # fmt: skip
         return _load(self)
@@ -285,6 +289,35 @@ def test_partial_rollouts_take_the_next_weights_mid_response_and_resume(tmp_path
         _same_step(resumed[step - 1], reference[step - 1])
         for key in ("rollout/staleness_token_mean", "rollout/partial_fraction", "rollout/versions_per_sample_max"):
             assert resumed[step - 1][key] == reference[step - 1][key], key
+
+
+@pytest.mark.dist
+@pytest.mark.vllm
+@pytest.mark.megatron
+@pytest.mark.slow
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_partial_rollouts_on_vllm_engine_processes(tmp_path, warm_start):
+    """The same handshake with vLLM in its own process on the engine rank (the launcher's CPU
+    defaults: ``rollout.in_process=false``, weights through ``shm_file``), held at its first
+    engine step after the prefill until the weights come."""
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    env = {**_hook_env(tmp_path, PARTIAL_HANDSHAKE), "EMPG_TEST_SIGNALS": str(signals), "EMPG_TEST_SWITCH": "1"}
+    steps = 4
+    config = _one_step_off(tmp_path, warm_start, "vllm", steps)
+    partial = (*DISAGGREGATED, "rollout.max_staleness=1", "rollout.partial=true", "algorithm.behavior_is=tis")
+    done = run_train(config, tmp_path, "vllm", *partial, nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert processes_with(f"EMPG_TEST_RUN={tmp_path.name}") == []
+    records = read_metrics(tmp_path / "vllm" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    # rollout t >= 2 began with step t - 2's weights and took step t - 1's after its first token
+    assert [r["rollout/staleness_max"] for r in records] == [0.0] + [1.0] * (steps - 1)
+    assert [r["rollout/versions_per_sample_max"] for r in records] == [1.0] + [2.0] * (steps - 1)
+    assert all(r["rollout/partial_fraction"] > 0.5 for r in records[1:])
+    assert all(0.0 < r["rollout/staleness_token_mean"] < 1.0 for r in records[1:])
+    # every version the engine loaded mid-rollout was probed against the trainer's log-probs
+    assert all(r["sync/gate_max_logprob_diff"] < 1e-4 for r in records)
 
 
 DROP_SECOND_PUSH = '''
