@@ -449,3 +449,20 @@ def test_run_config_cross_field_errors_name_the_dotted_field():
     with pytest.raises(ConfigError) as e:
         from_dict(RunConfig, {**base, "model": "nope"}).model_config()
     assert e.value.field == "model"
+
+
+def test_the_bad_step_settings_name_their_field():
+    from megatron_empg.config import RunConfig
+
+    base = {"model": "tiny-qwen2", "tokenizer": "/tmp/tokenizer"}
+    train = from_dict(RunConfig, base).train
+    assert (train.skip_grad_norm_factor, train.max_consecutive_skips) == (10.0, 5)
+    assert from_dict(RunConfig, {**base, "train": {"skip_grad_norm_factor": None}}).train.skip_grad_norm_factor is None
+    for change, field, words in [
+        ({"skip_grad_norm_factor": 1.0}, "train.skip_grad_norm_factor", "expected a finite number > 1, or null"),
+        ({"skip_grad_norm_factor": float("inf")}, "train.skip_grad_norm_factor", "expected a finite number > 1"),
+        ({"max_consecutive_skips": 0}, "train.max_consecutive_skips", "must be >= 1, got 0"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            from_dict(RunConfig, {**base, "train": change})
+        assert e.value.field == field, (change, e.value)

@@ -156,6 +156,14 @@ class TrainConfig:
     ``memory_check``: what a run does when its memory plan (``trainer.memory_plan``, ``empg plan``)
     exceeds the GPU, checked before anything starts: ``error`` (with the changes that would fit)
     or ``warn`` and start anyway.
+
+    Bad steps are refused (``core.step_guard``): an optimizer step whose loss or gradient norm is
+    not finite, or whose gradient norm exceeds ``skip_grad_norm_factor`` x the median of the last
+    20 applied steps' (from the 6th applied step; null: no such check), changes neither the
+    weights, the optimizer's state, the LR schedule nor the EMA anchor's schedule, on every rank
+    (``train/skipped_steps`` counts a step's refused optimizer steps). ``max_consecutive_skips``
+    refused optimizer steps in a row stop the run with a ``BadStepsError``, the samples of the
+    step saved in ``<logging.dir>/bad_step_<step>/`` (``trainer.bad_steps``).
     """
 
     steps: int = 100
@@ -172,13 +180,20 @@ class TrainConfig:
     balance: bool = True
     fused_output_loss: bool = False
     memory_check: Literal["error", "warn"] = "error"
+    skip_grad_norm_factor: float | None = 10.0
+    max_consecutive_skips: int = 5
 
     def validate(self) -> None:
-        for name in ("steps", "prompts_per_step", "micro_batch_size", "recompute_num_layers"):
+        for name in ("steps", "prompts_per_step", "micro_batch_size", "recompute_num_layers", "max_consecutive_skips"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)!r}")
         if self.max_seq_len < 2:
             raise ConfigError("max_seq_len", f"must be >= 2, got {self.max_seq_len!r}")
+        factor = self.skip_grad_norm_factor
+        if factor is not None and not 1 < factor < math.inf:
+            raise ConfigError(
+                "skip_grad_norm_factor", f"expected a finite number > 1, or null for no spike check, got {factor!r}"
+            )
         budget = self.max_tokens_per_microbatch
         if budget is not None and not self.packing:
             raise ConfigError("max_tokens_per_microbatch", "needs packing: true (a token budget fills packed rows)")

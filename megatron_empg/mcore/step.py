@@ -24,6 +24,7 @@ time, so that the [b * s, V_local] logits and their gradient never exist whole.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.core.aggregation import LossSum
+from megatron_empg.core.step_guard import GradNormGuard, SkipReason
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.mcore.thd import thd_layout
@@ -315,14 +317,15 @@ class StepResult:
         metrics: name -> global mean (``loss`` and ``policy_loss`` over the aggregation's units,
             the others token means), reduced over micro-batches and DP.
         grad_norm: the global gradient norm before clipping.
-        lr: the learning rate used by this step.
-        update_successful: False if the optimizer skipped the step (non-finite gradients).
+        lr: the learning rate used by this step (of the last applied step, if it was refused).
+        skipped: why the step was refused (``core.step_guard``: the parameters, the optimizer's
+            state and the LR schedule are as before it), or None if it was applied.
     """
 
     metrics: dict[str, float]
     grad_norm: float
     lr: float
-    update_successful: bool
+    skipped: str | None = None
 
 
 def reduce_metrics(per_microbatch: list[dict[str, LossSum]] | None, groups: ParallelGroups) -> dict[str, float]:
@@ -367,11 +370,15 @@ def train_step(
     *,
     groups: ParallelGroups,
     fused_output: bool = False,
+    guard: GradNormGuard | None = None,
 ) -> StepResult:
-    """One policy update: forward+backward over this DP rank's micro-batches, then the optimizer.
+    """One policy update: forward+backward over this DP rank's micro-batches, then the optimizer,
+    unless ``guard`` refuses the step (``core.step_guard``: a non-finite loss or gradient norm, or
+    a gradient-norm spike; the same decision on every rank): then the gradients are zeroed and
+    neither the parameters, the optimizer's state nor the LR schedule change.
 
     The LR schedule steps first, so that a warmup counts the update it is applied to: the k-th
-    update of a warmup of W runs at ``lr * k / W``, never at 0.
+    update of a warmup of W runs at ``lr * k / W``, never at 0. A refused step does not count.
 
     Args:
         ddp_models: the policy's model chunks wrapped by ``optimizer.wrap_with_ddp``.
@@ -380,6 +387,8 @@ def train_step(
         loss_fn: the update-pass objective (``LossFunction``).
         fused_output: give ``loss_fn`` the output layer's input and weight (``OutputLayerInput``)
             instead of the logits (``train.fused_output_loss``; module docstring).
+        guard: the run's refusal rule and gradient-norm history (``train.skip_grad_norm_factor``);
+            an applied step's norm joins its history. None: non-finite steps only are refused.
     """
     for model in ddp_models:
         model.train()
@@ -392,12 +401,39 @@ def train_step(
         return output, partial(_update_loss, batch, loss_fn, groups)
 
     outputs = _run_schedule(ddp_models, microbatches, forward_step, forward_only=False)
+    metrics = reduce_metrics(outputs if groups.is_last_stage else None, groups)
+    guard = guard if guard is not None else GradNormGuard(factor=None)
+    found_inf = optimizer.prepare_grads()  # the main gradients; True only under a loss scaler
+    grad_norm = float("nan") if found_inf else float(optimizer.get_grad_norm())
+    loss = metrics.get("loss", 0.0)  # a global mean: the same on every rank
+    reason, grad_norm, threshold = _agree(guard.decide(loss, grad_norm), grad_norm, guard.threshold())
+    if reason != SkipReason.NONE:
+        for model in ddp_models:  # nothing of the refused gradients reaches the next step
+            model.zero_grad_buffer()
+        optimizer.zero_grad()
+        why = guard.describe(reason, loss, grad_norm, threshold)
+        return StepResult(metrics, grad_norm, optimizer.param_groups[0]["lr"], skipped=why)
+    guard.record(grad_norm)
     scheduler.step(increment=1)
     lr = optimizer.param_groups[0]["lr"]
-    update_successful, grad_norm, _ = optimizer.step()
-    return StepResult(
-        metrics=reduce_metrics(outputs if groups.is_last_stage else None, groups),
-        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-        lr=lr,
-        update_successful=bool(update_successful),
-    )
+    # Megatron's own step, as without the guard: its prepare_grads copies the same gradients again
+    # (idempotent without a loss scaler: build_optimizer makes bf16 or fp32 optimizers) and its
+    # clipping computes the same norm
+    optimizer.step()
+    return StepResult(metrics, grad_norm, lr)
+
+
+def _agree(reason: SkipReason, grad_norm: float, threshold: float | None) -> tuple[SkipReason, float, float | None]:
+    """Every rank's most severe ``reason``, one gradient norm for all (NaN if one rank's is, else
+    inf if one rank's is, else the largest) and the largest spike ``threshold`` (None: no rank has
+    one), by one all-reduce with MAX over the training world: every rank refuses or applies the
+    step alike, says why in the same words and records the same norm in its guard's history
+    (which a checkpoint holds: the same on every rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return reason, grad_norm, threshold
+    finite = grad_norm if math.isfinite(grad_norm) else 0.0
+    values = torch.tensor([float(reason), finite, math.isnan(grad_norm), math.isinf(grad_norm), threshold or 0.0],
+                          dtype=torch.float64, device=collective_device())  # fmt: skip
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    code, finite, nan, inf, threshold = values.tolist()
+    return SkipReason(int(code)), float("nan") if nan else float("inf") if inf else finite, threshold or None

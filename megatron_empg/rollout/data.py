@@ -110,21 +110,9 @@ class PromptFormatter:
         self.prompt_template = prompt_template
         self.uses_chat_template = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
 
-    def _apply_template(self, prompt: Prompt) -> Prompt:
-        if self.prompt_template is None:
-            return prompt
-        if isinstance(prompt, str):
-            return self.prompt_template.format(prompt=prompt)
-        users = [i for i, message in enumerate(prompt) if message["role"] == "user"]
-        if not users:
-            raise ValueError("data.prompt_template is set but the messages have no user message")
-        last = users[-1]
-        return [*prompt[:last], {**prompt[last], "content": self.prompt_template.format(prompt=prompt[last]["content"])},
-                *prompt[last + 1 :]]  # fmt: skip
-
     def render(self, prompt: Prompt) -> str:
         """The prompt's text; a ``ValueError`` says why a prompt cannot be rendered."""
-        prompt = self._apply_template(prompt)
+        prompt = apply_prompt_template(self.prompt_template, prompt)
         if not self.uses_chat_template:
             if not isinstance(prompt, str):
                 raise ValueError(
@@ -137,7 +125,10 @@ class PromptFormatter:
             if messages[0]["role"] == "system":
                 raise ValueError("the prompt has its own system message and data.system_prompt is set too")
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # the template's own refusal: jinja2's TemplateError (raise_exception), ...
+            raise ValueError(f"the tokenizer's chat template failed on it: {type(error).__name__}: {error}") from error
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of rendered prompts: ``[len(texts)]`` lists of ints."""
@@ -145,6 +136,21 @@ class PromptFormatter:
             return []
         encoded = self.tokenizer(texts, add_special_tokens=not self.uses_chat_template)["input_ids"]
         return [list(ids) for ids in encoded]
+
+
+def apply_prompt_template(template: str | None, prompt: Prompt) -> Prompt:
+    """``prompt`` rewritten by ``data.prompt_template`` (None: as it is): a string prompt, or the
+    content of a message list's last user message (a ``ValueError`` if it has none)."""
+    if template is None:
+        return prompt
+    if isinstance(prompt, str):
+        return template.format(prompt=prompt)
+    users = [i for i, message in enumerate(prompt) if message["role"] == "user"]
+    if not users:
+        raise ValueError("data.prompt_template is set but the messages have no user message")
+    last = users[-1]
+    return [*prompt[:last], {**prompt[last], "content": template.format(prompt=prompt[last]["content"])},
+            *prompt[last + 1 :]]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,7 +341,8 @@ def check_records(path: str | Path, config: DataConfig) -> int:
 
 
 def _parse_fields(file: str, row: int, record: dict[str, Any], config: DataConfig) -> dict[str, Any]:
-    """The record's parsed ``prompt`` and ``answer``."""
+    """The record's parsed ``prompt`` and ``answer``; the prompt takes ``data.prompt_template``
+    (checked here too, so that the bind step finds a prompt it cannot take)."""
     fields = {}
     for name, key, parse in (("prompt", config.prompt_key, parse_prompt), ("answer", config.answer_key, parse_answer)):
         value = _lookup(record, key)
@@ -343,6 +350,8 @@ def _parse_fields(file: str, row: int, record: dict[str, Any], config: DataConfi
             raise DataError(file, row, f"missing key {key!r} (data.{name}_key); the record's keys: {sorted(record)}")
         try:
             fields[name] = parse(value)
+            if name == "prompt":
+                apply_prompt_template(config.prompt_template, fields[name])
         except ValueError as error:
             raise DataError(file, row, f"{key!r}: {error}") from None
     return fields

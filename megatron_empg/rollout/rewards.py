@@ -7,11 +7,14 @@ timeout) also takes ``RewardLimits``: its worker count, its per-sample timeout a
 the step's reward budget (``data.reward_*``); the others are linear in the text and score every
 sample. The rewards themselves live with their tasks (``megatron_empg.tasks``), which name
 them in ``tasks.registry.REWARDS``; this module holds what they share, and DAPO's overlong
-penalty, which the trainer adds to any reward. Standard library only.
+penalty, which the trainer adds to any reward, and ``score_guarded``: a reward call that one bad
+sample (an exception, a score that is not a finite number) does not stop. Standard library only.
 """
 
 from __future__ import annotations
 
+import math
+import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -82,3 +85,49 @@ def overlong_penalty(length: int, *, max_length: int, buffer: int, factor: float
     """DAPO's soft overlong punishment (<= 0): 0 up to ``max_length - buffer`` tokens, then falling
     linearly to ``-factor`` at ``max_length`` (and below it beyond)."""
     return min(-(length - (max_length - buffer)) / buffer * factor, 0.0)
+
+
+def score_guarded(
+    reward: Callable[[list[str], list[PromptExample]], RewardResult],
+    responses: list[str],
+    examples: list[PromptExample],
+) -> tuple[RewardResult, str | None]:
+    """``reward(responses, examples)``, where a bad sample scores 0 (incorrect) instead of stopping
+    the run: if the call raises, each sample is scored alone and one whose call raises is bad; a
+    score that is not a finite number is bad too. ``metrics["errors"]`` counts the bad samples (0
+    if none: every rank has the key, whose sums are all-reduced). Returns the result and what to
+    log of the first bad sample (its traceback; None: none was bad)."""
+    first: str | None = None
+    try:
+        result = reward(responses, examples)
+    except Exception:
+        batch_error = traceback.format_exc()
+        scores, correct, metrics = [], [], {}
+        for i, (response, example) in enumerate(zip(responses, examples, strict=True)):
+            try:
+                one = reward([response], [example])
+            except Exception:
+                first = first or f"reward: sample {i} of {len(responses)} raised:\n{traceback.format_exc()}"
+                scores.append(float("nan"))  # bad: 0 below
+                correct.append(False)
+                continue
+            scores += one.scores
+            correct += one.correct
+            for key, value in one.metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + value
+        first = first or f"reward: the batch call raised, each sample alone did not:\n{batch_error}"
+        result = RewardResult(scores, correct, metrics)
+    errors = 0
+    scores, correct = [], []
+    for i, (score, right) in enumerate(zip(result.scores, result.correct, strict=True)):
+        try:
+            value = float(score)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value):
+            errors += 1
+            first = first or f"reward: sample {i} of {len(responses)} scored {score!r}, not a finite number"
+            value, right = 0.0, False
+        scores.append(float(value))
+        correct.append(bool(right))
+    return RewardResult(scores, correct, {**result.metrics, "errors": float(errors)}), first

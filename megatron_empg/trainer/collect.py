@@ -13,13 +13,16 @@ penalty, within the step's ``data.reward_budget_s`` (counted over all of the ste
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from megatron_empg.config import RunConfig
-from megatron_empg.rollout.rewards import RewardFn, RewardLimits, WorkerReward, overlong_penalty
+from megatron_empg.rollout.rewards import RewardFn, RewardLimits, WorkerReward, overlong_penalty, score_guarded
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.dynamic_sampling import DynamicSampler, dynamic_batch_prompts
 from megatron_empg.trainer.metrics import sample_sums
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -42,10 +45,18 @@ class Scorer:
     """Each sample's reward (``data.reward``, then ``algorithm.overlong_buffer``'s penalty) and
     whether it is correct; returns the reward's metric sums as ``reward/*``. A ``WorkerReward``
     gets ``data.reward_workers``, ``reward_timeout_s`` and the deadline of ``reward_budget_s``;
-    with a budget, ``reward/unscored`` counts the samples it left unscored (every rank has the key)."""
+    with a budget, ``reward/unscored`` counts the samples it left unscored (every rank has the key).
+    A sample whose reward raises or is not a finite number scores 0 and counts in ``reward/errors``
+    (``rollout.rewards.score_guarded``); the first such sample of a step is logged with its
+    traceback (``new_step`` starts a step)."""
 
     def __init__(self, config: RunConfig, tokenizer, reward_fn: RewardFn | WorkerReward) -> None:
         self.config, self.tokenizer, self.reward_fn = config, tokenizer, reward_fn
+        self._error_logged = False  # this step's first bad sample is logged, the others counted
+
+    def new_step(self) -> None:
+        """A step (or a validation pass) starts: its first bad sample will be logged."""
+        self._error_logged = False
 
     def __call__(self, samples: list[Sample], spent_s: float = 0.0) -> dict[str, float]:
         """Score ``samples``; ``spent_s``: seconds of ``data.reward_budget_s`` the step's earlier
@@ -57,9 +68,14 @@ class Scorer:
         if isinstance(self.reward_fn, WorkerReward):
             budget = data.reward_budget_s
             deadline = None if budget is None else start + max(budget - spent_s, 0.0)
-            result = self.reward_fn(texts, examples, RewardLimits(data.reward_workers, data.reward_timeout_s, deadline))
+            limits = RewardLimits(data.reward_workers, data.reward_timeout_s, deadline)
+            result, error = score_guarded(lambda r, e: self.reward_fn(r, e, limits), texts, examples)
         else:
-            result = self.reward_fn(texts, examples)
+            result, error = score_guarded(self.reward_fn, texts, examples)
+        if error is not None and not self._error_logged:
+            self._error_logged = True
+            log.warning("%s\n(scored 0 and counted in reward/errors; later bad samples of this step are counted only)",
+                        error)  # fmt: skip
         for sample, score, correct in zip(samples, result.scores, result.correct):
             sample.reward, sample.correct = float(score), bool(correct)
         metrics = {f"reward/{k}": float(v) for k, v in result.metrics.items()}
@@ -95,6 +111,7 @@ class RolloutCollector:
     def collect(self, times: dict[str, float]) -> StepRollout:
         """This step's samples of each replica of this rank's engine, scored; scoring time goes
         to ``times["rewards"]``."""
+        self.scorer.new_step()
         engine_metrics: list[dict[str, float]] = []
 
         def draw(_: int) -> list[list[Sample]]:

@@ -35,6 +35,7 @@ from megatron_empg.core.behavior_is import behavior_metrics
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.link import Link
 from megatron_empg.trainer import machine
+from megatron_empg.trainer.bad_steps import BadSteps
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.batching import BatchStage, StepBatch
 from megatron_empg.trainer.build import Components
@@ -94,7 +95,8 @@ class Trainer:
         self._build_policy()
         self.anchor = self._build_anchor()
         self.step_index = 0
-        self.optimizer_steps = 0
+        self.optimizer_steps = 0  # applied ones (a refused step counts for nothing, the anchor's schedule included)
+        self.bad_steps = BadSteps(config.train)
         self._stop_signal: int | None = None
 
     # ------------------------------------------------------------------ setup
@@ -232,9 +234,12 @@ class Trainer:
         with timed(times, "anchor_pass"):
             self.anchor_pass(micro)
         with timed(times, "update"):
+            done = self.optimizer_steps
             update_metrics = self.update(batch.minis)
+        if self.bad_steps.exhausted:  # train.max_consecutive_skips: the same step on every rank
+            raise self.bad_steps.stop(self.step_index + 1, samples, advantages, self.run_dir, self.groups)
         with timed(times, "ema_update"):
-            ema_updates = self.ema_update()
+            ema_updates = self.ema_update(done)
         self.step_index += 1
         with timed(times, "weight_sync"):
             sync_metrics = self.sync_weights()
@@ -302,26 +307,28 @@ class Trainer:
         return rows.split_stats(share_stats(outputs, rows.batches, request, self.groups))
 
     def update(self, minis: list[list[MicroBatch]]) -> dict[str, float]:
-        """One optimizer step per mini-batch (of micro-batches); the mean of their metrics."""
+        """One optimizer step per mini-batch (of micro-batches), unless refused (``trainer.bad_steps``);
+        the mean of their metrics, and ``train/skipped_steps``: how many were refused."""
         from megatron_empg.mcore.step import train_step
 
         results = []
         for micro in minis:
             results.append(train_step(self.models, self.optimizer, self.scheduler, micro, self.components.loss_fn,
-                                      groups=self.groups, fused_output=self.config.train.fused_output_loss))  # fmt: skip
-            self.optimizer_steps += 1
+                                      groups=self.groups, fused_output=self.config.train.fused_output_loss,
+                                      guard=self.bad_steps.guard))  # fmt: skip
+            self.optimizer_steps += results[-1].skipped is None
         merged = {f"actor/{k}": statistics.fmean(r.metrics[k] for r in results) for k in results[0].metrics}
         merged["actor/grad_norm"] = statistics.fmean(r.grad_norm for r in results)
         merged["actor/lr"] = results[-1].lr
-        merged["actor/skipped_updates"] = float(sum(not r.update_successful for r in results))
+        merged["train/skipped_steps"] = float(self.bad_steps.record(self.step_index + 1, [r.skipped for r in results]))
         return merged
 
-    def ema_update(self) -> int:
-        """Anchor EMA updates due after this step's optimizer steps (0 without an anchor)."""
+    def ema_update(self, done: int) -> int:
+        """Anchor EMA updates due after this step's applied optimizer steps, ``done + 1`` .. (0
+        without an anchor)."""
         if self.anchor is None:
             return 0
-        first = self.optimizer_steps - self.config.algorithm.mini_batches + 1
-        return sum(self.anchor.maybe_update(s) for s in range(first, self.optimizer_steps + 1))
+        return sum(self.anchor.maybe_update(s) for s in range(done + 1, self.optimizer_steps + 1))
 
     def sync_weights(self) -> dict[str, float]:
         """Push the policy into the engine, then the consistency gate (raises on a mismatch)."""
@@ -389,6 +396,7 @@ class Trainer:
         extra = {
             "optimizer_steps": self.optimizer_steps,
             "anchor_num_updates": self.anchor.num_updates if self.anchor is not None else 0,
+            "bad_steps": self.bad_steps.state_dict(),  # the gradient-norm history: a resume refuses alike
             "data": self.batches.state_dict(),
             "config_yaml": to_yaml(self.config),
             "engines": engines,  # e.g. rollouts drawn ahead: trained on resume, not drawn again
@@ -440,6 +448,7 @@ class Trainer:
         )  # fmt: skip
         self.step_index = extra["step"]
         self.optimizer_steps = extra["optimizer_steps"]
+        self.bad_steps.load_state_dict(extra.get("bad_steps"))  # absent from older checkpoints
         if self.anchor is not None:
             self.anchor.num_updates = extra["anchor_num_updates"]
         return extra

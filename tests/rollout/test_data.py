@@ -158,6 +158,33 @@ def test_a_prompt_template_rewrites_string_prompts_and_the_last_user_message(tmp
         load_prompt_dataset(files_config(only_system, prompt_template=template), tokenizer)
 
 
+def test_a_row_the_prompt_template_cannot_take_is_named_by_the_check_before_the_run(tmp_path):
+    """``check_records`` (the bind step, no tokenizer) refuses it as the loader does."""
+    template = "{prompt} Put the answer in \\boxed{{}}."
+    path = write_jsonl(tmp_path / "t.jsonl", [GOOD, {"prompt": [{"role": "system", "content": "x"}], "answer": "1"}])
+    config = files_config(path, prompt_template=template)
+    message = rf"^{tmp_path}/t\.jsonl: row 2: 'prompt': data\.prompt_template is set but the messages have no user"
+    with pytest.raises(DataError, match=message) as checked:
+        check_records(path, config)
+    assert (checked.value.file, checked.value.row) == (path, 2)
+    with pytest.raises(DataError, match=message):
+        load_prompt_dataset(config, chat_tokenizer())
+    assert check_records(path, files_config(path)) == 2  # without the template the row is fine
+
+
+def test_a_row_the_chat_template_refuses_is_named_with_the_templates_words(tmp_path):
+    tokenizer = chat_tokenizer()
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'assistant' %}"
+                               "{{ raise_exception('the first message must not be the assistant') }}{% endif %}"
+                               + CHAT_TEMPLATE)  # fmt: skip
+    assistant_first = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "q"}]
+    path = write_jsonl(tmp_path / "t.jsonl", [GOOD, GOOD, {"prompt": assistant_first, "answer": "1"}])
+    with pytest.raises(DataError, match=rf"^{tmp_path}/t\.jsonl: row 3: 'prompt': the tokenizer's chat template failed "
+                                        r"on it: TemplateError: the first message must not be the assistant$") as error:
+        load_prompt_dataset(files_config(path), tokenizer)
+    assert (error.value.file, error.value.row) == (path, 3)
+
+
 def test_an_own_system_message_and_a_system_prompt_conflict(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [
         {"prompt": [{"role": "system", "content": "A"}, {"role": "user", "content": "q"}], "answer": "1"},

@@ -192,7 +192,8 @@ def test_the_runs_worker_count_and_timeout_reach_the_pool():
         metrics = scorer(samples)
         assert (reward.pool.num_workers, reward.pool.timeout_s, len(reward.pool._workers)) == (3, 1.0, 3)
         assert [s.reward for s in samples] == [0.0, 1.0]
-        assert metrics == {"reward/no_answer": 0.0, "reward/timeouts": 1.0, "reward/verify_errors": 0.0}  # no budget
+        assert metrics == {"reward/no_answer": 0.0, "reward/timeouts": 1.0, "reward/verify_errors": 0.0,
+                           "reward/errors": 0.0}  # no budget
     finally:
         reward.close()
 

@@ -118,7 +118,7 @@ STEP = {
     "time/old_pass": 9.02, "time/anchor_pass": 8.11, "time/update": 11.9, "time/ema_update": 0.21,
     "time/weight_sync": 5.104, "actor/loss": -0.0213, "actor/policy_loss": -0.0214, "actor/kl": 0.0012345,
     "actor/entropy": 0.5301, "actor/grad_norm": 0.173, "actor/lr": 1e-06, "actor/ratio": 1.0002,
-    "actor/skipped_updates": 0.0, "sync/seconds": 3.9, "sync/gbytes": 3.09, "sync/gate_max_logprob_diff": 2.4e-05,
+    "train/skipped_steps": 0.0, "sync/seconds": 3.9, "sync/gbytes": 3.09, "sync/gate_max_logprob_diff": 2.4e-05,
     "anchor/updates": 1.0,
 }  # fmt: skip
 VALIDATION = {"val/reward/mean": 0.5, "val/reward/accuracy": 0.45, "val/math/reward/mean": 0.5, "time/validation": 3.21}
