@@ -22,6 +22,12 @@
 # the ranks finish the current step, checkpoint together and exit 0 (torchrun itself then exits
 # non-zero: it re-raises the signal); continue with --resume. torchrun kills ranks still saving after
 # $TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here 300). SIGINT (Ctrl-C) aborts.
+#
+# Restarts: a run that ends restartable (a hang the ranks' watchdog found, a rank or node lost, exit
+# code 3, ranks killed by a signal this script did not send) is started again with --resume, up to
+# supervisor.max_restarts times within supervisor.restart_window_s (megatron_empg/trainer/restarts.py
+# decides; <logging.dir>/restarts.jsonl keeps each attempt and its cause). A clean end, a configuration
+# error (exit 2), a crash or a signal to this script ends it.
 # Environment: PYTHON (default python) and TORCHRUN (default torchrun), e.g. from .venv/bin.
 set -euo pipefail
 
@@ -83,14 +89,29 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 # reach it only through the traps below: SIGTERM becomes SIGUSR1, which the trainer's ranks take as
 # "checkpoint after this step and stop" and the processes they start ignore (so does SIGTERM).
 set -m
-"$TORCHRUN" --standalone --nproc-per-node "$nproc" -m megatron_empg.trainer.cli train "$config" \
-    ${overrides[@]+"${overrides[@]}"} ${resume[@]+"${resume[@]}"} &
-torchrun_pid=$!
-trap 'kill -USR1 "$torchrun_pid" 2> /dev/null || true' TERM USR1
-trap 'kill -INT "$torchrun_pid" 2> /dev/null || true' INT
+restarts=("$PYTHON" -m megatron_empg.trainer.restarts "$config" ${overrides[@]+"${overrides[@]}"})
+signalled=0
+torchrun_pid=
+trap 'signalled=1; [[ -z "$torchrun_pid" ]] || kill -USR1 "$torchrun_pid" 2> /dev/null || true' TERM USR1
+trap 'signalled=1; [[ -z "$torchrun_pid" ]] || kill -INT "$torchrun_pid" 2> /dev/null || true' INT
+attempt=0
 while :; do
-    status=0
-    wait "$torchrun_pid" || status=$?
-    kill -0 "$torchrun_pid" 2> /dev/null || break # else a trapped signal interrupted the wait
+    "${restarts[@]}" --begin || exit $?
+    started=$(date +%s.%N)
+    "$TORCHRUN" --standalone --nproc-per-node "$nproc" -m megatron_empg.trainer.cli train "$config" \
+        ${overrides[@]+"${overrides[@]}"} ${resume[@]+"${resume[@]}"} &
+    torchrun_pid=$!
+    while :; do
+        status=0
+        wait "$torchrun_pid" || status=$?
+        kill -0 "$torchrun_pid" 2> /dev/null || break # else a trapped signal interrupted the wait
+    done
+    torchrun_pid=
+    ((status != 0 || signalled)) || exit 0
+    why=()
+    ((signalled == 0)) || why=(--signalled)
+    "${restarts[@]}" --attempt "$attempt" --started "$started" --status "$status" ${why[@]+"${why[@]}"} >&2 ||
+        exit "$status"
+    attempt=$((attempt + 1))
+    resume=(--resume)
 done
-exit "$status"

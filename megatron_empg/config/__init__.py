@@ -63,7 +63,9 @@ from megatron_empg.config.run import (  # noqa: F401
     DataConfig,
     DistributedConfig,
     LoggingConfig,
+    PhaseTimeouts,
     RunConfig,
+    SupervisorConfig,
     TrainConfig,
     ValidationConfig,
 )

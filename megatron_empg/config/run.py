@@ -334,6 +334,59 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PhaseTimeouts:
+    """Seconds each phase of a step may last before the run is declared hung (``trainer.watchdog``):
+    null takes the default, a floor plus seconds per token of the step's upper bound
+    (``train.prompts_per_step`` x ``rollout.sampling.n`` x ``rollout.max_model_len``; the table is
+    ``trainer.watchdog.AUTO_TIMEOUTS``). ``start``: until the first step (models, engines, the
+    first weight sync); ``draw`` and ``load``: an engine rank's generation and weight load."""
+
+    start: float | None = None
+    rollout: float | None = None
+    advantages: float | None = None
+    batching: float | None = None
+    old_pass: float | None = None
+    anchor_pass: float | None = None
+    update: float | None = None
+    ema_update: float | None = None
+    weight_sync: float | None = None
+    validation: float | None = None
+    checkpoint: float | None = None
+    draw: float | None = None
+    load: float | None = None
+
+    def validate(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and not value > 0:
+                raise ConfigError(field.name, f"must be > 0 seconds or null (the default), got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SupervisorConfig:
+    """Hangs and restarts. Every process beats every ``heartbeat_interval_s`` into
+    ``logging.dir/heartbeats`` and a phase that outlasts ``phase_timeout_s`` ends the run with exit
+    code 3 (restartable) after every rank wrote its stacks to ``logging.dir/hang-<time>/``. The
+    launchers (``launchers/torchrun.sh``, ``launchers/slurm/train.sbatch``, nemo-run) restart a
+    run that ended restartable, or whose ranks were killed, with ``--resume``, up to
+    ``max_restarts`` times within ``restart_window_s`` seconds (``logging.dir/restarts.jsonl`` keeps
+    the history); a configuration error (exit 2), a crash or a clean end is not restarted."""
+
+    phase_timeout_s: PhaseTimeouts = dataclasses.field(default_factory=PhaseTimeouts)
+    heartbeat_interval_s: float = 5.0
+    max_restarts: int = 3
+    restart_window_s: float = 86400.0
+
+    def validate(self) -> None:
+        if not self.heartbeat_interval_s > 0:
+            raise ConfigError("heartbeat_interval_s", f"must be > 0, got {self.heartbeat_interval_s!r}")
+        if self.max_restarts < 0:
+            raise ConfigError("max_restarts", f"must be >= 0, got {self.max_restarts!r}")
+        if not self.restart_window_s > 0:
+            raise ConfigError("restart_window_s", f"must be > 0, got {self.restart_window_s!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A whole training run (``empg train CONFIG.yaml [a.b.c=value ...]``).
 
@@ -356,6 +409,7 @@ class RunConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
 
     def model_config(self) -> ModelConfig:
         """The resolved ``ModelConfig`` (errors name ``model`` / ``model_overrides``)."""

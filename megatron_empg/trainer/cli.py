@@ -227,17 +227,27 @@ def _bind_and_run(config: RunConfig, world_size: int, held, *, resume: bool, ove
 
 
 def _run(config: RunConfig, components, *, resume: bool) -> int:
+    from megatron_empg.trainer import watchdog
+
+    role = init_distributed(config.distributed.timeout_minutes, engine_ranks=components.layout.engine_ranks,
+                            engine_tp=config.rollout.tensor_parallel_size)  # fmt: skip
+    watchdog.install(config, _rank_from_environment(), world_size_from_environment(),
+                     role="engine" if role.is_engine else "training")  # fmt: skip
+    try:
+        return _serve_engines(components, role) if role.is_engine else _train_here(config, components, role, resume)
+    finally:
+        watchdog.uninstall()
+
+
+def _train_here(config: RunConfig, components, role, resume: bool) -> int:
     import torch.distributed as dist
 
     from megatron_empg.mcore.checkpoint_files import CheckpointError
     from megatron_empg.rollout.retriever.client import RetrieverError
+    from megatron_empg.trainer import watchdog
     from megatron_empg.trainer.loop import Trainer
     from megatron_empg.trainer.metrics_log import MetricsLogger
 
-    role = init_distributed(config.distributed.timeout_minutes, engine_ranks=components.layout.engine_ranks,
-                            engine_tp=config.rollout.tensor_parallel_size)  # fmt: skip
-    if role.is_engine:
-        return _serve_engines(components, role)
     failed = None
     try:
         trainer = Trainer(components, link=role.link)
@@ -256,6 +266,9 @@ def _run(config: RunConfig, components, *, resume: bool) -> int:
         if dist.get_rank() == 0:
             sys.stderr.write(f"empg: error: {error}\n")
         return 1
+    except BaseException as error:  # before the clean-up, which may wait on a lost peer
+        watchdog.failed(error)  # a lost peer: exits restartable here; else the heartbeat says crashed
+        raise
     finally:
         logger.close()
         trainer.shutdown()
@@ -266,6 +279,7 @@ def _run(config: RunConfig, components, *, resume: bool) -> int:
 
 def _serve_engines(components, role) -> int:
     """An engine rank of a disaggregated job: serve the training ranks until they stop."""
+    from megatron_empg.trainer import watchdog
     from megatron_empg.trainer.engine_rank import EngineRank
 
     failed = None
@@ -279,6 +293,9 @@ def _serve_engines(components, role) -> int:
         return 2
     try:
         engines.serve()
+    except BaseException as error:
+        watchdog.failed(error)
+        raise
     finally:
         engines.shutdown()
         del engines

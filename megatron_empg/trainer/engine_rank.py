@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_empg.parallel.link import LEAD, TRAINER, Link
 from megatron_empg.parallel.placement import engine_world_placement
-from megatron_empg.trainer import machine
+from megatron_empg.trainer import machine, watchdog
 from megatron_empg.trainer.batch import version_step
 from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout, prompt_batches, validation_sets
@@ -163,9 +163,10 @@ class EngineRank:
         update = self.listener.stage.take()
         if update is None:
             return False
-        self.stage.wake_weights()
-        load_staged(update, self.transport)
-        self.stage.wake_kv_cache()
+        with watchdog.phase("load", version_step(update.version)):
+            self.stage.wake_weights()
+            load_staged(update, self.transport)
+            self.stage.wake_kv_cache()
         self.stage.weights_version = version_step(update.version)
         return True
 
@@ -215,10 +216,11 @@ class EngineRank:
     def draw(self) -> StepRollout | None:
         """This step's rollout of every engine, gathered on the lead (None elsewhere)."""
         times: dict[str, float] = {}
-        start = time.perf_counter()
-        mine = self.collector.collect(times)
-        seconds = time.perf_counter() - start
-        parts = self._gather_on_lead(mine if self.placement.is_owner else None)
+        with watchdog.phase("draw", self.batches.cursor + 1):
+            start = time.perf_counter()
+            mine = self.collector.collect(times)
+            seconds = time.perf_counter() - start
+            parts = self._gather_on_lead(mine if self.placement.is_owner else None)
         if parts is None:
             return None
         owned = [p for p in parts if p is not None]  # engine order: owners are ascending ranks
@@ -237,9 +239,10 @@ class EngineRank:
         if message != ("weights",):
             raise RuntimeError(f"engine rank {dist.get_rank()}: expected a weight update, got {message!r}")
         if self.link is not None:  # an engine's owner: the buckets come over the link
-            self.stage.wake_weights()
-            receive_weights(self.link, self.transport)
-            self.stage.wake_kv_cache()
+            with watchdog.phase("load", version):
+                self.stage.wake_weights()
+                receive_weights(self.link, self.transport)
+                self.stage.wake_kv_cache()
         self.stage.weights_version = version
         self._probe(ahead=False)
 

@@ -22,6 +22,7 @@ no configured name, and on no placement.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import statistics
@@ -42,6 +43,7 @@ from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.collect import Scorer, StepRollout, prompt_batches, validation_sets
 from megatron_empg.trainer.engines import build_engines, engine_on_this_rank, training_placement
 from megatron_empg.trainer.forward_batch import forward_rows
+from megatron_empg.trainer import watchdog
 from megatron_empg.trainer.metrics import all_reduce_sums, rollout_metrics, sample_means, timed
 from megatron_empg.trainer.run_dir import check_fresh_start
 from megatron_empg.trainer.signals import any_rank_signalled, ignored_in_children, stop_signals
@@ -188,8 +190,9 @@ class Trainer:
         validation = self.config.validation
         steps = self.config.train.steps
         with self._signals():
-            self.engines.start(self.step_index, validate=validation.at_start and not resumed)
-            self.sync_weights()  # the engine starts from dummy weights (or those of before the resume)
+            with watchdog.phase("start", self.step_index):
+                self.engines.start(self.step_index, validate=validation.at_start and not resumed)
+                self.sync_weights()  # the engine starts from dummy weights (or those of before the resume)
             if validation.at_start and not resumed:  # the weights this run starts from
                 outputs.append(StepOutput(self.step_index, self.validate()))
                 if logger is not None:
@@ -201,6 +204,7 @@ class Trainer:
                 outputs.append(out)
                 if logger is not None:
                     logger.log(out.step, out.metrics)
+                watchdog.step_done(out.step)
                 interval = self.config.checkpoint.interval
                 last = self.step_index == steps
                 # A local decision (the handler may set _stop_signal again at any time): every rank
@@ -217,43 +221,50 @@ class Trainer:
 
     def step(self) -> StepOutput:
         times: dict[str, float] = {}
-        with timed(times, "rollout"):
+        with self._phase(times, "rollout"):
             rollout = self.engines.rollout(self.step_index, times)
         # scored (between generation batches) or waited for (engines running ahead) inside it
         times["rollout"] -= times.get("rewards", 0.0) + times.get("rollout_wait", 0.0)
         samples = rollout.replicas[self.batching.replica]
-        with timed(times, "advantages"):
+        with self._phase(times, "advantages"):
             advantages = self.advantages(samples)
-        with timed(times, "batching"):
+        with self._phase(times, "batching"):
             batch = self.batching.build(rollout.replicas, advantages, device=next(self.models[0].parameters()).device)
         micro = [mb for mini in batch.minis for mb in mini]
-        with timed(times, "old_pass"):
+        with self._phase(times, "old_pass"):
             self.old_pass(micro)
             algorithm = self.config.algorithm
             behavior = batch.behavior_is(algorithm.behavior_is, algorithm.behavior_is_cap)  # vs the sampler
-        with timed(times, "anchor_pass"):
+        with self._phase(times, "anchor_pass"):
             self.anchor_pass(micro)
-        with timed(times, "update"):
+        with self._phase(times, "update"):
             done = self.optimizer_steps
             update_metrics = self.update(batch.minis)
         if self.bad_steps.exhausted:  # train.max_consecutive_skips: the same step on every rank
             raise self.bad_steps.stop(self.step_index + 1, samples, advantages, self.run_dir, self.groups)
-        with timed(times, "ema_update"):
+        with self._phase(times, "ema_update"):
             ema_updates = self.ema_update(done)
         self.step_index += 1
-        with timed(times, "weight_sync"):
+        with self._phase(times, "weight_sync"):
             sync_metrics = self.sync_weights()
         metrics = self.metrics(rollout, samples, batch, update_metrics, sync_metrics, times, behavior)
         metrics["anchor/updates"] = float(ema_updates)
         metrics.update(rollout_metrics(rollout, self.step_index - 1))
         return StepOutput(self.step_index, metrics)
 
+    @contextlib.contextmanager
+    def _phase(self, times: dict[str, float], name: str):
+        """A phase of the step in flight: timed into ``times[name]`` and watched (``trainer.watchdog``)."""
+        with watchdog.phase(name, self.step_index + 1), timed(times, name):
+            yield
+
     # ------------------------------------------------------------------ stages
 
     def validate(self) -> dict[str, float]:
         """``val/...`` metrics of the validation prompts under the engines' weights, the same on
         every rank (``RolloutStage.validate``: the engines split the prompts)."""
-        return self.engines.validate(self.step_index)
+        with watchdog.phase("validation", self.step_index):
+            return self.engines.validate(self.step_index)
 
     def advantages(self, samples: list[Sample]) -> torch.Tensor:
         """[B] per-sample advantages (groups are this replica's prompts: whole groups never split)."""
@@ -389,6 +400,10 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path:
+        with watchdog.phase("checkpoint", self.step_index):
+            return self._save()
+
+    def _save(self) -> Path:
         from megatron_empg.mcore.checkpoint import save_checkpoint
 
         cfg = self.config.checkpoint
