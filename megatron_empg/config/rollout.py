@@ -120,6 +120,12 @@ class RolloutConfig:
     generation; no search agent): an engine loads each pushed update between decode steps, and
     the responses in flight go on with the new weights (their KV recomputed from their tokens);
     every token carries the version that sampled it.
+
+    ``engine_restarts``: how many times in an attempt of the run the colocated engines may be
+    started again after an engine died or stopped inside a rollout (an engine in its own process:
+    ``rollout.in_process: false``); the rollout is then drawn again with the same prompts and seeds
+    from the weights pushed before it. Past it (or on an engine rank of a disaggregated run, at the
+    first loss) the run exits restartable (``supervisor``).
     """
 
     RETIRED: ClassVar[dict[str, str]] = {
@@ -143,6 +149,7 @@ class RolloutConfig:
     placement: Literal["colocated", "disaggregated"] = "colocated"
     engine_ranks: int = 0  # disaggregated: how many of the job's ranks only run engines
     max_staleness: int = 0
+    engine_restarts: int = 2
     partial: bool = False
 
     @property
@@ -182,6 +189,8 @@ class RolloutConfig:
         elif self.engine_ranks:
             raise ConfigError("engine_ranks", f"needs placement disaggregated (colocated engines use training ranks), "
                               f"got {self.engine_ranks!r}")  # fmt: skip
+        if self.engine_restarts < 0:
+            raise ConfigError("engine_restarts", f"must be >= 0, got {self.engine_restarts!r}")
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", f"must be >= 0 (0: every step drawn by the weights it starts from), "
                               f"got {self.max_staleness!r}")  # fmt: skip

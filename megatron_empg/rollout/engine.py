@@ -143,6 +143,11 @@ class RolloutEngine(Protocol):
         ...
 
 
+class EngineFailure(RuntimeError):
+    """The engine died or stopped answering inside a call (its process killed, stopped, or lost):
+    the engine is unusable; its owner may start a new one (``rollout.engine_restarts``)."""
+
+
 class EngineState:
     """The protocol's state rules, which every engine enforces with the same messages: no call after
     ``shutdown``; after a failed weight update no call but ``shutdown`` (the weights are undefined);

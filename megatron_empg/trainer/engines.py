@@ -14,7 +14,7 @@ Every training rank calls, in this order::
     engines.push(shards, groups, step)       # the weights of `step` training steps done ...
     engines.gate(step, score, diagnose)      # ... and the consistency gate on them
     engines.validate(step)                   # val/... metrics (validation steps)
-    per step:  engines.rollout(step, times) -> update -> push -> gate -> [validate]
+    per step:  engines.rollout(step, times, resync) -> update -> push -> gate -> [validate]
                -> [checkpoint: state_dict()] -> engines.end_of_step(stop)
     engines.close()
 
@@ -39,7 +39,7 @@ from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout
 from megatron_empg.trainer.layout import Layout
 from megatron_empg.trainer.remote import FromEngines, RemoteEngines, Start
-from megatron_empg.trainer.rollout import RolloutStage
+from megatron_empg.trainer.rollout import EngineLost, RolloutStage
 from megatron_empg.trainer.start import write_hf_config
 from megatron_empg.weight_sync.bridge import SyncGroups, SyncReport
 
@@ -54,9 +54,10 @@ class Engines(Protocol):
         """The run starts after ``step`` training steps; ``validate``: the loop validates the
         starting weights."""
 
-    def rollout(self, step: int, times: dict[str, float]) -> StepRollout:
+    def rollout(self, step: int, times: dict[str, float], resync: Callable[[], object]) -> StepRollout:
         """The rollout of the step after ``step`` training steps, scored (scoring time in
-        ``times["rewards"]``, the wait for engines that run ahead in ``times["rollout_wait"]``)."""
+        ``times["rewards"]``, the wait for engines that run ahead in ``times["rollout_wait"]``).
+        ``resync``: pushes the weights last pushed again (every rank), for engines started again."""
 
     def push(self, shards: Sequence, groups: SyncGroups, step: int) -> SyncReport:
         """The policy after ``step`` training steps into every engine (every rank: its shards)."""
@@ -114,9 +115,9 @@ def build_engines(components: Components, placement: EnginePlacement, *, tokeniz
         return DisaggregatedEngines(config, components.model, link, batches, tokenizer=tokenizer, run_dir=run_dir,
                                     placement=placement, probe=probe)  # fmt: skip
     stage = RolloutStage(config, components.model, tokenizer, components.engine, placement, run_dir=run_dir)
-    transport = components.transport(stage.engine, config.weight_sync) if stage.engine is not None else None
     collector = RolloutCollector(config, stage, batches, scorer, dp_size=dp_size, replica=replica)
-    return ColocatedEngines(config, components.model, stage, collector, transport, scorer=scorer,
+    return ColocatedEngines(config, components.model, stage, collector,
+                            lambda engine: components.transport(engine, config.weight_sync), scorer=scorer,
                             validation_sets=validation_sets, probe=probe)  # fmt: skip
 
 
@@ -136,15 +137,32 @@ class ColocatedEngines:
     signal = 0  # the training ranks' own signals are the loop's
 
     def __init__(self, config: RunConfig, model: ModelConfig, stage: RolloutStage, collector: RolloutCollector,
-                 transport, *, scorer: Scorer, validation_sets: dict, probe: list[list[int]]) -> None:  # fmt: skip
+                 make_transport: Callable, *, scorer: Scorer, validation_sets: dict,
+                 probe: list[list[int]]) -> None:  # fmt: skip
         self.config, self.model, self.stage, self.collector = config, model, stage, collector
-        self.transport, self.scorer, self.validation_sets, self.probe = transport, scorer, validation_sets, probe
+        self.scorer, self.validation_sets, self.probe = scorer, validation_sets, probe
+        self._make_transport = make_transport  # (engine) -> its weight transport: again for a restarted engine
+        self.transport = make_transport(stage.engine) if stage.engine is not None else None
 
     def start(self, step: int, *, validate: bool) -> None:
         pass
 
-    def rollout(self, step: int, times: dict[str, float]) -> StepRollout:
-        rollout = self.collector.collect(times)
+    def rollout(self, step: int, times: dict[str, float], resync: Callable[[], object]) -> StepRollout:
+        """An engine lost inside the rollout (``EngineLost``, on every rank) is started again, given
+        the weights it held (``resync``), and the rollout drawn again from the same prompts with the
+        same seeds: the step is the one it would have been (``rollout.engine_restarts``)."""
+        cursor = self.collector.batches.state_dict()
+        while True:
+            try:
+                rollout = self.collector.collect(times)
+                break
+            except EngineLost as lost:
+                self.collector.batches.load_state_dict(cursor)
+                self.stage.restart_engines(lost)  # past rollout.engine_restarts: raises (restartable)
+                if self.stage.engine is not None:
+                    self.transport = self._make_transport(self.stage.engine)
+                resync()
+        rollout.metrics["rollout/engine_restarts"] = float(self.stage.restarts)
         self.stage.sleep()
         return rollout
 
@@ -216,7 +234,8 @@ class DisaggregatedEngines:
                                 validate=validate and self.staleness == 0))  # fmt: skip
         self.remote.stopped = step >= self.config.train.steps  # no step left: the engines stop at once
 
-    def rollout(self, step: int, times: dict[str, float]) -> StepRollout:
+    def rollout(self, step: int, times: dict[str, float], resync: Callable[[], object]) -> StepRollout:
+        """(An engine rank that loses its engine exits restartable: ``resync`` is not needed.)"""
         if self.staleness == 0:
             return self._receive_rollout()
         start = time.perf_counter()

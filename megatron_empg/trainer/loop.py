@@ -222,7 +222,7 @@ class Trainer:
     def step(self) -> StepOutput:
         times: dict[str, float] = {}
         with self._phase(times, "rollout"):
-            rollout = self.engines.rollout(self.step_index, times)
+            rollout = self.engines.rollout(self.step_index, times, resync=self.sync_weights)
         # scored (between generation batches) or waited for (engines running ahead) inside it
         times["rollout"] -= times.get("rewards", 0.0) + times.get("rollout_wait", 0.0)
         samples = rollout.replicas[self.batching.replica]

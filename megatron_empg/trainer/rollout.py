@@ -28,16 +28,29 @@ import torch.distributed as dist
 
 from megatron_empg.config import ModelConfig, RunConfig, SamplingConfig
 from megatron_empg.parallel.placement import EnginePlacement
+from megatron_empg.rollout.engine import EngineFailure
 from megatron_empg.rollout.engines import EngineKind
 from megatron_empg.rollout.trajectory import Trajectory
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.metrics import add_sums, sample_means, sample_sums
 from megatron_empg.trainer.signals import ignored_in_children
+from megatron_empg.trainer.watchdog import RestartableError
 from megatron_empg.trainer.start import write_hf_config
 
 log = logging.getLogger(__name__)
 
 RewardScorer = Callable[[list[Sample]], dict[str, float]]  # sets each sample's reward; returns reward/* sums
+
+
+class EngineLost(RestartableError):
+    """Engines that failed inside a rollout (``engines``: their indices), raised on every rank of
+    the stage's world together; ``restart_engines`` starts them again, or the run exits restartable."""
+
+    def __init__(self, engines: list[int], reason: str) -> None:
+        super().__init__(f"engine(s) {engines} lost inside a rollout: {reason}")
+        self.engines = engines
+
+
 
 
 class RolloutStage:
@@ -61,8 +74,10 @@ class RolloutStage:
         self.config, self.placement = config, placement
         self.model_dir = run_dir / f"engine_model_{placement.engine}"
         self.agent = self._build_agent(model, tokenizer) if placement.is_owner and config.rollout.search_agent else None
-        self.engine = self._start(model, tokenizer, engine_kind) if placement.is_owner else None
+        self._engine_args = (model, tokenizer, engine_kind)
+        self.engine = self._start(*self._engine_args) if placement.is_owner else None
         self.asleep = False
+        self.restarts = 0  # engines started again in this process (rollout.engine_restarts)
 
     # ------------------------------------------------------------------ setup
 
@@ -113,12 +128,22 @@ class RolloutStage:
         if sampling.seed is not None:  # no seed stream repeats across steps or engines
             first = step * len(examples) + prompts.start
             sampling = dataclasses.replace(sampling, seed=sampling.seed + first * sampling.n * self.seeds_per_sample)
-        payload, seconds = None, 0.0
+        payload, row, failure = None, None, "on other ranks"
         version = self.weights_version  # at the start: rollout.partial may load newer weights inside generate
         if self.engine is not None:
-            start = time.perf_counter()
-            payload = self.generate([examples[p].prompt_ids for p in prompts], sampling, self.between_steps)
-            seconds = time.perf_counter() - start
+            start, tokens = time.perf_counter(), 0
+            try:
+                payload = self.generate([examples[p].prompt_ids for p in prompts], sampling, self.between_steps)
+                tokens = sum(len(t.token_ids) for group in payload for t in group)
+            except EngineFailure as error:
+                log.error("engine %d failed inside the rollout of step %d: %s", placement.engine, step + 1, error)
+                failure = str(error)
+            row = [time.perf_counter() - start, len(prompts) * sampling.n, tokens, float(payload is None)]
+        # each engine's seconds, samples, tokens and whether it failed, on every rank: all raise together
+        table = placement.engine_table(row, 4)
+        failed = [e for e in range(placement.num_engines) if table[e, 3] > 0]
+        if failed:
+            raise EngineLost(failed, failure)
         payload = placement.broadcast_from_owner(payload)
         per_replica = len(examples) // dp_size
         replicas = [
@@ -126,8 +151,23 @@ class RolloutStage:
              for p in range(first, first + per_replica) for t in payload[p - prompts.start]]
             for first in range(prompts.start, prompts.stop, per_replica)
         ]  # fmt: skip
-        tokens = sum(len(t.token_ids) for group in payload for t in group) if self.engine is not None else 0
-        return replicas, self._engine_metrics(seconds, len(prompts) * sampling.n, tokens)
+        return replicas, self._engine_metrics(table)
+
+    def restart_engines(self, lost: EngineLost) -> None:
+        """Start the engines of ``lost`` again (every rank calls it; the owners of those engines
+        start theirs, from dummy weights: the caller pushes the weights they held), or re-raise
+        ``lost`` past ``rollout.engine_restarts``."""
+        limit = self.config.rollout.engine_restarts
+        if self.restarts >= limit:
+            raise RestartableError(f"{lost} (rollout.engine_restarts={limit} spent)") from lost
+        self.restarts += 1
+        if self.engine is not None and self.placement.engine in lost.engines:
+            log.warning("engine %d: starting it again (%d of rollout.engine_restarts=%d)", self.placement.engine,
+                        self.restarts, limit)  # fmt: skip
+            with contextlib.suppress(Exception):  # what is left of it: its processes are gone or killed
+                self.engine.shutdown()
+            self.engine = self._start(*self._engine_args)
+            self.asleep = False
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                  between_steps: Callable[[], None] | None = None) -> list[list[Trajectory]]:  # fmt: skip
@@ -140,13 +180,12 @@ class RolloutStage:
             return [[Trajectory.from_completion(c) for c in group] for group in completions]
         return [[e.trajectory() for e in group] for group in self.agent.rollout(self.engine, prompts, sampling)]
 
-    def _engine_metrics(self, seconds: float, samples: int, tokens: int) -> dict[str, float]:
-        """Each engine's generate time, samples and tokens (one SUM all-reduce of an [E, 3] table
-        that only owners fill), as the spread over engines: ``engines/slowest`` is the slowest
+    def _engine_metrics(self, table: torch.Tensor) -> dict[str, float]:
+        """Each engine's generate time, samples and tokens (``table`` [E, >= 3], an all-reduced
+        table that only owners fill), as the spread over engines: ``engines/slowest`` is the slowest
         engine's index, ``engines/slowest_share`` its share of all engines' seconds (1/E when they
         are balanced; the others wait for it)."""
         placement = self.placement
-        table = placement.engine_table([seconds, samples, tokens] if self.engine is not None else None, 3)
         slowest = int(table[:, 0].argmax())
         total = float(table[:, 0].sum())
         return {
