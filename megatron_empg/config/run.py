@@ -50,7 +50,10 @@ class DataConfig:
     ``reward/timeouts``). ``reward_budget_s`` (null: none) bounds a step's scoring on each rank:
     once it has taken that long, the samples not yet checked score 0 (not the reward's incorrect
     score) and ``reward/unscored`` is their fraction of the step's samples (logged with a budget
-    only); a validation call of ``validation.batch_size`` prompts gets the whole budget.
+    only); a validation call of ``validation.batch_size`` prompts gets the whole budget. The other
+    rewards run in the rank's process: a batch call, then each sample's if it overran, may take
+    ``reward_timeout_s`` (a sample past it scores 0, counted in ``reward/timeouts``; its thread is
+    abandoned, since Python cannot stop it).
     """
 
     source: Literal["files", "arithmetic"] = "arithmetic"

@@ -14,6 +14,7 @@ sample (an exception, a score that is not a finite number) does not stop. Standa
 from __future__ import annotations
 
 import math
+import threading
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -87,25 +88,64 @@ def overlong_penalty(length: int, *, max_length: int, buffer: int, factor: float
     return min(-(length - (max_length - buffer)) / buffer * factor, 0.0)
 
 
+class _TimedOut(Exception):
+    """A reward call that ran past its timeout (its thread is abandoned)."""
+
+
+def _call(reward: Callable, responses: list[str], examples: list, timeout_s: float | None) -> RewardResult:
+    """``reward(responses, examples)``; with ``timeout_s``, in a daemon thread that is abandoned
+    (``_TimedOut``) if it has not returned by then: Python cannot stop it, but the step goes on."""
+    if timeout_s is None:
+        return reward(responses, examples)
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(("ok", reward(responses, examples)))
+        except BaseException as error:  # noqa: BLE001 (handed to the caller's thread)
+            box.append(("error", error))
+
+    thread = threading.Thread(target=run, name="empg-reward", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not box:
+        raise _TimedOut(f"ran past {timeout_s:g} s (data.reward_timeout_s)")
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
 def score_guarded(
     reward: Callable[[list[str], list[PromptExample]], RewardResult],
     responses: list[str],
     examples: list[PromptExample],
+    timeout_s: float | None = None,
 ) -> tuple[RewardResult, str | None]:
     """``reward(responses, examples)``, where a bad sample scores 0 (incorrect) instead of stopping
     the run: if the call raises, each sample is scored alone and one whose call raises is bad; a
     score that is not a finite number is bad too. ``metrics["errors"]`` counts the bad samples (0
-    if none: every rank has the key, whose sums are all-reduced). Returns the result and what to
-    log of the first bad sample (its traceback; None: none was bad)."""
+    if none: every rank has the key, whose sums are all-reduced). ``timeout_s`` (a reward that
+    bounds no sample itself: not a ``WorkerReward``): the batch call, then each sample's, may take
+    that long; a sample past it scores 0 and counts in ``metrics["timeouts"]`` (also always
+    present). Returns the result and what to log of the first bad sample (its traceback; None:
+    none was bad)."""
     first: str | None = None
+    timeouts = 0
     try:
-        result = reward(responses, examples)
+        result = _call(reward, responses, examples, timeout_s)
     except Exception:
         batch_error = traceback.format_exc()
         scores, correct, metrics = [], [], {}
         for i, (response, example) in enumerate(zip(responses, examples, strict=True)):
             try:
-                one = reward([response], [example])
+                one = _call(reward, [response], [example], timeout_s)
+            except _TimedOut as error:
+                first = first or f"reward: sample {i} of {len(responses)} {error}: scored 0"
+                timeouts += 1
+                scores.append(0.0)
+                correct.append(False)
+                continue
             except Exception:
                 first = first or f"reward: sample {i} of {len(responses)} raised:\n{traceback.format_exc()}"
                 scores.append(float("nan"))  # bad: 0 below
@@ -130,4 +170,7 @@ def score_guarded(
             value, right = 0.0, False
         scores.append(float(value))
         correct.append(bool(right))
-    return RewardResult(scores, correct, {**result.metrics, "errors": float(errors)}), first
+    metrics = {**result.metrics, "errors": float(errors)}
+    if timeout_s is not None:
+        metrics["timeouts"] = metrics.get("timeouts", 0.0) + timeouts
+    return RewardResult(scores, correct, metrics), first

@@ -71,7 +71,7 @@ class Scorer:
             limits = RewardLimits(data.reward_workers, data.reward_timeout_s, deadline)
             result, error = score_guarded(lambda r, e: self.reward_fn(r, e, limits), texts, examples)
         else:
-            result, error = score_guarded(self.reward_fn, texts, examples)
+            result, error = score_guarded(self.reward_fn, texts, examples, timeout_s=data.reward_timeout_s)
         if error is not None and not self._error_logged:
             self._error_logged = True
             log.warning("%s\n(scored 0 and counted in reward/errors; later bad samples of this step are counted only)",

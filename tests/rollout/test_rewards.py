@@ -63,3 +63,28 @@ def test_a_score_that_is_not_a_finite_number_is_an_error(bad):
     result, error = score_guarded(reward, ["a", "b"], examples)
     assert (result.scores, result.correct, result.metrics) == ([1.0, 0.0], [True, False], {"errors": 1.0})
     assert error == f"reward: sample 1 of 2 scored {bad!r}, not a finite number"
+
+
+def test_a_sample_past_the_timeout_scores_0_and_the_others_are_scored():
+    """A reward that hangs on one sample (in-process: not a WorkerReward): the batch call overruns,
+    each sample is scored alone, the hanging one scores 0 and counts in ``timeouts``."""
+    import threading
+
+    from megatron_empg.rollout.rewards import RewardResult, score_guarded
+
+    release = threading.Event()
+
+    def reward(responses, examples):
+        if "hang" in responses:
+            release.wait(60)  # stands for a check that never ends
+        return RewardResult([float(len(r)) for r in responses], [True] * len(responses), {"calls": 1.0})
+
+    try:
+        result, first = score_guarded(reward, ["ab", "hang", "abcd"], [None] * 3, timeout_s=0.3)
+    finally:
+        release.set()
+    assert result.scores == [2.0, 0.0, 4.0] and result.correct == [True, False, True]
+    assert result.metrics == {"calls": 2.0, "errors": 0.0, "timeouts": 1.0}
+    assert first == "reward: sample 1 of 3 ran past 0.3 s (data.reward_timeout_s): scored 0"
+    fine, first = score_guarded(reward, ["ab"], [None], timeout_s=5)
+    assert fine.metrics == {"calls": 1.0, "errors": 0.0, "timeouts": 0.0} and first is None

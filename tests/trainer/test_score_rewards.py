@@ -40,13 +40,14 @@ def test_overlong_penalty_adds_to_the_reward():
     assert [s.reward for s in samples] == pytest.approx([b + p for b, p in zip(base, penalties)])
     assert [s.correct for s in samples] == [True, True, False, True, True]  # correctness is the reward's
     assert metrics == pytest.approx({"reward/no_answer": 1.0, "reward/overlong_penalty": sum(penalties),
-                                     "reward/errors": 0.0})
+                                     "reward/errors": 0.0, "reward/timeouts": 0.0})
 
 
 def test_no_buffer_no_penalty():
     samples = _samples([4, 12])
     metrics = _scorer()(samples)
-    assert [s.reward for s in samples] == [1.0, 1.0] and metrics == {"reward/no_answer": 1.0, "reward/errors": 0.0}
+    assert [s.reward for s in samples] == [1.0, 1.0] and metrics == {"reward/no_answer": 1.0, "reward/errors": 0.0,
+                                                                      "reward/timeouts": 0.0}
 
 
 def _breaking_scorer() -> Scorer:
@@ -68,8 +69,8 @@ def test_a_reward_raising_on_one_sample_scores_it_0_counts_it_and_logs_once_a_st
         metrics = scorer(samples)
         assert [s.reward for s in samples] == [1.0, 0.0, -1.0] and [s.correct for s in samples] == [True, False, False]
         # the two good samples were scored one at a time: their metrics add up
-        assert metrics == {"reward/no_answer": 2.0, "reward/errors": 1.0}
-        assert scorer(_samples([3, 3])) == {"reward/errors": 2.0}  # the same step: counted, not logged
+        assert metrics == {"reward/no_answer": 2.0, "reward/errors": 1.0, "reward/timeouts": 0.0}
+        assert scorer(_samples([3, 3])) == {"reward/errors": 2.0, "reward/timeouts": 0.0}  # counted, not logged
         assert len(caplog.records) == 1
         assert "reward: sample 1 of 3 raised" in caplog.text and "RuntimeError: cannot parse this one" in caplog.text
         scorer.new_step()
