@@ -85,7 +85,7 @@ def _two_engines(rank: int, world_size: int, model_dir: str, hf_state: dict) -> 
     out["fixed"] = _sync_and_check(chunks, model, groups, engine, transport, "step-1", probe, per_replica)
     _perturb(chunks)
     if rank == 1:
-        engine._llm.reset_prefix_cache = lambda: True  # an engine that forgot the reset
+        engine._llm.reset_prefix_cache = lambda **_: True  # an engine that forgot the reset
     try:
         out["no_cache_reset_in_1"] = _sync_and_check(chunks, model, groups, engine, transport, "bug-2", probe, per_replica)
     finally:

@@ -110,7 +110,7 @@ def _tp1_in_process(rank: int, world_size: int, model_dir: str, hf_state: dict) 
     with torch.no_grad():
         for p in chunks[0].parameters():
             p.add_(0.05 * torch.randn_like(p))
-    engine._llm.reset_prefix_cache = lambda: True  # an engine that forgot the reset
+    engine._llm.reset_prefix_cache = lambda **_: True  # an engine that forgot the reset
     try:
         out["no_cache_reset"] = _sync_and_check(chunks, model, groups, engine, transport, "step-2", probe)
     finally:
