@@ -20,6 +20,9 @@ cases, each in its own directory, each resumed (``--resume``) to ``--steps`` aft
     full_disk            the trainer's file size limit lowered (RLIMIT_FSIZE) after its first
                          checkpoint: the next save fails; the resume runs without the limit
 
+and the cases of a run that restarts itself (``tools/faults_supervised.py``: hangs, lost engines
+and ranks, a hanging reward, a NaN step), run to their end by the launcher's restart loop.
+
 A case is ``resumed_identical`` when its final metrics.jsonl has the reference's steps with equal
 values (``TIMING`` aside); ``steps_lost`` counts steps logged before the fault that the resume
 did not start after (a signal must lose none; SIGKILL redoes the steps since the last checkpoint:
@@ -50,6 +53,8 @@ sys.path.insert(0, str(REPO))
 
 from megatron_empg.config import read_yaml  # noqa: E402
 from megatron_empg.trainer.metrics_log import read_metrics  # noqa: E402
+from tools.faults_supervised import FAULT_STEP, HF, HOOK  # noqa: E402
+from tools.faults_supervised import cases as supervised_cases  # noqa: E402
 from tools.run_processes import processes_with  # noqa: E402
 
 RECIPE = REPO / "recipes" / "demo_cpu.yaml"
@@ -60,9 +65,14 @@ INTERVAL, KEEP_LAST = 3, 2
 
 
 class Suite:
+    timing = TIMING
+
     def __init__(self, work: Path, warm_start: Path, steps: int) -> None:
         self.work, self.warm_start, self.steps = work, warm_start, steps
         self.reference: list[dict] = []
+        self.references: dict[str, list[dict]] = {}
+        (work / "hook").mkdir(parents=True, exist_ok=True)
+        (work / "hook" / "sitecustomize.py").write_text(HOOK)  # inert unless EMPG_FAULT_HOOK is set
         self.sessions: dict[str, set[int]] = {}  # a case's runs, each a session of its own
 
     # ------------------------------------------------------------------ runs
@@ -77,12 +87,16 @@ class Suite:
         path.write_text(yaml.safe_dump(config))
         return path
 
-    def start(self, name: str, *extra: str, launcher: bool = False, log_suffix: str = "") -> subprocess.Popen:
-        """``empg train`` on the case's config in a process group of its own, marked in its environment."""
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "EMPG_FAULT_CASE": name}
+    def start(self, name: str, *extra: str, launcher: bool = False, log_suffix: str = "", nproc: int = 1,
+              env: dict[str, str] | None = None) -> subprocess.Popen:  # fmt: skip
+        """``empg train`` on the case's config in a process group of its own, marked in its
+        environment; ``launcher``: through launchers/torchrun.sh on ``nproc`` ranks."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "EMPG_FAULT_CASE": name, **(env or {}),
+               "PYTHONPATH": f"{self.work / 'hook'}:{REPO}"}  # fmt: skip
         command = [sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(self.work / f"{name}.yaml"), *extra]
         if launcher:
-            env.update(NPROC_PER_NODE="1", PYTHON=sys.executable, TORCHRUN=str(Path(sys.executable).parent / "torchrun"))
+            env.update(NPROC_PER_NODE=str(nproc), PYTHON=sys.executable,
+                       TORCHRUN=str(Path(sys.executable).parent / "torchrun"))  # fmt: skip
             # the reference's in-process engine (the launcher would otherwise add its own CPU defaults)
             command = [str(LAUNCHER), str(self.work / f"{name}.yaml"), "rollout.in_process=true",
                        "weight_sync.transport=in_process", *extra]
@@ -122,13 +136,19 @@ class Suite:
 
     # ------------------------------------------------------------------ checks
 
-    def compare(self, name: str) -> dict:
+    def compare(self, name: str, reference: str = "reference", ignore: tuple[str, ...] = (),
+                until_step: int | None = None) -> dict:  # fmt: skip
+        """The case's metrics against ``reference``'s, step by step (``until_step``: up to it),
+        every key but the timings and ``ignore``."""
         got = self.metrics(name)
+        expected = self.reference if reference == "reference" else self.references[reference]
+        if until_step is not None:
+            got, expected = [r for r in got if r["step"] <= until_step], expected[:until_step]
         differing = []
-        for a, b in zip(got, self.reference):
-            keys = {k for k in (*a, *b) if not k.startswith(TIMING)}
+        for a, b in zip(got, expected):
+            keys = {k for k in (*a, *b) if not k.startswith(TIMING) and k not in ignore}
             differing += [f"step {a['step']}: {k}" for k in sorted(keys) if a.get(k) != b.get(k)]
-        same_steps = [r["step"] for r in got] == [r["step"] for r in self.reference]
+        same_steps = [r["step"] for r in got] == [r["step"] for r in expected]
         return {"resumed_identical": same_steps and not differing, "steps": [r["step"] for r in got],
                 "differences": differing[:10]}  # fmt: skip
 
@@ -318,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "torn_metrics": lambda n: stopped_then(suite, n, tear_metrics, "a torn metrics.jsonl line"),
         "truncated_checkpoint": lambda n: stopped_then(suite, n, truncate_checkpoint, "the newest checkpoint truncated"),
         "full_disk": lambda n: full_disk(suite, n),
+        **supervised_cases(suite),
     })  # fmt: skip
     began = time.monotonic()
     suite.config("reference")
@@ -326,6 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0 or len(suite.reference) != args.steps:
         print(f"the reference run failed (exit {code}): see {work / 'reference.log'}", file=sys.stderr)
         return 1
+    if any(n in ("rank_sigstop", "rank_lost") for n in args.only or cases):  # 2 ranks, the transformers engine
+        suite.config("reference_2ranks")
+        code = suite.finish(suite.start("reference_2ranks", *HF, launcher=True, nproc=2))
+        suite.references["reference_2ranks"] = suite.metrics("reference_2ranks")
+        if code != 0 or len(suite.references["reference_2ranks"]) != args.steps:
+            print(f"the 2-rank reference run failed (exit {code}): see {work / 'reference_2ranks.log'}", file=sys.stderr)
+            return 1
     results = []
     for name, case in cases.items():
         if args.only and name not in args.only:
@@ -336,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
             result = {"case": name, **case(name)}
         except Exception as error:  # noqa: BLE001 (recorded: the suite goes on)
             result = {"case": name, "error": f"{type(error).__name__}: {error}"}
-        result.update(suite.compare(name), leftovers=suite.leftovers(name, shm_before),
+        until = FAULT_STEP - 1 if name == "nan_step" else None  # later steps differ by design (a refused update)
+        result.update(suite.compare(name, result.get("compare_with", "reference"), tuple(result.get("ignore", ())),
+                                    until), leftovers=suite.leftovers(name, shm_before),
                       seconds=round(time.monotonic() - t0, 1))  # fmt: skip
         results.append(result)
         print(f"{name:<22} identical={result['resumed_identical']} lost={result.get('steps_lost')} "
