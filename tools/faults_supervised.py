@@ -33,9 +33,11 @@ WATCHED = ("supervisor.heartbeat_interval_s=1", "supervisor.phase_timeout_s.upda
 HOOK = '''
 import os
 
-hook = os.environ.get("EMPG_FAULT_HOOK")
-if hook == "reward_hang" and "EMPG_FAULT_HOOKED" not in os.environ:
+# a rank's process only (torchrun has no RANK; a rank's engine processes inherit the mark)
+hook = os.environ.get("EMPG_FAULT_HOOK") if "RANK" in os.environ and "EMPG_FAULT_HOOKED" not in os.environ else None
+if hook is not None:
     os.environ["EMPG_FAULT_HOOKED"] = "1"
+if hook == "reward_hang":
     import threading
 
     from megatron_empg.tasks import registry
@@ -54,8 +56,7 @@ if hook == "reward_hang" and "EMPG_FAULT_HOOKED" not in os.environ:
         return _reward(responses, examples)
 
     registry.REWARDS["arithmetic"] = reward
-elif hook == "nan_step" and "EMPG_FAULT_HOOKED" not in os.environ:
-    os.environ["EMPG_FAULT_HOOKED"] = "1"
+elif hook == "nan_step":
     import dataclasses
 
     import megatron_empg.trainer.loop as loop
@@ -102,12 +103,13 @@ def _at_phase(suite, proc, name: str, rank: int, phase: str, step: int) -> bool:
 
 
 def _engine_core(suite, name: str) -> int | None:
-    """The pid of the case's vLLM engine core (in the case's session; its title names it)."""
-    sessions = suite.sessions.get(name, set())
+    """The pid of the case's vLLM engine core: a child of rank 0 (its heartbeat names its pid)
+    whose title names it."""
+    rank0 = _beat(suite.work / name, 0).get("pid")
     for pid_dir in Path("/proc").glob("[0-9]*"):
         try:
-            session = int((pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[3])
-            if session in sessions and b"EngineCore" in (pid_dir / "cmdline").read_bytes():
+            parent = int((pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == rank0 and b"EngineCore" in (pid_dir / "cmdline").read_bytes():
                 return int(pid_dir.name)
         except (OSError, IndexError, ValueError):
             continue
@@ -160,8 +162,7 @@ def _run_with_fault(suite, name: str, extra: tuple[str, ...], fault, *, nproc: i
 
 def engine_core(suite, name: str, sig: int) -> dict:
     def fault(proc) -> str:
-        _at_phase(suite, proc, name, 0, "rollout", FAULT_STEP)
-        time.sleep(0.3)
+        _at_phase(suite, proc, name, 0, "rollout", FAULT_STEP)  # the rollout's generate starts at once
         pid = _engine_core(suite, name)
         if pid is None:
             return "no engine core found"
@@ -194,7 +195,8 @@ def reward_hang(suite, name: str) -> dict:
 
     result = _run_with_fault(suite, name, (), fault, nproc=1, hook="reward_hang")
     step = next((r for r in suite.metrics(name) if r["step"] == FAULT_STEP), {})
-    result.update(reward_timeouts_at_fault_step=step.get("reward/timeouts"), ignore=["reward/timeouts"])
+    # the timed-out sample's own reward metrics (e.g. reward/malformed) are not counted
+    result.update(reward_timeouts_at_fault_step=step.get("reward/timeouts"), ignore=["reward/timeouts", "reward/malformed"])
     return result
 
 

@@ -46,7 +46,7 @@ vLLM is imported only when an engine is built. What the engine does on top of ``
   of one that vLLM created for it (a world the trainer set up before is left alone). An engine
   process whose owner dies without a ``shutdown`` (SIGKILL, the OOM killer) is killed by the kernel
   (``vllm_plugin``), so it does not hold its memory on.
-* **Health** (an engine in its own process): while a call runs, a thread checks the engine-core
+* **Health** (an engine in its own process): while any call runs, a thread checks the engine-core
   processes every ``HEALTH_POLL_S``; one that died, or is stopped (SIGSTOP, a frozen container),
   is killed and the call raises ``EngineFailure`` instead of waiting for ever (vLLM 0.32's
   synchronous client shuts down on a dead core without waking the caller). A core that runs but
@@ -337,7 +337,8 @@ class VllmEngine:
             raise EngineFailure(f"{call}: the vLLM engine core {problem}")
         failure: list[str] = []
         done = threading.Event()
-        queue = self._llm.llm_engine.engine_core.outputs_queue
+        client = self._llm.llm_engine.engine_core
+        queue = client.outputs_queue
 
         def watch() -> None:
             while not done.wait(HEALTH_POLL_S):
@@ -349,7 +350,10 @@ class VllmEngine:
                             os.kill(process.pid, signal.SIGKILL)
                     from vllm.v1.engine.exceptions import EngineDeadError
 
-                    queue.put_nowait(EngineDeadError())  # wakes the caller waiting for outputs
+                    queue.put_nowait(EngineDeadError())  # wakes a caller waiting for outputs
+                    for future in list(client.utility_results.values()):  # or for a utility call
+                        if not future.done():
+                            future.set_exception(EngineDeadError())
                     return
 
         thread = threading.Thread(target=watch, name="empg-engine-health", daemon=True)
@@ -397,9 +401,10 @@ class VllmEngine:
             sequences, argument="sequences", vocab_size=self.vocab_size, max_length=self.max_model_len - 1
         )
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outputs = llm.generate(
-            [{"prompt_token_ids": sequence} for sequence in token_sequences], params, use_tqdm=False
-        )
+        with self._watched("score"):
+            outputs = llm.generate(
+                [{"prompt_token_ids": sequence} for sequence in token_sequences], params, use_tqdm=False
+            )
         return [
             [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], sequence[1:])]
             for out, sequence in zip(outputs, token_sequences)
@@ -411,9 +416,10 @@ class VllmEngine:
     def begin_weight_update(self) -> None:
         """Start a weight update (vLLM's layerwise reload); ``generate`` / ``score`` wait for its end."""
         self._state.check_update("begin_weight_update", opening=True)
-        if self._stepping:  # requests in flight: no step until the update is finished
-            self._state.update_phase("begin_weight_update", lambda: self._llm.sleep(level=0, mode="keep"))
-        self._state.update_phase("begin_weight_update", self._llm.start_weight_update)
+        with self._watched("begin_weight_update"):
+            if self._stepping:  # requests in flight: no step until the update is finished
+                self._state.update_phase("begin_weight_update", lambda: self._llm.sleep(level=0, mode="keep"))
+            self._state.update_phase("begin_weight_update", self._llm.start_weight_update)
         self._state.update_open = True
 
     def update_weights(
@@ -452,7 +458,8 @@ class VllmEngine:
         else:
             update_info = {"ipc": ipc}
         llm = self._llm
-        self._state.update_phase("update_weights", lambda: llm.update_weights({"update_info": update_info}))
+        with self._watched("update_weights"):
+            self._state.update_phase("update_weights", lambda: llm.update_weights({"update_info": update_info}))
 
     def finish_weight_update(self, version: str) -> None:
         """Finalize the update, reset the prefix cache and set ``weight_version = version``."""
@@ -472,7 +479,8 @@ class VllmEngine:
             if stepping:
                 llm.wake_up(tags=["scheduling"])
 
-        self._state.update_phase("finish_weight_update", finish_and_reset_prefix_cache)
+        with self._watched("finish_weight_update"):
+            self._state.update_phase("finish_weight_update", finish_and_reset_prefix_cache)
         self._state.update_open = False
         self.weight_version = version
 

@@ -356,7 +356,9 @@ def failed(error: BaseException) -> None:
     w = _INSTALLED
     if w is None:
         return
-    if isinstance(error, RestartableError):
+    from megatron_empg.rollout.engine import EngineFailure
+
+    if isinstance(error, (RestartableError, EngineFailure)):  # an engine lost outside a rollout too
         phase, step = w.failed_in or (None, None)
         claim_request(w.run_dir, w.started, cause="restartable", rank=w.rank, phase=phase, step=step, detail=str(error))
         log.error("restartable: %s", error)
