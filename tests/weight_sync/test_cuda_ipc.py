@@ -222,6 +222,8 @@ def test_check_update_arguments_takes_exactly_one_of_three(tmp_path):
 class RecordingLlm:
     """Stands in for vLLM's ``LLM`` in ``VllmEngine.update_weights``: records the update info."""
 
+    llm_engine = SimpleNamespace(engine_core=None)  # no engine-core process to watch
+
     def __init__(self) -> None:
         self.updates: list[dict] = []
 
