@@ -46,20 +46,16 @@ vLLM is imported only when an engine is built. What the engine does on top of ``
   of one that vLLM created for it (a world the trainer set up before is left alone). An engine
   process whose owner dies without a ``shutdown`` (SIGKILL, the OOM killer) is killed by the kernel
   (``vllm_plugin``), so it does not hold its memory on.
-* **Health** (an engine in its own process): while any call runs, a thread checks the engine-core
-  processes every ``HEALTH_POLL_S``; one that died, or is stopped (SIGSTOP, a frozen container),
-  is killed and the call raises ``EngineFailure`` instead of waiting for ever (vLLM 0.32's
-  synchronous client shuts down on a dead core without waking the caller). A core that runs but
-  never answers is left to the trainer's watchdog (``trainer.watchdog``).
+* **Health** (an engine in its own process, ``vllm_health``): while any call runs, its engine-core
+  processes are watched; one that died or is stopped is killed and the call raises
+  ``EngineFailure`` instead of waiting for ever.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import signal
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -71,12 +67,12 @@ from megatron_empg.config import RolloutConfig, SamplingConfig
 from megatron_empg.rollout.engine import (
     FINISH_REASONS,
     Completion,
-    EngineFailure,
     EngineState,
     check_generate_arguments,
     check_token_sequences,
     check_update_arguments,
 )
+from megatron_empg.rollout.vllm_health import watched
 from megatron_empg.rollout.vllm_plugin import DIES_WITH_PARENT_ENV
 from megatron_empg.rollout.vllm_weight_transfer import BACKEND_NAME, WORKER_EXTENSION
 
@@ -94,7 +90,6 @@ SHUTDOWN_TIMEOUT_S = 60.0
 # that a later engine (in this process or in a child process, which inherits the environment) may
 # change it, while a value the user set stays the user's.
 _SET_BY_ENGINE_PREFIX = "EMPG_ENGINE_SET_"
-HEALTH_POLL_S = 0.5
 # In-process engines not yet shut down: vLLM allows one per process.
 _IN_PROCESS_ENGINES: weakref.WeakSet[VllmEngine] = weakref.WeakSet()
 
@@ -145,20 +140,6 @@ def _check_no_live_in_process_engine() -> None:
             "state is process-global (shutting one down breaks the other): shut it down first, or "
             "use rollout.in_process=False"
         )
-
-
-def _core_problem(processes) -> str | None:
-    """What is wrong with an engine's core processes (dead, stopped), or None."""
-    for process in processes:
-        if not process.is_alive():
-            return f"process {process.pid} died (exit code {process.exitcode})"
-        try:
-            state = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state in ("T", "t"):
-            return f"process {process.pid} is stopped (state {state})"
-    return None
 
 
 def _completion(output: CompletionOutput, version: str | None = None, per_token: bool = False) -> Completion:
@@ -324,50 +305,9 @@ class VllmEngine:
         manager = getattr(getattr(core, "resources", None), "engine_manager", None)
         return list(getattr(manager, "processes", ()))
 
-    @contextlib.contextmanager
     def _watched(self, call: str):
-        """``call`` under the health thread (module docstring): ``EngineFailure`` if a core dies or stops."""
-        processes = self._core_processes()
-        if not processes:  # in-process: nothing to watch apart from this process
-            yield
-            return
-        problem = _core_problem(processes)
-        if problem is not None:
-            self._state.broken = problem
-            raise EngineFailure(f"{call}: the vLLM engine core {problem}")
-        failure: list[str] = []
-        done = threading.Event()
-        client = self._llm.llm_engine.engine_core
-        queue = client.outputs_queue
-
-        def watch() -> None:
-            while not done.wait(HEALTH_POLL_S):
-                problem = _core_problem(processes)
-                if problem is not None:
-                    failure.append(problem)
-                    for process in processes:  # a stopped core would hold its memory for ever
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(process.pid, signal.SIGKILL)
-                    from vllm.v1.engine.exceptions import EngineDeadError
-
-                    queue.put_nowait(EngineDeadError())  # wakes a caller waiting for outputs
-                    for future in list(client.utility_results.values()):  # or for a utility call
-                        if not future.done():
-                            future.set_exception(EngineDeadError())
-                    return
-
-        thread = threading.Thread(target=watch, name="empg-engine-health", daemon=True)
-        thread.start()
-        try:
-            yield
-        except Exception as error:
-            if failure:
-                self._state.broken = failure[0]
-                raise EngineFailure(f"{call}: the vLLM engine core {failure[0]}") from error
-            raise
-        finally:
-            done.set()
-            thread.join()
+        """``call`` under the health thread (``vllm_health.watched``; module docstring)."""
+        return watched(self._llm.llm_engine.engine_core, self._core_processes(), self._state, call)
 
     def _sampling_params(self, sampling: SamplingConfig, seed: int | None) -> SamplingParams:
         from vllm import SamplingParams
