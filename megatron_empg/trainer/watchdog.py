@@ -202,10 +202,7 @@ class Watchdog:
                       f"at {_stamp(time.time())}; restart requested by rank {request['rank']}: {request['detail']}\n\n")
             out.flush()
             faulthandler.dump_traceback(out, all_threads=True)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stderr.flush()
-        os._exit(RESTARTABLE_EXIT)  # the main thread may be blocked for ever: no unwinding
+        _flush_and_exit()
 
     def _beat(self, state: str = "running", error: str | None = None) -> None:
         with self._lock:
@@ -379,7 +376,7 @@ def _flush_and_exit() -> None:
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stderr.flush()
-    os._exit(RESTARTABLE_EXIT)  # no unwinding: the clean-up would wait on the lost peer or engine
+    os._exit(RESTARTABLE_EXIT)  # no unwinding: the main thread may be blocked, or its clean-up wait on a lost peer
 
 
 _COLLECTIVE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL", "gloo")
