@@ -286,15 +286,15 @@ def test_padded_vocab_size_rejects_bad_arguments():
 
 YAMLS = sorted(MODEL_CONFIG_DIR.glob("*.yaml"))
 REAL = ["deepseek-r1-distill-qwen-1.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-4b", "qwen3-8b",
-        "llama3.1-8b"]
-TINY_MODELS = ["tiny-qwen2", "tiny-llama", "tiny-qwen3"]
+        "llama3.1-8b", "qwen3-30b-a3b"]
+TINY_MODELS = ["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 LOCAL = ["demo-qwen2"]  # built locally (tools/make_demo_model.py), no HF model id
 
 # Published totals (billions, as rounded by the publisher: Hugging Face's safetensors count / the
 # Qwen model cards' "Number of Parameters (Non-Embedding)").
 PUBLISHED_TOTAL = {
     "deepseek-r1-distill-qwen-1.5b": 1.78, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62,
-    "qwen3-4b": 4.02, "qwen3-8b": 8.19, "llama3.1-8b": 8.03,
+    "qwen3-4b": 4.02, "qwen3-8b": 8.19, "llama3.1-8b": 8.03, "qwen3-30b-a3b": 30.53,
 }  # fmt: skip
 PUBLISHED_NON_EMBEDDING = {"qwen2.5-1.5b": 1.31, "qwen2.5-3b": 2.77, "qwen2.5-7b": 6.53, "qwen3-8b": 6.95}
 
@@ -321,8 +321,9 @@ def test_unknown_model_name_lists_the_known_ones():
     assert "no model config named 'qwen9'" in message and "'qwen2.5-7b'" in message
 
 
-def hf_parameter_count(hf: dict) -> int:
-    """Weights of a Qwen2 / Llama / Qwen3 model from its Hugging Face config fields."""
+def hf_parameter_count(hf: dict, active: bool = False) -> int:
+    """Weights of a Qwen2 / Llama / Qwen3 (dense or MoE) model from its Hugging Face config fields;
+    ``active``: a MoE's weights one token uses (``num_experts_per_tok`` experts)."""
     h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or h // heads
@@ -330,9 +331,13 @@ def hf_parameter_count(hf: dict) -> int:
     attention = h * (q + 2 * kv) + q * h
     if hf["model_type"] == "qwen2":  # q/k/v biases (hard-coded in Qwen2Attention)
         attention += q + 2 * kv
-    if hf["model_type"] == "qwen3":  # per-head q/k RMSNorm
+    if hf["model_type"] in ("qwen3", "qwen3_moe"):  # per-head q/k RMSNorm
         attention += 2 * head_dim
-    mlp = 3 * h * hf["intermediate_size"]
+    if hf["model_type"] == "qwen3_moe":  # router [E, h] and E (or top-k) SwiGLU experts
+        experts = hf["num_experts_per_tok"] if active else hf["num_experts"]
+        mlp = hf["num_experts"] * h + experts * 3 * h * hf["moe_intermediate_size"]
+    else:
+        mlp = 3 * h * hf["intermediate_size"]
     return layers * (attention + mlp + 2 * h) + h + vocab * h * (1 if hf["tie_word_embeddings"] else 2)
 
 

@@ -14,14 +14,20 @@ from megatron_empg.config.schema import ConfigError, load_config
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
 
-Family = Literal["qwen2", "llama", "qwen3"]
+Family = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 
-_HF_ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_ARCHITECTURE = {
+    "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}  # fmt: skip
+# Families whose every layer's MLP is a mixture of experts (``num_experts`` required).
+MOE_FAMILIES = ("qwen3_moe",)
 # What each family's HF implementation hard-codes, as (field, required value).
 _FAMILY_FLAGS: dict[str, dict[str, bool]] = {
     "qwen2": {"add_qkv_bias": True, "qk_layernorm": False},
     "llama": {"add_qkv_bias": False, "qk_layernorm": False},
     "qwen3": {"add_qkv_bias": False, "qk_layernorm": True},
+    "qwen3_moe": {"add_qkv_bias": False, "qk_layernorm": True},
 }
 # The rope scalings the Megatron build and the HF config both support, with their required keys.
 _ROPE_SCALING_KEYS = {
@@ -31,7 +37,12 @@ _ROPE_SCALING_KEYS = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only model (Qwen2/2.5, Llama-3.x, Qwen3 dense): RMSNorm, SwiGLU, RoPE, GQA.
+    """A decoder-only model (Qwen2/2.5, Llama-3.x, Qwen3 dense and MoE): RMSNorm, SwiGLU, RoPE, GQA.
+
+    A mixture of experts (family ``qwen3_moe``) replaces every layer's MLP by ``num_experts``
+    SwiGLU experts of ``moe_ffn_hidden_size`` and a softmax router that sends each token to
+    ``moe_router_topk`` of them (weights renormalized over the top-k when ``moe_norm_topk_prob``);
+    ``ffn_hidden_size`` is then the dense MLP size HF's config keeps (unused by its layers).
 
     Sizes use Megatron's names; ``to_hf_config()`` gives the Hugging Face spelling. ``vocab_size`` is
     the HF vocabulary (rows of the HF embedding); Megatron pads it, see ``padded_vocab_size``.
@@ -65,6 +76,21 @@ class ModelConfig:
     # How the training models compute attention: auto, or a name in
     # mcore.attention_backends.ATTENTION_BACKENDS (te, sdpa, unfused); the bind step resolves it.
     attention_backend: str = "auto"
+    # Mixture of experts (family qwen3_moe; null on dense families). Megatron's names.
+    num_experts: int | None = None
+    moe_router_topk: int = 2  # experts per token (HF num_experts_per_tok)
+    moe_ffn_hidden_size: int | None = None  # each expert's SwiGLU size (HF moe_intermediate_size)
+    moe_norm_topk_prob: bool = True  # renormalize the top-k probabilities to sum to 1 (HF norm_topk_prob)
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    # The router's load-balancing loss (added to the RL objective) and z-loss coefficients (0 / null: off).
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    # Tokens an expert takes, as a factor of the balanced share (null: dropless, as HF and vLLM).
+    moe_expert_capacity_factor: float | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
     @property
     def kv_channels(self) -> int:
@@ -108,11 +134,35 @@ class ModelConfig:
         if self.family == "qwen2" and self.head_dim not in (None, self.hidden_size // self.num_attention_heads):
             raise ConfigError("head_dim", "family 'qwen2' has no head_dim: leave it null (= hidden_size // heads)")
         self._validate_rope_scaling()
+        self._validate_moe()
         for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
             value = getattr(self, name)
             for token in value if isinstance(value, list) else [value]:
                 if token is not None and not 0 <= token < self.vocab_size:
                     raise ConfigError(name, f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _validate_moe(self) -> None:
+        if self.family not in MOE_FAMILIES:
+            if self.num_experts is not None or self.moe_ffn_hidden_size is not None:
+                raise ConfigError("num_experts", f"family {self.family!r} is dense: leave num_experts and "
+                                  f"moe_ffn_hidden_size null (mixtures of experts: {list(MOE_FAMILIES)})")  # fmt: skip
+            return
+        for name in ("num_experts", "moe_ffn_hidden_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(name, f"family {self.family!r} needs a positive int, got {value!r}")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ConfigError("moe_router_topk", f"must be in [1, num_experts={self.num_experts}], "
+                              f"got {self.moe_router_topk}")  # fmt: skip
+        if self.moe_router_score_function != "softmax":
+            raise ConfigError("moe_router_score_function", f"family {self.family!r} routes with softmax (its HF "
+                              f"implementation), got {self.moe_router_score_function!r}")  # fmt: skip
+        if not (math.isfinite(self.moe_aux_loss_coeff) and self.moe_aux_loss_coeff >= 0):
+            raise ConfigError("moe_aux_loss_coeff", f"must be a finite number >= 0, got {self.moe_aux_loss_coeff}")
+        for name in ("moe_z_loss_coeff", "moe_expert_capacity_factor"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(name, f"must be a positive finite number or null, got {value}")
 
     def _validate_rope_scaling(self) -> None:
         if self.rope_scaling is None:
@@ -137,14 +187,20 @@ class ModelConfig:
         if rope_type == "llama3" and not self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"]:
             raise ConfigError("rope_scaling.high_freq_factor", "must be greater than low_freq_factor")
 
-    def num_parameters(self, *, padded_vocab_size: int | None = None) -> int:
-        """Number of weights of the model (embedding rows = ``padded_vocab_size`` or ``vocab_size``)."""
+    def num_parameters(self, *, padded_vocab_size: int | None = None, active: bool = False) -> int:
+        """Number of weights of the model (embedding rows = ``padded_vocab_size`` or ``vocab_size``);
+        ``active``: those one token uses (a mixture of experts counts ``moe_router_topk`` experts)."""
         embedding = (padded_vocab_size or self.vocab_size) * self.hidden_size
         tied = 1 if self.tie_word_embeddings else 2
-        return self.num_layers * self.parameters_per_layer() + self.hidden_size + embedding * tied
+        return self.num_layers * self.parameters_per_layer(active=active) + self.hidden_size + embedding * tied
 
-    def parameters_per_layer(self) -> int:
-        """Weights of one transformer layer: attention, SwiGLU MLP and the two RMSNorms."""
+    def expert_parameters(self) -> int:
+        """Weights of one expert (SwiGLU: gate, up, down); 0 for a dense model."""
+        return 3 * self.hidden_size * self.moe_ffn_hidden_size if self.is_moe else 0
+
+    def parameters_per_layer(self, *, active: bool = False) -> int:
+        """Weights of one transformer layer: attention, MLP (SwiGLU, or the router and the experts:
+        ``moe_router_topk`` of them when ``active``) and the two RMSNorms."""
         h, d = self.hidden_size, self.kv_channels
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
         attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
@@ -152,7 +208,11 @@ class ModelConfig:
             attention += q + 2 * kv
         if self.qk_layernorm:
             attention += 2 * d
-        mlp = 3 * h * self.ffn_hidden_size  # gate, up, down
+        if self.is_moe:
+            experts = self.moe_router_topk if active else self.num_experts
+            mlp = self.num_experts * h + experts * self.expert_parameters()  # router, experts
+        else:
+            mlp = 3 * h * self.ffn_hidden_size  # gate, up, down
         return attention + mlp + 2 * h  # + input and pre-MLP RMSNorm
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -181,12 +241,18 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
             "dtype": self.dtype,
         }
-        if self.family in ("llama", "qwen3"):
+        if self.family in ("llama", "qwen3", "qwen3_moe"):
             hf.update(head_dim=self.kv_channels, attention_bias=False)
         if self.family == "llama":
             hf.update(mlp_bias=False)
-        if self.family in ("qwen2", "qwen3"):
+        if self.family in ("qwen2", "qwen3", "qwen3_moe"):
             hf.update(use_sliding_window=False)
+        if self.is_moe:
+            hf.update(
+                num_experts=self.num_experts, num_experts_per_tok=self.moe_router_topk,
+                moe_intermediate_size=self.moe_ffn_hidden_size, norm_topk_prob=self.moe_norm_topk_prob,
+                router_aux_loss_coef=self.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[],
+            )  # fmt: skip
         return hf
 
 
@@ -208,6 +274,12 @@ class ParallelConfig:
     a multiple of 2 x CP and cut into 2 x CP chunks, rank r holding chunks r and 2 CP - 1 - r:
     ``parallel.context_parallel``); the CP ranks of a replica hold the same weights and train on the
     same samples, their gradients summed with the data-parallel ones. World = TP x PP x CP x DP.
+
+    A mixture of experts lays its experts out on Megatron's second grid: ``expert_model_parallel_size``
+    (EP) ranks each hold ``num_experts / EP`` whole experts, each split over
+    ``expert_tensor_parallel_size`` (ETP, null: = TP) ranks; World = ETP x EP x PP x expert-DP.
+    Tokens reach their experts through ``moe_token_dispatcher_type`` (``alltoall``: Megatron-LM's
+    default for EP; ``allgather``).
     """
 
     tensor_model_parallel_size: int = 1
@@ -216,6 +288,20 @@ class ParallelConfig:
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+
+    @property
+    def expert_tp_size(self) -> int:
+        """ETP (``expert_tensor_parallel_size``, TP when null)."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if etp is None else etp
+
+    @property
+    def expert_grid_size(self) -> int:
+        """Ranks of one copy of the experts: ETP x EP x PP."""
+        return self.expert_tp_size * self.expert_model_parallel_size * self.pipeline_model_parallel_size
 
     @property
     def model_parallel_size(self) -> int:
@@ -228,9 +314,12 @@ class ParallelConfig:
 
     def validate(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by",
-                     "context_parallel_size"):  # fmt: skip
+                     "context_parallel_size", "expert_model_parallel_size"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp < 1:
+            raise ConfigError("expert_tensor_parallel_size", f"must be >= 1 or null (= TP), got {etp}")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             if vpp < 2:
@@ -255,6 +344,13 @@ class ParallelConfig:
                 f"pipeline_model_parallel_size{cp} = {self.tensor_model_parallel_size} x "
                 f"{self.pipeline_model_parallel_size}{f' x {self.context_parallel_size}' if cp else ''}",
             )
+        if world_size % self.expert_grid_size:
+            raise ConfigError(
+                "expert_model_parallel_size",
+                f"world size {world_size} is not divisible by expert_tensor_parallel_size x "
+                f"expert_model_parallel_size x pipeline_model_parallel_size = {self.expert_tp_size} x "
+                f"{self.expert_model_parallel_size} x {self.pipeline_model_parallel_size}",
+            )
 
     def validate_for(self, model: ModelConfig, world_size: int | None = None) -> None:
         """Check that ``model`` can be split this way (and, if given, over ``world_size`` ranks)."""
@@ -278,8 +374,23 @@ class ParallelConfig:
                 f"model.num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size x "
                 f"virtual_pipeline_model_parallel_size = {pp} x {vpp}",
             )
+        self._validate_experts(model)
         if world_size is not None:
             self.validate_world_size(world_size)
+
+    def _validate_experts(self, model: ModelConfig) -> None:
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
+        if not model.is_moe:
+            if ep > 1 or etp not in (None, self.tensor_model_parallel_size):
+                raise ConfigError("expert_model_parallel_size", f"model {model.name!r} has no experts: leave "
+                                  "expert_model_parallel_size 1 and expert_tensor_parallel_size null")  # fmt: skip
+            return
+        if model.num_experts % ep:
+            raise ConfigError("expert_model_parallel_size", f"expert_model_parallel_size={ep} does not divide "
+                              f"model.num_experts={model.num_experts}")  # fmt: skip
+        if model.moe_ffn_hidden_size % self.expert_tp_size:
+            raise ConfigError("expert_tensor_parallel_size", f"expert_tensor_parallel_size={self.expert_tp_size} "
+                              f"does not divide model.moe_ffn_hidden_size={model.moe_ffn_hidden_size}")  # fmt: skip
 
 
 

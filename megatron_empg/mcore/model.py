@@ -136,10 +136,39 @@ def transformer_config(
         transformer_impl="transformer_engine" if te else "local",
         **fusions.overrides,
     )
+    if model.is_moe:
+        kwargs.update(moe_overrides(model, parallel, grouped_gemm=te))
     kwargs.update(overrides)
     if kwargs["gradient_accumulation_fusion"]:
         install_wgrad_accumulation()
     return TransformerConfig(**kwargs)
+
+
+def moe_overrides(model: ModelConfig, parallel: ParallelConfig, *, grouped_gemm: bool) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a mixture of experts.
+
+    Megatron's default router (top-k of the logits, then softmax over those k) gives HF's
+    ``norm_topk_prob`` weights; ``moe_router_pre_softmax`` (softmax over all experts, then top-k)
+    gives the weights without renormalization. The router runs in float32, as HF's softmax does.
+    ``expert_model_parallel_size`` must be in the config as well as in the process groups: without it
+    the experts' gradients are reduced as if every rank held the same experts.
+    """
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_router_pre_softmax=not model.moe_norm_topk_prob,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff,
+        moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+        moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
+        moe_grouped_gemm=grouped_gemm,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tp_size,
+    )
 
 
 def recompute_overrides(mode: str, num_layers: int = 1) -> dict[str, Any]:
@@ -157,15 +186,20 @@ def recompute_overrides(mode: str, num_layers: int = 1) -> dict[str, Any]:
 def layer_spec(model: ModelConfig, attention: AttentionChoice) -> ModuleSpec:
     """The TE layer spec for ``te``; else Megatron's local spec with the core attention of the
     backend (``mcore.attention``: ``SdpaAttention`` or ``UnfusedAttention``, both of which also take
-    packed THD rows)."""
+    packed THD rows). A mixture of experts gets Megatron's MoE layer: TE's grouped experts with
+    ``te``, else one local MLP per expert (``mlp.experts.local_experts.<j>``)."""
     cpu_shims.import_megatron()
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_empg.mcore.attention import SdpaAttention, UnfusedAttention
 
     if attention.uses_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts, moe_grouped_gemm=model.is_moe, qk_layernorm=model.qk_layernorm
+        )
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=model.num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=model.qk_layernorm
+    )
     core = {"sdpa": SdpaAttention, "unfused": UnfusedAttention}[attention.name]
     spec.submodules.self_attention.submodules.core_attention = core
     return spec
@@ -291,16 +325,38 @@ def build_gpt_model(
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
+_GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")  # TE's grouped experts
 
 
-def global_name(local_name: str, layer_offset: int) -> str:
-    """``decoder.layers.<i>.`` is numbered per model chunk; shift it to the full model's index."""
-    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
+def global_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """``decoder.layers.<i>.`` is numbered per model chunk, and experts per expert-parallel rank:
+    shift both to the full model's indices."""
+    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
+    if expert_offset:
+        name = _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + expert_offset}.", name)
+        name = _GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + expert_offset}", name)
+    return name
 
 
-def local_name(name: str, layer_offset: int) -> str:
+def local_name(name: str, layer_offset: int, expert_offset: int = 0) -> str:
     """Inverse of ``global_name``."""
-    return global_name(name, -layer_offset)
+    return global_name(name, -layer_offset, -expert_offset)
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Whether ``name`` is an expert's weight (split over the expert grid: EP, ETP)."""
+    return ".mlp.experts." in name
+
+
+def expert_offset(chunk: GPTModel) -> int:
+    """Global index of this rank's first expert (0 without experts or expert parallelism)."""
+    config = chunk.config
+    if not getattr(config, "num_moe_experts", None) or config.expert_model_parallel_size == 1:
+        return 0
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank() * (config.num_moe_experts // config.expert_model_parallel_size)
 
 
 def megatron_layer_offset(config: TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None) -> int:
@@ -328,8 +384,8 @@ def layer_offset(chunk: GPTModel) -> int:
 
 def global_names(chunk: GPTModel) -> dict[str, str]:
     """``chunk``'s state-dict keys -> the full model's names."""
-    offset = layer_offset(chunk)
-    return {name: global_name(name, offset) for name in chunk.state_dict()}
+    offset, experts = layer_offset(chunk), expert_offset(chunk)
+    return {name: global_name(name, offset, experts) for name in chunk.state_dict()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,8 +441,14 @@ def shard_full_state_dict(
     *,
     vocab_size: int | None = None,
     canonical_name: Callable[[str], str] | None = None,
+    expert_offset: int = 0,
+    etp_rank: int = 0,
+    etp_size: int = 1,
 ) -> None:
     """Load this rank's TP slice of a full state dict into ``chunk`` (layers shifted by ``layer_offset``).
+
+    Experts: this rank's ``local_experts.<j>`` is the full model's expert ``j + expert_offset``,
+    split over the expert tensor-parallel ranks (``etp_rank`` of ``etp_size``) instead of TP.
 
     The full state dict uses global layer indices; its vocabulary rows may be padded differently
     (or not at all): they are resized to the chunk's padded vocabulary (see ``resize_vocab``). With
@@ -398,7 +460,7 @@ def shard_full_state_dict(
     tied = getattr(chunk, "share_embeddings_and_output_weights", False)
     sharded = {}
     for name, local in chunk.state_dict().items():
-        key = global_name(name, layer_offset)
+        key = global_name(name, layer_offset, expert_offset)
         if canonical_name is not None:
             key = canonical_name(key)
         full = full_state_dict.get(key)
@@ -412,7 +474,10 @@ def shard_full_state_dict(
         partition = tp_partition(params.get(name))
         if name in VOCAB_PARAMETERS:
             full = resize_vocab(full, local.size(0) * (tp_size if partition else 1), vocab_size)
-        piece = tp_slice(full, partition, tp_rank, tp_size)
+        if is_expert_parameter(name):
+            piece = tp_slice(full, partition, etp_rank, etp_size)
+        else:
+            piece = tp_slice(full, partition, tp_rank, tp_size)
         if piece.shape != local.shape:
             raise ValueError(
                 f"{key}: the full tensor gives a {tuple(piece.shape)} slice, the model has {tuple(local.shape)}"
@@ -434,23 +499,27 @@ def load_full_state_dict(
     from megatron.core import parallel_state as ps
 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    etp_rank, etp_size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     for chunk in chunks:
         shard_full_state_dict(chunk, full_state_dict, tp_rank, tp_size, layer_offset(chunk), vocab_size=vocab_size,
-                              canonical_name=canonical_name)  # fmt: skip
+                              canonical_name=canonical_name, expert_offset=expert_offset(chunk), etp_rank=etp_rank,
+                              etp_size=etp_size)  # fmt: skip
 
 
 def named_weight_shards(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:
     """This rank's parameters as (global name, local tensor, TP partition) for a weight sync.
 
-    ``chunks`` may be DDP-wrapped. The partition is ``tp_partition``'s (None: replicated over TP);
-    the tensors are the parameters themselves (no copy).
+    ``chunks`` may be DDP-wrapped. The partition is ``tp_partition``'s (None: replicated over TP;
+    an expert's is over the expert tensor-parallel ranks: ``is_expert_parameter``); the tensors are
+    the parameters themselves (no copy). Experts carry their global index: each expert-parallel rank
+    names only its own.
     """
     out = []
     for chunk in chunks:
         module = getattr(chunk, "module", chunk)
-        offset = layer_offset(module)
+        offset, experts = layer_offset(module), expert_offset(module)
         for name, param in module.named_parameters():
-            out.append((global_name(name, offset), param, tp_partition(param)))
+            out.append((global_name(name, offset, experts), param, tp_partition(param)))
     return out
 
 

@@ -52,6 +52,13 @@ class ParallelGroups:
     cp_rank: int = 0
     cp_size: int = 1
     dp_cp_group: ProcessGroup | None = None  # DP x CP: the ranks whose gradients (and sums) add up
+    # The expert grid (a mixture of experts): EP ranks hold different experts, each split over ETP.
+    ep_group: ProcessGroup | None = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_group: ProcessGroup | None = None
+    etp_rank: int = 0
+    etp_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -100,6 +107,12 @@ def current_groups() -> ParallelGroups:
         cp_rank=ps.get_context_parallel_rank(),
         cp_size=ps.get_context_parallel_world_size(),
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        ep_group=ps.get_expert_model_parallel_group(check_initialized=False),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_group=ps.get_expert_tensor_parallel_group(check_initialized=False),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
 
 
@@ -135,6 +148,8 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, **mega
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tp_size,
         **megatron_kwargs,
     )
     groups = current_groups()

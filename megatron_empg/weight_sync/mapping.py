@@ -6,12 +6,15 @@ One ``TensorRule`` per Megatron parameter says which HF tensors it is made of an
 - ``qkv``: Megatron's fused ``linear_qkv`` holds, per query group, that group's query heads, then
   its key head, then its value head: ``[groups * (heads_per_group + 2) * head_dim, (hidden)]``.
   HF keeps ``q_proj`` ``[heads * head_dim, ...]``, ``k_proj``/``v_proj`` ``[groups * head_dim, ...]``;
-- ``gate_up``: SwiGLU's ``linear_fc1`` is ``[gate; up]`` stacked on dim 0 (``[2 * ffn, hidden]``);
+- ``gate_up``: SwiGLU's ``linear_fc1`` is ``[gate; up]`` stacked on dim 0 (``[2 * ffn, hidden]``;
+  an expert's ``ffn`` is ``moe_ffn_hidden_size``);
 - ``vocab``: rows are the vocabulary; Megatron pads them to ``padded_vocab_size`` (zeros on the way
   in, dropped on the way out).
 
 An ``Architecture`` is a list of rules plus its HF class name; adding a family is one entry of
-``ARCHITECTURES``. Names are the Megatron local spec's, with global layer indices (what
+``ARCHITECTURES``. A mixture of experts numbers its experts ``{e}`` (global expert indices, as
+``mcore.model.global_names`` gives them at any expert-parallel size): on disk HF keeps one tensor
+per expert (``mlp.experts.{e}.gate_proj.weight``), the layout of the published checkpoints. Names are the Megatron local spec's, with global layer indices (what
 ``mcore.model.global_names`` gives); the Transformer Engine spec's fused-norm names are mapped onto
 them by ``canonical_name``. Everything here works on full tensors (TP-gathered: see ``tp_merge``)
 and never changes values: a round trip is bit-exact.
@@ -38,8 +41,13 @@ class TensorRule:
     megatron: str
     hf: tuple[str, ...]
     layout: Layout
-    family: str  # named in consistency-gate errors: "attention.qkv", "mlp.gate_up", ...
+    family: str  # named in consistency-gate errors: "attention.qkv", "mlp.gate_up", "moe.experts.down", ...
     untied_only: bool = False  # exists only without tied embeddings (the output layer)
+
+    @property
+    def is_expert(self) -> bool:
+        """One expert's tensor (``{e}`` in its names): its SwiGLU size is ``moe_ffn_hidden_size``."""
+        return "{e}" in self.megatron
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +86,23 @@ QK_NORM_RULES = (
     TensorRule(_L + "self_attention.k_layernorm.weight", (_HL + "self_attn.k_norm.weight",), "copy", "attention.qk_norm"),
 )
 
+_E = _L + "mlp.experts.local_experts.{e}."
+_HE = _HL + "mlp.experts.{e}."
+MOE_RULES = (
+    TensorRule(_L + "mlp.router.weight", (_HL + "mlp.gate.weight",), "copy", "moe.router"),
+    TensorRule(
+        _E + "linear_fc1.weight", (_HE + "gate_proj.weight", _HE + "up_proj.weight"), "gate_up", "moe.experts.gate_up"
+    ),
+    TensorRule(_E + "linear_fc2.weight", (_HE + "down_proj.weight",), "copy", "moe.experts.down"),
+)
+_DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+SPARSE_RULES = tuple(r for r in DENSE_RULES if not r.megatron.endswith(_DENSE_MLP)) + MOE_RULES
+
 ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", DENSE_RULES + QKV_BIAS_RULES),
     "llama": Architecture("llama", "LlamaForCausalLM", DENSE_RULES),
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", DENSE_RULES + QK_NORM_RULES),
+    "qwen3_moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", SPARSE_RULES + QK_NORM_RULES),
 }
 
 # The Transformer Engine spec fuses the pre-attention / pre-MLP RMSNorm into the next linear layer.
@@ -90,12 +111,20 @@ TE_NAME_ALIASES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 _TE_ALIAS = re.compile(r"^(decoder\.layers\.\d+\.)(" + "|".join(map(re.escape, TE_NAME_ALIASES)) + r")$")
+# TE's grouped experts (``moe_grouped_gemm``) keep expert e's weights as ``linear_fc{1,2}.weight<e>``.
+_TE_GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
 
 
 def canonical_name(megatron_name: str) -> str:
-    """A Megatron parameter name in the local spec's spelling (TE's fused-norm names mapped)."""
+    """A Megatron parameter name in the local spec's spelling (TE's fused-norm names and grouped
+    experts mapped)."""
     match = _TE_ALIAS.match(megatron_name)
-    return f"{match.group(1)}{TE_NAME_ALIASES[match.group(2)]}" if match else megatron_name
+    if match:
+        return f"{match.group(1)}{TE_NAME_ALIASES[match.group(2)]}"
+    match = _TE_GROUPED.match(megatron_name)
+    if match:
+        return f"{match.group(1)}local_experts.{match.group(3)}.{match.group(2)}.weight"
+    return megatron_name
 
 
 def architecture(model: ModelConfig) -> Architecture:
@@ -110,23 +139,38 @@ def _rules(model: ModelConfig) -> list[TensorRule]:
 
 
 def _template_regex(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+    pattern = re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)").replace(re.escape("{e}"), r"(?P<e>\d+)")
+    return re.compile("^" + pattern + "$")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Match:
+    rule: TensorRule
+    layer: int | None
+    expert: int | None
+
+    def format(self, template: str) -> str:
+        return template.format(i=self.layer, e=self.expert)
 
 
 _RULE_REGEX: dict[str, re.Pattern] = {}
 
 
-def _find_rule(megatron_name: str, model: ModelConfig) -> tuple[TensorRule, int | None]:
+def _find_rule(megatron_name: str, model: ModelConfig) -> _Match:
     name = canonical_name(megatron_name)
     for rule in architecture(model).rules:
         regex = _RULE_REGEX.setdefault(rule.megatron, _template_regex(rule.megatron))
         match = regex.match(name)
         if match is None:
             continue
-        layer = int(match.group("i")) if "i" in match.groupdict() else None
+        groups = match.groupdict()
+        layer = int(groups["i"]) if "i" in groups else None
+        expert = int(groups["e"]) if "e" in groups else None
         if layer is not None and not 0 <= layer < model.num_layers:
             raise KeyError(f"{megatron_name}: layer {layer} is outside the model's {model.num_layers} layers")
-        return rule, layer  # a tied output layer matches too; it maps to no HF tensor (hf_names_of)
+        if expert is not None and not 0 <= expert < (model.num_experts or 0):
+            raise KeyError(f"{megatron_name}: expert {expert} is outside the model's {model.num_experts} experts")
+        return _Match(rule, layer, expert)  # a tied output layer matches too; it maps to no HF tensor
     raise KeyError(f"{megatron_name!r} is not a parameter of a {model.family} model (no mapping rule matches)")
 
 
@@ -134,10 +178,9 @@ def megatron_tensor_names(model: ModelConfig) -> list[str]:
     """The full model's Megatron parameter names (local spec, global layer indices, TP1/PP1)."""
     names = []
     for rule in _rules(model):
-        if "{i}" in rule.megatron:
-            names.extend(rule.megatron.format(i=i) for i in range(model.num_layers))
-        else:
-            names.append(rule.megatron)
+        layers = range(model.num_layers) if "{i}" in rule.megatron else [None]
+        experts = range(model.num_experts or 0) if rule.is_expert else [None]
+        names.extend(rule.megatron.format(i=i, e=e) for i in layers for e in experts)
     return names
 
 
@@ -148,16 +191,16 @@ def hf_tensor_names(model: ModelConfig) -> list[str]:
 
 def hf_names_of(megatron_name: str, model: ModelConfig) -> tuple[str, ...]:
     """The HF tensors the Megatron tensor ``megatron_name`` is made of (``()``: a tied output layer)."""
-    rule, layer = _find_rule(megatron_name, model)
-    if rule.untied_only and model.tie_word_embeddings:
+    match = _find_rule(megatron_name, model)
+    if match.rule.untied_only and model.tie_word_embeddings:
         return ()
-    return tuple(t.format(i=layer) for t in rule.hf)
+    return tuple(match.format(t) for t in match.rule.hf)
 
 
 def tensor_rule(megatron_name: str, model: ModelConfig) -> TensorRule:
     """The rule of a Megatron tensor: its HF names, ``layout`` and ``family`` (``attention.qkv``,
-    ``mlp.gate_up``, ``norm``, ...)."""
-    return _find_rule(megatron_name, model)[0]
+    ``mlp.gate_up``, ``norm``, ``moe.router``, ...)."""
+    return _find_rule(megatron_name, model).rule
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,10 +241,19 @@ def merge_qkv(q: Tensor, k: Tensor, v: Tensor, model: ModelConfig) -> Tensor:
     ).reshape(-1, *rest)  # fmt: skip
 
 
-def split_gate_up(fc1: Tensor, model: ModelConfig) -> tuple[Tensor, Tensor]:
-    """Megatron ``linear_fc1`` ``[2*F, H]`` -> HF gate ``[F, H]``, up ``[F, H]``."""
-    if fc1.size(0) != 2 * model.ffn_hidden_size:
-        raise ValueError(f"linear_fc1 has {fc1.size(0)} rows; expected 2 x ffn_hidden_size = {2 * model.ffn_hidden_size}")
+def _ffn_size(rule: TensorRule, model: ModelConfig) -> tuple[str, int]:
+    """The (field name, size) of the SwiGLU that ``rule``'s tensor belongs to."""
+    if rule.is_expert:
+        return "moe_ffn_hidden_size", model.moe_ffn_hidden_size
+    return "ffn_hidden_size", model.ffn_hidden_size
+
+
+def split_gate_up(fc1: Tensor, model: ModelConfig, *, expert: bool = False) -> tuple[Tensor, Tensor]:
+    """Megatron ``linear_fc1`` ``[2*F, H]`` -> HF gate ``[F, H]``, up ``[F, H]`` (F: an expert's
+    ``moe_ffn_hidden_size`` when ``expert``, else ``ffn_hidden_size``)."""
+    field, size = ("moe_ffn_hidden_size", model.moe_ffn_hidden_size) if expert else ("ffn_hidden_size", model.ffn_hidden_size)
+    if fc1.size(0) != 2 * size:
+        raise ValueError(f"linear_fc1 has {fc1.size(0)} rows; expected 2 x {field} = {2 * size}")
     gate, up = fc1.chunk(2, dim=0)
     return gate.contiguous(), up.contiguous()
 
@@ -229,14 +281,14 @@ def tp_merge(shards: Sequence[Tensor], partition: tuple[int, int] | None) -> Ten
 def to_hf(megatron_name: str, full: Tensor, model: ModelConfig) -> list[tuple[str, Tensor]]:
     """One full (TP1) Megatron tensor -> its HF tensors (padded vocabulary rows dropped; a tied
     output layer gives ``[]``). Dtypes are kept."""
-    rule, _ = _find_rule(megatron_name, model)
+    rule = _find_rule(megatron_name, model).rule
     names = hf_names_of(megatron_name, model)
     if not names:
         return []
     if rule.layout == "qkv":
         return list(zip(names, split_qkv(full, model)))
     if rule.layout == "gate_up":
-        return list(zip(names, split_gate_up(full, model)))
+        return list(zip(names, split_gate_up(full, model, expert=rule.is_expert)))
     if rule.layout == "vocab":
         if full.size(0) < model.vocab_size:
             raise ValueError(f"{megatron_name} has {full.size(0)} rows, fewer than vocab_size={model.vocab_size}")
@@ -252,7 +304,7 @@ def to_megatron(
     Vocabulary rows are zero-padded from ``vocab_size`` to ``padded_vocab_size``. A missing HF
     tensor is a ``KeyError`` naming it; a wrong shape a ``ValueError``.
     """
-    rule, _ = _find_rule(megatron_name, model)
+    rule = _find_rule(megatron_name, model).rule
     names = hf_names_of(megatron_name, model)
     if not names:
         raise KeyError(f"{megatron_name} is tied to the embedding: it has no HF tensor of its own")
@@ -264,10 +316,10 @@ def to_megatron(
         return merge_qkv(*parts, model)
     if rule.layout == "gate_up":
         gate, up = parts
-        if gate.shape != up.shape or gate.size(0) != model.ffn_hidden_size:
+        field, size = _ffn_size(rule, model)
+        if gate.shape != up.shape or gate.size(0) != size:
             raise ValueError(
-                f"{names[0]} {tuple(gate.shape)} and {names[1]} {tuple(up.shape)} must both have "
-                f"ffn_hidden_size={model.ffn_hidden_size} rows"
+                f"{names[0]} {tuple(gate.shape)} and {names[1]} {tuple(up.shape)} must both have {field}={size} rows"
             )
         return torch.cat([gate, up], dim=0)
     if rule.layout == "vocab":
@@ -360,7 +412,7 @@ def model_config_from_hf(hf_config: Mapping[str, Any], name: str | None = None) 
         "rope_scaling": scaling,
         "norm_epsilon": float(required("rms_norm_eps")),
         "add_qkv_bias": family == "qwen2",
-        "qk_layernorm": family == "qwen3",
+        "qk_layernorm": family in ("qwen3", "qwen3_moe"),
         "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
         "initializer_range": float(hf_config.get("initializer_range", 0.02)),
         "bos_token_id": hf_config.get("bos_token_id"),
@@ -368,4 +420,24 @@ def model_config_from_hf(hf_config: Mapping[str, Any], name: str | None = None) 
         "pad_token_id": hf_config.get("pad_token_id"),
         "dtype": dtype,
     }
+    if family == "qwen3_moe":
+        data.update(_moe_from_hf(hf_config, required))
     return from_dict(ModelConfig, data)
+
+
+def _moe_from_hf(hf_config: Mapping[str, Any], required) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config.json (transformers >= 5 writes ``num_local_experts``,
+    the published checkpoints ``num_experts``); dense layers among sparse ones are refused."""
+    if hf_config.get("decoder_sparse_step", 1) != 1 or hf_config.get("mlp_only_layers"):
+        raise ConfigError("mlp_only_layers", "dense layers among the sparse ones (decoder_sparse_step != 1 or "
+                          "mlp_only_layers) are not supported")  # fmt: skip
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    if experts is None:
+        raise ConfigError("num_experts", "missing from the HF config (nor num_local_experts)")
+    return {
+        "num_experts": experts,
+        "moe_router_topk": required("num_experts_per_tok"),
+        "moe_ffn_hidden_size": required("moe_intermediate_size"),
+        "moe_norm_topk_prob": bool(hf_config.get("norm_topk_prob", False)),
+        "moe_aux_loss_coeff": float(hf_config.get("router_aux_loss_coef", 0.0)),
+    }

@@ -172,7 +172,7 @@ def naive_split_qkv(fused, model):
     return fused[:q_rows], fused[q_rows : q_rows + kv_rows], fused[q_rows + kv_rows :]
 
 
-def swapped_gate_up(fc1, model):
+def swapped_gate_up(fc1, model, **_):
     up, gate = fc1.chunk(2)
     return gate, up
 
