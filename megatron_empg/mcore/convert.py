@@ -151,8 +151,9 @@ def meta_gpt_model(model: ModelConfig, padded_vocab_size: int, dtype: torch.dtyp
     ``padded_vocab_size`` rows, parameters in ``dtype``. Needs ``megatron_session``."""
     if padded_vocab_size < model.vocab_size:
         raise ConversionError(f"padded_vocab_size={padded_vocab_size} is smaller than vocab_size={model.vocab_size}")
-    # TP1 pads to a multiple of make_vocab_size_divisible_by: padded_vocab_size itself
-    parallel = ParallelConfig(make_vocab_size_divisible_by=padded_vocab_size)
+    # TP1 pads to a multiple of make_vocab_size_divisible_by: padded_vocab_size itself. The token
+    # dispatcher is not part of the stored layout; allgather's needs no CUDA stream on the meta build.
+    parallel = ParallelConfig(make_vocab_size_divisible_by=padded_vocab_size, moe_token_dispatcher_type="allgather")
     (chunk,) = build_gpt_model(model, parallel, params_dtype=dtype, attention_backend="unfused", meta_device=True)
     return chunk
 

@@ -3,8 +3,8 @@ and their streaming core (``megatron_empg.mcore.convert``).
 
 Round trip for each family, with tiny random HF models of tools/make_tiny_model.py (tiny-qwen2:
 QKV biases, vocabulary 250 padded to 256; tiny-llama: tied embeddings; tiny-qwen3: q/k norms,
-head_dim != hidden / heads): HF -> Megatron checkpoint written for TP 1/2 x PP 1/2 -> loaded at
-that layout by 2 gloo ranks with ``load_checkpoint`` -> logits equal the HF model's (fp32, 1e-5)
+head_dim != hidden / heads; tiny-qwen3-moe: 8 experts in HF's per-expert tensors, loaded at expert
+parallel size 2): HF -> Megatron checkpoint written for TP 1/2 x PP 1/2 -> loaded at that layout by 2 gloo ranks with ``load_checkpoint`` -> logits equal the HF model's (fp32, 1e-5)
 -> back to HF -> every tensor bit-identical to the original safetensors, and transformers loads
 the model (same logits) and the tokenizer. Also: a training checkpoint (optimizer, scheduler,
 anchor, RNG; DP2 with the distributed optimizer) converts to its model's HF tensors; bf16;
@@ -39,7 +39,7 @@ from tests.mcore.test_model import MICRO_BATCH, NUM_MICROBATCHES, SEQ
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
 
 REPO = Path(__file__).resolve().parents[2]
-FAMILIES = ["tiny-qwen2", "tiny-llama", "tiny-qwen3"]
+FAMILIES = ["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 # (case, model, tp, pp, extra arguments of convert_hf_to_megatron.py); loaded on 2 ranks (DP = 2 / (TP x PP))
 LAYOUT_CASES = [
     ("qwen2-tp2", "tiny-qwen2", 2, 1, []),
@@ -48,6 +48,7 @@ LAYOUT_CASES = [
     ("llama-tp2", "tiny-llama", 2, 1, []),
     ("llama-pp2", "tiny-llama", 1, 2, []),  # the tied embedding on both stages
     ("llama-tp1pp1", "tiny-llama", 1, 1, []),
+    ("qwen3moe-ep2", "tiny-qwen3-moe", 1, 1, []),  # loaded at EP 2: each rank its 4 of the 8 experts
 ]
 BF16_CASE = ("qwen2-bf16", "tiny-qwen2", 1, 1, ["--dtype", "bfloat16"])  # converted both ways, not loaded
 CASES = LAYOUT_CASES + [BF16_CASE]
@@ -151,7 +152,8 @@ def _load_all(rank: int, world_size: int, work: str, batches: dict, qwen2_hf_dir
     for case, name, tp, pp, _ in LAYOUT_CASES:
         path = work / f"mg-{case}"
         cfg = ckpt.read_model_config(path)
-        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        experts = dict(expert_model_parallel_size=2, moe_token_dispatcher_type="allgather") if cfg.is_moe else {}
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **experts)
         groups = initialize_model_parallel(parallel, seed=7)
         chunks = build_gpt_model(cfg, parallel)
         extra = ckpt.load_checkpoint(path, models=chunks, groups=groups)
