@@ -15,8 +15,9 @@ from megatron_empg.config import RunConfig, load_config, read_yaml
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 R1 = "r1_distill_qwen_1.5b_math_ema_pg"
 # The world each recipe is written for: the CPU demos run in one process, the GPU recipes on one
-# node of 8 GPUs (their comments; the reference runs' layout), the 32k Qwen3-8B one on two.
-WORLD_SIZES = {"demo_cpu.yaml": 1, "demo_cpu_grpo.yaml": 1, "qwen3_8b_dapo_math_rpg_urkl_32k_cp4.yaml": 16}
+# node of 8 GPUs (their comments; the reference runs' layout), the 32k Qwen3-8B one on two, Qwen3-30B-A3B on four.
+WORLD_SIZES = {"demo_cpu.yaml": 1, "demo_cpu_grpo.yaml": 1, "qwen3_8b_dapo_math_rpg_urkl_32k_cp4.yaml": 16,
+               "qwen3_30b_a3b_dapo_math_ema_pg.yaml": 32}
 CPU_RECIPES = ("demo_cpu.yaml", "demo_cpu_grpo.yaml")
 
 

@@ -49,14 +49,32 @@ class CheckpointBytes:
         return max(self.per_rank)
 
 
-def local_parameters(model: ModelConfig, parallel: ParallelConfig, tp_rank: int, pp_rank: int) -> list[tuple[int, bool]]:
+def local_experts(model: ModelConfig, parallel: ParallelConfig) -> list[int]:
+    """Elements of each expert tensor one rank holds per layer: its ``num_experts / EP`` experts'
+    fc1 and fc2, split over ETP (``[]`` for a dense model)."""
+    if not model.is_moe:
+        return []
+    etp, f, h = parallel.expert_tp_size, model.moe_ffn_hidden_size, model.hidden_size
+    return [2 * f * h // etp, f * h // etp] * (model.num_experts // parallel.expert_model_parallel_size)
+
+
+def local_parameters(
+    model: ModelConfig, parallel: ParallelConfig, tp_rank: int, pp_rank: int, *, experts: bool = True
+) -> list[tuple[int, bool]]:
     """``(elements, replicated over TP)`` of each parameter tensor held by the rank at
     (``tp_rank``, ``pp_rank``): every layer of its pipeline stage, the embedding on the first
-    stage, the final norm and the untied output layer on the last."""
+    stage, the final norm and the untied output layer on the last. A mixture of experts: the router
+    (replicated over TP) and, when ``experts``, the rank's ``local_experts`` (not replicated over TP:
+    the expert grid splits them)."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     h, d, ffn = model.hidden_size, model.kv_channels, model.ffn_hidden_size
     q, kv = model.num_attention_heads * d, model.num_query_groups * d
-    layer = [((q + 2 * kv) * h // tp, False), (q * h // tp, False), (2 * ffn * h // tp, False), (ffn * h // tp, False)]
+    layer = [((q + 2 * kv) * h // tp, False), (q * h // tp, False)]
+    if model.is_moe:
+        layer.append((model.num_experts * h, True))  # the router
+        layer += [(n, False) for n in local_experts(model, parallel)] if experts else []
+    else:
+        layer += [(2 * ffn * h // tp, False), (ffn * h // tp, False)]
     layer += [(h, True), (h, True)]  # input and pre-MLP RMSNorm
     if model.add_qkv_bias:
         layer.append(((q + 2 * kv) // tp, False))
@@ -104,6 +122,7 @@ def checkpoint_bytes(
     parallel.validate_for(model, world_size)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     dp = world_size // (tp * pp)
+    ranks_per_stage = world_size // pp
     distributed = optimizer.use_distributed_optimizer
     # The tensors saved per parameter (part, bytes per element): Adam's m and v are two.
     saved = [("model", DTYPE_BYTES[params_dtype]), ("adam", FP32), ("adam", FP32)]
@@ -118,7 +137,7 @@ def checkpoint_bytes(
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             tensors, own = [], 0
-            for n, _ in local_parameters(model, parallel, tp_rank, pp_rank):
+            for n, _ in local_parameters(model, parallel, tp_rank, pp_rank, experts=False):
                 for part, size in saved:
                     parts[part] += n * size
                     if own_shards and part in ("main_params", "adam"):
@@ -129,4 +148,11 @@ def checkpoint_bytes(
                 tensors += [(own // dp, (r,)) for r in range(dp)]
             for dp_rank, size in enumerate(_distribute(tensors, dp)):
                 per_rank[tp_rank + tp * (dp_rank + dp * pp_rank)] = size
+        # The experts lie on the expert grid (ETP x EP x expert-DP per stage): counted whole, spread
+        # evenly over the stage's ranks (each expert shard goes to one of its expert-DP holders).
+        expert_elements = sum(local_experts(model, parallel)) * parallel.expert_grid_size // pp * (model.num_layers // pp)
+        for part, size in saved:
+            parts[part] += expert_elements * size
+            for rank in range(pp_rank * ranks_per_stage, (pp_rank + 1) * ranks_per_stage):
+                per_rank[rank] += expert_elements * size // ranks_per_stage
     return CheckpointBytes(total=sum(parts.values()), per_rank=tuple(per_rank), parts=parts)

@@ -157,6 +157,7 @@ def plan_memory(components, *, device_bytes: int | None = None, options: PlanOpt
         ranks.append(_engine_rank(config, device, options.calibration))
     summary = (f"plan: {model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp}"
                f"{f' x CP {layout.cp}' if layout.cp > 1 else ''} x DP {layout.dp}"
+               f"{f'; experts EP {config.parallel.expert_model_parallel_size} x ETP {config.parallel.expert_tp_size}' if model.is_moe else ''}"
                f"{f', {layout.engine_ranks} engine ranks' if layout.engine_ranks else ''}), attention "
                f"{model.attention_backend}, {config.train.params_dtype}; device {_gib(device)}"
                f"{' (assumed: an H100 80GB; --gpu-memory-gib to set it)' if device_bytes is None else ''}")  # fmt: skip
@@ -188,7 +189,11 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
     config, model, layout, stats = components.config, components.model, components.layout, components.stats
     train, parallel, cal = config.train, config.parallel, options.calibration
     shape = rank_shape(model, parallel, pp_rank)
-    dp_shard = layout.dp * layout.cp if config.optimizer.use_distributed_optimizer else 1  # DP x CP
+    distributed = config.optimizer.use_distributed_optimizer
+    dp_shard = layout.dp * layout.cp if distributed else 1  # DP x CP
+    # The experts' fp32 state is sharded over the expert data-parallel ranks instead.
+    expert_dp = layout.training_ranks // parallel.expert_grid_size if distributed else 1
+    sharded = (shape.params - shape.expert_params) // dp_shard + shape.expert_params // expert_dp
     params_bytes = DTYPE_BYTES[train.params_dtype]
     attention = model.attention_backend
     tokens, rows = _update_tokens(config)
@@ -198,8 +203,8 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
     resident = {
         "weights": shape.params * params_bytes,
         "gradients": shape.params * FP32,
-        "main_parameters": shape.params * FP32 // dp_shard if params_bytes != FP32 else 0,
-        "adam": 2 * shape.params * FP32 // dp_shard,
+        "main_parameters": sharded * FP32 if params_bytes != FP32 else 0,
+        "adam": 2 * sharded * FP32,
         "anchor_weights": 0,
         "anchor_master": 0,
         "score_buffer": BF16 * heads * min(train.max_seq_len, max(tokens, forward_tokens)) ** 2
@@ -210,9 +215,9 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
     if stats.anchor:
         anchor_bytes = {"bfloat16": BF16, "float32": FP32, "float8_e4m3fn": 1 + BF16}[anchor.compute_dtype]
         resident["anchor_weights"] = shape.params * anchor_bytes
-        resident["anchor_master"] = 0 if anchor.master_on_cpu else shape.params * FP32 // dp_shard
+        resident["anchor_master"] = 0 if anchor.master_on_cpu else sharded * FP32
     linear, quadratic = terms.layer_activations(model, layout.tp, attention, fused_swiglu=options.fused_swiglu,
-                                                cp=layout.cp, cal=cal)  # fmt: skip
+                                                cp=layout.cp, cal=cal, etp=parallel.expert_tp_size)  # fmt: skip
     in_flight = _in_flight_layers(shape.layers, layout.pp, parallel.virtual_pipeline_model_parallel_size, pp_rank)
     squares = terms.sequence_terms(tokens, train.max_seq_len)
     per_layer = linear * tokens + quadratic * squares
@@ -231,7 +236,11 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
         update_logits = terms.logits_bytes(tokens, vocab, inplace_backward=config.algorithm.loss.inplace_backward,
                                            padded_rows=rows)  # fmt: skip
     h, f = model.hidden_size, model.ffn_hidden_size // layout.tp
-    forward_layer = forward_tokens * (BF16 * (4 * h + 3 * heads * model.kv_channels) + (6 if options.fused_swiglu else 8) * f)
+    if model.is_moe:
+        mlp = terms.moe_forward_bytes(model, parallel.expert_tp_size, fused_swiglu=options.fused_swiglu)
+    else:
+        mlp = (6 if options.fused_swiglu else 8) * f
+    forward_layer = forward_tokens * (BF16 * (4 * h + 3 * heads * model.kv_channels) + mlp)
     if attention == "unfused":
         forward_layer += 8 * heads * terms.sequence_terms(forward_tokens, train.max_seq_len)
     forward = {"logits": BF16 * forward_tokens * vocab, "vocab_scratch": scratch, "one_layer": int(forward_layer)}
@@ -242,12 +251,12 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
         "old_pass": dict(forward),
         "anchor_pass": dict(forward) if stats.anchor else {},
         "update": {"activations": int(activations), "logits": update_logits, "vocab_scratch": 2 * scratch,
-                   "weight_gradient": BF16 * shape.largest_weight},  # fmt: skip
-        "optimizer": {"adam_temporaries": shape.params * FP32 // dp_shard},
+                   "weight_gradient": BF16 * shape.largest_weight, "moe_dispatch": terms.moe_dispatch_bytes(model, tokens)},  # fmt: skip
+        "optimizer": {"adam_temporaries": sharded * FP32},
         # the save gathers a sharded anchor master whole (EmaAnchor.full_master_state); the rest
         # goes to the host one tensor at a time (mcore.checkpoint_stream)
         "checkpoint": {"anchor_master_gathered": shape.params * FP32
-                       if stats.anchor and dp_shard > 1 and not anchor.master_on_cpu else 0},
+                       if stats.anchor and (dp_shard > 1 or expert_dp > 1) and not anchor.master_on_cpu else 0},
     }
     asleep = {"cuda_context": cal.cuda_context, **engine["asleep"]}
     device_terms = {phase: dict(asleep) for phase in PHASES}
@@ -294,12 +303,15 @@ def _host(components, ranks_per_node: int) -> dict[str, int]:
     engines = max(1, layout.engines * per_node // max(layout.training_ranks, 1)) if not layout.engine_ranks else 0
     rollout, anchor = config.rollout, config.algorithm.anchor
     shape = rank_shape(model, config.parallel, 0)
-    dp_shard = layout.dp * layout.cp if config.optimizer.use_distributed_optimizer else 1
+    distributed = config.optimizer.use_distributed_optimizer
+    dp_shard = layout.dp * layout.cp if distributed else 1
+    expert_dp = layout.training_ranks // config.parallel.expert_grid_size if distributed else 1
+    sharded = (shape.params - shape.expert_params) // dp_shard + shape.expert_params // expert_dp
     # rollout.max_staleness >= 1: each engine owner stages up to 3 whole updates (weight_sync.staging)
     owners = max(1, min(ranks_per_node, layout.engine_ranks) // rollout.tensor_parallel_size)
     host = {
         "shm_buckets": engines * bucket_file_bytes(config, model) if config.weight_sync.transport == "shm_file" else 0,
-        "anchor_master_pinned": per_node * shape.params * FP32 // dp_shard
+        "anchor_master_pinned": per_node * sharded * FP32
         if components.stats.anchor and anchor.master_on_cpu else 0,
         "engine_weights_offloaded": engines * terms.params_bytes(model, rollout.dtype, rollout.tensor_parallel_size)
         if rollout.sleep_while_training and rollout.sleep_level == 1 else 0,

@@ -14,6 +14,14 @@ bf16, h = hidden, q = heads x head_dim and kv = groups x head_dim of this TP ran
                                 and 6 heads x L per token of a sequence of L (fp32 softmax + bf16 copy)
     SwiGLU                      10f (fc1 output 4f, silu output 2f, the up half + 0.0 2f, fc2 input 2f);
                                 6f fused (fc1 output, fc2 input)
+    mixture of experts          in place of the SwiGLU, per token: k x (12 F + 2h + 32) + 11 E, for top-k
+                                routing to E experts of F = moe_ffn / ETP (each routed copy keeps its
+                                permuted input 2h, its expert's SwiGLU 12F and its probability and
+                                indices; the router its fp32 logits and probabilities); 8F fused (an
+                                estimate: 12F less the 4F the dense fusion saves). Measured on the CPU
+                                (tests/trainer/test_memory_plan.py). Routing is taken as balanced: an
+                                expert-parallel rank receives, on average, k copies of as many tokens as
+                                it sends; a capacity factor bounds the imbalance, dropless runs can exceed it.
 
 c_norm (``Calibration.norm_bytes_per_element``) is what torch's RMSNorm keeps per element: 8 on the
 CPU (its composite form keeps two float32 copies: measured with ``saved_tensors_hooks``,
@@ -27,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_empg.config import ModelConfig, ParallelConfig, RunConfig
-from megatron_empg.mcore.checkpoint_size import DTYPE_BYTES, local_parameters
+from megatron_empg.mcore.checkpoint_size import DTYPE_BYTES, local_experts, local_parameters
 
 GIB = 2**30
 MIB = 2**20
@@ -54,15 +62,18 @@ CPU = dataclasses.replace(CUDA, norm_bytes_per_element=8.0)
 
 @dataclasses.dataclass(frozen=True)
 class RankShape:
-    """What one training rank holds of the model: ``params`` (elements on this TP x PP rank),
-    ``layers`` on its pipeline stage, ``vocab_rows`` (its shard of the padded vocabulary), whether
-    it has the output layer (last stage), and the largest weight it computes a gradient for."""
+    """What one training rank holds of the model: ``params`` (elements on this TP x PP rank, its
+    experts included), ``expert_params`` (of those, the experts': their optimizer state is sharded
+    over the expert data-parallel ranks), ``layers`` on its pipeline stage, ``vocab_rows`` (its shard
+    of the padded vocabulary), whether it has the output layer (last stage), and the largest weight
+    it computes a gradient for."""
 
     params: int
     layers: int
     vocab_rows: int
     last_stage: bool
     largest_weight: int
+    expert_params: int = 0
 
 
 def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> RankShape:
@@ -74,16 +85,36 @@ def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> Ra
     last = pp_rank == pp - 1
     if last and model.tie_word_embeddings and pp > 1:
         tensors.append(vocab_rows * model.hidden_size)
-    return RankShape(params=sum(tensors), layers=model.num_layers // pp, vocab_rows=vocab_rows, last_stage=last,
-                     largest_weight=max(tensors))  # fmt: skip
+    layers = model.num_layers // pp
+    return RankShape(params=sum(tensors), layers=layers, vocab_rows=vocab_rows, last_stage=last,
+                     largest_weight=max(tensors), expert_params=layers * sum(local_experts(model, parallel)))  # fmt: skip
+
+
+def moe_activations(model: ModelConfig, etp: int, *, fused_swiglu: bool) -> float:
+    """Bytes per token a mixture-of-experts MLP keeps for backward (module docstring)."""
+    f, k = model.moe_ffn_hidden_size // etp, model.moe_router_topk
+    return k * ((8 if fused_swiglu else 12) * f + BF16 * model.hidden_size + 32) + 11 * model.num_experts
+
+
+def moe_forward_bytes(model: ModelConfig, etp: int, *, fused_swiglu: bool) -> float:
+    """Bytes per token of a mixture-of-experts MLP's working set in a forward-only pass: each routed
+    copy's permuted input and SwiGLU intermediates, the router's fp32 logits and probabilities."""
+    f, k = model.moe_ffn_hidden_size // etp, model.moe_router_topk
+    return k * (BF16 * model.hidden_size + (6 if fused_swiglu else 8) * f) + 2 * FP32 * model.num_experts
+
+
+def moe_dispatch_bytes(model: ModelConfig, tokens: int) -> int:
+    """One layer's token exchange in flight: the routed copies sent and received (bf16)."""
+    return 2 * BF16 * model.hidden_size * model.moe_router_topk * tokens if model.is_moe else 0
 
 
 def layer_activations(model: ModelConfig, tp: int, attention: str, *, fused_swiglu: bool, cp: int = 1,
-                      cal: Calibration = CUDA) -> tuple[float, float]:  # fmt: skip
+                      cal: Calibration = CUDA, etp: int | None = None) -> tuple[float, float]:  # fmt: skip
     """(bytes per token, bytes per token x sequence length) one layer keeps for backward (module
     docstring); the second is the unfused attention's scores, 0 for the fused backends. Under
     context parallelism (``cp`` > 1) per token of this rank's share, plus the K and V gathered from
-    the other CP ranks, which the attention keeps: 4 kv (cp - 1)."""
+    the other CP ranks, which the attention keeps: 4 kv (cp - 1). A mixture of experts splits its
+    experts over ``etp`` ranks (None: ``tp``)."""
     h, d = model.hidden_size, model.kv_channels
     heads = model.num_attention_heads // tp
     groups = max(1, model.num_query_groups // tp)
@@ -98,7 +129,10 @@ def layer_activations(model: ModelConfig, tp: int, attention: str, *, fused_swig
     else:
         linear += BF16 * (q + kv + (q + 2 * kv) + q) + FP32 * heads + BF16 * 2 * kv * (cp - 1)
         quadratic = 0
-    linear += (6 if fused_swiglu else 10) * f
+    if model.is_moe:
+        linear += moe_activations(model, etp or tp, fused_swiglu=fused_swiglu)
+    else:
+        linear += (6 if fused_swiglu else 10) * f
     return linear, quadratic
 
 

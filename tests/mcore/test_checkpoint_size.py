@@ -137,6 +137,18 @@ def test_tp_and_pp_split_the_parameters_without_loss():
     assert len(four.per_rank) == 4 and sum(four.per_rank) == four.total
 
 
+@pytest.mark.parametrize("layout,world", [({}, 1), ({"expert_model_parallel_size": 2}, 2),
+                                          ({"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2}, 4),
+                                          ({"expert_model_parallel_size": 4, "expert_tensor_parallel_size": 1,
+                                            "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, 8)])
+def test_experts_are_saved_once_at_any_expert_layout(layout, world):
+    cfg = load_model_config("qwen3-30b-a3b")
+    parallel = ParallelConfig(**layout)
+    saved = checkpoint_bytes(cfg, parallel, OptimizerConfig(), anchor=True, params_dtype="bfloat16", world_size=world)
+    assert saved.total == 18 * cfg.num_parameters(padded_vocab_size=parallel.padded_vocab_size(cfg.vocab_size))
+    assert len(saved.per_rank) == world and sum(saved.per_rank) == pytest.approx(saved.total, abs=world * 18)
+
+
 def test_module_imports_neither_torch_nor_megatron():
     code = "import sys, megatron_empg.mcore.checkpoint_size; print(sorted({'torch', 'megatron'} & set(sys.modules)))"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -32,6 +32,9 @@ LAYOUTS = {  # name: (world size, overrides)
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
     "pp2": (2, ["parallel.pipeline_model_parallel_size=2"]),
     "dp2_distopt": (2, ["optimizer.use_distributed_optimizer=true"]),
+    # experts split over EP 2, their optimizer state over expert-DP 1, the rest over DP 2
+    "moe_ep2_distopt": (2, ["model=tiny-qwen3-moe", "parallel.expert_model_parallel_size=2",
+                            "parallel.moe_token_dispatcher_type=allgather", "optimizer.use_distributed_optimizer=true"]),
 }
 
 
@@ -70,7 +73,7 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
             out[name] = {
                 "pp_rank": groups.pp_rank, "tp_rank": groups.tp_rank,
                 "weights": _bytes(p for c in chunks for p in c.parameters()),
-                "gradients": _bytes(b.grad_data for d in ddp for b in d.buffers),
+                "gradients": _bytes(b.grad_data for d in ddp for b in d.buffers + d.expert_parallel_buffers),
                 "main_parameters": _bytes(p for g in inner.param_groups for p in g["params"]),
                 "adam": _bytes(state),
                 "anchor_weights": _bytes(p for c in anchor.models for p in c.parameters()),
@@ -84,7 +87,7 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def measured() -> dict:
     results = {"tp1": run_distributed(_measure, 1, ["tp1"])[0]["tp1"]}
-    for rank_result in run_distributed(_measure, 2, ["tp2", "pp2", "dp2_distopt"], timeout=300):
+    for rank_result in run_distributed(_measure, 2, ["tp2", "pp2", "dp2_distopt", "moe_ep2_distopt"], timeout=300):
         for name, values in rank_result.items():
             results.setdefault(name, []).append(values)
     return results
@@ -109,19 +112,33 @@ def test_held_terms_are_the_bytes_of_the_real_objects(measured, name):
             assert resident[term] == pytest.approx(values[term], rel=0.02), (name, term, resident[term], values[term])
 
 
-def _saved_bytes(layers: int, attention: str, seq: int) -> int:
+# A mixture of experts of some width (16 experts, top-4), routed by the allgather dispatcher at EP 1.
+MOE_PROBE = ["hidden_size=256", "num_attention_heads=4", "num_query_groups=2", "head_dim=64", "num_experts=16",
+             "moe_router_topk=4", "moe_ffn_hidden_size=128", "vocab_size=1024"]  # fmt: skip
+
+
+def _probe_model(name: str, layers: int):
+    from megatron_empg.config import load_model_config
+
+    if name == "moe":
+        return load_model_config("tiny-qwen3-moe", [f"num_layers={layers}", *MOE_PROBE])
+    return load_model_config("deepseek-r1-distill-qwen-1.5b", [f"num_layers={layers}", "vocab_size=1024",
+                             "bos_token_id=null", "eos_token_id=null", "pad_token_id=null"])  # fmt: skip
+
+
+def _saved_bytes(layers: int, attention: str, seq: int, name: str = "dense") -> int:
     """Bytes of the distinct storages autograd saves in one forward of a padded row of ``seq`` tokens."""
-    from megatron_empg.config import ParallelConfig, load_model_config
+    from megatron_empg.config import ParallelConfig
     from megatron_empg.core.microbatch import MicroBatch
     from megatron_empg.mcore.model import build_gpt_model
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import _model_forward
 
-    cfg = load_model_config("deepseek-r1-distill-qwen-1.5b", [f"num_layers={layers}", "vocab_size=1024",
-                            "bos_token_id=null", "eos_token_id=null", "pad_token_id=null"])  # fmt: skip
-    initialize_model_parallel(ParallelConfig(), seed=0)
+    cfg = _probe_model(name, layers)
+    parallel = ParallelConfig(moe_token_dispatcher_type="allgather")
+    initialize_model_parallel(parallel, seed=0)
     try:
-        (model,) = build_gpt_model(cfg, ParallelConfig(), params_dtype=torch.bfloat16, attention_backend=attention)
+        (model,) = build_gpt_model(cfg, parallel, params_dtype=torch.bfloat16, attention_backend=attention)
         ids = torch.randint(0, 1000, (1, seq), generator=torch.Generator().manual_seed(0))
         storages: dict[int, int] = {}
 
@@ -138,8 +155,10 @@ def _saved_bytes(layers: int, attention: str, seq: int) -> int:
 
 
 def _layer_bytes(rank: int, world_size: int) -> dict:
-    return {(attention, seq): _saved_bytes(2, attention, seq) - _saved_bytes(1, attention, seq)
-            for attention in ("sdpa", "unfused") for seq in (256, 512)}  # fmt: skip
+    out = {("dense", attention, seq): _saved_bytes(2, attention, seq) - _saved_bytes(1, attention, seq)
+           for attention in ("sdpa", "unfused") for seq in (256, 512)}  # fmt: skip
+    out["moe", "sdpa", 256] = _saved_bytes(2, "sdpa", 256, "moe") - _saved_bytes(1, "sdpa", 256, "moe")
+    return out
 
 
 @pytest.mark.dist
@@ -149,9 +168,9 @@ def test_layer_activations_are_what_autograd_saves_on_the_cpu():
     from megatron_empg.trainer.memory_terms import CPU, layer_activations
 
     (measured,) = run_distributed(_layer_bytes, 1)
-    model = load_model_config("deepseek-r1-distill-qwen-1.5b")
-    for (attention, seq), saved in measured.items():
-        linear, quadratic = layer_activations(model, 1, attention, fused_swiglu=False, cal=CPU)
+    models = {"dense": load_model_config("deepseek-r1-distill-qwen-1.5b"), "moe": _probe_model("moe", 1)}
+    for (name, attention, seq), saved in measured.items():
+        linear, quadratic = layer_activations(models[name], 1, attention, fused_swiglu=False, cal=CPU)
         # what remains is the RoPE table's rows and the position ids: tens of bytes per token
         assert linear * seq + quadratic * seq * seq == pytest.approx(saved, rel=0.02), (attention, seq, saved)
 
