@@ -347,7 +347,8 @@ class Trainer:
         from megatron_empg.mcore.step import score_sequences
         from megatron_empg.weight_sync import bridge
 
-        groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.placement.feeds_engine)
+        groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.placement.feeds_engine,
+                                   ep_group=self.groups.ep_group, etp_group=self.groups.etp_group)  # fmt: skip
         shards = named_weight_shards(self.models)
         report = self.engines.push(shards, groups, self.step_index)
         metrics = {"sync/seconds": report.seconds, "sync/gbytes": report.num_bytes / 1e9}

@@ -6,7 +6,12 @@ Every rank of the job calls ``sync_weights`` together. Per pipeline stage, the *
 HF names and layouts (``mapping.to_hf``) and puts it into a bucket of ``bucket_bytes``. Stage 0's
 leader holds the engine (and the transport); the other stage leaders send their buckets to it
 over the pipeline group (a header object, then one flat byte buffer per bucket), stage by stage.
-The other data-parallel replicas only wait. With several engines (``parallel.placement``) the
+The other data-parallel replicas only wait, unless the model has an expert grid (a mixture of
+experts with expert parallelism EP or expert tensor parallelism ETP > 1): each EP rank holds
+other experts, and the EP group crosses the data-parallel replicas. Then every rank takes part in
+the expert tensors: each is gathered over its ETP group (to ETP rank 0), then all-gathered over
+the EP group (one tensor at a time), so that the stage leader, at ETP rank 0 of its EP group,
+holds every expert's tensor once and sends it under its global index. With several engines (``parallel.placement``) the
 first replica of each engine group does this for its engine, all of them at once, each on its
 own node. Afterwards every rank returns the same ``SyncReport`` as its engine's owner.
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
@@ -48,11 +54,15 @@ class WeightShard(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class SyncGroups:
     """The process groups of the sync: TP and PP groups of this rank, and whether it belongs to
-    the data-parallel replica that sends (one per engine: the first it serves; the others wait)."""
+    the data-parallel replica that sends (one per engine: the first it serves; the others wait).
+    A mixture of experts adds this rank's expert-parallel and expert tensor-parallel groups
+    (``mcore.parallel_state.ParallelGroups.ep_group`` / ``etp_group``; None: size 1)."""
 
     tp_group: dist.ProcessGroup | None
     pp_group: dist.ProcessGroup | None
     is_sending_replica: bool
+    ep_group: dist.ProcessGroup | None = None
+    etp_group: dist.ProcessGroup | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -69,6 +79,27 @@ class SyncGroups:
     @property
     def pp_size(self) -> int:
         return dist.get_world_size(self.pp_group) if self.pp_group is not None else 1
+
+    @property
+    def ep_rank(self) -> int:
+        return dist.get_rank(self.ep_group) if self.ep_group is not None else 0
+
+    @property
+    def ep_size(self) -> int:
+        return dist.get_world_size(self.ep_group) if self.ep_group is not None else 1
+
+    @property
+    def etp_rank(self) -> int:
+        return dist.get_rank(self.etp_group) if self.etp_group is not None else 0
+
+    @property
+    def etp_size(self) -> int:
+        return dist.get_world_size(self.etp_group) if self.etp_group is not None else 1
+
+    @property
+    def has_expert_grid(self) -> bool:
+        """Experts split over several ranks: every rank takes part in their gathers."""
+        return self.ep_size > 1 or self.etp_size > 1
 
     @property
     def is_stage_leader(self) -> bool:
@@ -104,15 +135,42 @@ class SyncReport:
 # Stage side: gather, convert, bucket.
 
 
-def _gather_full(shard: WeightShard, groups: SyncGroups) -> Tensor | None:
-    """The full tensor on TP rank 0 (None on the other TP ranks)."""
-    if shard.partition is None or groups.tp_size == 1:
+def _gather_full(shard: WeightShard, group: dist.ProcessGroup | None, rank: int, size: int) -> Tensor | None:
+    """The full tensor on rank 0 of ``group`` (TP, or ETP for an expert), None on its other ranks."""
+    if shard.partition is None or size == 1:
         return shard.tensor.detach()
     local = shard.tensor.detach().contiguous()
-    leader = dist.get_global_rank(groups.tp_group, 0)
-    pieces = [torch.empty_like(local) for _ in range(groups.tp_size)] if groups.tp_rank == 0 else None
-    dist.gather(local, pieces, dst=leader, group=groups.tp_group)
+    leader = dist.get_global_rank(group, 0)
+    pieces = [torch.empty_like(local) for _ in range(size)] if rank == 0 else None
+    dist.gather(local, pieces, dst=leader, group=group)
     return mapping.tp_merge(pieces, shard.partition) if pieces is not None else None
+
+
+_EXPERT_INDEX = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
+
+
+def _gather_experts(shard: WeightShard, model: ModelConfig, groups: SyncGroups) -> list[tuple[str, Tensor]]:
+    """An expert tensor of every EP rank of this rank's EP group: ``[(global name, full tensor)]`` on
+    ETP rank 0 (EP rank order; ``[]`` on the other ETP ranks). EP rank r holds experts
+    ``r * E/EP ..``, in the same order on every rank, so this rank's ``j``-th local expert tensor
+    meets the ``j``-th of the others."""
+    full = _gather_full(shard, groups.etp_group, groups.etp_rank, groups.etp_size)
+    if full is None:
+        return []
+    if groups.ep_size == 1:
+        return [(shard.name, full)]
+    full = full.contiguous()
+    pieces = [torch.empty_like(full) for _ in range(groups.ep_size)]
+    dist.all_gather(pieces, full, group=groups.ep_group)
+    per_rank = model.num_experts // groups.ep_size
+    match = _EXPERT_INDEX.search(shard.name)
+    if match is None:
+        raise KeyError(f"{shard.name}: an expert tensor without a local_experts.<e> index")
+    local = int(match.group(2)) - groups.ep_rank * per_rank
+    return [
+        (f"{shard.name[: match.start(2)]}{r * per_rank + local}{shard.name[match.end(2):]}", piece)
+        for r, piece in enumerate(pieces)
+    ]
 
 
 def _round_trip_error(
@@ -148,20 +206,34 @@ def _bits(tensor: Tensor) -> Tensor:
 def stage_hf_tensors(
     shards: Iterable[WeightShard], model: ModelConfig, groups: SyncGroups, errors: dict[str, float] | None = None
 ) -> Iterator[tuple[str, Tensor]]:
-    """This stage's tensors in HF names and layouts, yielded on the stage leader only (the other TP
-    ranks of the replica take part in the gathers and yield nothing). With ``errors``, the
-    round-trip error per tensor family is collected into it (costs about two passes over the
-    bytes, so the sync itself skips it; ``round_trip_errors`` runs it when the gate fails)."""
+    """This stage's tensors in HF names and layouts, yielded on the stage leader only; every rank
+    calls it (the other TP ranks of the sending replica take part in the gathers, and with an
+    expert grid every rank in the expert gathers, and yield nothing). With ``errors``, the
+    round-trip error per tensor family is collected into it on the stage leader (costs about two
+    passes over the bytes, so the sync itself skips it; ``round_trip_errors`` runs it when the gate
+    fails)."""
+    if groups.is_stage_leader and groups.etp_rank != 0:
+        raise ValueError(
+            f"rank {dist.get_rank()}: the weight sync needs each stage leader (TP rank 0) at expert tensor-parallel "
+            f"rank 0, it is at {groups.etp_rank}: make expert_tensor_parallel_size divide tensor_model_parallel_size"
+        )
     for shard in shards:
-        full = _gather_full(shard, groups)
-        if full is None:
+        rule = mapping.tensor_rule(shard.name, model)
+        if rule.is_expert and (groups.has_expert_grid or groups.is_sending_replica):
+            tensors = _gather_experts(shard, model, groups)  # split over ETP, not TP
+        elif groups.is_sending_replica:
+            full = _gather_full(shard, groups.tp_group, groups.tp_rank, groups.tp_size)
+            tensors = [(shard.name, full)] if full is not None else []
+        else:
             continue
-        converted = mapping.to_hf(shard.name, full, model)
-        if errors is not None:
-            rule = mapping.tensor_rule(shard.name, model)
-            error = _round_trip_error(shard.name, full, converted, rule, model)
-            errors[rule.family] = max(errors.get(rule.family, 0.0), error)
-        yield from converted
+        if not groups.is_stage_leader:
+            continue
+        for name, full in tensors:
+            converted = mapping.to_hf(name, full, model)
+            if errors is not None:
+                error = _round_trip_error(name, full, converted, rule, model)
+                errors[rule.family] = max(errors.get(rule.family, 0.0), error)
+            yield from converted
 
 
 def buckets(named: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
@@ -239,10 +311,10 @@ def sync_weights(
         )
     report = SyncReport(version=version)
     start = time.perf_counter()
-    if groups.is_sending_replica:
+    if groups.is_sending_replica or groups.has_expert_grid:
         local = stage_hf_tensors(shards, model, groups)
         if not groups.is_stage_leader:
-            for _ in local:  # take part in the TP gathers
+            for _ in local:  # take part in the TP (and expert) gathers
                 pass
         elif not groups.is_engine_rank:
             _send_stage(buckets(local, bucket_bytes), groups)
@@ -271,7 +343,7 @@ def round_trip_errors(shards: Sequence[WeightShard], model: ModelConfig, groups:
     diagnosis: a family with an error has a layout bug."""
     shards = [WeightShard(*shard) for shard in shards]
     errors: dict[str, float] = {}
-    if groups.is_sending_replica:
+    if groups.is_sending_replica or groups.has_expert_grid:
         for _ in stage_hf_tensors(shards, model, groups, errors):
             pass
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,0 +1,122 @@
+"""The bridge on a mixture of experts: from expert-parallel layouts a recording receiver gets the
+HF model's per-expert tensors exactly once each, bit-exact, and every family round-trips exactly.
+
+Layouts on 2 ranks: EP2 (the EP group spans both data-parallel replicas: the second replica,
+which sends nothing of its own, must hand over its experts), TP2 with ETP1 x EP2 (experts not
+TP-split although the rest is), TP2 = ETP2 (experts split over ETP); on 4 ranks TP2 x EP2 (ETP2,
+two EP groups across the two replicas). Only rank 0 (TP 0 of replica 0) holds the engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_empg.config import ParallelConfig, load_model_config
+from megatron_empg.weight_sync import mapping
+from tests.dist import run_distributed
+from tests.weight_sync.test_bridge import RecordingReceiver, single_engine
+
+SEED = 1234
+BUCKET_BYTES = 20_000
+MODEL = "tiny-qwen3-moe"
+
+
+def moe_parallel(**kwargs) -> ParallelConfig:
+    return ParallelConfig(moe_token_dispatcher_type="allgather", **kwargs)
+
+
+def per_expert_state(hf_model, model) -> dict[str, torch.Tensor]:
+    """A transformers Qwen3-MoE state dict with the in-memory fused experts split into the
+    per-expert tensors of a checkpoint on disk (``mlp.experts.{e}.gate_proj.weight`` ...)."""
+    out = {}
+    for key, tensor in hf_model.state_dict().items():
+        if key.endswith("mlp.experts.gate_up_proj"):  # [E, 2F, H]: gate rows, then up
+            prefix = key.removesuffix("gate_up_proj")
+            for e in range(model.num_experts):
+                gate, up = tensor[e].chunk(2)
+                out[f"{prefix}{e}.gate_proj.weight"] = gate.clone()
+                out[f"{prefix}{e}.up_proj.weight"] = up.clone()
+        elif key.endswith("mlp.experts.down_proj"):  # [E, H, F]
+            prefix = key.removesuffix("down_proj")
+            out.update({f"{prefix}{e}.down_proj.weight": tensor[e].clone() for e in range(model.num_experts)})
+        else:
+            out[key] = tensor.clone()
+    return out
+
+
+def sync_groups(groups):
+    from megatron_empg.weight_sync.bridge import SyncGroups
+
+    return SyncGroups(groups.tp_group, groups.pp_group, groups.dp_rank == 0, ep_group=groups.ep_group,
+                      etp_group=groups.etp_group)  # fmt: skip
+
+
+def _sync_layouts(rank: int, world_size: int, layouts, hf_state: dict) -> list:
+    from megatron_empg.mcore import parallel_state
+    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict, named_weight_shards
+    from megatron_empg.weight_sync.bridge import round_trip_errors, sync_weights
+    from megatron_empg.weight_sync.transport import InProcessTransport
+
+    model = load_model_config(MODEL)
+    results = []
+    for parallel in layouts:
+        groups = parallel_state.initialize_model_parallel(parallel, SEED)
+        chunks = build_gpt_model(model, parallel)
+        load_full_state_dict(chunks, mapping.to_megatron_state_dict(hf_state, model, parallel.padded_vocab_size(model.vocab_size)))
+        receiver = RecordingReceiver() if rank == 0 else None
+        shards = named_weight_shards(chunks)
+        report = sync_weights(shards, model, sync_groups(groups), InProcessTransport(receiver) if receiver else None,
+                              "step-3", bucket_bytes=BUCKET_BYTES, placement=single_engine(groups))  # fmt: skip
+        results.append({"report": report, "received": receiver.tensors if receiver else None,
+                        "local_experts": sorted({n.split(".local_experts.")[1].split(".")[0] for n, _, _ in shards
+                                                 if ".local_experts." in n}, key=int),
+                        "round_trip_errors": round_trip_errors(shards, model, sync_groups(groups))})  # fmt: skip
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+def _check(per_rank, layouts, hf_state):
+    for i, parallel in enumerate(layouts):
+        got = per_rank[0][i]
+        assert sorted(got["received"]) == sorted(hf_state), parallel
+        for key, tensor in hf_state.items():
+            assert torch.equal(got["received"][key], tensor), (parallel, key)
+        assert got["report"].num_tensors == len(hf_state)
+        ep = parallel.expert_model_parallel_size
+        # Rank 0 holds only its own experts: the others came from the other EP ranks.
+        assert got["local_experts"] == [str(e) for e in range(8 // ep)], (parallel, got["local_experts"])
+        for r in range(len(per_rank)):
+            assert per_rank[r][i]["report"] == got["report"]
+            errors = per_rank[r][i]["round_trip_errors"]
+            assert set(errors) >= {"moe.router", "moe.experts.gate_up", "moe.experts.down", "attention.qkv"}, errors
+            assert all(error == 0.0 for error in errors.values()), errors
+
+
+@pytest.fixture(scope="module")
+def hf_state():
+    from tools.make_tiny_model import tiny_hf_model
+
+    model = load_model_config(MODEL)
+    state = per_expert_state(tiny_hf_model(model, seed=5), model)
+    assert sorted(state) == sorted(mapping.hf_tensor_names(model))
+    return state
+
+
+@pytest.mark.dist
+@pytest.mark.megatron
+def test_expert_parallel_sync_sends_every_hf_tensor_once(hf_state):
+    layouts = [
+        moe_parallel(expert_model_parallel_size=2),
+        moe_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+        moe_parallel(tensor_model_parallel_size=2),
+    ]
+    _check(run_distributed(_sync_layouts, 2, layouts, hf_state, timeout=240), layouts, hf_state)
+
+
+@pytest.mark.dist
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_tp2_x_ep2_sync_on_four_ranks(hf_state):
+    layouts = [moe_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)]
+    _check(run_distributed(_sync_layouts, 4, layouts, hf_state, timeout=240), layouts, hf_state)
