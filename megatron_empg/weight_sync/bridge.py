@@ -19,8 +19,9 @@ The ``Transport`` (``weight_sync.transport``) says how a bucket reaches the engi
 drops its prefix cache when the update finishes, and serves ``version`` from then on.
 
 When the consistency gate fails, ``round_trip_errors`` converts every tensor back
-(``mapping.to_megatron``) and compares it with the Megatron tensor: a layout bug shows up in its
-tensor family, which the gate's error names. (Done on every sync, that check would cost about two
+(``mapping.to_megatron``) and compares it with the Megatron tensor, and checks by fingerprints that
+each bucketed tensor carries its own name: a layout or naming bug (experts exchanged) shows up in
+its tensor family, which the gate's error names. (Done on every sync, that check would cost about two
 passes over the bytes: more than the sync itself.)
 """
 
@@ -149,14 +150,19 @@ def _gather_full(shard: WeightShard, group: dist.ProcessGroup | None, rank: int,
 _EXPERT_INDEX = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 
 
-def _gather_experts(shard: WeightShard, model: ModelConfig, groups: SyncGroups) -> list[tuple[str, Tensor]]:
+def _gather_experts(
+    shard: WeightShard, model: ModelConfig, groups: SyncGroups, own: Fingerprints | None = None
+) -> list[tuple[str, Tensor]]:
     """An expert tensor of every EP rank of this rank's EP group: ``[(global name, full tensor)]`` on
     ETP rank 0 (EP rank order; ``[]`` on the other ETP ranks). EP rank r holds experts
     ``r * E/EP ..``, in the same order on every rank, so this rank's ``j``-th local expert tensor
-    meets the ``j``-th of the others."""
+    meets the ``j``-th of the others. With ``own``, this rank's own expert is fingerprinted into it
+    under its HF names (before the exchange: the reference of ``round_trip_errors``' name check)."""
     full = _gather_full(shard, groups.etp_group, groups.etp_rank, groups.etp_size)
     if full is None:
         return []
+    if own is not None:
+        _fingerprint_into(own, shard.name, full, model)
     if groups.ep_size == 1:
         return [(shard.name, full)]
     full = full.contiguous()
@@ -203,15 +209,33 @@ def _bits(tensor: Tensor) -> Tensor:
     return tensor.view(_SAME_SIZE_INT[tensor.element_size()])
 
 
+Fingerprints = dict[str, tuple[str, float]]  # HF name -> (tensor family, fingerprint)
+
+
+def _fingerprint(tensor: Tensor) -> float:
+    """A float64 position-weighted sum of ``tensor``'s values: another tensor (or the same values
+    in another order) under its name changes it."""
+    flat = tensor.detach().reshape(-1).to(torch.float64, copy=True)  # a fresh buffer: the same sum order
+    return float(flat @ torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device))
+
+
+def _fingerprint_into(out: Fingerprints, megatron_name: str, full: Tensor, model: ModelConfig) -> None:
+    family = mapping.tensor_rule(megatron_name, model).family
+    for hf_name, tensor in mapping.to_hf(megatron_name, full, model):
+        out[hf_name] = (family, _fingerprint(tensor))
+
+
 def stage_hf_tensors(
-    shards: Iterable[WeightShard], model: ModelConfig, groups: SyncGroups, errors: dict[str, float] | None = None
+    shards: Iterable[WeightShard], model: ModelConfig, groups: SyncGroups, errors: dict[str, float] | None = None,
+    own: Fingerprints | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """This stage's tensors in HF names and layouts, yielded on the stage leader only; every rank
     calls it (the other TP ranks of the sending replica take part in the gathers, and with an
     expert grid every rank in the expert gathers, and yield nothing). With ``errors``, the
     round-trip error per tensor family is collected into it on the stage leader (costs about two
     passes over the bytes, so the sync itself skips it; ``round_trip_errors`` runs it when the gate
-    fails)."""
+    fails). With ``own``, each rank fingerprints the tensors it holds under their own global names
+    (experts on ETP rank 0, the rest on the stage leader)."""
     if groups.is_stage_leader and groups.etp_rank != 0:
         raise ValueError(
             f"rank {dist.get_rank()}: the weight sync needs each stage leader (TP rank 0) at expert tensor-parallel "
@@ -220,10 +244,12 @@ def stage_hf_tensors(
     for shard in shards:
         rule = mapping.tensor_rule(shard.name, model)
         if rule.is_expert and (groups.has_expert_grid or groups.is_sending_replica):
-            tensors = _gather_experts(shard, model, groups)  # split over ETP, not TP
+            tensors = _gather_experts(shard, model, groups, own)  # split over ETP, not TP
         elif groups.is_sending_replica:
             full = _gather_full(shard, groups.tp_group, groups.tp_rank, groups.tp_size)
             tensors = [(shard.name, full)] if full is not None else []
+            if own is not None and full is not None:
+                _fingerprint_into(own, shard.name, full, model)
         else:
             continue
         if not groups.is_stage_leader:
@@ -337,19 +363,41 @@ def sync_weights(
     return placement.broadcast_from_owner(report)
 
 
-def round_trip_errors(shards: Sequence[WeightShard], model: ModelConfig, groups: SyncGroups) -> dict[str, float]:
-    """Max |Megatron -> HF -> Megatron - Megatron| per tensor family over the whole model, on every
-    rank; every rank calls it (the TP gathers of a sync, nothing sent to the engine). The gate's
-    diagnosis: a family with an error has a layout bug."""
+def round_trip_errors(
+    shards: Sequence[WeightShard], model: ModelConfig, groups: SyncGroups, *, bucket_bytes: int | None = None
+) -> dict[str, float]:
+    """The gate's diagnosis, per tensor family over the whole model, on every rank; every rank calls
+    it (the gathers of a sync, nothing sent to the engine). A family with an error has a bug:
+
+    - the round trip: max |Megatron -> HF -> Megatron - Megatron| (a layout bug);
+    - the name check: each stage leader buckets and packs its HF tensors as a sync would (buckets of
+      ``bucket_bytes``, None: one tensor each) and fingerprints them by name; every rank
+      fingerprints the tensors it holds itself by their own global names (an expert on its EP rank,
+      before the exchange). A tensor that arrives under another's name (experts swapped, a wrong
+      expert index), twice, or unknown is an error of ``inf`` in its family.
+
+    Not seen: what happens after the bridge hands a bucket over (transport, engine loading).
+    """
     shards = [WeightShard(*shard) for shard in shards]
     errors: dict[str, float] = {}
+    own: Fingerprints = {}
+    sent: dict[str, list[float]] = {}  # what the stage leader would send, by name
     if groups.is_sending_replica or groups.has_expert_grid:
-        for _ in stage_hf_tensors(shards, model, groups, errors):
-            pass
+        for bucket in buckets(stage_hf_tensors(shards, model, groups, errors, own), bucket_bytes or 1):
+            for name, tensor in unpack_bucket(*pack_bucket(bucket)):
+                sent.setdefault(name, []).append(_fingerprint(tensor))
+    everyone = [(errors, own, sent)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, errors)
-        for rank_errors in everyone:
-            for family, error in rank_errors.items():
-                errors[family] = max(errors.get(family, 0.0), error)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (errors, own, sent))
+    reference: Fingerprints = {}
+    for rank_errors, rank_own, _ in everyone:
+        reference.update(rank_own)
+        for family, error in rank_errors.items():
+            errors[family] = max(errors.get(family, 0.0), error)
+    for _, _, rank_sent in everyone:
+        for name, prints in rank_sent.items():
+            family, expected = reference.get(name, ("unknown names", math.nan))
+            if len(prints) != 1 or prints[0] != expected:
+                errors[family] = math.inf
     return errors

@@ -45,6 +45,18 @@ def per_expert_state(hf_model, model) -> dict[str, torch.Tensor]:
     return out
 
 
+def swap_experts(bucket, a: int, b: int) -> list:
+    """``bucket`` with expert ``a``'s and ``b``'s tensors of the same layer and kind traded (names kept)."""
+    bucket = list(bucket)
+    index = {name: i for i, (name, _) in enumerate(bucket)}
+    for name, i in index.items():
+        other = name.replace(f".experts.{a}.", f".experts.{b}.")
+        if other != name and other in index:
+            j = index[other]
+            bucket[i], bucket[j] = (name, bucket[j][1]), (other, bucket[i][1])
+    return bucket
+
+
 def sync_groups(groups):
     from megatron_empg.weight_sync.bridge import SyncGroups
 
@@ -71,7 +83,8 @@ def _sync_layouts(rank: int, world_size: int, layouts, hf_state: dict) -> list:
         results.append({"report": report, "received": receiver.tensors if receiver else None,
                         "local_experts": sorted({n.split(".local_experts.")[1].split(".")[0] for n, _, _ in shards
                                                  if ".local_experts." in n}, key=int),
-                        "round_trip_errors": round_trip_errors(shards, model, sync_groups(groups))})  # fmt: skip
+                        "round_trip_errors": round_trip_errors(shards, model, sync_groups(groups),
+                                                               bucket_bytes=BUCKET_BYTES)})  # fmt: skip
         parallel_state.destroy_model_parallel()
     return results
 
@@ -120,3 +133,20 @@ def test_expert_parallel_sync_sends_every_hf_tensor_once(hf_state):
 def test_tp2_x_ep2_sync_on_four_ranks(hf_state):
     layouts = [moe_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)]
     _check(run_distributed(_sync_layouts, 4, layouts, hf_state, timeout=240), layouts, hf_state)
+
+
+def test_the_name_check_finds_experts_exchanged_in_a_bucket(hf_state, monkeypatch):
+    """One process, no expert parallelism: the diagnosis of a bucketing bug that exchanges two
+    experts' tensors (their round trips are exact) names the expert families and nothing else."""
+    from megatron_empg.weight_sync import bridge
+
+    model = load_model_config(MODEL)
+    state = mapping.to_megatron_state_dict(hf_state, model, 384)
+    shards = [(name, tensor, None) for name, tensor in state.items()]
+    groups = bridge.SyncGroups(None, None, True)
+    assert all(e == 0 for e in bridge.round_trip_errors(shards, model, groups, bucket_bytes=BUCKET_BYTES).values())
+    buckets = bridge.buckets
+    monkeypatch.setattr(bridge, "buckets", lambda *args: (swap_experts(b, 1, 6) for b in buckets(*args)))
+    errors = bridge.round_trip_errors(shards, model, groups, bucket_bytes=10**9)  # one bucket: every pair swapped
+    assert {f for f, e in errors.items() if e} == {"moe.experts.gate_up", "moe.experts.down"}, errors
+    assert errors["moe.experts.down"] == float("inf")

@@ -4,7 +4,8 @@ in-process engine, tensors by reference), with the consistency gate.
 After each sync the engine's log-probs of a 160-token probe equal Megatron's (1e-4), also after an
 optimizer step. Negative controls: without the CPU MoE repack after a reload (the vLLM 0.32 bug
 that ``vllm_weight_transfer._repack_cpu_experts`` works around) the gate fails; a transport that
-swaps two experts' tensors inside a bucket fails the gate, and the diagnosis names the experts.
+swaps two experts' tensors inside a bucket fails the gate; when the swap is the bridge's (its
+bucketing), the diagnosis names the experts' family, when it is the transport's, the engine side.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from megatron_empg.config import ParallelConfig, RolloutConfig, load_model_config
 from megatron_empg.weight_sync import gate, mapping
 from tests.dist import run_distributed
-from tests.weight_sync.test_moe_bridge import per_expert_state
+from tests.weight_sync.test_moe_bridge import per_expert_state, swap_experts
 from tests.weight_sync.test_vllm_sync import TOLERANCE, _sgd_step, _sync_and_check
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron, pytest.mark.vllm]
@@ -28,8 +29,7 @@ SWAPPED = (2, 5)  # experts whose tensors the faulty transport exchanges
 
 
 class ExpertSwappingTransport:
-    """A faulty transport: in every bucket, expert ``a``'s and ``b``'s tensors of the same layer
-    and kind trade places (names kept); counts the swaps."""
+    """A faulty transport: ``swap_experts`` on every bucket; counts the buckets it changed."""
 
     def __init__(self, inner, a: int, b: int) -> None:
         self.inner, self.a, self.b, self.swaps = inner, a, b, 0
@@ -38,15 +38,9 @@ class ExpertSwappingTransport:
         self.inner.begin()
 
     def send(self, bucket) -> None:
-        bucket = list(bucket)
-        index = {name: i for i, (name, _) in enumerate(bucket)}
-        for name, i in list(index.items()):
-            other = name.replace(f".experts.{self.a}.", f".experts.{self.b}.")
-            if other != name and other in index:
-                j = index[other]
-                bucket[i], bucket[j] = (name, bucket[j][1]), (other, bucket[i][1])
-                self.swaps += 1
-        self.inner.send(bucket)
+        swapped = swap_experts(bucket, self.a, self.b)
+        self.swaps += any(x[1] is not y[1] for x, y in zip(bucket, swapped))
+        self.inner.send(swapped)
 
     def finish(self, version: str) -> None:
         self.inner.finish(version)
@@ -57,6 +51,7 @@ def _moe_in_process(rank: int, world_size: int, model_dir: str, hf_state: dict) 
     from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict
     from megatron_empg.rollout import vllm_weight_transfer
     from megatron_empg.rollout.vllm_engine import VllmEngine
+    from megatron_empg.weight_sync import bridge
     from megatron_empg.weight_sync.transport import InProcessTransport
 
     model = load_model_config("tiny-qwen3-moe")
@@ -84,6 +79,13 @@ def _moe_in_process(rank: int, world_size: int, model_dir: str, hf_state: dict) 
         out["no_repack"] = _sync_and_check(chunks, model, groups, engine, transport, "no-repack", probe)
     finally:
         vllm_weight_transfer._repack_cpu_experts = repack
+    perturb()
+    buckets = bridge.buckets
+    bridge.buckets = lambda *args: (swap_experts(b, *SWAPPED) for b in buckets(*args))  # a bucketing bug
+    try:
+        out["bucket_swap"] = _sync_and_check(chunks, model, groups, engine, transport, "bucket-swap", probe)
+    finally:
+        bridge.buckets = buckets
     perturb()
     swapping = ExpertSwappingTransport(transport, *SWAPPED)
     out["swapped_experts"] = _sync_and_check(chunks, model, groups, engine, swapping, "swapped", probe)
@@ -117,6 +119,8 @@ def test_moe_sync_passes_the_gate_and_the_gate_catches_expert_faults(moe_dir):
     error = out["no_repack"].get("error", "")
     assert float(re.search(r"differ by up to (\S+)", error).group(1)) > 0.1, out["no_repack"]
     assert out["swaps"] > 0
-    # The swap happens after the bridge, which converts and names every tensor right: the diagnosis
-    # blames the engine's side.
+    # Inside the bridge, the diagnosis's name check finds the experts whose tensors were exchanged.
+    error = out["bucket_swap"]["error"]
+    assert re.search(r"worst tensor family: moe\.experts\.(gate_up|down) \(.*under another tensor's name", error), error
+    # After the bridge (in the transport) the bridge's checks pass: the diagnosis blames the engine's side.
     assert "every tensor family round-trips exactly" in out["swapped_experts"]["error"], out["swapped_experts"]
