@@ -356,8 +356,8 @@ class Trainer:
             for model in self.models:
                 model.eval()
             score = lambda seqs: score_sequences(self.models, seqs, self.model.vocab_size, self.groups)  # noqa: E731
-            bucket_bytes = int(self.config.weight_sync.bucket_size_mb * 2**20)
-            diagnose = lambda: bridge.round_trip_errors(shards, self.model, groups, bucket_bytes=bucket_bytes)  # noqa: E731
+            bucket = int(self.config.weight_sync.bucket_size_mb * 2**20)  # the diagnosis buckets as the sync did
+            diagnose = lambda: bridge.round_trip_errors(shards, self.model, groups, bucket_bytes=bucket)  # noqa: E731
             metrics["sync/gate_max_logprob_diff"] = self.engines.gate(self.step_index, score, diagnose)
         return metrics
 

@@ -11,9 +11,9 @@ experts with expert parallelism EP or expert tensor parallelism ETP > 1): each E
 other experts, and the EP group crosses the data-parallel replicas. Then every rank takes part in
 the expert tensors: each is gathered over its ETP group (to ETP rank 0), then all-gathered over
 the EP group (one tensor at a time), so that the stage leader, at ETP rank 0 of its EP group,
-holds every expert's tensor once and sends it under its global index. With several engines (``parallel.placement``) the
-first replica of each engine group does this for its engine, all of them at once, each on its
-own node. Afterwards every rank returns the same ``SyncReport`` as its engine's owner.
+holds every expert's tensor once and sends it under its global index. With several engines
+(``parallel.placement``) the first replica of each engine group does this for its engine, all of
+them at once, each on its own node (the expert exchange serves every leader of an EP group). Afterwards every rank returns the same ``SyncReport`` as its engine's owner.
 
 The ``Transport`` (``weight_sync.transport``) says how a bucket reaches the engine; the engine
 drops its prefix cache when the update finishes, and serves ``version`` from then on.
@@ -21,8 +21,8 @@ drops its prefix cache when the update finishes, and serves ``version`` from the
 When the consistency gate fails, ``round_trip_errors`` converts every tensor back
 (``mapping.to_megatron``) and compares it with the Megatron tensor, and checks by fingerprints that
 each bucketed tensor carries its own name: a layout or naming bug (experts exchanged) shows up in
-its tensor family, which the gate's error names. (Done on every sync, that check would cost about two
-passes over the bytes: more than the sync itself.)
+its tensor family, which the gate's error names. (Done on every sync, those checks would cost
+about two passes over the bytes: more than the sync itself.)
 """
 
 from __future__ import annotations

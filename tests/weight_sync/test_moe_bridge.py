@@ -75,7 +75,8 @@ def _sync_layouts(rank: int, world_size: int, layouts, hf_state: dict) -> list:
     for parallel in layouts:
         groups = parallel_state.initialize_model_parallel(parallel, SEED)
         chunks = build_gpt_model(model, parallel)
-        load_full_state_dict(chunks, mapping.to_megatron_state_dict(hf_state, model, parallel.padded_vocab_size(model.vocab_size)))
+        padded = parallel.padded_vocab_size(model.vocab_size)
+        load_full_state_dict(chunks, mapping.to_megatron_state_dict(hf_state, model, padded))
         receiver = RecordingReceiver() if rank == 0 else None
         shards = named_weight_shards(chunks)
         report = sync_weights(shards, model, sync_groups(groups), InProcessTransport(receiver) if receiver else None,
