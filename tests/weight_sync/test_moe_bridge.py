@@ -3,8 +3,10 @@ HF model's per-expert tensors exactly once each, bit-exact, and every family rou
 
 Layouts on 2 ranks: EP2 (the EP group spans both data-parallel replicas: the second replica,
 which sends nothing of its own, must hand over its experts), TP2 with ETP1 x EP2 (experts not
-TP-split although the rest is), TP2 = ETP2 (experts split over ETP); on 4 ranks TP2 x EP2 (ETP2,
-two EP groups across the two replicas). Only rank 0 (TP 0 of replica 0) holds the engine.
+TP-split although the rest is), TP2 = ETP2 (experts split over ETP), and EP2 with an engine per
+replica (two leaders in one EP group: each engine gets every tensor once); on 4 ranks TP2 x EP2
+(ETP2, two EP groups across the two replicas). Otherwise rank 0 (TP 0 of replica 0) holds the one
+engine.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from megatron_empg.config import ParallelConfig, load_model_config
 from megatron_empg.weight_sync import mapping
 from tests.dist import run_distributed
-from tests.weight_sync.test_bridge import RecordingReceiver, single_engine
+from tests.weight_sync.test_bridge import RecordingReceiver
 
 SEED = 1234
 BUCKET_BYTES = 20_000
@@ -57,51 +59,59 @@ def swap_experts(bucket, a: int, b: int) -> list:
     return bucket
 
 
-def sync_groups(groups):
+def sync_groups(groups, placement):
     from megatron_empg.weight_sync.bridge import SyncGroups
 
-    return SyncGroups(groups.tp_group, groups.pp_group, groups.dp_rank == 0, ep_group=groups.ep_group,
+    return SyncGroups(groups.tp_group, groups.pp_group, placement.feeds_engine, ep_group=groups.ep_group,
                       etp_group=groups.etp_group)  # fmt: skip
 
 
 def _sync_layouts(rank: int, world_size: int, layouts, hf_state: dict) -> list:
     from megatron_empg.mcore import parallel_state
     from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict, named_weight_shards
+    from megatron_empg.parallel.placement import build_placement
     from megatron_empg.weight_sync.bridge import round_trip_errors, sync_weights
     from megatron_empg.weight_sync.transport import InProcessTransport
 
     model = load_model_config(MODEL)
     results = []
-    for parallel in layouts:
+    for parallel, engines in layouts:
         groups = parallel_state.initialize_model_parallel(parallel, SEED)
+        placement = build_placement(engines, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
+                                    dp_size=groups.dp_size)  # fmt: skip
         chunks = build_gpt_model(model, parallel)
         padded = parallel.padded_vocab_size(model.vocab_size)
         load_full_state_dict(chunks, mapping.to_megatron_state_dict(hf_state, model, padded))
-        receiver = RecordingReceiver() if rank == 0 else None
+        receiver = RecordingReceiver() if placement.is_owner else None
         shards = named_weight_shards(chunks)
-        report = sync_weights(shards, model, sync_groups(groups), InProcessTransport(receiver) if receiver else None,
-                              "step-3", bucket_bytes=BUCKET_BYTES, placement=single_engine(groups))  # fmt: skip
+        report = sync_weights(shards, model, sync_groups(groups, placement),
+                              InProcessTransport(receiver) if receiver else None, "step-3", bucket_bytes=BUCKET_BYTES,
+                              placement=placement)  # fmt: skip
         results.append({"report": report, "received": receiver.tensors if receiver else None,
                         "local_experts": sorted({n.split(".local_experts.")[1].split(".")[0] for n, _, _ in shards
                                                  if ".local_experts." in n}, key=int),
-                        "round_trip_errors": round_trip_errors(shards, model, sync_groups(groups),
+                        "round_trip_errors": round_trip_errors(shards, model, sync_groups(groups, placement),
                                                                bucket_bytes=BUCKET_BYTES)})  # fmt: skip
         parallel_state.destroy_model_parallel()
     return results
 
 
 def _check(per_rank, layouts, hf_state):
-    for i, parallel in enumerate(layouts):
+    for i, (parallel, engines) in enumerate(layouts):
+        owners = [r for r in range(len(per_rank)) if per_rank[r][i]["received"] is not None]
+        assert len(owners) == engines and owners[0] == 0, (parallel, owners)
+        for owner in owners:  # each engine gets every tensor once
+            got = per_rank[owner][i]
+            assert sorted(got["received"]) == sorted(hf_state), (parallel, owner)
+            for key, tensor in hf_state.items():
+                assert torch.equal(got["received"][key], tensor), (parallel, owner, key)
+            assert got["report"].num_tensors == len(hf_state)
         got = per_rank[0][i]
-        assert sorted(got["received"]) == sorted(hf_state), parallel
-        for key, tensor in hf_state.items():
-            assert torch.equal(got["received"][key], tensor), (parallel, key)
-        assert got["report"].num_tensors == len(hf_state)
         ep = parallel.expert_model_parallel_size
         # Rank 0 holds only its own experts: the others came from the other EP ranks.
         assert got["local_experts"] == [str(e) for e in range(8 // ep)], (parallel, got["local_experts"])
         for r in range(len(per_rank)):
-            assert per_rank[r][i]["report"] == got["report"]
+            assert per_rank[r][i]["report"].num_tensors == got["report"].num_tensors
             errors = per_rank[r][i]["round_trip_errors"]
             assert set(errors) >= {"moe.router", "moe.experts.gate_up", "moe.experts.down", "attention.qkv"}, errors
             assert all(error == 0.0 for error in errors.values()), errors
@@ -120,10 +130,11 @@ def hf_state():
 @pytest.mark.dist
 @pytest.mark.megatron
 def test_expert_parallel_sync_sends_every_hf_tensor_once(hf_state):
-    layouts = [
-        moe_parallel(expert_model_parallel_size=2),
-        moe_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1),
-        moe_parallel(tensor_model_parallel_size=2),
+    layouts = [  # (parallel, engines)
+        (moe_parallel(expert_model_parallel_size=2), 1),
+        (moe_parallel(expert_model_parallel_size=2), 2),  # both replicas feed an engine: one EP group, two leaders
+        (moe_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1), 1),
+        (moe_parallel(tensor_model_parallel_size=2), 1),
     ]
     _check(run_distributed(_sync_layouts, 2, layouts, hf_state, timeout=240), layouts, hf_state)
 
@@ -132,7 +143,7 @@ def test_expert_parallel_sync_sends_every_hf_tensor_once(hf_state):
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_tp2_x_ep2_sync_on_four_ranks(hf_state):
-    layouts = [moe_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)]
+    layouts = [(moe_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2), 1)]
     _check(run_distributed(_sync_layouts, 4, layouts, hf_state, timeout=240), layouts, hf_state)
 
 
