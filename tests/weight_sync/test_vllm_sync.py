@@ -77,7 +77,8 @@ def _sync_and_check(chunks, model, groups, engine, transport, version, probe, pl
 
     def verify(version, tolerance):
         return gate.verify_sync(engine, probe, trainer_score, version, tolerance=tolerance, continuation=CONTINUATION,
-                                seed=1, diagnose=lambda: round_trip_errors(shards, model, feeding), placement=placement)
+                                seed=1, diagnose=lambda: round_trip_errors(shards, model, feeding, bucket_bytes=BUCKET_BYTES),
+                                placement=placement)
 
     before = verify("before", math.inf)
     report = sync_weights(shards, model, feeding, transport, version, bucket_bytes=BUCKET_BYTES, placement=placement)
