@@ -85,6 +85,7 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
     except ConfigError as error:
         raise ConfigError(f"parallel.{error.field}", error.reason) from None
     _check_context_parallel(config, model)
+    _check_experts(config, model, training)
     dp = training // (tp * pp * cp)
     where = f"world {world_size} / ({grid})" if not engine_ranks else f"{training} training ranks / ({grid})"
     if train.prompts_per_step % dp:
@@ -120,6 +121,29 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
     _check_forward_budget(config)
     engines = _check_engine_placement(config, dp, where)
     return Layout(world_size, tp, pp, dp, prompts, samples, micro_batches, engines, engine_ranks, cp)
+
+
+def _check_experts(config: RunConfig, model: ModelConfig, training: int) -> None:
+    """A mixture of experts: the expert grid (ETP x EP x PP) divides the training ranks, and tokens
+    cross expert-parallel ranks by alltoall: Megatron's allgather dispatcher exchanges as many tokens
+    from every rank, while packed micro-batches differ in length from one data-parallel rank to the
+    next (a gloo or NCCL size mismatch a few steps in)."""
+    parallel = config.parallel
+    if not model.is_moe:
+        return
+    if training % parallel.expert_grid_size:
+        raise ConfigError(
+            "parallel.expert_model_parallel_size",
+            f"the {training} training ranks are not divisible by parallel.expert_tensor_parallel_size x "
+            f"parallel.expert_model_parallel_size x parallel.pipeline_model_parallel_size = {parallel.expert_tp_size} x "
+            f"{parallel.expert_model_parallel_size} x {parallel.pipeline_model_parallel_size}",
+        )
+    if parallel.expert_model_parallel_size > 1 and parallel.moe_token_dispatcher_type == "allgather":
+        raise ConfigError(
+            "parallel.moe_token_dispatcher_type",
+            "allgather needs the same number of tokens on every expert-parallel rank, which the data-parallel "
+            "ranks' micro-batches do not have; use alltoall with expert_model_parallel_size > 1",
+        )
 
 
 def _check_context_parallel(config: RunConfig, model: ModelConfig) -> None:

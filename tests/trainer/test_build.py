@@ -190,6 +190,16 @@ def test_layout_module_imports_no_torch():
         (["rollout.max_model_len=100000"], 1, "rollout.max_model_len", "exceeds the model's max_position_embeddings"),
         (["optimizer.use_distributed_optimizer=true", "algorithm.anchor.compute_dtype=float8_e4m3fn",
           "algorithm.anchor.fp8=te"], 1, "algorithm.anchor.fp8", "distributed optimizer"),
+        (["model=tiny-qwen3-moe", "parallel.expert_model_parallel_size=3", "rollout.in_process=false",
+          "weight_sync.transport=shm_file"], 3, "parallel.expert_model_parallel_size", "does not divide model.num_experts=8"),
+        (["model=tiny-qwen3-moe", "parallel.expert_model_parallel_size=4", "rollout.in_process=false",
+          "weight_sync.transport=shm_file"], 2, "parallel.expert_model_parallel_size",
+         "training ranks are not divisible by parallel.expert_tensor_parallel_size x"),
+        (["model=tiny-qwen3-moe", "parallel.expert_model_parallel_size=2", "parallel.moe_token_dispatcher_type=allgather",
+          "rollout.in_process=false", "weight_sync.transport=shm_file"], 2, "parallel.moe_token_dispatcher_type",
+         "use alltoall"),
+        (["parallel.expert_model_parallel_size=2", "rollout.in_process=false", "weight_sync.transport=shm_file"], 2,
+         "parallel.expert_model_parallel_size", "has no experts"),
     ],
 )  # fmt: skip
 def test_bind_names_the_field_of_each_bad_setting(tmp_path, overrides, world, field, words):
