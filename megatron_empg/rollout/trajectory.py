@@ -2,8 +2,8 @@
 
 A trajectory is the response to one prompt, from a single ``generate`` call (a ``Completion``) or
 from a multi-turn episode (``search_agent.Episode``), whose observation tokens carry no sampler
-log-prob and are masked out of the loss. Plain Python values, so trajectories cross process
-groups as pickled objects.
+log-prob and are masked out of the loss. Plain Python values (and the routing, a CPU tensor), so
+trajectories cross process groups as pickled objects.
 """
 
 from __future__ import annotations

@@ -147,6 +147,39 @@ def _rank(rank: int, world_size: int, model_dir: str, batches: dict) -> dict:
     return out
 
 
+def _rank_split(rank: int, world_size: int, model_dir: str, micro: list) -> dict:
+    """The replayed forward split two ways: PP 2 (each stage routes its own layer) and EP 2 (DP 2:
+    each rank its own micro-batches; the experts split, the router whole)."""
+    from safetensors.torch import load_file
+
+    from megatron_empg.config import ParallelConfig, load_model_config
+    from megatron_empg.mcore import parallel_state
+    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict
+    from megatron_empg.mcore.step import StatsRequest, forward_stats
+    from megatron_empg.weight_sync import mapping
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    model = load_model_config(MODEL)
+    request = StatsRequest(vocab_size=model.vocab_size, with_entropy=False)
+    out = {}
+    for name, parallel, mine in [
+        ("pp", ParallelConfig(pipeline_model_parallel_size=2, moe_token_dispatcher_type="allgather"), micro),
+        ("ep", ParallelConfig(expert_model_parallel_size=2, moe_token_dispatcher_type="allgather"), micro[rank::2]),
+    ]:
+        groups = parallel_state.initialize_model_parallel(parallel, 5)
+        (chunk,) = build_gpt_model(model, parallel, routing_replay=True)
+        load_full_state_dict([chunk], mapping.to_megatron_state_dict(
+            load_file(f"{model_dir}/model.safetensors"), model, parallel.padded_vocab_size(model.vocab_size)))  # fmt: skip
+        seen = []
+        for router in (m for m in chunk.modules() if isinstance(m, TopKRouter)):
+            router.register_forward_hook(lambda m, i, o: seen.append((m.layer_number - 1, o[1].clone())))
+        stats = forward_stats([chunk], mine, request, groups)
+        out[name] = {"logprobs": None if stats is None else [s["logprobs"] for s in stats], "routing": seen}
+        parallel_state.destroy_model_parallel()
+    return out
+
+
 def _expected_map(micro, num_experts: int) -> list[list[torch.Tensor]]:
     """[layers][micro-batches] [tokens, experts] bool of their ``routed_experts``, Megatron's token order."""
     from megatron_empg.mcore.router_replay import token_routing
@@ -186,6 +219,7 @@ def test_replay_routes_as_the_engine_did_and_a_mutation_shows(model_dir):
     mutated_micro = micro_batches(mutated_samples, advantages, plan)
     out = run_distributed(_rank, 1, model_dir, {"hf": hf_micro, "vllm": vllm_micro, "mutated": mutated_micro},
                           timeout=240)[0]  # fmt: skip
+    split = run_distributed(_rank_split, 2, model_dir, mutated_micro, timeout=240)
 
     for name, micro, samples in (("hf", hf_micro, hf_samples), ("vllm", vllm_micro, vllm_samples)):
         expected = _expected_map(micro, model.num_experts)
@@ -217,6 +251,17 @@ def test_replay_routes_as_the_engine_did_and_a_mutation_shows(model_dir):
     # Full recompute replays the same (mutated) experts in the backward pass: the same gradients.
     assert out["grad_count"] > 0 and out["grad_diff"] < 1e-6, out["grad_diff"]
     expected, n = _expected_map(mutated_micro, model.num_experts), len(mutated_micro)
+    # PP 2: stage r's router is layer r's and replays that layer's experts; the last stage's log-probs
+    # are the whole model's. EP 2: each rank's micro-batches as in the whole model.
+    for r in range(2):
+        assert {i for i, _ in split[r]["pp"]["routing"]} == {r}
+        assert _equal([m for _, m in split[r]["pp"]["routing"]], expected[r])
+        assert _equal([m for i, m in split[r]["ep"]["routing"] if i == 0], expected[0][r::2])
+        for ours, whole in zip(split[r]["ep"]["logprobs"], out["mutated"]["logprobs"][r::2], strict=True):
+            assert (ours - whole).abs().max() < 1e-5
+    assert split[0]["pp"]["logprobs"] is None
+    for ours, whole in zip(split[1]["pp"]["logprobs"], out["mutated"]["logprobs"], strict=True):
+        assert (ours - whole).abs().max() < 1e-5
     for i in range(model.num_layers):
         calls = out["calls_full"][i]
         assert len(calls) == 2 * n  # the forwards, then the recomputes in the same order
