@@ -217,8 +217,9 @@ def test_replay_routes_as_the_engine_did_and_a_mutation_shows(model_dir):
     chosen[position, layer] = torch.tensor([e for e in range(model.num_experts) if e not in old][:2])
     mutated_samples[sample].routed_experts = chosen
     mutated_micro = micro_batches(mutated_samples, advantages, plan)
-    out = run_distributed(_rank, 1, model_dir, {"hf": hf_micro, "vllm": vllm_micro, "mutated": mutated_micro},
-                          timeout=240)[0]  # fmt: skip
+    padded = micro_batches(hf_samples, advantages, dataclasses.replace(plan, packing=False))  # [3, s] rows
+    out = run_distributed(_rank, 1, model_dir, {"hf": hf_micro, "vllm": vllm_micro, "mutated": mutated_micro,
+                                                "padded": padded}, timeout=240)[0]  # fmt: skip
     split = run_distributed(_rank_split, 2, model_dir, mutated_micro, timeout=240)
 
     for name, micro, samples in (("hf", hf_micro, hf_samples), ("vllm", vllm_micro, vllm_samples)):
@@ -230,6 +231,14 @@ def test_replay_routes_as_the_engine_did_and_a_mutation_shows(model_dir):
         sampled = torch.cat([mb.sampler_logprobs[mb.loss_mask] for mb in micro])  # the engine's, packed order
         assert (ours - sampled).abs().max() < TOLERANCE, name
     assert _equal(out["hf"]["routing"][0], out["vllm"]["routing"][0])  # same seeds: the same samples
+    # Padded rows: Megatron routes token (row b, position t) as its t * rows + b-th; the log-probs are the engine's.
+    for i in range(model.num_layers):
+        for mb, seen in zip(padded, out["padded"]["routing"][i], strict=True):
+            rows, width = mb.shape
+            ids = torch.stack([mb.routed_experts[b, t, i] for t in range(width) for b in range(rows)]).long()
+            assert torch.equal(seen, torch.zeros_like(seen).scatter_(1, ids, True))
+    ours = torch.cat([lp[mb.loss_mask] for lp, mb in zip(out["padded"]["logprobs"], padded)])
+    assert (ours - torch.cat([mb.sampler_logprobs[mb.loss_mask] for mb in padded])).abs().max() < TOLERANCE
 
     # The mutation: one token of one layer; the log-probs from that position on in its sequence.
     changed = [sum(int((a != b).any(-1).sum()) for a, b in zip(m, h))
