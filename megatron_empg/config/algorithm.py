@@ -170,6 +170,12 @@ class AlgorithmConfig:
     ``behavior_is``: the importance correction of the sampled-token loss terms against the engine's
     sampling policy mu (a name of ``core.behavior_is``' registry: ``none``, ``tis``: min(pi_old/mu,
     C), ``mis``: pi_old/mu where it lies in [1/C, C], else 0), C = ``behavior_is_cap`` >= 1.
+    ``router_replay`` (a mixture of experts): ``rollout`` makes the old, anchor and update passes
+    route every token to the experts the engine routed it to when it sampled (R3, rollout routing
+    replay: the engine returns them, Megatron's ``RouterReplay`` replays them), so that the trainer's
+    log-probs differ from the sampler's by numerics only, not by a flipped expert choice; ``none``:
+    the trainer's router decides. ``trainer.build.bind`` checks that the model has experts and the
+    engine can return its routing on this machine.
     """
 
     advantage: str = "grpo"
@@ -183,6 +189,7 @@ class AlgorithmConfig:
     dynamic_sampling: DynamicSamplingConfig | None = None
     behavior_is: str = "none"
     behavior_is_cap: float = 2.0
+    router_replay: Literal["rollout", "none"] = "none"
 
     @property
     def anchor_is_behaviour_policy(self) -> bool:

@@ -55,6 +55,10 @@ class MicroBatch:
         anchor_logprobs: [B, S] float32 log pi_ref(target), from the anchor pass (a KL only).
         topk_ids: [B, S, K] int64 Top-k index set (a Top-k KL only).
         topk_anchor_logprobs: [B, S, K] float32 log pi_ref at ``topk_ids`` (a Top-k KL only).
+        routed_experts: [B, S, L, k] int16, the experts the engine routed each token to in each of
+            the L MoE layers (``algorithm.router_replay``), replayed by every pass; padding and each
+            sequence's last token (no engine routing, no loss) hold experts 0 .. k-1. None: the
+            trainer's router decides.
         cp_size: context-parallel ranks the packed row is split over (1: the whole row is here).
         cp_rank: which of them holds this share. With ``cp_size`` > 1 every per-token tensor is
             this rank's [1, S_full / cp_size] (module docstring) and ``cu_seqlens`` / ``max_seqlen``
@@ -75,6 +79,7 @@ class MicroBatch:
     anchor_logprobs: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_anchor_logprobs: Tensor | None = None
+    routed_experts: Tensor | None = None
     cp_size: int = 1
     cp_rank: int = 0
 

@@ -72,6 +72,7 @@ def transformer_config(
     fp8: str | None = None,
     attention: AttentionChoice | None = None,
     fusions: FusionPlan | None = None,
+    routing_replay: bool = False,
     **overrides: Any,
 ) -> TransformerConfig:
     """Megatron's ``TransformerConfig`` for ``model`` split as ``parallel``.
@@ -79,8 +80,9 @@ def transformer_config(
     RMSNorm, SwiGLU, no linear biases except QKV when ``add_qkv_bias``, q/k norm when
     ``qk_layernorm``, dropout 0. ``attention``: the resolved ``model.attention_backend`` (None:
     resolve it here), which picks the TE or the local implementation. ``fusions``: the fusion
-    switches (None: ``mcore.fusions.fusion_plan`` for this machine). ``overrides`` are any other
-    ``TransformerConfig`` fields (they win over both).
+    switches (None: ``mcore.fusions.fusion_plan`` for this machine). ``routing_replay``: the routers
+    can replay given experts (``mcore.router_replay``; a mixture of experts only). ``overrides`` are
+    any other ``TransformerConfig`` fields (they win over both).
     """
     cpu_shims.import_megatron()
     from megatron.core.transformer import TransformerConfig
@@ -136,22 +138,27 @@ def transformer_config(
         transformer_impl="transformer_engine" if te else "local",
         **fusions.overrides,
     )
+    if routing_replay and not model.is_moe:
+        raise ConfigError("algorithm.router_replay", f"replays experts; model {model.family!r} has none")
     if model.is_moe:
-        kwargs.update(moe_overrides(model, parallel, grouped_gemm=te))
+        kwargs.update(moe_overrides(model, parallel, grouped_gemm=te, routing_replay=routing_replay))
     kwargs.update(overrides)
     if kwargs["gradient_accumulation_fusion"]:
         install_wgrad_accumulation()
     return TransformerConfig(**kwargs)
 
 
-def moe_overrides(model: ModelConfig, parallel: ParallelConfig, *, grouped_gemm: bool) -> dict[str, Any]:
+def moe_overrides(
+    model: ModelConfig, parallel: ParallelConfig, *, grouped_gemm: bool, routing_replay: bool = False
+) -> dict[str, Any]:
     """``TransformerConfig`` fields of a mixture of experts.
 
     Megatron's default router (top-k of the logits, then softmax over those k) gives HF's
     ``norm_topk_prob`` weights; ``moe_router_pre_softmax`` (softmax over all experts, then top-k)
     gives the weights without renormalization. The router runs in float32, as HF's softmax does.
     ``expert_model_parallel_size`` must be in the config as well as in the process groups: without it
-    the experts' gradients are reduced as if every rank held the same experts.
+    the experts' gradients are reduced as if every rank held the same experts. ``routing_replay``:
+    a ``RouterReplay`` in every router (``mcore.router_replay``; the fused top-k, off here, bypasses it).
     """
     return dict(
         num_moe_experts=model.num_experts,
@@ -168,6 +175,7 @@ def moe_overrides(model: ModelConfig, parallel: ParallelConfig, *, grouped_gemm:
         moe_grouped_gemm=grouped_gemm,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tp_size,
+        moe_enable_routing_replay=routing_replay,
     )
 
 
@@ -314,6 +322,10 @@ def build_gpt_model(
         for param in chunk.parameters():  # as Megatron-LM's get_model: TP attributes on every param
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         chunk.to(dtype=params_dtype)  # local-spec norms are created in float32
+        if config.moe_enable_routing_replay:
+            from megatron_empg.mcore.router_replay import install
+
+            install([chunk])
         if on_cuda and not meta_device:
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from megatron_empg.core.aggregation import LossSum
 from megatron_empg.core.step_guard import GradNormGuard, SkipReason
-from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore import cpu_shims, router_replay
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.mcore.thd import thd_layout
 from megatron_empg.parallel.collectives import collective_device
@@ -109,17 +109,38 @@ def _data_iterators(microbatches: Sequence[MicroBatch], num_chunks: int):
 
 
 def _run_schedule(models, microbatches: Sequence[MicroBatch], forward_step, *, forward_only: bool) -> list:
+    """Megatron's schedule over ``microbatches``; each forward first gives the chunk's routers the
+    micro-batch's replayed experts (``routed_experts``: ``mcore.router_replay``), dropped after."""
     b, s = microbatches[0].shape
     s *= microbatches[0].cp_size  # Megatron sizes the pipeline's messages as seq_length / CP
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=_data_iterators(microbatches, len(models)),
-        model=list(models),
-        num_microbatches=len(microbatches),
-        seq_length=s,
-        micro_batch_size=b,
-        forward_only=forward_only,
-    )
+
+    def replaying_step(data_iterator, model):
+        return forward_step(_Replaying(data_iterator, model), model)
+
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=replaying_step,
+            data_iterator=_data_iterators(microbatches, len(models)),
+            model=list(models),
+            num_microbatches=len(microbatches),
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=forward_only,
+        )
+    finally:
+        router_replay.clear(models)
+
+
+class _Replaying:
+    """A micro-batch iterator whose ``next`` also sets ``model``'s routers for that micro-batch."""
+
+    def __init__(self, iterator, model) -> None:
+        self._iterator, self._model = iterator, model
+
+    def __next__(self) -> MicroBatch:
+        batch = next(self._iterator)
+        router_replay.set_micro_batch(self._model, batch)
+        return batch
 
 
 # ---------------------------------------------------------------- stats pass (forward only)

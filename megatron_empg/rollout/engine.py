@@ -26,6 +26,8 @@ from megatron_empg.config import SamplingConfig
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 WAKE_TAGS: tuple[str, ...] = ("weights", "kv_cache")  # what ``wake_up(tags)`` may bring back separately
+ROUTED_EXPERT_DTYPE = torch.int16  # ``Completion.routed_experts``: expert ids of at most ROUTED_EXPERT_LIMIT experts
+ROUTED_EXPERT_LIMIT = 2**15
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,11 @@ class Completion:
     ``"abort"``. ``stop_reason``: the stop token id or stop string that ended the response; None
     for eos, length and abort. ``versions``: ``[T]``, the ``weight_version`` that sampled each
     token, when the weights may change inside ``generate`` (``between_steps``); None: every token
-    was sampled by the weights of the call's start.
+    was sampled by the weights of the call's start. ``routed_experts``: ``[P + T - 1, layers,
+    top_k]`` ``ROUTED_EXPERT_DTYPE`` (int16), the experts the engine's router sent each token of
+    prompt (P tokens) + response to in each MoE layer, in the router's top-k order (vLLM's
+    ``CompletionOutput.routed_experts`` layout), for an engine started with ``routed_experts=True``;
+    the last response token has none (the engine never ran it). None: not asked.
     """
 
     token_ids: list[int]
@@ -48,6 +54,7 @@ class Completion:
     finish_reason: FinishReason
     stop_reason: int | str | None
     versions: list[str | None] | None = None
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -55,12 +62,26 @@ class Completion:
                 f"Completion: token_ids and logprobs must have the same length, got "
                 f"{len(self.token_ids)} and {len(self.logprobs)}"
             )
+        check_routed_experts(self.routed_experts, len(self.token_ids), "Completion")
         if self.versions is not None and len(self.versions) != len(self.token_ids):
             raise ValueError(f"Completion: {len(self.token_ids)} token ids but {len(self.versions)} versions")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(
                 f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}"
             )
+
+
+def check_routed_experts(routed: torch.Tensor | None, response_tokens: int, owner: str) -> None:
+    """``routed`` (a ``Completion.routed_experts``) is None or an int16 [P + T - 1, layers, top_k]
+    tensor with P >= 1 prompt tokens for ``response_tokens`` = T."""
+    if routed is None:
+        return
+    if not isinstance(routed, torch.Tensor) or routed.dtype != ROUTED_EXPERT_DTYPE or routed.dim() != 3:
+        what = f"{routed.dtype} tensor of shape {list(routed.shape)}" if isinstance(routed, torch.Tensor) else type(routed).__name__
+        raise ValueError(f"{owner}: routed_experts must be an int16 [tokens, layers, top_k] tensor, got {what}")
+    if routed.shape[0] < response_tokens:
+        raise ValueError(f"{owner}: routed_experts covers {routed.shape[0]} tokens, fewer than the prompt's and "
+                         f"the {response_tokens} response tokens' but the last")  # fmt: skip
 
 
 class RolloutEngine(Protocol):

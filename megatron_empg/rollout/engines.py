@@ -18,13 +18,16 @@ class EngineKind:
     when built; the class takes ``(model_dir, rollout_config, *, load_format)``), whether it can run
     in its own process (``rollout.in_process: false``), whether it can share a training rank's
     process in a world of several ranks (vLLM's in-process engine cannot: it would join the
-    training world) and whether it loads weights between decode steps (``generate``'s
-    ``between_steps``: ``rollout.partial``)."""
+    training world), whether it loads weights between decode steps (``generate``'s
+    ``between_steps``: ``rollout.partial``) and on which devices (``"cpu"``, ``"cuda"``) it can
+    return each sample's routed experts (``Completion.routed_experts``, started with
+    ``routed_experts=True``: ``algorithm.router_replay``)."""
 
     target: str
     own_process: bool
     in_process_beside_training: bool
     updates_mid_generation: bool
+    routes_on: tuple[str, ...] = ()
 
     def load(self) -> type:
         module, _, name = self.target.partition(":")
@@ -33,7 +36,9 @@ class EngineKind:
 
 ENGINES: dict[str, EngineKind] = {
     "vllm": EngineKind("megatron_empg.rollout.vllm_engine:VllmEngine", own_process=True,
-                       in_process_beside_training=False, updates_mid_generation=True),
+                       in_process_beside_training=False, updates_mid_generation=True,
+                       routes_on=("cuda",)),  # enable_return_routed_experts: its GPU model runner only
     "hf": EngineKind("megatron_empg.rollout.hf_engine:HfEngine", own_process=False,
-                     in_process_beside_training=True, updates_mid_generation=True),
+                     in_process_beside_training=True, updates_mid_generation=True,
+                     routes_on=("cpu", "cuda")),  # from the router logits
 }

@@ -29,6 +29,11 @@ vLLM 0.32 with ``logprobs_mode="processed_logprobs"``:
   weights, their KV cache recomputed from their tokens by one forward of the new weights (what
   those weights compute for that prefix: the continuation is sampled exactly from them), and
   each token's ``Completion.versions`` entry is the ``weight_version`` that sampled it. ``score``: one right-padded forward, log-softmax in float32.
+* **Routed experts** (``routed_experts=True``, a mixture of experts): forward hooks on every
+  layer's router (``mlp.gate``) keep the top-k expert ids it chose (transformers' own ``topk`` of
+  the float32 softmax of the router logits, in the engine's dtype) for each token it ran: the
+  prompt in the first step, each new token in the next; ``Completion.routed_experts`` is vLLM's
+  layout, every token but the last. Tokens recomputed after a weight update take the new routing.
 * **Weight updates** copy HF-named tensors into the parameters in place (cast to the engine's dtype
   and device); a mixture of experts' per-expert checkpoint names go into their expert's rows of
   transformers' fused expert parameters (``_fused_expert_slices``). An alias of a tied parameter (``lm_head.weight`` with tied embeddings) is skipped,
@@ -54,6 +59,7 @@ import torch
 
 from megatron_empg.config import RolloutConfig, SamplingConfig
 from megatron_empg.rollout.engine import (
+    ROUTED_EXPERT_DTYPE,
     Completion,
     EngineState,
     FinishReason,
@@ -80,6 +86,7 @@ class _Response:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str | None] = field(default_factory=list)  # the weight_version that sampled each token
+    routing: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] int16 per forward of its tokens
     searched: int = 0  # characters of the decoded text already searched for stop strings
     finish: tuple[FinishReason, int | str | None] | None = None
 
@@ -134,6 +141,28 @@ def _fused_expert_slices(owners: dict[str, torch.nn.Parameter]) -> dict[str, tup
     return slices
 
 
+class _RouterRecorder:
+    """Forward hooks on a transformers MoE model's routers (``model.layers.{i}.mlp.gate``, which
+    return ``(logits, weights, indices)``): the expert ids of the tokens of each forward."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        gates = [layer.mlp.gate for layer in model.model.layers]
+        self._chosen: list[torch.Tensor] = []
+        self._handles = [gate.register_forward_hook(self._keep) for gate in gates]
+
+    def _keep(self, module, inputs, output) -> None:
+        self._chosen.append(output[2])  # [rows * width, top_k]: transformers' own top-k
+
+    def take(self, rows: int, width: int) -> torch.Tensor:
+        """[rows, width, layers, top_k] int16 (CPU) of the last forward, in the layers' order."""
+        chosen, self._chosen = self._chosen, []
+        return torch.stack(chosen, dim=1).view(rows, width, len(chosen), -1).to("cpu", ROUTED_EXPERT_DTYPE)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 class HfEngine:
     """A ``transformers`` causal LM as a ``RolloutEngine`` (see the module docstring).
 
@@ -141,6 +170,8 @@ class HfEngine:
     ``load_format="dummy"``, which starts from random weights to be replaced by the first weight
     update). ``rollout``: dtype and context length (``tensor_parallel_size`` must be 1; vLLM's
     memory and process settings are ignored). ``device``: default the current CUDA device, else CPU.
+    ``routed_experts``: return each completion's routing (``Completion.routed_experts``; a mixture
+    of experts only).
 
     Attributes: ``vocab_size`` (the model config's), ``max_model_len`` (prompts and scored sequences
     may have at most ``max_model_len - 1`` tokens, as in vLLM), ``weight_version``.
@@ -153,6 +184,7 @@ class HfEngine:
         *,
         load_format: str = "auto",
         device: torch.device | str | None = None,
+        routed_experts: bool = False,
     ) -> None:
         if not isinstance(rollout, RolloutConfig):
             raise TypeError(f"rollout: expected a RolloutConfig, got {type(rollout).__name__}")
@@ -202,6 +234,9 @@ class HfEngine:
         self._written: set[str] = set()  # owner names written since begin_weight_update
         self._must_write_all = False  # after a level-2 sleep, until an update wrote every parameter
         self._state = EngineState()
+        self._routed_experts = routed_experts
+        if routed_experts and not getattr(config, "num_experts", None):
+            raise ValueError(f"routed_experts: the model ({type(model).__name__}) has no experts")
 
     # ----------------------------------------------------------------------------------------
     # Sampling and scoring.
@@ -236,19 +271,26 @@ class HfEngine:
             )
             for prompt, seed in zip(rows, row_seeds)
         ]
-        with torch.inference_mode():
-            self._decode(model, rows, responses, sampling, between_steps)
+        recorder = _RouterRecorder(model) if self._routed_experts else None
+        try:
+            with torch.inference_mode():
+                self._decode(model, rows, responses, sampling, between_steps, recorder)
+        finally:
+            if recorder is not None:
+                recorder.remove()
         return [
-            [Completion(r.token_ids, r.logprobs, *r.finish, versions=r.versions if between_steps else None)
+            [Completion(r.token_ids, r.logprobs, *r.finish, versions=r.versions if between_steps else None,
+                        routed_experts=torch.cat(r.routing) if recorder is not None else None)
              for r in responses[i * sampling.n : (i + 1) * sampling.n]]
             for i in range(len(token_prompts))
         ]  # fmt: skip
 
     def _decode(
         self, model: PreTrainedModel, rows: list[list[int]], responses: list[_Response], sampling: SamplingConfig,
-        between_steps: Callable[[], None] | None,
+        between_steps: Callable[[], None] | None, recorder: _RouterRecorder | None = None,
     ) -> None:
-        """Generate every response until it finishes: one forward of the unfinished rows per step."""
+        """Generate every response until it finishes: one forward of the unfinished rows per step
+        (``recorder``: each forward's routing into the responses, module docstring)."""
         from transformers import DynamicCache
 
         input_ids, mask = (t.to(self._device) for t in _padded(rows, left=True))
@@ -268,6 +310,13 @@ class HfEngine:
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                 use_cache=True, logits_to_keep=1,
             ).logits[:, -1].float()  # fmt: skip
+            if recorder is not None:
+                routing = recorder.take(*input_ids.shape)
+                for b, i in enumerate(active):
+                    if input_ids.shape[1] == 1 and step:  # one new token
+                        responses[i].routing.append(routing[b])
+                    else:  # the whole sequence (first step, or recomputed for new weights), less its padding
+                        responses[i].routing = [routing[b][mask[b].bool().cpu()]]
             if step < sampling.min_tokens and stop_ids:
                 logits[:, stop_ids] = -torch.inf
             if sampling.temperature == 0:

@@ -32,6 +32,11 @@ vLLM is imported only when an engine is built. What the engine does on top of ``
   (``CompletionOutput.weight_versions``, the version ``finish_weight_update`` set when the token was
   produced). With the engine in its own process the core steps on its own between two outputs;
   the pause still comes before the first bucket, so no token is sampled by half-loaded weights.
+* **Routed experts** (``routed_experts=True``, a mixture of experts on a GPU: vLLM's
+  ``enable_return_routed_experts``, which its CPU runner refuses): each ``CompletionOutput``'s
+  ``routed_experts``, ``[P + T - 1, layers, top_k]`` for the P prompt and T generated tokens (vLLM
+  records every token it ran; the last one it sampled it never ran), becomes
+  ``Completion.routed_experts`` (int16).
 * **Environment** (read by vLLM when the engine starts): ``VLLM_ENABLE_V1_MULTIPROCESSING`` from
   ``rollout.in_process``, on CPU ``VLLM_CPU_KVCACHE_SPACE`` from ``rollout.kv_cache_gib`` (without
   it vLLM claims 92 % of the machine's RAM and refuses to start when that much is not free), and
@@ -66,6 +71,7 @@ import torch
 from megatron_empg.config import RolloutConfig, SamplingConfig
 from megatron_empg.rollout.engine import (
     FINISH_REASONS,
+    ROUTED_EXPERT_DTYPE,
     Completion,
     EngineState,
     check_generate_arguments,
@@ -142,7 +148,10 @@ def _check_no_live_in_process_engine() -> None:
         )
 
 
-def _completion(output: CompletionOutput, version: str | None = None, per_token: bool = False) -> Completion:
+def _completion(output: CompletionOutput, version: str | None = None, per_token: bool = False,
+                prompt_tokens: int | None = None) -> Completion:  # fmt: skip
+    """``output`` as a ``Completion``; with ``prompt_tokens`` (P) also its routing, which must cover
+    the P + T - 1 tokens vLLM ran."""
     token_ids = list(output.token_ids)
     if output.logprobs is None or len(output.logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned no log-prob for some of the {len(token_ids)} generated tokens")
@@ -158,7 +167,16 @@ def _completion(output: CompletionOutput, version: str | None = None, per_token:
         versions = [version] * len(token_ids)
         for span in spans:
             versions[span.start : span.end] = [span.version] * (span.end - span.start)
-    return Completion(token_ids, logprobs, output.finish_reason, output.stop_reason, versions=versions)
+    routed = None
+    if prompt_tokens is not None:
+        ran = prompt_tokens + len(token_ids) - 1
+        if output.routed_experts is None or output.routed_experts.ndim != 3 or len(output.routed_experts) != ran:
+            got = None if output.routed_experts is None else list(output.routed_experts.shape)
+            raise RuntimeError(f"vLLM returned routed experts of shape {got}; expected [{ran}, layers, top_k] for "
+                               f"{prompt_tokens} prompt and {len(token_ids)} generated tokens")  # fmt: skip
+        routed = torch.from_numpy(output.routed_experts.astype("int64", copy=False)).to(ROUTED_EXPERT_DTYPE)
+    return Completion(token_ids, logprobs, output.finish_reason, output.stop_reason, versions=versions,
+                      routed_experts=routed)  # fmt: skip
 
 
 class VllmEngine:
@@ -168,7 +186,8 @@ class VllmEngine:
     ``load_format="dummy"``, which starts from random weights to be replaced by the first weight
     update). ``rollout``: dtype, context length, parallelism, memory and process settings.
     ``skip_tokenizer_init``: start without a tokenizer (token ids in and out; stop strings then
-    cannot be used).
+    cannot be used). ``routed_experts``: return each completion's routing (``Completion.routed_experts``;
+    a mixture of experts, vLLM's GPU model runner).
 
     Attributes: ``vocab_size`` (the model's; valid ids are ``[0, vocab_size)``), ``max_model_len``
     (prompts and scored sequences may have at most ``max_model_len - 1`` tokens: vLLM keeps room for
@@ -182,6 +201,7 @@ class VllmEngine:
         *,
         load_format: str = "auto",
         skip_tokenizer_init: bool = False,
+        routed_experts: bool = False,
     ) -> None:
         if not isinstance(rollout, RolloutConfig):
             raise TypeError(f"rollout: expected a RolloutConfig, got {type(rollout).__name__}")
@@ -218,6 +238,9 @@ class VllmEngine:
             worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
         )
+        if routed_experts:
+            engine_args["enable_return_routed_experts"] = True
+        self._routed_experts = routed_experts
         if on_gpu:
             engine_args.update(
                 gpu_memory_utilization=rollout.gpu_memory_utilization, enable_sleep_mode=self._sleep_mode
@@ -273,8 +296,10 @@ class VllmEngine:
             else:
                 outputs = self._step_until_done(requests, params, between_steps)
         return [
-            [_completion(c, version, per_token=between_steps is not None) for c in sorted(out.outputs, key=lambda c: c.index)]
-            for out in outputs
+            [_completion(c, version, per_token=between_steps is not None,
+                         prompt_tokens=len(prompt) if self._routed_experts else None)
+             for c in sorted(out.outputs, key=lambda c: c.index)]
+            for out, prompt in zip(outputs, token_prompts)
         ]  # fmt: skip
 
     def _step_until_done(self, requests: list[dict], params: list[SamplingParams],

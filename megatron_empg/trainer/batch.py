@@ -37,6 +37,7 @@ import torch
 from megatron_empg.core.advantages import token_advantages
 from megatron_empg.core.aggregation import masked_values
 from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.rollout.engine import ROUTED_EXPERT_DTYPE
 from megatron_empg.rollout.trajectory import Trajectory
 from megatron_empg.trainer.balance import micro_batch_bins, partition
 
@@ -68,6 +69,7 @@ class Sample:
     trains: bool = True  # False: no loss term (algorithm.mask_truncated on a truncated response)
     version: int = 0  # the weights that drew it (its first token): training steps done when the engine got them
     token_versions: list[int] | None = None  # [len(response_ids)] per token (rollout.partial); None: all `version`
+    routed_experts: torch.Tensor | None = None  # [length - 1, layers, top_k] int16, the engine's routing (Trajectory's)
 
     @classmethod
     def from_trajectory(cls, example, group: int, trajectory: Trajectory, *, version: int = 0) -> Sample:
@@ -79,7 +81,7 @@ class Sample:
             version = min(tokens, default=version)
         return cls(example.prompt_ids, trajectory.token_ids, trajectory.logprobs, trajectory.finish_reason, group=group,
                    example=example, response_mask=trajectory.response_mask, stats=dict(trajectory.stats),
-                   version=version, token_versions=tokens)  # fmt: skip
+                   version=version, token_versions=tokens, routed_experts=trajectory.routed_experts)  # fmt: skip
 
     @property
     def length(self) -> int:
@@ -108,7 +110,9 @@ class MicroBatchPlan:
     (the interleaved schedule runs them in groups of the pipeline size). ``segment_multiple``
     (packed only): every sequence's segment, and the row's padding segment, padded to a multiple of
     it (2 x CP under context parallelism: ``parallel.context_parallel``); the padding tokens after
-    a sequence are its own, with no loss.
+    a sequence are its own, with no loss. ``routing`` (layers, top_k): every micro-batch carries
+    the samples' ``routed_experts`` (``algorithm.router_replay``; a sample without them is an
+    error); None: none does.
     """
 
     packing: bool = True
@@ -119,6 +123,7 @@ class MicroBatchPlan:
     pad_multiple: int = 8
     pad_id: int = 0
     segment_multiple: int = 1
+    routing: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and not self.packing:
@@ -158,9 +163,9 @@ def micro_batches(samples: Sequence[Sample], advantages: Sequence[float], plan: 
     for members, width, row_count in zip(bins, widths, rows):
         chosen, chosen_advantages = [samples[i] for i in members], [float(advantages[i]) for i in members]
         if plan.packing:
-            out.append(_packed_row(chosen, chosen_advantages, width, plan.pad_id, plan.segment_multiple))
+            out.append(_packed_row(chosen, chosen_advantages, width, plan.pad_id, plan.segment_multiple, plan.routing))
         else:
-            out.append(_padded_rows(chosen, chosen_advantages, width, row_count, plan.pad_id))
+            out.append(_padded_rows(chosen, chosen_advantages, width, row_count, plan.pad_id, plan.routing))
     return out
 
 
@@ -197,12 +202,13 @@ def _round_up(value: int, multiple: int) -> int:
 class _Rows:
     """[rows, width] tensors being filled, one sequence at a time."""
 
-    def __init__(self, rows: int, width: int, pad_id: int) -> None:
+    def __init__(self, rows: int, width: int, pad_id: int, routing: tuple[int, int] | None = None) -> None:
         self.input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
         self.target_ids = torch.full((rows, width), pad_id, dtype=torch.long)
         self.loss_mask = torch.zeros((rows, width), dtype=torch.bool)
         self.advantages = torch.zeros((rows, width), dtype=torch.float32)
         self.sampler = torch.zeros((rows, width), dtype=torch.float32)
+        self.routed = None if routing is None else filler_routing((rows, width), *routing)
 
     def put(self, row: int, offset: int, sample: Sample, advantage: float) -> None:
         """``sample``'s tokens at ``[row, offset : offset + length]``; its targets, loss mask,
@@ -211,6 +217,14 @@ class _Rows:
         n, p, r = tokens.numel(), len(sample.prompt_ids), len(sample.response_ids)
         self.input_ids[row, offset : offset + n] = tokens
         self.target_ids[row, offset : offset + n - 1] = tokens[1:]
+        if self.routed is not None:
+            routed = sample.routed_experts
+            if routed is None or routed.shape != (n - 1, *self.routed.shape[2:]):
+                got = None if routed is None else list(routed.shape)
+                raise ValueError(f"algorithm.router_replay: a sample of {n} tokens has routed experts of shape {got}, "
+                                 f"expected {[n - 1, *self.routed.shape[2:]]} (the engine's routing of all but its "
+                                 "last token)")  # fmt: skip
+            self.routed[row, offset : offset + n - 1] = routed
         if not r:
             return
         mask = sample.response_mask
@@ -224,22 +238,30 @@ class _Rows:
         self.sampler[row, span] = masked_values(torch.tensor(sample.sampler_logprobs, dtype=torch.float32), generated)
 
     def micro_batch(self, **layout) -> MicroBatch:
-        return MicroBatch(self.input_ids, self.target_ids, self.loss_mask, self.advantages, self.sampler, **layout)
+        return MicroBatch(self.input_ids, self.target_ids, self.loss_mask, self.advantages, self.sampler,
+                          routed_experts=self.routed, **layout)  # fmt: skip
 
 
-def _padded_rows(samples: Sequence[Sample], advantages: Sequence[float], width: int, rows: int, pad_id: int):
+def filler_routing(shape: tuple[int, ...], layers: int, top_k: int) -> torch.Tensor:
+    """``[*shape, layers, top_k]`` int16 experts 0 .. top_k - 1: the routing of tokens the engine did
+    not route (padding, a sequence's last token), whose outputs nothing reads."""
+    return torch.arange(top_k, dtype=ROUTED_EXPERT_DTYPE).expand(*shape, layers, top_k).clone()
+
+
+def _padded_rows(samples: Sequence[Sample], advantages: Sequence[float], width: int, rows: int, pad_id: int,
+                 routing: tuple[int, int] | None = None):  # fmt: skip
     """One right-padded row per sample (and padding-only rows up to ``rows``)."""
-    out = _Rows(rows, width, pad_id)
+    out = _Rows(rows, width, pad_id, routing)
     for row, (sample, advantage) in enumerate(zip(samples, advantages)):
         out.put(row, 0, sample, advantage)
     return out.micro_batch()
 
 
 def _packed_row(samples: Sequence[Sample], advantages: Sequence[float], width: int, pad_id: int,
-                segment_multiple: int = 1):  # fmt: skip
+                segment_multiple: int = 1, routing: tuple[int, int] | None = None):  # fmt: skip
     """One row of the samples back to back (each in a segment padded to ``segment_multiple``),
     then padding (its own segment)."""
-    out = _Rows(1, width, pad_id)
+    out = _Rows(1, width, pad_id, routing)
     lengths = [_round_up(s.length, segment_multiple) for s in samples]
     offset = 0
     for sample, advantage, length in zip(samples, advantages, lengths):

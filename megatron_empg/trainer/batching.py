@@ -92,6 +92,7 @@ class BatchStage:
             max_tokens=None if budget is None else budget * self.cp_size, fixed_shape=pp > 1,
             count_multiple=count_multiple, pad_multiple=row_multiple(parallel), pad_id=pad_id,
             segment_multiple=2 * self.cp_size if self.cp_size > 1 else 1,
+            routing=(model.num_layers, model.moe_router_topk) if config.algorithm.router_replay == "rollout" else None,
         )  # fmt: skip
         self.forward_plan = ForwardPlan(max_tokens=train.max_tokens_per_forward_microbatch, fixed_shape=pp > 1,
                                         count_multiple=count_multiple)  # fmt: skip

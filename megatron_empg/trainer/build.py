@@ -49,7 +49,8 @@ from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_atte
 from megatron_empg.core.topk_kl import topk_kl_from_logprobs
 from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, KL_KINDS, rl_loss
 from megatron_empg.rollout.data import DataError, check_records
-from megatron_empg.rollout.engines import EngineKind
+from megatron_empg.rollout.engine import ROUTED_EXPERT_LIMIT
+from megatron_empg.rollout.engines import ENGINES, EngineKind
 from megatron_empg.rollout.rewards import RewardFn
 from megatron_empg.tasks.registry import REWARDS
 from megatron_empg.trainer.layout import Layout, check_layout, engine_kind
@@ -132,6 +133,7 @@ def bind(config: RunConfig, world_size: int, *, check_paths: bool = True, device
     _registered("algorithm.behavior_is", algorithm.behavior_is, BEHAVIOR_IS)
     reward = _registered("data.reward", config.data.reward, REWARDS)
     engine = engine_kind(config)  # checked by check_layout
+    _check_router_replay(config, model, engine)
     transport = _registered("weight_sync.transport", config.weight_sync.transport, TRANSPORTS)
     _check_anchor(config)
     _check_lengths(config, model)
@@ -253,6 +255,32 @@ def _field_of(field: str, message: str, keywords: dict) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Engine, anchor, lengths, paths.
+
+
+def _check_router_replay(config: RunConfig, model: ModelConfig, engine: EngineKind) -> None:
+    """``algorithm.router_replay: rollout`` needs experts, an engine that returns its routing on
+    this machine's device (before it starts: vLLM refuses ``enable_return_routed_experts`` on CPU
+    only once it runs), single-turn samples (a search episode's turns would need their routing
+    spliced) drawn by one version of the weights (``rollout.partial`` would mix them)."""
+    if config.algorithm.router_replay == "none":
+        return
+    field, name = "algorithm.router_replay", config.rollout.engine
+    if not model.is_moe:
+        raise ConfigError(field, f"rollout replays the routing of a mixture of experts; model {model.family!r} "
+                                 "has no experts: set it to none")  # fmt: skip
+    if model.num_experts > ROUTED_EXPERT_LIMIT:
+        raise ConfigError(field, f"rollout stores expert ids as int16: model.num_experts={model.num_experts} "
+                                 f"exceeds {ROUTED_EXPERT_LIMIT}")  # fmt: skip
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in engine.routes_on:
+        able = sorted(n for n, kind in ENGINES.items() if device in kind.routes_on)
+        raise ConfigError(field, f"rollout needs an engine that returns its routed experts on {device} ({able}); "
+                                 f"rollout.engine {name!r} returns them on {list(engine.routes_on)} only")  # fmt: skip
+    if config.rollout.search_agent is not None:
+        raise ConfigError(field, "rollout is not built for the search agent's multi-turn episodes; set it to none")
+    if config.rollout.partial:
+        raise ConfigError(field, "rollout cannot take rollout.partial (a response's routing would come from "
+                                 "several weight versions); set one of them off")  # fmt: skip
 
 
 def _check_anchor(config: RunConfig) -> None:

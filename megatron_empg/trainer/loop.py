@@ -134,7 +134,7 @@ class Trainer:
         fusions = fusion_plan(self.components.attention, cuda=torch.cuda.is_available())
         log.info("attention %s; %s", self.components.attention.describe(), fusions.describe())
         chunks = build_gpt_model(self.model, cfg.parallel, params_dtype=DTYPES[cfg.train.params_dtype],
-                                 fusions=fusions, **recompute)  # fmt: skip
+                                 fusions=fusions, **recompute, **self._routing_replay())  # fmt: skip
         if cfg.checkpoint.init_from is not None:
             load_initial_weights(chunks, cfg.checkpoint.init_from, self.model, cfg, self.groups)
         self.models = wrap_with_ddp(chunks, cfg.optimizer)
@@ -158,8 +158,13 @@ class Trainer:
         return EmaAnchor.from_configs(
             self.model, self.config.parallel, self.models, self.optimizer, tau=anchor.tau, period=anchor.period,
             first_update=anchor.first_update, compute_dtype=DTYPES[anchor.compute_dtype],
-            master_on_cpu=anchor.master_on_cpu, te_fp8=te_fp8,
+            master_on_cpu=anchor.master_on_cpu, te_fp8=te_fp8, **self._routing_replay(),
         )  # fmt: skip
+
+    def _routing_replay(self) -> dict[str, bool]:
+        """The model builders' switch for ``algorithm.router_replay: rollout``: routers that replay
+        the engine's experts (``mcore.router_replay``; the micro-batches carry them)."""
+        return {"routing_replay": True} if self.config.algorithm.router_replay == "rollout" else {}
 
     def _build_data(self) -> None:
         """The data cursor (global batches; with disaggregated engines a copy of the engines', kept

@@ -96,7 +96,8 @@ class RolloutStage:
         # this step", still needs the engine for the step in flight. It ends the engine itself, with
         # SIGINT (VllmEngine.shutdown).
         with ignored_in_children(), child_environment(environment):
-            return engine_kind.load()(self.model_dir, rollout, load_format="dummy")
+            routing = {"routed_experts": True} if self.config.algorithm.router_replay == "rollout" else {}
+            return engine_kind.load()(self.model_dir, rollout, load_format="dummy", **routing)
 
     def _build_agent(self, model: ModelConfig, tokenizer):
         """The multi-turn search agent of ``rollout.search_agent``, after checking that its retriever

@@ -64,6 +64,7 @@ def _update_rows(calls=CALLS, seed: int = 0, *, fixed_shape: bool = False, count
         mb.behavior_weights = torch.rand(1, s, generator=g)
         mb.topk_ids = torch.randint(0, 250, (1, s, K), generator=g)
         mb.topk_anchor_logprobs = -torch.rand(1, s, K, generator=g)
+        mb.routed_experts = torch.randint(0, 8, (1, s, 2, 2), generator=g).to(torch.int16)  # router replay
     return micro
 
 
