@@ -259,9 +259,10 @@ def _field_of(field: str, message: str, keywords: dict) -> str:
 
 def _check_router_replay(config: RunConfig, model: ModelConfig, engine: EngineKind) -> None:
     """``algorithm.router_replay: rollout`` needs experts, an engine that returns its routing on
-    this machine's device (before it starts: vLLM refuses ``enable_return_routed_experts`` on CPU
-    only once it runs), single-turn samples (a search episode's turns would need their routing
-    spliced) drawn by one version of the weights (``rollout.partial`` would mix them)."""
+    some device (whether on this run's: ``trainer.machine.check_machine``, on the nodes, since a
+    login node without GPUs binds GPU recipes too), single-turn samples (a search episode's turns
+    would need their routing spliced) drawn by one version of the weights (``rollout.partial``
+    would mix them)."""
     if config.algorithm.router_replay == "none":
         return
     field, name = "algorithm.router_replay", config.rollout.engine
@@ -271,11 +272,10 @@ def _check_router_replay(config: RunConfig, model: ModelConfig, engine: EngineKi
     if model.num_experts > ROUTED_EXPERT_LIMIT:
         raise ConfigError(field, f"rollout stores expert ids as int16: model.num_experts={model.num_experts} "
                                  f"exceeds {ROUTED_EXPERT_LIMIT}")  # fmt: skip
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in engine.routes_on:
-        able = sorted(n for n, kind in ENGINES.items() if device in kind.routes_on)
-        raise ConfigError(field, f"rollout needs an engine that returns its routed experts on {device} ({able}); "
-                                 f"rollout.engine {name!r} returns them on {list(engine.routes_on)} only")  # fmt: skip
+    if not engine.routes_on:
+        able = sorted(n for n, kind in ENGINES.items() if kind.routes_on)
+        raise ConfigError(field, f"rollout needs an engine that returns its routed experts ({able}); "
+                                 f"rollout.engine {name!r} does not")  # fmt: skip
     if config.rollout.search_agent is not None:
         raise ConfigError(field, "rollout is not built for the search agent's multi-turn episodes; set it to none")
     if config.rollout.partial:

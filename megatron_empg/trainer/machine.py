@@ -1,6 +1,7 @@
 """What only the machine a run starts on can tell, checked before its engine starts (the config is
 ``trainer.build``'s): room in ``weight_sync.shm_dir`` for a weight-sync bucket file, a GPU with
-Transformer Engine for a TE FP8 anchor, the memory plan against this GPU; and which FP8 anchor
+Transformer Engine for a TE FP8 anchor, an engine that returns its routing on this device for router
+replay, the memory plan against this GPU; and which FP8 anchor
 ``algorithm.anchor.fp8: auto`` means here.
 """
 
@@ -13,8 +14,19 @@ from megatron_empg.config import ConfigError, ModelConfig, RunConfig
 
 def check_machine(config: RunConfig, model: ModelConfig, *, engine_rank: bool) -> None:
     """``ConfigError`` naming the field this machine cannot serve: a TE FP8 anchor without a GPU
-    and Transformer Engine; on an engine's owner (``engine_rank``) with ``shm_file``, a
-    ``weight_sync.shm_dir`` without room for one bucket file, and ``cuda_ipc`` without a GPU."""
+    and Transformer Engine; router replay with an engine that returns no routing on this device (vLLM
+    without a GPU refuses ``enable_return_routed_experts`` only once it starts); on an engine's owner
+    (``engine_rank``) with ``shm_file``, a ``weight_sync.shm_dir`` without room for one bucket file,
+    and ``cuda_ipc`` without a GPU."""
+    if config.algorithm.router_replay == "rollout":
+        from megatron_empg.rollout.engines import ENGINES
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ENGINES[config.rollout.engine].routes_on:
+            able = sorted(n for n, kind in ENGINES.items() if device in kind.routes_on)
+            raise ConfigError("algorithm.router_replay", f"rollout needs an engine that returns its routed experts "
+                              f"on {device} ({able}); rollout.engine {config.rollout.engine!r} returns them on "
+                              f"{list(ENGINES[config.rollout.engine].routes_on)} only")  # fmt: skip
     if config.algorithm.anchor.fp8 == "te" and not te_fp8_possible():
         raise ConfigError("algorithm.anchor.fp8", "te needs a GPU and Transformer Engine (the NGC container); "
                           "use fp8: emulated or auto elsewhere")  # fmt: skip

@@ -1,6 +1,7 @@
 """``algorithm.router_replay`` at the bind step: refused, naming the field, where no engine routing
-can be replayed (a dense model, vLLM on a machine without a GPU, multi-turn or partial rollouts),
-before any engine starts; accepted for the transformers engine, and for vLLM on a GPU."""
+can be replayed (a dense model, multi-turn or partial rollouts); vLLM on a machine without a GPU
+by the machine check on the run's nodes (before any engine starts: a login node without GPUs binds
+the GPU recipes); accepted for the transformers engine, and for vLLM on a GPU."""
 
 from __future__ import annotations
 
@@ -24,8 +25,6 @@ def config(tmp_path, *overrides: str) -> RunConfig:
     "overrides, world, gpu, words",
     [
         (("algorithm.router_replay=rollout",), 1, False, "model 'qwen2' has no experts: set it to none"),
-        (REPLAY, 1, False, "needs an engine that returns its routed experts on cpu (['hf']); rollout.engine 'vllm' "
-                           "returns them on ['cuda'] only"),
         ((*REPLAY, "rollout.engine=hf", "rollout.search_agent={retriever_url: 'http://localhost:1'}"), 1, False,
          "not built for the search agent"),
         ((*REPLAY, *PARTIAL), 3, True, "cannot take rollout.partial"),
@@ -40,7 +39,17 @@ def test_router_replay_is_refused_where_nothing_can_be_replayed(tmp_path, monkey
 
 
 def test_router_replay_binds_for_the_transformers_engine_and_for_vllm_on_a_gpu(tmp_path, monkeypatch):
+    from megatron_empg.trainer.machine import check_machine
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bind(config(tmp_path, *REPLAY, "rollout.engine=hf"), 1).engine.target.endswith("HfEngine")
+    hf = bind(config(tmp_path, *REPLAY, "rollout.engine=hf"), 1)
+    assert hf.engine.target.endswith("HfEngine")
+    check_machine(hf.config, hf.model, engine_rank=False)
+    vllm = bind(config(tmp_path, *REPLAY), 1)  # a login node without GPUs binds the GPU recipe
+    assert vllm.engine.target.endswith("VllmEngine")
+    with pytest.raises(ConfigError) as e:  # the run's own node: before the engine starts
+        check_machine(vllm.config, vllm.model, engine_rank=False)
+    assert e.value.field == "algorithm.router_replay" and "returns its routed experts on cpu (['hf']); " \
+        "rollout.engine 'vllm' returns them on ['cuda'] only" in str(e.value), e.value
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check reads the device, nothing else
-    assert bind(config(tmp_path, *REPLAY), 1).engine.target.endswith("VllmEngine")
+    check_machine(vllm.config, vllm.model, engine_rank=False)
