@@ -36,7 +36,7 @@ vLLM 0.32 with ``logprobs_mode="processed_logprobs"``:
   layout, every token but the last. Tokens recomputed after a weight update take the new routing.
 * **Weight updates** copy HF-named tensors into the parameters in place (cast to the engine's dtype
   and device); a mixture of experts' per-expert checkpoint names go into their expert's rows of
-  transformers' fused expert parameters (``_fused_expert_slices``). An alias of a tied parameter (``lm_head.weight`` with tied embeddings) is skipped,
+  transformers' fused expert parameters (``fused_expert_slices``). An alias of a tied parameter (``lm_head.weight`` with tied embeddings) is skipped,
   as in vLLM: the embedding carries the value to the one shared parameter. As in vLLM, a failure
   inside an update leaves the weights undefined and the engine refuses all work but ``shutdown``.
 * **Sleep** (CUDA): level 1 moves the parameters to host memory; level 2 frees them (their storage
@@ -59,7 +59,6 @@ import torch
 
 from megatron_empg.config import RolloutConfig, SamplingConfig
 from megatron_empg.rollout.engine import (
-    ROUTED_EXPERT_DTYPE,
     Completion,
     EngineState,
     FinishReason,
@@ -67,6 +66,7 @@ from megatron_empg.rollout.engine import (
     check_token_sequences,
     check_update_arguments,
 )
+from megatron_empg.rollout.hf_moe import RouterRecorder, fused_expert_slices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -118,49 +118,6 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int | No
             ascending = ascending.masked_fill(drop, -torch.inf)
         logits = torch.empty_like(logits).scatter_(-1, order, ascending)
     return logits.log_softmax(-1)
-
-
-def _fused_expert_slices(owners: dict[str, torch.nn.Parameter]) -> dict[str, tuple[str, int, slice]]:
-    """Checkpoint names of the experts that transformers fuses in memory -> (parameter name, expert,
-    rows). Qwen3-MoE (transformers 5) keeps ``mlp.experts.gate_up_proj`` ``[E, 2F, H]`` (expert e's
-    gate rows ``[:F]``, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, F]``; checkpoints
-    and the weight sync name each expert's ``mlp.experts.{e}.gate_proj.weight`` ``[F, H]``,
-    ``up_proj.weight`` and ``down_proj.weight`` ``[H, F]``."""
-    slices = {}
-    for name, parameter in owners.items():
-        prefix, _, kind = name.rpartition(".")
-        if not prefix.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj") or parameter.dim() != 3:
-            continue
-        for e in range(parameter.size(0)):
-            if kind == "down_proj":
-                slices[f"{prefix}.{e}.down_proj.weight"] = (name, e, slice(None))
-            else:
-                ffn = parameter.size(1) // 2
-                slices[f"{prefix}.{e}.gate_proj.weight"] = (name, e, slice(0, ffn))
-                slices[f"{prefix}.{e}.up_proj.weight"] = (name, e, slice(ffn, 2 * ffn))
-    return slices
-
-
-class _RouterRecorder:
-    """Forward hooks on a transformers MoE model's routers (``model.layers.{i}.mlp.gate``, which
-    return ``(logits, weights, indices)``): the expert ids of the tokens of each forward."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        gates = [layer.mlp.gate for layer in model.model.layers]
-        self._chosen: list[torch.Tensor] = []
-        self._handles = [gate.register_forward_hook(self._keep) for gate in gates]
-
-    def _keep(self, module, inputs, output) -> None:
-        self._chosen.append(output[2])  # [rows * width, top_k]: transformers' own top-k
-
-    def take(self, rows: int, width: int) -> torch.Tensor:
-        """[rows, width, layers, top_k] int16 (CPU) of the last forward, in the layers' order."""
-        chosen, self._chosen = self._chosen, []
-        return torch.stack(chosen, dim=1).view(rows, width, len(chosen), -1).to("cpu", ROUTED_EXPERT_DTYPE)
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
 
 
 class HfEngine:
@@ -227,7 +184,7 @@ class HfEngine:
         self._shapes = {name: parameter.shape for name, parameter in self._owners.items()}
         # A mixture of experts: checkpoint name of one expert's tensor -> (fused parameter's
         # name, expert index, rows); what a complete update writes (the fused parameters by expert).
-        self._expert_slices = _fused_expert_slices(self._owners)
+        self._expert_slices = fused_expert_slices(self._owners)
         fused = {owner for owner, _, _ in self._expert_slices.values()}
         self._complete = (set(self._owners) - fused) | set(self._expert_slices)
         self._offloads = self._device.type == "cuda"
@@ -271,7 +228,7 @@ class HfEngine:
             )
             for prompt, seed in zip(rows, row_seeds)
         ]
-        recorder = _RouterRecorder(model) if self._routed_experts else None
+        recorder = RouterRecorder(model) if self._routed_experts else None
         try:
             with torch.inference_mode():
                 self._decode(model, rows, responses, sampling, between_steps, recorder)
@@ -287,7 +244,7 @@ class HfEngine:
 
     def _decode(
         self, model: PreTrainedModel, rows: list[list[int]], responses: list[_Response], sampling: SamplingConfig,
-        between_steps: Callable[[], None] | None, recorder: _RouterRecorder | None = None,
+        between_steps: Callable[[], None] | None, recorder: RouterRecorder | None = None,
     ) -> None:
         """Generate every response until it finishes: one forward of the unfinished rows per step
         (``recorder``: each forward's routing into the responses, module docstring)."""
