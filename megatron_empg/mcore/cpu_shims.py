@@ -93,6 +93,50 @@ def _rng_tracker() -> None:
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
 
 
+class _NullEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _NullStream:
+    """A CUDA stream's methods that megatron-core calls, doing nothing (CPU work is synchronous)."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None) -> _NullEvent:
+        return _NullEvent()
+
+
+def _dtoh_stream() -> None:
+    # MoEAlltoAllTokenDispatcher.__init__ creates its class-wide side stream for the device-to-host
+    # copies of the token splits with torch.cuda.Stream() when it is still None (RuntimeError on a
+    # CPU build); _maybe_dtoh_and_synchronize then waits on it, enters it and records an event.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
+
+
+def _alltoall_splits() -> None:
+    # The alltoall dispatcher turns its input/output split sizes into numpy arrays with
+    # maybe_move_tensor_to_cpu(..., as_numpy=True), which converts only CUDA tensors: on CPU the
+    # splits stay int64 tensors, which ProcessGroup.all_to_all_single (_AllToAll.forward) rejects
+    # with a TypeError. Convert CPU tensors too, as the original does after its copy to the host.
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    original = dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "cpu_shim", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        moved = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return moved.numpy() if as_numpy and torch.is_tensor(moved) else moved
+
+    maybe_move_tensor_to_cpu.cpu_shim = True
+    dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites the CUDA-only torch calls named in ``rewrites`` (added by the three shims below)."""
 
@@ -153,6 +197,8 @@ SHIMS: dict[str, Shim] = {
     "device_kwarg": Shim(_device_kwarg, SpecifierSet(">=0.16"), pre_import=False),
     "tensor_cuda": Shim(_tensor_cuda, SpecifierSet(">=0.16"), pre_import=False),
     "tensor_type": Shim(_tensor_type, SpecifierSet(">=0.16"), pre_import=False),
+    "dtoh_stream": Shim(_dtoh_stream, SpecifierSet(">=0.19,<0.20"), pre_import=False),
+    "alltoall_splits": Shim(_alltoall_splits, SpecifierSet(">=0.19,<0.20"), pre_import=False),
 }
 
 
