@@ -13,6 +13,7 @@ import torch
 
 from megatron_empg.config import OptimizerConfig
 from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore.moe import use_plain_aux_loss_path
 
 cpu_shims.install_pre_import()
 
@@ -43,6 +44,7 @@ def wrap_with_ddp(models: list[torch.nn.Module], settings: OptimizerConfig) -> l
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, disable_bucketing=i > 0)
         for i, model in enumerate(models)
     ]
+    use_plain_aux_loss_path(models)  # a mixture of experts: train_step scales the router losses
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
     return wrapped

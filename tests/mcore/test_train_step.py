@@ -12,6 +12,8 @@ each rank's parameter shards with the same slice of the reference parameters (fp
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -96,6 +98,7 @@ def _train(
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
+    from megatron_empg.parallel.rl_loss import loss_units
 
     model_cfg = load_model_config(model)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **parallel_fields)
@@ -122,7 +125,8 @@ def _train(
                     mb.topk_ids = stats["topk_ids"]
                     mb.anchor_logprobs = stats["logprobs"] + part["anchor_noise"]
                     mb.topk_anchor_logprobs = stats["topk_logprobs"] + part["topk_anchor_noise"]
-            result = train_step(ddp, optimizer, scheduler, mbs, loss_fn(model_cfg.vocab_size), groups=groups)
+            result = train_step(ddp, optimizer, scheduler, mbs, loss_fn(model_cfg.vocab_size), groups=groups,
+                                loss_units=partial(loss_units, agg_mode=SETTINGS.agg_mode))  # fmt: skip
             history.append({"metrics": result.metrics, "grad_norm": result.grad_norm, "lr": result.lr})
         params = {}
         for chunk in chunks:
