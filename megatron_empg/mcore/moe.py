@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.parallel.collectives import collective_device
 
@@ -84,6 +85,7 @@ def set_aux_loss_scale(
 
 
 def _routers(models) -> list[torch.nn.Module]:
+    cpu_shims.import_megatron()
     from megatron.core.transformer.moe.router import Router
 
     return [m for model in models for m in model.modules() if isinstance(m, Router)]
