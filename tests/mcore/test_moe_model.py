@@ -9,9 +9,14 @@ same weights and run the same steps on the same micro-batches: the global batch 
 micro-batches of 2 rows, 4 at EP 1 (one rank), 2 per rank on two ranks, 1 per rank on four. (The
 load-balancing loss is a function of each micro-batch's routing, so the layouts keep the split.)
 
-    ep2            world 2: EP 2, alltoall (each rank 4 experts; dense weights DP 2, experts expert-DP 1)
-    ep2_dp2        world 4: EP 2, alltoall (expert-DP 2: the expert gradients all-reduced over 2 ranks)
-    ep2_etp2       world 4: EP 2 x expert-TP 2, allgather
+    ep2              world 2: EP 2, alltoall (each rank 4 experts; dense weights DP 2, experts
+                     expert-DP 1)
+    ep2_dp2_distopt  world 4: EP 2, alltoall, distributed optimizer (expert-DP 2: the expert
+                     gradients reduced and their optimizer state sharded over 2 ranks, dense over 4)
+    ep2_etp2         world 4: EP 2 x expert-TP 2, allgather
+
+After the steps each layout also checks Megatron DDP's grouping of the expert gradients and the EMA
+anchor on the trained weights (``mcore.anchor``; sharded like the optimizer).
 
 EP 2 x TP 2 is not trainable on CPU: Megatron's MoELayer refuses MoE with TP > 1 in training
 without sequence parallelism, which needs Transformer Engine's norms. Expert TP 2 runs with TP 1
@@ -31,12 +36,12 @@ pytestmark = [pytest.mark.dist, pytest.mark.megatron]
 
 MODEL = "tiny-qwen3-moe"
 LOGITS_TOL = dict(rtol=1e-5, atol=1e-5)
-# (name, micro-batches per rank, ParallelConfig fields)
-LAYOUTS_2 = [("ep2", 2, dict(expert_model_parallel_size=2))]
+# (name, micro-batches per rank, distributed optimizer, ParallelConfig fields)
+LAYOUTS_2 = [("ep2", 2, False, dict(expert_model_parallel_size=2))]
 LAYOUTS_4 = [
-    ("ep2_dp2", 1, dict(expert_model_parallel_size=2)),
-    ("ep2_etp2", 1, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
-                         moe_token_dispatcher_type="allgather")),
+    ("ep2_dp2_distopt", 1, True, dict(expert_model_parallel_size=2)),
+    ("ep2_etp2", 1, False, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
+                                moe_token_dispatcher_type="allgather")),
 ]  # fmt: skip
 
 
@@ -82,26 +87,38 @@ def _reference_worker(rank: int, world_size: int, out_dir: str) -> dict:
             "trained": trained}  # fmt: skip
 
 
-def _expert_grid(ddp, groups) -> dict:
+def _expert_grid(*, ddp, optimizer, groups, model_cfg, parallel) -> dict:
     """How Megatron DDP reduces each parameter's gradient: the ``allreduce`` attribute of the expert
-    and dense parameters and the size of the data-parallel group of each kind of grad buffer."""
+    and dense parameters and the size of the data-parallel group of each kind of grad buffer. And
+    the EMA anchor on these weights: its largest error after a load of master = policy + 1 and
+    one EMA update (tau 0.5: policy + 0.5), in its weights and in its gathered master."""
+    from megatron_empg.mcore.anchor import EmaAnchor
     from megatron_empg.mcore.model import is_expert_parameter
 
     module = ddp[0]
     flags = {name: getattr(p, "allreduce", True) for name, p in module.module.named_parameters()}
+    anchor = EmaAnchor.from_configs(model_cfg, parallel, ddp, optimizer, tau=0.5, period=1,
+                                    compute_dtype=torch.float32)  # fmt: skip
+    policy = {f"0.{n}": p.detach() for n, p in module.module.named_parameters()}
+    anchor.load_full_master_state({k: v + 1 for k, v in policy.items()})
+    anchor.update()
+    weights = dict(anchor.models[0].named_parameters())
     return {
         "expert_allreduce": {flags[n] for n in flags if is_expert_parameter(n)},
         "dense_allreduce": {flags[n] for n in flags if not is_expert_parameter(n)},
         "expert_buffer_dp": [b.data_parallel_group.size() for b in module.expert_parallel_buffers],
         "dense_buffer_dp": [b.data_parallel_group.size() for b in module.buffers],
         "ep": groups.ep_size,
+        "anchor_sharded": anchor.sharded,
+        "anchor_weight_error": max((weights[k[2:]] - v - 0.5).abs().max().item() for k, v in policy.items()),
+        "anchor_master_error": max((m - policy[k] - 0.5).abs().max().item() for k, m in anchor.full_master_state().items()),
     }
 
 
 def _layouts_worker(rank: int, world_size: int, layouts: list, full: dict) -> dict:
     return {
-        name: _train(1, 1, False, full, num_mb, model=MODEL, inspect=_expert_grid, **fields)
-        for name, num_mb, fields in layouts
+        name: _train(1, 1, distopt, full, num_mb, model=MODEL, inspect=_expert_grid, **fields)
+        for name, num_mb, distopt, fields in layouts
     }
 
 
@@ -115,7 +132,7 @@ def layouts(reference) -> dict:
     out = {}
     for world, specs in ((2, LAYOUTS_2), (4, LAYOUTS_4)):
         ranks = run_distributed(_layouts_worker, world, specs, reference["full"], timeout=300)
-        out.update({name: [r[name] for r in ranks] for name, _, _ in specs})
+        out.update({name: [r[name] for r in ranks] for name, _, _, _ in specs})
     return out
 
 
@@ -148,7 +165,7 @@ def test_expert_parallel_layout_equals_ep1(reference, layouts, name):
 @pytest.mark.parametrize("name", [layout[0] for layout in LAYOUTS_2 + LAYOUTS_4])
 def test_ddp_reduces_expert_gradients_over_expert_data_parallel(layouts, name):
     world = len(layouts[name])
-    fields = dict((n, f) for n, _, f in LAYOUTS_2 + LAYOUTS_4)[name]
+    _, _, distopt, fields = next(layout for layout in LAYOUTS_2 + LAYOUTS_4 if layout[0] == name)
     expert_grid = fields["expert_model_parallel_size"] * fields.get("expert_tensor_parallel_size", 1)
     for result in layouts[name]:
         grid = result["inspected"]
@@ -156,3 +173,6 @@ def test_ddp_reduces_expert_gradients_over_expert_data_parallel(layouts, name):
         assert grid["expert_allreduce"] == {False} and grid["dense_allreduce"] == {True}
         assert grid["expert_buffer_dp"] == [world // expert_grid]  # expert-DP, not the dense DP
         assert grid["dense_buffer_dp"] == [world]  # TP 1: every rank is a dense data-parallel replica
+        # the anchor covers the experts (distributed optimizer: gathered over expert-DP, not DP)
+        assert grid["anchor_sharded"] == distopt
+        assert grid["anchor_weight_error"] < 1e-6 and grid["anchor_master_error"] < 1e-6

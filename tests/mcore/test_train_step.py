@@ -92,8 +92,9 @@ def _train(
 ) -> dict:  # fmt: skip
     """Build the layout, load the weights, run STEPS RL steps; returns metrics and parameter shards.
 
-    ``parallel_fields``: more ``ParallelConfig`` fields (the expert grid); ``inspect(ddp, groups)``,
-    if given, runs after the steps and its result is returned as ``inspected``."""
+    ``parallel_fields``: more ``ParallelConfig`` fields (the expert grid); ``inspect(ddp=,
+    optimizer=, groups=, model_cfg=, parallel=)``, if given, runs after the steps and its result is
+    returned as ``inspected``."""
     from megatron_empg.mcore import model as mcore_model
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -133,7 +134,9 @@ def _train(
             names = mcore_model.global_names(chunk)
             for name, p in chunk.named_parameters():
                 params[names[name]] = (p.detach().clone(), mcore_model.tp_partition(p))
-        inspected = inspect(ddp, groups) if inspect is not None else None
+        inspected = None
+        if inspect is not None:
+            inspected = inspect(ddp=ddp, optimizer=optimizer, groups=groups, model_cfg=model_cfg, parallel=parallel)
         return {"initial": initial, "history": history, "params": params, "tp_rank": groups.tp_rank, "tp": tp,
                 "etp_rank": groups.etp_rank, "etp": groups.etp_size, "inspected": inspected}  # fmt: skip
     finally:
