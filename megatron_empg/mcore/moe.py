@@ -101,10 +101,13 @@ def use_plain_aux_loss_path(models) -> None:
 class RouterRecorder:
     """Per-layer routing sums of a step's micro-batches, from forward hooks on the routers.
 
-    Sums per global layer l (float64): ``aux[l]``, ``z[l]`` (summed over micro-batches),
-    ``calls[l]`` (micro-batches), ``load[l, e]`` (tokens routed to expert e), ``routed[l]`` and
-    ``wanted[l]`` (token-choice pairs kept by the capacity / chosen by the router).
+    ``sums`` [num_layers, 5 + E] float64 on the routers' device (no host sync in the hooks), per
+    global layer: the aux loss and the z-loss summed over micro-batches, the micro-batches, the
+    token-choice pairs kept by the capacity and those the router chose, then the tokens routed
+    to each expert.
     """
+
+    AUX, Z, CALLS, ROUTED, WANTED, LOAD = 0, 1, 2, 3, 4, 5
 
     def __init__(self, models, num_layers: int) -> None:
         from megatron_empg.mcore.model import global_layer_indices
@@ -114,6 +117,7 @@ class RouterRecorder:
         self.num_experts, self.topk = config.num_moe_experts, config.moe_router_topk
         self.z_loss, self.capacity = bool(config.moe_z_loss_coeff), config.moe_expert_capacity_factor is not None
         self.num_layers = num_layers
+        self.device = next(models[0].parameters()).device
         self.active = False
         self.reset()
         for model in models:
@@ -123,10 +127,7 @@ class RouterRecorder:
                 router.register_forward_hook(self._hook(layer))
 
     def reset(self) -> None:
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
-        self.aux, self.z, self.calls = zeros(self.num_layers), zeros(self.num_layers), zeros(self.num_layers)
-        self.load = zeros(self.num_layers, self.num_experts)
-        self.routed, self.wanted = zeros(self.num_layers), zeros(self.num_layers)
+        self.sums = torch.zeros(self.num_layers, self.LOAD + self.num_experts, dtype=torch.float64, device=self.device)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -147,12 +148,14 @@ class RouterRecorder:
             with torch.no_grad():
                 logits = F.linear(hidden.reshape(-1, hidden.shape[-1]).float(), router.weight.float())  # [T, E]
                 stats = routing_stats(logits, self.topk)
-                self.aux[layer] += stats["aux_loss"].item()
-                self.z[layer] += stats["z_loss"].item()
-                self.calls[layer] += 1
-                self.load[layer] += routing_map.sum(0).double().cpu()
-                self.routed[layer] += routing_map.sum().item()
-                self.wanted[layer] += logits.shape[0] * self.topk
+                load = routing_map.sum(0).double()
+                row = self.sums[layer]
+                row[self.AUX] += stats["aux_loss"].double()
+                row[self.Z] += stats["z_loss"].double()
+                row[self.CALLS] += 1
+                row[self.ROUTED] += load.sum()
+                row[self.WANTED] += logits.shape[0] * self.topk
+                row[self.LOAD :] += load
 
         return hook
 
@@ -160,8 +163,7 @@ class RouterRecorder:
         """The step's ``moe/*`` metrics (module docstring), the same on every rank: all-reduces
         over DP x CP, over TP under sequence parallelism, and over the pipeline stages (each
         holds its own layers)."""
-        flat = torch.cat([self.aux, self.z, self.calls, self.load.flatten(), self.routed, self.wanted])
-        flat = flat.to(collective_device(groups.sum_group))
+        flat = self.sums.to(collective_device(groups.sum_group))
         if groups.sum_size > 1:
             dist.all_reduce(flat, group=groups.sum_group)
         if self.sequence_parallel and groups.tp_size > 1:  # each TP rank routed its share of the tokens
@@ -169,11 +171,8 @@ class RouterRecorder:
         if groups.pp_size > 1:
             dist.all_reduce(flat, group=groups.pp_group)
         flat = flat.cpu()
-        n, e = self.num_layers, self.num_experts
-        aux, z, calls = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
-        load = flat[3 * n : 3 * n + n * e].reshape(n, e)
-        routed, wanted = flat[3 * n + n * e : 4 * n + n * e], flat[4 * n + n * e :]
-        calls = calls.clamp(min=1)
+        aux, z, calls = flat[:, self.AUX], flat[:, self.Z], flat[:, self.CALLS].clamp(min=1)
+        routed, wanted, load = flat[:, self.ROUTED], flat[:, self.WANTED], flat[:, self.LOAD :]
         out = {"moe/aux_loss": (aux / calls).mean().item()}
         if self.z_loss:
             out["moe/z_loss"] = (z / calls).mean().item()
