@@ -14,6 +14,8 @@ load-balancing loss is a function of each micro-batch's routing, so the layouts 
     ep2_dp2_distopt  world 4: EP 2, alltoall, distributed optimizer (expert-DP 2: the expert
                      gradients reduced and their optimizer state sharded over 2 ranks, dense over 4)
     ep2_etp2         world 4: EP 2 x expert-TP 2, allgather
+    pp2              world 2: PP 2 (a layer per stage: the router losses' scale set on the first
+                     stage too, the moe/* metrics reduced over the stages)
 
 After the steps each layout also checks Megatron DDP's grouping of the expert gradients and the EMA
 anchor on the trained weights (``mcore.anchor``; sharded like the optimizer).
@@ -37,7 +39,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.megatron]
 MODEL = "tiny-qwen3-moe"
 LOGITS_TOL = dict(rtol=1e-5, atol=1e-5)
 # (name, micro-batches per rank, distributed optimizer, ParallelConfig fields)
-LAYOUTS_2 = [("ep2", 2, False, dict(expert_model_parallel_size=2))]
+LAYOUTS_2 = [
+    ("ep2", 2, False, dict(expert_model_parallel_size=2)),
+    ("pp2", 4, False, dict(pipeline_model_parallel_size=2)),
+]
 LAYOUTS_4 = [
     ("ep2_dp2_distopt", 1, True, dict(expert_model_parallel_size=2)),
     ("ep2_etp2", 1, False, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
@@ -116,10 +121,12 @@ def _expert_grid(*, ddp, optimizer, groups, model_cfg, parallel) -> dict:
 
 
 def _layouts_worker(rank: int, world_size: int, layouts: list, full: dict) -> dict:
-    return {
-        name: _train(1, 1, distopt, full, num_mb, model=MODEL, inspect=_expert_grid, **fields)
-        for name, num_mb, distopt, fields in layouts
-    }
+    out = {}
+    for name, num_mb, distopt, fields in layouts:
+        fields = dict(fields)
+        pp = fields.pop("pipeline_model_parallel_size", 1)
+        out[name] = _train(1, pp, distopt, full, num_mb, model=MODEL, inspect=_expert_grid, **fields)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -166,13 +173,14 @@ def test_expert_parallel_layout_equals_ep1(reference, layouts, name):
 def test_ddp_reduces_expert_gradients_over_expert_data_parallel(layouts, name):
     world = len(layouts[name])
     _, _, distopt, fields = next(layout for layout in LAYOUTS_2 + LAYOUTS_4 if layout[0] == name)
-    expert_grid = fields["expert_model_parallel_size"] * fields.get("expert_tensor_parallel_size", 1)
+    pp, ep = fields.get("pipeline_model_parallel_size", 1), fields.get("expert_model_parallel_size", 1)
+    expert_grid = ep * fields.get("expert_tensor_parallel_size", 1) * pp
     for result in layouts[name]:
         grid = result["inspected"]
-        assert grid["ep"] == 2
+        assert grid["ep"] == ep
         assert grid["expert_allreduce"] == {False} and grid["dense_allreduce"] == {True}
         assert grid["expert_buffer_dp"] == [world // expert_grid]  # expert-DP, not the dense DP
-        assert grid["dense_buffer_dp"] == [world]  # TP 1: every rank is a dense data-parallel replica
+        assert grid["dense_buffer_dp"] == [world // pp]  # TP 1: the dense data-parallel replicas
         # the anchor covers the experts (distributed optimizer: gathered over expert-DP, not DP)
         assert grid["anchor_sharded"] == distopt
         assert grid["anchor_weight_error"] < 1e-6 and grid["anchor_master_error"] < 1e-6
