@@ -13,7 +13,7 @@ load-balancing loss is a function of each micro-batch's routing, so the layouts 
                      expert-DP 1)
     ep2_dp2_distopt  world 4: EP 2, alltoall, distributed optimizer (expert-DP 2: the expert
                      gradients reduced and their optimizer state sharded over 2 ranks, dense over 4)
-    ep2_etp2         world 4: EP 2 x expert-TP 2, allgather
+    ep2_etp2         world 4: EP 2 x expert-TP 2, alltoall (and again with the allgather dispatcher)
     pp2              world 2: PP 2 (a layer per stage: the router losses' scale set on the first
                      stage too, the moe/* metrics reduced over the stages)
 
@@ -22,8 +22,8 @@ anchor on the trained weights (``mcore.anchor``; sharded like the optimizer).
 
 EP 2 x TP 2 is not trainable on CPU: Megatron's MoELayer refuses MoE with TP > 1 in training
 without sequence parallelism, which needs Transformer Engine's norms. Expert TP 2 runs with TP 1
-instead, with the allgather dispatcher: the alltoall one all-gathers uneven token splits over the
-expert-TP group, which gloo does not support.
+instead (the experts split over 2 ranks as under TP 2; the alltoall dispatcher's uneven gathers
+over the expert-TP group run through ``cpu_shims``' uneven_split_collectives).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ LAYOUTS_2 = [
 ]
 LAYOUTS_4 = [
     ("ep2_dp2_distopt", 1, True, dict(expert_model_parallel_size=2)),
-    ("ep2_etp2", 1, False, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
-                                moe_token_dispatcher_type="allgather")),
+    ("ep2_etp2", 1, False, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2)),
+    ("ep2_etp2_allgather", 1, False, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
+                                          moe_token_dispatcher_type="allgather")),
 ]  # fmt: skip
 
 
