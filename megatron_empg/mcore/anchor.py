@@ -40,6 +40,15 @@ concatenated, needs a second full-size receive buffer and a scatter copy, becaus
 are one piece per bucket.) With ``overlap_grad_reduce=False`` (``mcore.optimizer.wrap_with_ddp``)
 each model chunk has one bucket, so without VPP a refresh issues a single ``all_gather_into_tensor``.
 
+Mixture of experts. The anchor's chunks have the policy's expert layout (EP, ETP): each rank's
+master and weights cover its local experts, under their local names (``local_experts.<j>``; the
+checkpoint's ``sharded_state_dict`` gives them their global index). Without the distributed
+optimizer nothing is communicated. With it, Megatron DDP keeps the experts in separate
+expert-parallel buffers sharded over the expert-DP group: the anchor mirrors those too, and
+gathers (and, emulated FP8, reduces the amaxes) over each buffer's own group, one coalesced
+collective per group. Transformer Engine FP8 with experts is refused (its re-quantization takes
+one group).
+
 FP8 (``compute_dtype=torch.float8_e4m3fn``), two paths:
     Transformer Engine  the builder made TE FP8 parameters (``fp8_param``, GPU): each refresh
              re-quantizes them from the float32 master through Megatron's TE wrappers
@@ -138,10 +147,12 @@ class _Param:
 
 @dataclasses.dataclass(eq=False)
 class _Flat:
-    """Anchor storage mirroring one policy DDP buffer: ``data`` and its buckets' [start, end)."""
+    """Anchor storage mirroring one policy DDP buffer: ``data``, its buckets' [start, end) and the
+    buffer's data-parallel group (the expert-DP group for an expert-parallel buffer)."""
 
     data: Tensor
     buckets: list[tuple[int, int]]
+    group: Any
 
 
 def _optimizers(optimizer) -> Iterator[Any]:
@@ -233,6 +244,24 @@ def _all_gather_buckets(pairs: list[tuple[Tensor, Tensor]], group) -> None:
     with _coalescing_manager(group):
         for out, shard in pairs:
             gather(out, shard, group=group)
+
+
+def _gather_flats(flats: list[tuple[_Flat, Tensor]], *, as_bytes: bool = False) -> None:
+    """In place, every DP rank's shard of each bucket of ``flats`` (flat, tensor laid out as its
+    ``data``) on every rank of the flat's group: one coalesced all-gather per group (the policy's
+    DP group; a mixture of experts adds its expert-DP group). ``as_bytes``: gather the raw bytes."""
+    by_group: dict[Any, list[tuple[Tensor, Tensor]]] = {}
+    for flat, tensor in flats:
+        size_of_group = flat.group.size()
+        if size_of_group == 1:
+            continue
+        rank = flat.group.rank()
+        for start, end in flat.buckets:
+            out = _as_bytes(tensor[start:end]) if as_bytes else tensor[start:end]
+            size = out.numel() // size_of_group
+            by_group.setdefault(flat.group, []).append((out, out[rank * size : (rank + 1) * size]))
+    for group, pairs in by_group.items():
+        _all_gather_buckets(pairs, group)
 
 
 def _te_fp8_model_init(te_missing: str) -> Callable[[], contextlib.AbstractContextManager]:
@@ -389,8 +418,6 @@ class EmaAnchor:
                 raise ValueError(f"chunk {c}: the anchor's parameter names differ from the policy's: {diff[:8]}")
             placed: dict[str, tuple[int, int]] = {}
             if self.sharded:
-                if getattr(ddp, "expert_parallel_buffers", None):
-                    raise NotImplementedError("EmaAnchor does not support expert-parallel (MoE) DDP buffers yet")
                 name_of = {p: n for n, p in policy_params.items()}
                 for buffer in ddp.buffers:
                     if self.dp_group is None:
@@ -399,6 +426,12 @@ class EmaAnchor:
                         self.dp_group
                     ):
                         raise NotImplementedError("policy DDP buffers over different data-parallel groups")
+                    placed.update(self._mirror_buffer(buffer, name_of, anchor_params))
+                # a mixture of experts: the experts' buffers are sharded over the expert-DP group
+                for buffer in getattr(ddp, "expert_parallel_buffers", []):
+                    if self.mode == "te":
+                        raise NotImplementedError("Transformer Engine FP8 anchor parameters with expert-parallel "
+                                                  "DDP buffers (the FP8 re-quantization is over one DP group)")  # fmt: skip
                     placed.update(self._mirror_buffer(buffer, name_of, anchor_params))
             for name, policy_param in policy_params.items():
                 ap = anchor_params[name]
@@ -446,7 +479,7 @@ class EmaAnchor:
             dtype = self.compute_dtype
         device = params[0].device
         data = torch.zeros(buffer.numel, dtype=dtype, device=device)
-        self._flats.append(_Flat(data=data, buckets=buckets))
+        self._flats.append(_Flat(data=data, buckets=buckets, group=buffer.data_parallel_group))
         placed = {}
         for policy_param, anchor_param, is_te in zip(buffer.params, params, te):
             start, end, _ = buffer.param_index_map[policy_param]
@@ -565,30 +598,34 @@ class EmaAnchor:
         return target.view(-1)[e.start : e.end]
 
     def _gather(self) -> None:
-        if not self.sharded or self.dp_group.size() == 1:
-            return
-        dp_size, dp_rank = self.dp_group.size(), self.dp_group.rank()
-        pairs = []
-        for flat in self._flats:
-            for start, end in flat.buckets:
-                out = _as_bytes(flat.data[start:end])
-                size = (end - start) // dp_size
-                pairs.append((out, out[dp_rank * size : (dp_rank + 1) * size]))
-        _all_gather_buckets(pairs, self.dp_group)
+        if self.sharded:
+            _gather_flats([(flat, flat.data) for flat in self._flats], as_bytes=True)
 
     def _quantize_emulated(self) -> None:
         amax = torch.zeros(len(self._params), dtype=torch.float32, device=self._fp8_scale_inv.device)
         for e in self._entries:
             if e.master.numel():
                 amax[e.index] = e.master.abs().max().to(amax.device)
-        if self.sharded and self.dp_group.size() > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.dp_group)
+        if self.sharded:  # each parameter's amax over the ranks sharing its buffer
+            for group, indices in self._params_by_group().items():
+                if group.size() > 1:
+                    part = amax[indices]
+                    dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+                    amax[indices] = part
         scale = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))
         self._fp8_scale_inv.copy_(scale.reciprocal())
         for e in self._entries:
             s = scale[e.index].to(e.master.device)
             q = (e.master * s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
             self._store(e).copy_(q)
+
+    def _params_by_group(self) -> dict[Any, Tensor]:
+        """Data-parallel group -> [n] int64 indices of the parameters in that group's buffers."""
+        by_group: dict[Any, list[int]] = {}
+        for i, p in enumerate(self._params):
+            by_group.setdefault(self._flats[p.buffer].group, []).append(i)
+        device = self._fp8_scale_inv.device
+        return {group: torch.tensor(indices, device=device) for group, indices in by_group.items()}
 
     def _quantize_te(self) -> None:
         te_params, te_masters, te_starts = [], [], []
@@ -636,15 +673,7 @@ class EmaAnchor:
         fulls = [torch.zeros(flat.data.numel(), dtype=torch.float32, device=device) for flat in self._flats]
         for e in self._entries:
             fulls[self._params[e.index].buffer][e.flat_offset : e.flat_offset + e.end - e.start].copy_(e.master)
-        if self.dp_group.size() > 1:
-            dp_size, dp_rank = self.dp_group.size(), self.dp_group.rank()
-            pairs = []
-            for flat, full in zip(self._flats, fulls):
-                for start, end in flat.buckets:
-                    size = (end - start) // dp_size
-                    out = full[start:end]
-                    pairs.append((out, out[dp_rank * size : (dp_rank + 1) * size]))
-            _all_gather_buckets(pairs, self.dp_group)
+        _gather_flats(list(zip(self._flats, fulls)))
         out = {}
         for p in self._params:
             n = p.param.numel()

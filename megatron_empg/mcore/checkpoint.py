@@ -61,6 +61,13 @@ tested). The distributed optimizer is saved as ``fully_reshardable`` by default 
 tensors in model space, reshardable in TP, PP and DP; see ``OPTIMIZER_FORMATS``). RNG states are
 per rank and are restored only at the layout they were saved at.
 
+Mixture of experts: experts are saved under their global index, so a checkpoint loads at another
+expert-parallel size (tested: EP 2 -> EP 1, model, the plain and the fully_reshardable
+distributed optimizer's state, the anchor). ``mcore.optimizer.wrap_with_ddp`` gives the experts
+their own optimizer at every EP size, so that the optimizer's structure does not change with EP.
+``dp_reshardable`` (flat per-DP-rank buffers, which follow the expert grid) is refused at another
+TP/PP/VPP/EP/ETP.
+
 Anchor. ``anchor`` is any object with ``models`` (its model chunks, whose parameters have the
 policy's names and local shapes), ``full_master_state() -> {"<chunk>.<param name>": fp32 tensor}``
 (a collective over DP; every rank returns its TP/PP part) and ``load_full_master_state(state)``.

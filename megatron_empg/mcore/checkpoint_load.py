@@ -106,7 +106,7 @@ def load_checkpoint(
         if kind == "dp_reshardable" and model_parallel(layout) != model_parallel(info["layout"]):
             raise CheckpointError(
                 f"{where} saved the distributed optimizer as dp_reshardable, which loads only at the same "
-                f"TP/PP/VPP ({model_parallel(info['layout'])}), not at {model_parallel(layout)}"
+                f"TP/PP/VPP/EP/ETP ({model_parallel(info['layout'])}), not at {model_parallel(layout)}"
             )
         init_fresh_torch_adam_state(optimizer)
         metadata = optimizer_metadata(kind)

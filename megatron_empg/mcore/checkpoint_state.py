@@ -39,8 +39,9 @@ def unwrap(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
 
 
 def layout_of(groups: ParallelGroups) -> dict[str, int | None]:
-    """The grid a checkpoint was saved on (``cp`` only when context-parallel: the layouts saved
-    before there was CP compare equal to CP 1)."""
+    """The grid a checkpoint was saved on (``cp`` only when context-parallel, ``ep`` and ``etp``
+    only on an expert grid other than EP 1 x ETP = TP: the layouts saved before there was CP or
+    EP compare equal to CP 1, EP 1)."""
     layout = {
         "tp": groups.tp_size,
         "pp": groups.pp_size,
@@ -50,6 +51,8 @@ def layout_of(groups: ParallelGroups) -> dict[str, int | None]:
     }
     if groups.cp_size > 1:
         layout["cp"] = groups.cp_size
+    if groups.ep_size > 1 or groups.etp_size != groups.tp_size:
+        layout["ep"], layout["etp"] = groups.ep_size, groups.etp_size
     return layout
 
 
@@ -138,7 +141,8 @@ def optimizer_metadata(kind: str | None) -> dict:
 
 
 def model_parallel(layout: Mapping[str, Any]) -> tuple:
-    return layout["tp"], layout["pp"], layout["vpp"]
+    """(TP, PP, VPP, EP, ETP) of a ``layout_of`` dict."""
+    return layout["tp"], layout["pp"], layout["vpp"], layout.get("ep", 1), layout.get("etp", layout["tp"])
 
 
 def _with_data(sharded, data: torch.Tensor):

@@ -93,6 +93,85 @@ def _rng_tracker() -> None:
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
 
 
+class _NullEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _NullStream:
+    """A CUDA stream's methods that megatron-core calls, doing nothing (CPU work is synchronous)."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None) -> _NullEvent:
+        return _NullEvent()
+
+
+def _dtoh_stream() -> None:
+    # MoEAlltoAllTokenDispatcher.__init__ creates its class-wide side stream for the device-to-host
+    # copies of the token splits with torch.cuda.Stream() when it is still None (RuntimeError on a
+    # CPU build); _maybe_dtoh_and_synchronize then waits on it, enters it and records an event.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
+
+
+def _alltoall_splits() -> None:
+    # The alltoall dispatcher turns its input/output split sizes into numpy arrays with
+    # maybe_move_tensor_to_cpu(..., as_numpy=True), which converts only CUDA tensors: on CPU the
+    # splits stay int64 tensors, which ProcessGroup.all_to_all_single (_AllToAll.forward) rejects
+    # with a TypeError. Convert CPU tensors too, as the original does after its copy to the host.
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    original = dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "cpu_shim", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        moved = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return moved.numpy() if as_numpy and torch.is_tensor(moved) else moved
+
+    maybe_move_tensor_to_cpu.cpu_shim = True
+    dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _uneven_split_collectives() -> None:
+    # With expert TP > 1 and EP > 1 the alltoall dispatcher all-gathers the tokens over the
+    # expert-TP group in splits of unequal size (gather_from_sequence_parallel_region with
+    # output_splits_tp; backward, and the combine's reduce_scatter_to_sequence_parallel_region:
+    # the reduce-scatter with those input splits). torch.distributed.all_gather and reduce_scatter
+    # of tensors of unequal sizes are NCCL-only: gloo's allgather raises "invalid tensor size".
+    # Pad to the longest split and gather; reduce-scatter as an all-reduce and a slice.
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    if getattr(gather, "cpu_shim", False):
+        return
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        padded = input_.new_zeros((max(output_split_sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)])
+
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start : start + input_split_sizes[group.rank()]]
+
+    _gather_along_first_dim.cpu_shim = True
+    mappings._gather_along_first_dim = _gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites the CUDA-only torch calls named in ``rewrites`` (added by the three shims below)."""
 
@@ -153,6 +232,9 @@ SHIMS: dict[str, Shim] = {
     "device_kwarg": Shim(_device_kwarg, SpecifierSet(">=0.16"), pre_import=False),
     "tensor_cuda": Shim(_tensor_cuda, SpecifierSet(">=0.16"), pre_import=False),
     "tensor_type": Shim(_tensor_type, SpecifierSet(">=0.16"), pre_import=False),
+    "dtoh_stream": Shim(_dtoh_stream, SpecifierSet(">=0.19,<0.20"), pre_import=False),
+    "alltoall_splits": Shim(_alltoall_splits, SpecifierSet(">=0.19,<0.20"), pre_import=False),
+    "uneven_split_collectives": Shim(_uneven_split_collectives, SpecifierSet(">=0.19,<0.20"), pre_import=False),
 }
 
 

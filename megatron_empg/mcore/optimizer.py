@@ -13,6 +13,7 @@ import torch
 
 from megatron_empg.config import OptimizerConfig
 from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore.moe import use_plain_aux_loss_path
 
 cpu_shims.install_pre_import()
 
@@ -39,13 +40,31 @@ def wrap_with_ddp(models: list[torch.nn.Module], settings: OptimizerConfig) -> l
     )
     config = models[0].config
     config.calculate_per_token_loss = True
+    _mark_experts_expert_parallel(models)
     wrapped = [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, disable_bucketing=i > 0)
         for i, model in enumerate(models)
     ]
+    use_plain_aux_loss_path(models)  # a mixture of experts: train_step scales the router losses
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
     return wrapped
+
+
+def _mark_experts_expert_parallel(models: list[torch.nn.Module]) -> None:
+    """Give every expert weight ``allreduce=False``, as Megatron does only at EP > 1 (or ETP != TP).
+
+    The flag puts a parameter into DDP's expert-parallel buffers (gradients over the expert-DP
+    group, at EP 1 the DP group itself: the same sums) and ``get_megatron_optimizer``'s expert
+    optimizer. With it at every EP size the optimizer is always the same chain (dense, experts), so
+    its checkpoint has one structure and loads at another EP size (``mcore.checkpoint``).
+    """
+    from megatron_empg.mcore.model import is_expert_parameter
+
+    for model in models:
+        for name, param in model.named_parameters():
+            if is_expert_parameter(name):
+                param.allreduce = False
 
 
 def build_optimizer(ddp_models: list[DistributedDataParallel], settings: OptimizerConfig):

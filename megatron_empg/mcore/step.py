@@ -24,6 +24,7 @@ time, so that the [b * s, V_local] logits and their gradient never exist whole.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from torch import Tensor
 from megatron_empg.core.aggregation import LossSum
 from megatron_empg.core.step_guard import GradNormGuard, SkipReason
 from megatron_empg.mcore import cpu_shims, router_replay
+from megatron_empg.mcore.moe import LossUnits, router_recorder, set_aux_loss_scale
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.mcore.thd import thd_layout
 from megatron_empg.parallel.collectives import collective_device
@@ -392,6 +394,7 @@ def train_step(
     groups: ParallelGroups,
     fused_output: bool = False,
     guard: GradNormGuard | None = None,
+    loss_units: LossUnits | None = None,
 ) -> StepResult:
     """One policy update: forward+backward over this DP rank's micro-batches, then the optimizer,
     unless ``guard`` refuses the step (``core.step_guard``: a non-finite loss or gradient norm, or
@@ -410,6 +413,9 @@ def train_step(
             instead of the logits (``train.fused_output_loss``; module docstring).
         guard: the run's refusal rule and gradient-norm history (``train.skip_grad_norm_factor``);
             an applied step's norm joins its history. None: non-finite steps only are refused.
+        loss_units: the count ``loss_fn`` returns for a micro-batch, computed without the model
+            (``parallel.rl_loss.loss_units``); needed by a mixture of experts with router losses,
+            whose scale it sets (``mcore.moe``). A mixture of experts adds ``moe/*`` metrics.
     """
     for model in ddp_models:
         model.train()
@@ -421,8 +427,13 @@ def train_step(
         output = _model_forward(model, batch, fused_output=fused_output)
         return output, partial(_update_loss, batch, loss_fn, groups)
 
-    outputs = _run_schedule(ddp_models, microbatches, forward_step, forward_only=False)
+    set_aux_loss_scale(ddp_models[0].config, microbatches, loss_units, groups)
+    recorder = router_recorder(ddp_models)
+    with recorder.recording() if recorder is not None else contextlib.nullcontext():
+        outputs = _run_schedule(ddp_models, microbatches, forward_step, forward_only=False)
     metrics = reduce_metrics(outputs if groups.is_last_stage else None, groups)
+    if recorder is not None:
+        metrics.update(recorder.reduce(groups))
     guard = guard if guard is not None else GradNormGuard(factor=None)
     found_inf = optimizer.prepare_grads()  # the main gradients; True only under a loss scaler
     grad_norm = float("nan") if found_inf else float(optimizer.get_grad_norm())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -184,6 +185,15 @@ def rl_loss(
         metrics["entropy"] = aggregate(entropy.detach(), mask)
     metrics["loss"] = LossSum(total.loss_sum.detach(), total.count)
     return RLLoss(total, metrics)
+
+
+def loss_units(batch: MicroBatch, *, agg_mode: str = "token-mean", cp_group: dist.ProcessGroup | None = None) -> Tensor:
+    """[] int64: the count ``rl_loss`` returns for ``batch`` under ``agg_mode`` (its loss tokens,
+    or its sequences with a loss token), without the logits: what the step knows before its
+    update pass (``mcore.moe``'s router-loss scale)."""
+    mask = batch.loss_mask
+    split = _context_parallel(mask, batch.seq_ids, cp_group) if agg_mode != "token-mean" else {}
+    return aggregate(torch.zeros(mask.shape, device=mask.device), mask, agg_mode, batch.seq_ids, **split).count
 
 
 def _context_parallel(mask: Tensor, seq_ids: Tensor | None, cp_group: dist.ProcessGroup | None) -> dict:

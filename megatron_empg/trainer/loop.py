@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import statistics
 from pathlib import Path
@@ -326,14 +327,18 @@ class Trainer:
         """One optimizer step per mini-batch (of micro-batches), unless refused (``trainer.bad_steps``);
         the mean of their metrics, and ``train/skipped_steps``: how many were refused."""
         from megatron_empg.mcore.step import train_step
+        from megatron_empg.parallel.rl_loss import loss_units
 
+        units = functools.partial(loss_units, agg_mode=self.config.algorithm.loss.agg_mode)
         results = []
         for micro in minis:
             results.append(train_step(self.models, self.optimizer, self.scheduler, micro, self.components.loss_fn,
                                       groups=self.groups, fused_output=self.config.train.fused_output_loss,
-                                      guard=self.bad_steps.guard))  # fmt: skip
+                                      guard=self.bad_steps.guard, loss_units=units))  # fmt: skip
             self.optimizer_steps += results[-1].skipped is None
-        merged = {f"actor/{k}": statistics.fmean(r.metrics[k] for r in results) for k in results[0].metrics}
+        # a mixture of experts' routing metrics keep their own moe/ names (mcore.moe)
+        merged = {k if k.startswith("moe/") else f"actor/{k}": statistics.fmean(r.metrics[k] for r in results)
+                  for k in results[0].metrics}  # fmt: skip
         merged["actor/grad_norm"] = statistics.fmean(r.grad_norm for r in results)
         merged["actor/lr"] = results[-1].lr
         merged["train/skipped_steps"] = float(self.bad_steps.record(self.step_index + 1, [r.skipped for r in results]))

@@ -71,14 +71,18 @@ def _split(batch: dict, dp_rank: int, dp_size: int, num_microbatches: int = 2) -
 class _Run:
     """One layout's policy, optimizer, scheduler and anchor in this process."""
 
-    def __init__(self, tp: int, distopt: bool, pp: int = 1, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, tp: int, distopt: bool, pp: int = 1, dtype: torch.dtype = torch.float32, model: str = MODEL,
+        **parallel_fields,
+    ) -> None:  # fmt: skip
         from megatron_empg.mcore import model as mcore_model
         from megatron_empg.mcore.anchor import EmaAnchor
         from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
         from megatron_empg.mcore.parallel_state import initialize_model_parallel
 
-        self.cfg = load_model_config(MODEL)
-        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.model_name = model
+        self.cfg = load_model_config(model)
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **parallel_fields)
         self.groups = initialize_model_parallel(parallel, seed=1234)
         self.chunks = mcore_model.build_gpt_model(self.cfg, parallel, params_dtype=dtype)
         settings = OptimizerConfig(**OPTIM, use_distributed_optimizer=distopt)
@@ -93,6 +97,7 @@ class _Run:
 
     def step(self) -> None:
         from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
+        from megatron_empg.parallel.rl_loss import loss_units
 
         g = self.groups
         parts = _split(_global_batch(self.cursor, self.cfg.vocab_size), g.dp_rank, g.dp_size)
@@ -104,7 +109,8 @@ class _Run:
             mb.anchor_logprobs = stats["logprobs"] + part["anchor_noise"]
             mb.topk_anchor_logprobs = stats["topk_logprobs"] + part["topk_anchor_noise"]
         vocab = self.cfg.vocab_size
-        result = train_step(self.ddp, self.optimizer, self.scheduler, mbs, loss_fn(vocab), groups=g)
+        result = train_step(self.ddp, self.optimizer, self.scheduler, mbs, loss_fn(vocab), groups=g,
+                            loss_units=loss_units)  # fmt: skip
         self.anchor.update()
         self.losses.append(result.metrics["loss"])
         self.cursor += 1
@@ -113,11 +119,11 @@ class _Run:
         return ckpt.save_checkpoint(
             root, self.cursor, models=self.ddp, optimizer=self.optimizer, scheduler=self.scheduler,
             anchor=self.anchor, extra_state={"data_cursor": self.cursor}, groups=self.groups,
-            model_name=MODEL, **kwargs,
+            model_name=self.model_name, **kwargs,
         )  # fmt: skip
 
     def load(self, path, **kwargs) -> dict:
-        kwargs = {"model_name": MODEL, "anchor": self.anchor, **kwargs}
+        kwargs = {"model_name": self.model_name, "anchor": self.anchor, **kwargs}
         extra = ckpt.load_checkpoint(
             path, models=self.ddp, optimizer=self.optimizer, scheduler=self.scheduler, groups=self.groups, **kwargs
         )

@@ -65,10 +65,20 @@ EXPECTED_FAILURES = {
         "models/common/language_module/language_module.py:setup_embeddings_and_output_layer",
     ),
     "synchronize": Failure("AssertionError", CUDA_MISSING, "pipeline_parallel/p2p_communication.py:_communicate"),
+    "dtoh_stream": Failure(
+        "RuntimeError", "torch.cuda.Stream requires CUDA support", "transformer/moe/token_dispatcher.py:__init__"
+    ),
+    "alltoall_splits": Failure(
+        "TypeError", "all_to_all_single(): incompatible function arguments", "tensor_parallel/mappings.py:forward"
+    ),
+    "uneven_split_collectives": Failure(
+        "RuntimeError", "invalid tensor size", "tensor_parallel/mappings.py:_gather_along_first_dim"
+    ),
 }
 # the order in which each process checks its shims
 SINGLE_RANK_CHECKS = ["rng_tracker", "current_device", "device_kwarg", "current_stream", "tensor_type"]
 PIPELINE_CHECKS = ["paged_stash_stub", "tensor_cuda", "synchronize"]
+EXPERT_CHECKS = ["dtoh_stream", "alltoall_splits", "uneven_split_collectives"]  # in the PP process, at EP 2
 
 
 def _failure(path: Callable[[], object]) -> Failure | None:
@@ -95,20 +105,26 @@ def _check(outcomes: dict, name: str, path: Callable[[], object], not_yet: Colle
     outcomes[name] = (without, _failure(path))
 
 
-def _tiny_gpt(pp_size: int = 1, pre_process: bool = True, post_process: bool = True, tied: bool = False):
+def _tiny_gpt(
+    pp_size: int = 1, pre_process: bool = True, post_process: bool = True, tied: bool = False, ep_size: int = 0
+):
+    """Dense; or with ``ep_size`` a mixture of 4 experts over ``ep_size`` ranks (alltoall dispatcher)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, expert_model_parallel_size=ep_size,
+               moe_token_dispatcher_type="alltoall") if ep_size else {}  # fmt: skip
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, normalization="RMSNorm",
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, use_cpu_initialization=True, pipeline_dtype=torch.float32,
-        pipeline_model_parallel_size=pp_size,
+        pipeline_model_parallel_size=pp_size, **moe,
     )  # fmt: skip
+    spec = get_gpt_layer_local_spec(num_experts=4 if ep_size else None, normalization="RMSNorm")
     return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=config, transformer_layer_spec=spec,
         vocab_size=64, max_sequence_length=8, position_embedding_type="rope", pre_process=pre_process,
         post_process=post_process, share_embeddings_and_output_weights=tied,
     )  # fmt: skip
@@ -174,22 +190,47 @@ def _import_megatron_core():
     import megatron.core  # noqa: F401
 
 
+def _uneven_gather(rank: int) -> None:
+    """The alltoall dispatcher's gather of unequal splits over 2 ranks (3 and 5 token rows), and
+    its backward (the reduce-scatter of those splits); the values are checked too."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    splits = [3, 5]
+    rows = torch.arange(8 * 2, dtype=torch.float32).reshape(8, 2)
+    mine = rows[sum(splits[:rank]) : sum(splits[: rank + 1])].clone().requires_grad_()
+    gathered = gather_from_sequence_parallel_region(mine, group=torch.distributed.group.WORLD, output_split_sizes=splits)
+    assert torch.equal(gathered, rows)
+    (gathered * (rank + 1)).sum().backward()  # the ranks' output gradients 1 and 2 sum to 3
+    assert torch.equal(mine.grad, torch.full_like(mine, 3.0))
+
+
 def _pipeline_checks(rank: int, world_size: int) -> dict:
-    """Without triton: the pre-import shim; then the shims only pipeline parallelism (PP=2) needs."""
+    """Without triton: the pre-import shim; then the shims only pipeline parallelism (PP=2) needs,
+    then those of the alltoall token dispatcher (EP=2)."""
     assert "triton" not in sys.modules
     sys.modules["triton"] = None  # `import triton` now raises ModuleNotFoundError
     outcomes: dict = {}
     _check(outcomes, "paged_stash_stub", _import_megatron_core)
     from megatron.core import parallel_state, tensor_parallel
 
-    cpu_shims.install_post_import(skip={"tensor_cuda", "synchronize"})
+    cpu_shims.install_post_import(skip={"tensor_cuda", "synchronize", *EXPERT_CHECKS})
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-    _check(outcomes, "tensor_cuda", lambda: _tiny_gpt(2, first, last, tied=True), not_yet={"synchronize"})
+    _check(outcomes, "tensor_cuda", lambda: _tiny_gpt(2, first, last, tied=True),
+           not_yet={"synchronize", *EXPERT_CHECKS})
     model = _tiny_gpt(2, first, last, tied=True)
-    _check(outcomes, "synchronize", lambda: _run_schedule(model))
+    _check(outcomes, "synchronize", lambda: _run_schedule(model), not_yet=EXPERT_CHECKS)
     parallel_state.destroy_model_parallel()
+    # experts 0-1 on rank 0, 2-3 on rank 1: the alltoall dispatcher exchanges tokens between them
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    _check(outcomes, "dtoh_stream", lambda: _tiny_gpt(ep_size=2), not_yet=EXPERT_CHECKS[1:])
+    model = _tiny_gpt(ep_size=2)
+    _check(outcomes, "alltoall_splits", lambda: model(**_batch()).sum().backward(), not_yet=EXPERT_CHECKS[2:])
+    parallel_state.destroy_model_parallel()
+    # with expert TP > 1 the dispatcher gathers each expert-TP rank's tokens, unequal in number
+    _check(outcomes, "uneven_split_collectives", functools.partial(_uneven_gather, rank))
     return {"outcomes": outcomes, "cuda_initialized_at_end": torch.cuda.is_initialized()}
 
 
@@ -267,7 +308,7 @@ def test_shim_needed_single_rank(single_rank, name):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("name", PIPELINE_CHECKS)
+@pytest.mark.parametrize("name", PIPELINE_CHECKS + EXPERT_CHECKS)
 def test_shim_needed_pipeline(pipeline, name):
     for rank, result in enumerate(pipeline):
         assert name in result["outcomes"], f"rank {rank}"

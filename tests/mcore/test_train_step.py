@@ -12,6 +12,8 @@ each rank's parameter shards with the same slice of the reference parameters (fp
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -84,15 +86,23 @@ def _split(batch: dict, dp_rank: int, dp_size: int, num_microbatches: int) -> li
     return [{k: v[i * size : (i + 1) * size] for k, v in mine.items()} for i in range(num_microbatches)]
 
 
-def _train(tp: int, pp: int, distopt: bool, full_state_dict: dict | None, num_microbatches: int) -> dict:
-    """Build the layout, load the weights, run STEPS RL steps; returns metrics and parameter shards."""
+def _train(
+    tp: int, pp: int, distopt: bool, full_state_dict: dict | None, num_microbatches: int, *,
+    model: str = MODEL, inspect=None, **parallel_fields,
+) -> dict:  # fmt: skip
+    """Build the layout, load the weights, run STEPS RL steps; returns metrics and parameter shards.
+
+    ``parallel_fields``: more ``ParallelConfig`` fields (the expert grid); ``inspect(ddp=,
+    optimizer=, groups=, model_cfg=, parallel=)``, if given, runs after the steps and its result is
+    returned as ``inspected``."""
     from megatron_empg.mcore import model as mcore_model
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
+    from megatron_empg.parallel.rl_loss import loss_units
 
-    model_cfg = load_model_config(MODEL)
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_cfg = load_model_config(model)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **parallel_fields)
     groups = initialize_model_parallel(parallel, seed=1234)
     try:
         chunks = mcore_model.build_gpt_model(model_cfg, parallel)
@@ -116,14 +126,19 @@ def _train(tp: int, pp: int, distopt: bool, full_state_dict: dict | None, num_mi
                     mb.topk_ids = stats["topk_ids"]
                     mb.anchor_logprobs = stats["logprobs"] + part["anchor_noise"]
                     mb.topk_anchor_logprobs = stats["topk_logprobs"] + part["topk_anchor_noise"]
-            result = train_step(ddp, optimizer, scheduler, mbs, loss_fn(model_cfg.vocab_size), groups=groups)
+            result = train_step(ddp, optimizer, scheduler, mbs, loss_fn(model_cfg.vocab_size), groups=groups,
+                                loss_units=partial(loss_units, agg_mode=SETTINGS.agg_mode))  # fmt: skip
             history.append({"metrics": result.metrics, "grad_norm": result.grad_norm, "lr": result.lr})
         params = {}
         for chunk in chunks:
             names = mcore_model.global_names(chunk)
             for name, p in chunk.named_parameters():
                 params[names[name]] = (p.detach().clone(), mcore_model.tp_partition(p))
-        return {"initial": initial, "history": history, "params": params, "tp_rank": groups.tp_rank, "tp": tp}
+        inspected = None
+        if inspect is not None:
+            inspected = inspect(ddp=ddp, optimizer=optimizer, groups=groups, model_cfg=model_cfg, parallel=parallel)
+        return {"initial": initial, "history": history, "params": params, "tp_rank": groups.tp_rank, "tp": tp,
+                "etp_rank": groups.etp_rank, "etp": groups.etp_size, "inspected": inspected}  # fmt: skip
     finally:
         destroy_model_parallel()
 
@@ -170,11 +185,12 @@ def _assert_same_history(actual: list, expected: list, what: str) -> None:
 
 
 def _assert_same_params(rank_result: dict, reference_params: dict, what: str) -> None:
-    from megatron_empg.mcore.model import tp_slice
+    from megatron_empg.mcore.model import is_expert_parameter, tp_slice
 
     for name, (shard, partition) in rank_result["params"].items():
         full, _ = reference_params[name]
-        expected = tp_slice(full, partition, rank_result["tp_rank"], rank_result["tp"])
+        split = ("etp_rank", "etp") if is_expert_parameter(name) else ("tp_rank", "tp")  # experts: over ETP
+        expected = tp_slice(full, partition, *(rank_result[key] for key in split))
         torch.testing.assert_close(shard, expected, **PARAM_TOL, msg=lambda m: f"{what} {name}: {m}")
 
 
