@@ -124,8 +124,8 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
 
 
 def _check_experts(config: RunConfig, model: ModelConfig, training: int) -> None:
-    """A mixture of experts: the expert grid (ETP x EP x PP) divides the training ranks, and tokens
-    cross expert-parallel ranks by alltoall: Megatron's allgather dispatcher exchanges as many tokens
+    """A mixture of experts: the expert grid (ETP x EP x PP) divides the training ranks, TP > 1
+    comes with sequence parallelism, and tokens cross expert-parallel ranks by alltoall: Megatron's allgather dispatcher exchanges as many tokens
     from every rank, while packed micro-batches differ in length from one data-parallel rank to the
     next (a gloo or NCCL size mismatch a few steps in)."""
     parallel = config.parallel
@@ -137,6 +137,12 @@ def _check_experts(config: RunConfig, model: ModelConfig, training: int) -> None
             f"the {training} training ranks are not divisible by parallel.expert_tensor_parallel_size x "
             f"parallel.expert_model_parallel_size x parallel.pipeline_model_parallel_size = {parallel.expert_tp_size} x "
             f"{parallel.expert_model_parallel_size} x {parallel.pipeline_model_parallel_size}",
+        )
+    if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            "a mixture of experts trains at tensor_model_parallel_size > 1 only with sequence parallelism (Megatron's "
+            "MoE layer refuses otherwise), which needs model.attention_backend te; or use TP 1 and expert parallelism",
         )
     if parallel.expert_model_parallel_size > 1 and parallel.moe_token_dispatcher_type == "allgather":
         raise ConfigError(

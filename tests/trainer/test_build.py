@@ -200,6 +200,8 @@ def test_layout_module_imports_no_torch():
          "use alltoall"),
         (["parallel.expert_model_parallel_size=2", "rollout.in_process=false", "weight_sync.transport=shm_file"], 2,
          "parallel.expert_model_parallel_size", "has no experts"),
+        (["model=tiny-qwen3-moe", "parallel.tensor_model_parallel_size=2", "rollout.in_process=false",
+          "weight_sync.transport=shm_file"], 2, "parallel.sequence_parallel", "only with sequence parallelism"),
     ],
 )  # fmt: skip
 def test_bind_names_the_field_of_each_bad_setting(tmp_path, overrides, world, field, words):

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -34,7 +35,7 @@ LAYOUTS = {  # name: (world size, overrides)
     "dp2_distopt": (2, ["optimizer.use_distributed_optimizer=true"]),
     # experts split over EP 2, their optimizer state over expert-DP 1, the rest over DP 2
     "moe_ep2_distopt": (2, ["model=tiny-qwen3-moe", "parallel.expert_model_parallel_size=2",
-                            "parallel.moe_token_dispatcher_type=allgather", "optimizer.use_distributed_optimizer=true"]),
+                            "optimizer.use_distributed_optimizer=true"]),
 }
 
 
@@ -50,6 +51,7 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import train_step
+    from megatron_empg.parallel.rl_loss import loss_units
     from megatron_empg.trainer.build import bind_loss
 
     out = {}
@@ -67,14 +69,18 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
             mb = MicroBatch(ids, ids, torch.ones_like(ids, dtype=torch.bool), torch.ones(2, 16), torch.zeros(2, 16),
                             old_logprobs=torch.zeros(2, 16))  # fmt: skip
             loss, _ = bind_loss(config.algorithm.loss.__class__(), vocab_size=model.vocab_size, topk=0)
-            train_step(ddp, optimizer, build_scheduler(optimizer, config.optimizer), [mb, mb], loss, groups=groups)
-            inner = optimizer.optimizer
-            state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+            units = functools.partial(loss_units, agg_mode=config.algorithm.loss.agg_mode)  # the router losses' scale
+            train_step(ddp, optimizer, build_scheduler(optimizer, config.optimizer), [mb, mb], loss, groups=groups,
+                       loss_units=units)  # fmt: skip
+            # a mixture of experts chains two optimizers (the dense weights, the experts)
+            inners = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+            state = [t for inner in inners for s in inner.state.values() for t in s.values()
+                     if torch.is_tensor(t) and t.dim() > 0]  # fmt: skip
             out[name] = {
                 "pp_rank": groups.pp_rank, "tp_rank": groups.tp_rank,
                 "weights": _bytes(p for c in chunks for p in c.parameters()),
                 "gradients": _bytes(b.grad_data for d in ddp for b in d.buffers + d.expert_parallel_buffers),
-                "main_parameters": _bytes(p for g in inner.param_groups for p in g["params"]),
+                "main_parameters": _bytes(p for inner in inners for g in inner.param_groups for p in g["params"]),
                 "adam": _bytes(state),
                 "anchor_weights": _bytes(p for c in anchor.models for p in c.parameters()),
                 "anchor_master": _bytes(t for t, _, _ in anchor.master_shards().values()),
