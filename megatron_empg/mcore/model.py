@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from megatron_empg.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
+from megatron_empg.mcore.experts import expert_offset, is_expert_parameter, moe_overrides, shift_experts
 from megatron_empg.mcore.fusions import FusionPlan, fusion_plan, install_wgrad_accumulation
 
 if TYPE_CHECKING:
@@ -146,37 +147,6 @@ def transformer_config(
     if kwargs["gradient_accumulation_fusion"]:
         install_wgrad_accumulation()
     return TransformerConfig(**kwargs)
-
-
-def moe_overrides(
-    model: ModelConfig, parallel: ParallelConfig, *, grouped_gemm: bool, routing_replay: bool = False
-) -> dict[str, Any]:
-    """``TransformerConfig`` fields of a mixture of experts.
-
-    Megatron's default router (top-k of the logits, then softmax over those k) gives HF's
-    ``norm_topk_prob`` weights; ``moe_router_pre_softmax`` (softmax over all experts, then top-k)
-    gives the weights without renormalization. The router runs in float32, as HF's softmax does.
-    ``expert_model_parallel_size`` must be in the config as well as in the process groups: without it
-    the experts' gradients are reduced as if every rank held the same experts. ``routing_replay``:
-    a ``RouterReplay`` in every router (``mcore.router_replay``; the fused top-k, off here, bypasses it).
-    """
-    return dict(
-        num_moe_experts=model.num_experts,
-        moe_router_topk=model.moe_router_topk,
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-        moe_router_pre_softmax=not model.moe_norm_topk_prob,
-        moe_router_score_function=model.moe_router_score_function,
-        moe_router_dtype="fp32",
-        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
-        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-        moe_z_loss_coeff=model.moe_z_loss_coeff,
-        moe_expert_capacity_factor=model.moe_expert_capacity_factor,
-        moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
-        moe_grouped_gemm=grouped_gemm,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tp_size,
-        moe_enable_routing_replay=routing_replay,
-    )
 
 
 def recompute_overrides(mode: str, num_layers: int = 1) -> dict[str, Any]:
@@ -337,38 +307,18 @@ def build_gpt_model(
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
-_GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")  # TE's grouped experts
 
 
 def global_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
     """``decoder.layers.<i>.`` is numbered per model chunk, and experts per expert-parallel rank:
     shift both to the full model's indices."""
     name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
-    if expert_offset:
-        name = _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + expert_offset}.", name)
-        name = _GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + expert_offset}", name)
-    return name
+    return shift_experts(name, expert_offset) if expert_offset else name
 
 
 def local_name(name: str, layer_offset: int, expert_offset: int = 0) -> str:
     """Inverse of ``global_name``."""
     return global_name(name, -layer_offset, -expert_offset)
-
-
-def is_expert_parameter(name: str) -> bool:
-    """Whether ``name`` is an expert's weight (split over the expert grid: EP, ETP)."""
-    return ".mlp.experts." in name
-
-
-def expert_offset(chunk: GPTModel) -> int:
-    """Global index of this rank's first expert (0 without experts or expert parallelism)."""
-    config = chunk.config
-    if not getattr(config, "num_moe_experts", None) or config.expert_model_parallel_size == 1:
-        return 0
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_model_parallel_rank() * (config.num_moe_experts // config.expert_model_parallel_size)
 
 
 def megatron_layer_offset(config: TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None) -> int:

@@ -59,7 +59,7 @@ def _mark_experts_expert_parallel(models: list[torch.nn.Module]) -> None:
     optimizer. With it at every EP size the optimizer is always the same chain (dense, experts), so
     its checkpoint has one structure and loads at another EP size (``mcore.checkpoint``).
     """
-    from megatron_empg.mcore.model import is_expert_parameter
+    from megatron_empg.mcore.experts import is_expert_parameter
 
     for model in models:
         for name, param in model.named_parameters():
