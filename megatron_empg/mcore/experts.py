@@ -60,8 +60,9 @@ def is_expert_parameter(name: str) -> bool:
 
 
 def expert_offset(chunk: GPTModel) -> int:
-    """Global index of this rank's first expert (0 without experts or expert parallelism)."""
-    config = chunk.config
+    """Global index of this rank's first expert (0 without experts or expert parallelism, or for a
+    module without a Megatron config)."""
+    config = getattr(chunk, "config", None)
     if not getattr(config, "num_moe_experts", None) or config.expert_model_parallel_size == 1:
         return 0
     from megatron.core import parallel_state as ps
