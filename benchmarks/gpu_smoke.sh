@@ -17,12 +17,15 @@
 #      and 24k with full recompute; one checkpoint save against a plain write of the same bytes
 #   b2. benchmarks/plan_vs_gpu.py on those results: the memory plan (empg plan) against each
 #      configuration's measured peaks, printed (within 10 % is the goal)
+#   b3. benchmarks/train_step.py on a mixture of experts: Qwen3-30B-A3B's layers (2 of its 48: 128
+#      experts, top-8), bf16, EP 1 with the alltoall dispatcher, 8k-token packed rows, 16k tokens per
+#      step: step time, MFU over the active parameters, peak       -> train_step_moe_gpu.json
 #   c. (SMOKE_KERNELS=1) the vocab kernels (vocab_kernel_gpu.json), measured in an earlier run and
 #      not repeated by default
 #   then a summary table (last in the output).
 #
 # Everything the steps print goes to smoke.log too; results land in ${OUT:-benchmarks/results}
-# (3 files from this script, 4 with SMOKE_KERNELS=1, and the GPU tests' 4; the device tool returns
+# (4 files from this script, 5 with SMOKE_KERNELS=1, and the GPU tests' 4; the device tool returns
 # at most 8). Each step has a time cap and the whole run a budget (SMOKE_BUDGET_S, default 540 s) so that it ends inside the device tool's 10
 # minutes; a step that fails or runs out of time is recorded and the next one still runs. Exit
 # status: 0 when every step passed, 1 otherwise. SMOKE_CPU_DRY_RUN=1 runs the same flow on a CPU at
@@ -106,6 +109,9 @@ TRAIN_CASES=(--case attention=unfused,tokens=2048 --case attention=sdpa,tokens=2
     --case attention=sdpa,tokens=8192 --case attention=sdpa,tokens=8192,kl=topk
     --case attention=sdpa,tokens=8192,forward_tokens=16384
     --case attention=sdpa,tokens=16384,recompute=full --case attention=sdpa,tokens=24576,recompute=full)
+MOE_ARGS=(--model qwen3-30b-a3b --model-override num_layers=2 --dtype bf16 --tokens-per-step 16384 --warmup 1
+    --repeats 2 ${PEAK:+--peak-tflops "$PEAK"})
+MOE_CASES=(--case attention=sdpa,tokens=8192)
 if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
     # the kernels under Triton's interpreter (vocab_kernel.py also sets it for --device cpu)
     VK_ARGS=(--device cpu --tokens 16 --vocab 512 --ids 33 --warmup 1 --repeats 1 --copy-gb 0.01 --sweep 256:4)
@@ -119,6 +125,8 @@ if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
         --checkpoint-dir "${TMPDIR:-/tmp}/empg_ckpt_dry")
     TRAIN_CASES=(--case attention=unfused,tokens=128 --case attention=sdpa,tokens=128
         --case attention=sdpa,tokens=256,kl=topk --case attention=sdpa,tokens=512,recompute=full)
+    MOE_ARGS=(--model tiny-qwen3-moe --dtype fp32 --tokens-per-step 256 --warmup 1 --repeats 1)
+    MOE_CASES=(--case attention=sdpa,tokens=128)
 fi
 
 # ---------------------------------------------------------------- steps
@@ -160,6 +168,9 @@ step "train_step: unfused vs sdpa 2k; sdpa 8k (k3, topk, forward 16k); 16k, 24k 
 # the memory plan against the peaks just measured (configurations it has not seen): printed only
 step "plan_vs_gpu (the memory plan against this run's peaks)" 40 \
     "$PY" benchmarks/plan_vs_gpu.py --results "$OUT_DIR" --out ""
+step "train_step: a mixture of experts (Qwen3-30B-A3B's layers, 2 of 48), sdpa 8k" 100 \
+    env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
+    "$PY" benchmarks/train_step.py "${MOE_ARGS[@]}" "${MOE_CASES[@]}" --out "$OUT_DIR/train_step_moe_gpu.json"
 if [[ "${SMOKE_KERNELS:-0}" == 1 ]]; then  # (topk_kl.py by hand: the kit's files would pass the tool's 8)
     step "vocab_kernel ${VK_ARGS[*]:0:2}" 90 \
         env "${VK_ENV[@]}" "$PY" benchmarks/vocab_kernel.py "${VK_ARGS[@]}" --out "$OUT_DIR/vocab_kernel_gpu.json"
@@ -257,11 +268,15 @@ if t:
     if t.get("error"):
         print("topk_kernel error:", t["error"].strip().splitlines()[-1])
 
-d = load("train_step_gpu.json")
-if d:
+def train_table(name):
+    d = load(name)
+    if not d:
+        return
     p = d["params"]
-    print(f"\ntrain_step ({p.get('model')}, {p.get('dtype')}, {p.get('tokens_per_step')} tokens per step, commit "
-          f"{d.get('commit')}, peak {p.get('peak_tflops')} TFLOP/s; MFU with causal halving, Megatron's in brackets):")
+    overrides = f" with {', '.join(p['model_override'])}" if p.get("model_override") else ""
+    print(f"\ntrain_step ({p.get('model')}{overrides}, {p.get('dtype')}, {p.get('tokens_per_step')} tokens per step, "
+          f"commit {d.get('commit')}, peak {p.get('peak_tflops')} TFLOP/s; MFU with causal halving, Megatron's in "
+          f"brackets):")
     print(f"{'attention':<9} {'tokens':>6} {'recompute':<9} {'kl':<5} {'tokens/s':>9} {'MFU %':>13} {'step s':>7} "
           f"{'old s':>6} {'peak GiB':>9}")
     for r in d.get("records", []):
@@ -276,6 +291,10 @@ if d:
     if c:
         print(f"checkpoint: {c['checkpoint_gb']:.1f} GB in {c['checkpoint_s']:.1f} s; the same bytes written plainly in "
               f"{c['plain_write_s']:.1f} s ({c['write_gb_per_s']:.2f} GB/s): {c['ratio_to_plain_write']:.2f}x")
+
+
+train_table("train_step_gpu.json")
+train_table("train_step_moe_gpu.json")
 a = load("attention_gpu.json")
 if a:
     print(f"\nattention: {a.get('varlen_attn')}, grouped K/V natively: {a.get('varlen_native_gqa')}")

@@ -15,7 +15,8 @@ a reverse Top-k KL with k = ``--k``), ``packed`` (1, or 0: one right-padded row 
 ``fusions`` (auto: ``mcore.fusions.fusion_plan`` for this machine; off), ``forward_tokens`` (the
 old and anchor passes' budget, ``train.max_tokens_per_forward_microbatch``; 0: the update's rows).
 One process (DP 1, TP 1),
-the model with random weights (``--model``), the loss of ``--recipe`` (``algorithm.loss``, bound
+the model with random weights (``--model``, changed by ``--model-override a=b``: e.g. a mixture of
+experts at fewer layers), the loss of ``--recipe`` (``algorithm.loss``, bound
 by ``trainer.build.bind_loss``), its EMA anchor in bf16 (fp32 master), Megatron DDP + Adam.
 
 Each step's samples are ``--tokens-per-step`` tokens of sequences of exactly ``tokens`` tokens
@@ -28,7 +29,8 @@ ones on CUDA). Every stage is timed between two device synchronizes; medians ove
 steps after ``--warmup``.
 
 Model FLOPs of a step (``flops`` in each record): per token, 2 N forward (N = the matmul
-parameters: the layers and the output layer, not the embedding lookup), x3 for forward + backward;
+parameters: the layers and the output layer, not the embedding lookup; a mixture of experts counts
+the router and the ``moe_router_topk`` experts a token uses), x3 for forward + backward;
 attention 4 L d_attn per token and layer forward for a sequence of L tokens (d_attn = heads x
 head_dim: QK^T and AV), halved for causal masking in ``mfu`` (the FLOPs the model needs) and not
 halved in ``mfu_megatron`` (Megatron-LM's ``num_floating_point_operations`` convention, that of the
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -126,7 +129,8 @@ def step_flops(model_cfg, lengths: list[int]) -> dict:
     """Model FLOPs of one step (two forward passes and one update) over sequences of ``lengths``
     tokens (module docstring); with and without the causal halving of attention."""
     embedding = model_cfg.vocab_size * model_cfg.hidden_size
-    matmul_params = model_cfg.num_parameters() - embedding + (embedding if model_cfg.tie_word_embeddings else 0)
+    active = model_cfg.num_parameters(active=True)  # a mixture of experts: the experts a token uses
+    matmul_params = active - embedding + (embedding if model_cfg.tie_word_embeddings else 0)
     tokens = sum(lengths)
     d_attn = model_cfg.num_attention_heads * model_cfg.kv_channels
     attention_full = sum(4 * length * length * d_attn for length in lengths) * model_cfg.num_layers
@@ -179,10 +183,11 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
+    from megatron_empg.parallel.rl_loss import loss_units
     from megatron_empg.trainer.build import bind_loss
     from megatron_empg.trainer.forward_batch import ForwardPlan, forward_rows
 
-    model_cfg = load_model_config(args.model)
+    model_cfg = load_model_config(args.model, args.model_override)
     parallel = ParallelConfig()
     groups = initialize_model_parallel(parallel, seed=0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -236,7 +241,9 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
             if plan.anchor_at_old_topk:
                 mb.topk_anchor_logprobs = out["extra_logprobs"]
         progress["stage"] = "update"
-        _, t_update = _timed(lambda: train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups), peaks, "update")
+        units = functools.partial(loss_units, agg_mode=loss_cfg.agg_mode)  # a mixture of experts' router losses
+        _, t_update = _timed(lambda: train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups, loss_units=units),
+                             peaks, "update")  # fmt: skip
         progress["stage"] = "ema_update"
         _, t_ema = _timed(anchor.update, peaks, "ema_update")
         if step >= args.warmup:
@@ -372,6 +379,8 @@ def _summary(record: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: tiny-qwen2 on CPU, the recipe's model on CUDA")
+    p.add_argument("--model-override", action="append", default=[], help="a dotted override of the model config "
+                   "(repeatable), e.g. num_layers=4")  # fmt: skip
     p.add_argument("--recipe", default=str(REPO / "recipes/r1_distill_qwen_1.5b_math_ema_pg.yaml"))
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16" if CUDA else "fp32")
     p.add_argument("--case", action="append", type=Case.parse, help="repeatable; default: one sdpa case")
