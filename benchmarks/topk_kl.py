@@ -13,7 +13,7 @@ logits, reverse direction (q = top-k of pi_old, tail sampling, importance weight
   ours_core         megatron_empg.core.topk_kl.topk_kl (validate=True, the default: also scans the
                     logits for NaN/inf)
   ours_core_novalidate   the same with validate=False
-  naive_emapg       ema-pg update pass in plain torch (ema-pg.md 3.1 step 4 + section 3):
+  naive_emapg       ema-pg update pass in plain torch (docs/design/ema-pg.md 3.1 step 4 + section 3):
                     log_softmax(logits.float()) [T, V] with autograd, log pi(y) gathered from it,
                     logits gathered at q by advanced indexing, lse = z_y - log pi(y), head/tail math
   naive_logsoftmax  plain: log_softmax(logits.float()) [T, V], gather at the K+1 ids, same math
@@ -125,8 +125,9 @@ VARIANT_DOC = {
     "ours_vp": "vocab_parallel_topk_kl(tp_group=None, inplace_backward=False)",
     "ours_core": "core.topk_kl.topk_kl(validate=True, default): includes an isfinite scan of the [T, V] logits",
     "ours_core_novalidate": "core.topk_kl.topk_kl(validate=False)",
-    "naive_emapg": "ema-pg update pass (ema-pg.md 3.1 step 4 + section 3) in plain torch: log_softmax(logits.float()) [T,V] "
-    "with autograd, log pi(y) gathered from it, logits[rows, q] (bf16 advanced indexing), lse = z_y - log pi(y), "
+    "naive_emapg": "ema-pg update pass (docs/design/ema-pg.md 3.1 step 4 + section 3) in plain torch: "
+    "log_softmax(logits.float()) [T,V] with autograd, log pi(y) gathered from it, logits[rows, q] "
+    "(bf16 advanced indexing), lse = z_y - log pi(y), "
     "L1 + s * L2 with s = exp(clamp(sg(l - l_old), +-20)); reference side precomputed ([T,k] bf16 logits, lse, log pi_ref(y))",
     "naive_logsoftmax": "log_softmax(logits.float()) [T,V] with autograd, gather at the K+1 ids (q and y), same head/tail math",
     "exact_kl": "core.logprob.exact_kl(logits, ref_logits, direction='reverse', validate=False): full-vocab exact KL",

@@ -1,4 +1,4 @@
-"""Import layering of ``megatron_empg`` (DESIGN.md "Packages and layers"), checked with ``ast``.
+"""Import layering of ``megatron_empg`` (docs/design/architecture.md "Packages and layers"), checked with ``ast``.
 
 Every module's imports are read from its source, never executed, and checked against the row of
 its layer in ``MODULE_LEVEL`` (imports that run when the module is imported) and

@@ -131,7 +131,7 @@ SEARCH_R1_BASE_PREFIX = (
 
 
 def test_search_recipe_has_the_published_hyperparameters():
-    """ema-pg.md section 8.1 (search/train_grpo_ema_pg.sh), in optimizer steps where ours count them."""
+    """docs/design/ema-pg.md section 8.1 (search/train_grpo_ema_pg.sh), in optimizer steps where ours count them."""
     config = load_config(RunConfig, RECIPES / f"{SEARCH}.yaml")
     assert config.model_config().hf_model_id == "Qwen/Qwen2.5-3B"
     assert config.train.steps == 1005

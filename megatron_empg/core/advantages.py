@@ -231,7 +231,7 @@ def dr_grpo(rewards: Tensor, group_ids: Tensor, *, validate: bool = True) -> Ten
 
 @register_advantage_estimator("rpg")
 def rpg_group_mean(rewards: Tensor, group_ids: Tensor, *, validate: bool = True) -> Tensor:
-    """RPG's ``adv_estimator=rpg`` (arXiv:2505.17508, rpg.md section 6): ``R_i - mean_g``.
+    """RPG's ``adv_estimator=rpg`` (arXiv:2505.17508, docs/design/rpg.md section 6): ``R_i - mean_g``.
 
     Equal to ``dr_grpo`` except that, as in the RPG code, a group of size 1 is not an error: its
     baseline is 0, so its advantage is its reward.

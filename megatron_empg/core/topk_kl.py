@@ -19,7 +19,7 @@ sampled tail only: value = head + w_mu * s * tail. The head is an exact sum at t
 Both tail forms have the same value, so E[value] is the exact KL for any fixed q (with s, also
 when y ~ pi_old). The gradients differ: the reference surrogate's expected gradient is
 grad KL + grad pi_theta(q) (reverse) or grad KL + grad pi_theta(V \\ q) (forward), because
-sum_{j not in q} grad pi(j) only vanishes over the whole vocabulary (ema-pg.md section 5).
+sum_{j not in q} grad pi(j) only vanishes over the whole vocabulary (docs/design/ema-pg.md section 5).
 "unbiased" adds the missing term (reverse) or drops the spurious one (forward), so
 E[grad] = grad KL exactly. Both are verified by exact enumeration in tests/core/test_topk_kl.py.
 """

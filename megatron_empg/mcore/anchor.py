@@ -1,7 +1,7 @@
 """The EMA anchor: a second ``GPTModel`` whose weights follow the policy as a float32 EMA.
 
-EMA-PG's KL reference (DESIGN.md "One RL step"; ema-pg.md section 7). After the optimizer step of
-every step ``t`` with ``schedule.should_update(t)``::
+EMA-PG's KL reference (docs/design/architecture.md "One RL step"; docs/design/ema-pg.md section 7).
+After the optimizer step of every step ``t`` with ``schedule.should_update(t)``::
 
     master  <- tau * master + (1 - tau) * policy_main      (float32, elementwise, no communication)
     weights <- cast(master)                                 (compute dtype; one DP all-gather with

@@ -1,7 +1,7 @@
 """Megatron DDP, ``get_megatron_optimizer`` and the LR schedule for the policy.
 
-Loss normalisation contract (DESIGN.md "Numerical contracts"): the loss function returns
-(sum, count) per micro-batch and the model config sets ``calculate_per_token_loss``. Megatron then
+Loss normalisation contract (docs/design/architecture.md "Numerical contracts"): the loss function
+returns (sum, count) per micro-batch and the model config sets ``calculate_per_token_loss``. Megatron then
 neither divides by the micro-batch count nor by the DP size; ``finalize_model_grads`` sums the
 counts over micro-batches, broadcasts them over PP, all-reduces them over DP and scales every
 gradient by 1 / global count: the single division of the step.

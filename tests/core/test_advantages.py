@@ -131,7 +131,7 @@ def test_dr_grpo_rejects_a_group_of_one_while_rpg_gives_it_its_reward():
     group_ids = torch.tensor([9, 4, 4])
     with pytest.raises(ValueError, match="group_ids: group 9 has a single sample"):
         dr_grpo(rewards, group_ids)
-    # RPG's code: a singleton's baseline is 0, so its advantage is its reward (rpg.md property 17).
+    # RPG's code: a singleton's baseline is 0, so its advantage is its reward (docs/design/rpg.md property 17).
     actual = ADVANTAGE_ESTIMATORS["rpg"](rewards, group_ids)
     torch.testing.assert_close(actual, torch.tensor([0.7, 0.5, -0.5]))
 

@@ -91,7 +91,7 @@ def test_parameters_that_require_grad_are_updated_without_autograd_errors():
 
 
 def test_bf16_ema_stalls_on_small_drifts_while_float32_tracks_float64():
-    """Why the anchor is float32 (ema-pg.md 7.3): lr-1e-6-sized drifts vanish in a bf16 EMA.
+    """Why the anchor is float32 (docs/design/ema-pg.md 7.3): lr-1e-6-sized drifts vanish in a bf16 EMA.
 
     The policy moves by about 1e-6 per step (Adam-like, consistent sign per coordinate) from
     weights of order 1, where a bf16 ulp is 2^-8..2^-7 (4e-3..8e-3). A bf16 EMA never moves:

@@ -1,4 +1,4 @@
-"""The 22 testable properties of RPG (arXiv:2505.17508) from shared/research/rpg.md section 10.
+"""The 22 testable properties of RPG (arXiv:2505.17508) from docs/design/rpg.md section 10.
 
 Common setup: float64, P = 3 independent positions over a vocabulary of V = 7, random logits
 theta (the policy), theta_old (the sampler) and theta_ref (a separate reference), a reward
@@ -74,7 +74,7 @@ def ukl(p: Tensor, q: Tensor) -> Tensor:
 
 
 def exact_divergence(divergence: str, pi: Tensor, pi_old: Tensor) -> Tensor:
-    """D(pi_theta, pi_old) of rpg.md section 2 by summation [P]; pi_old may be unnormalized."""
+    """D(pi_theta, pi_old) of docs/design/rpg.md section 2 by summation [P]; pi_old may be unnormalized."""
     return {
         "fkl": lambda: kl(pi_old, pi),
         "rkl": lambda: kl(pi, pi_old),
@@ -124,7 +124,7 @@ def expected_under_old(case: dict[str, Tensor], per_token, z_old: float = 1.0, b
 
 
 def grad_wrt_logprobs(fn, logprobs: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-    """(values, d sum(values) / d logprobs) of a per-token function: the d/dl of rpg.md [*]."""
+    """(values, d sum(values) / d logprobs) of a per-token function: the d/dl of docs/design/rpg.md [*]."""
     leaf = logprobs.detach().clone().requires_grad_(True)
     out = fn(leaf, *args, **kwargs)
     values = out.values if isinstance(out, PolicyLoss) else out
@@ -133,7 +133,7 @@ def grad_wrt_logprobs(fn, logprobs: Tensor, *args, **kwargs) -> tuple[Tensor, Te
 
 
 def expected_kappa(divergence: str, w_bar: Tensor, beta: float = BETA) -> Tensor:
-    """KL part of the REINFORCE weight, rpg.md section 4.2 (L539-549 of the RPG code) [*]."""
+    """KL part of the REINFORCE weight, docs/design/rpg.md section 4.2 (L539-549 of the RPG code) [*]."""
     return {
         "fkl": lambda: beta * torch.ones_like(w_bar),
         "rkl": lambda: -beta * w_bar * (w_bar.log() + 1),
@@ -224,7 +224,7 @@ def test_p03_per_sample_equivalence_for_any_w(divergence):
         expected_jac = per_token_jacobian(rpg_loss, theta)
         actual_jac = per_token_jacobian(rpg_reinforce_loss, theta)
         assert_close(actual_jac, expected_jac, **EXACT)
-    # ... and both equal the closed form d/dl = -(A w + kappa(w)) of rpg.md section 2 (token level).
+    # ... and both equal the closed form d/dl = -(A w + kappa(w)) of docs/design/rpg.md section 2 (token level).
     tokens = random_tokens(seed=3)
     tokens["logprobs"][:16] = tokens["old_logprobs"][:16]  # w = 1 exactly
     w = (tokens["logprobs"] - tokens["old_logprobs"]).exp()
@@ -420,7 +420,7 @@ def test_p10_rpg_fkl_is_unclamped():
 
 
 def test_p11_kl_term_derivative_table():
-    # rpg.md section 5 table, token by token inside the clamp. rpg_js (a bug, not in the paper) is
+    # docs/design/rpg.md section 5 table, token by token inside the clamp. rpg_js (a bug, not in the paper) is
     # not implemented; low_var_kl and kl come from core/kl.py.
     from megatron_empg.core.kl import sampled_kl
 
@@ -491,7 +491,7 @@ def test_p13_beta_zero_style_clip_is_dual_clip_ppo(divergence):
 
 
 def style_clip_mask(w: Tensor, positive: Tensor) -> Tensor:
-    """M of rpg.md section 4.2: [pos and w < 1+eps_h] or [not pos and 1-eps_l <= w < c]."""
+    """M of docs/design/rpg.md section 4.2: [pos and w < 1+eps_h] or [not pos and 1-eps_l <= w < c]."""
     eps_low, eps_high, c = CLIP["clip_eps_low"], CLIP["clip_eps_high"], CLIP["clip_c"]
     return (positive & (w < 1 + eps_high)) | (~positive & (w >= 1 - eps_low) & (w < c))
 
@@ -574,7 +574,7 @@ def test_p17_advantage():
     expected = torch.tensor(
         [4 / 3, -2 / 3, -2 / 3, 7 / 12, 1 / 12, -2 / 3, 3.0], dtype=DTYPE
     )
-    # The singleton (id 9) has baseline 0, so A = R (RPG code and rpg.md property 17).
+    # The singleton (id 9) has baseline 0, so A = R (RPG code and docs/design/rpg.md property 17).
     assert_close(actual, expected, **EXACT)
     for gid in (7, 2):
         assert_close(actual[group_ids == gid].sum(), torch.zeros((), dtype=DTYPE), **EXACT)

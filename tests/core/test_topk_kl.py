@@ -7,7 +7,7 @@ entry points run: ``topk_kl`` (from logits; the logits are repeated once per can
 ``topk_kl_from_logprobs`` (from log-probs gathered here).
 
 Closed forms used below, per position, with a = log pi, b = log pi_ref, q the index set and
-Q' = V \\ q (ema-pg.md sections 3 and 5):
+Q' = V \\ q (docs/design/ema-pg.md sections 3 and 5):
     reverse KL = sum_j pi_j (a_j - b_j),   head = sum_{j in q} ..., tail part = sum_{j in Q'} ...
     forward KL = sum_j pi_ref_j (b_j - a_j), split the same way
     E[grad], tail_grad="reference":  grad KL + grad pi(q) (reverse), grad KL + grad pi(Q') (forward)
@@ -403,7 +403,7 @@ def test_bf16_logits_close_to_fp32(direction):
     (actual_grad,) = torch.autograd.grad(actual.values.sum(), bf16_logits)
     assert actual.values.dtype == torch.float32 and actual_grad.dtype == torch.bfloat16
     assert torch.isfinite(actual.values).all() and torch.isfinite(actual_grad).all()
-    # bf16 rounds logits of size ~5 by up to ~1e-2; ema-pg.md section 11 saw 1.4e-2 per token.
+    # bf16 rounds logits of size ~5 by up to ~1e-2; docs/design/ema-pg.md section 11 saw 1.4e-2 per token.
     torch.testing.assert_close(actual.values.detach(), expected.values, rtol=0, atol=2e-2)
 
 
