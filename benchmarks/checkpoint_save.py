@@ -79,7 +79,7 @@ import threading
 import time
 import zlib
 from collections import defaultdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -495,7 +495,7 @@ def recipes(args) -> None:
     rows = recipe_rows({"gpu_before": gpu["bytes_per_second"], "after": after["bytes_per_second"]})
     report = {
         "benchmark": "checkpoint_recipes",
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "rates": {"gpu_before": gpu, "after": after},
         "grace_seconds": GRACE_SECONDS,
@@ -559,7 +559,7 @@ def main(argv=None) -> None:
         dist.destroy_process_group()
     report = {
         "benchmark": "checkpoint_save",
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": _machine(Path(args.dir)),
         "params": vars(args),

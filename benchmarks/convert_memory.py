@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def main() -> int:
             r["above_tiny_mib"] = [round(r["peak_rss_mib_min"] - base, 1), round(r["peak_rss_mib_max"] - base, 1)]
     report = {
         "method": __doc__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "loadavg_after": os.getloadavg()},  # fmt: skip
         "results": results,

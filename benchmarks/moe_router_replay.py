@@ -33,7 +33,7 @@ import os
 import platform
 import sys
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -138,7 +138,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("MASTER_PORT", "29541")
     dist.init_process_group("gloo", rank=0, world_size=1)
     report: dict = {
-        "benchmark": "moe_router_replay", "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "moe_router_replay", "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": _machine(),
         "params": {"model": MODEL, "prompts": PROMPTS, "n": N, "max_tokens": MAX_TOKENS, "temperature": 1.0,
                    "prompt_tokens": "8..24 random ids", "trainer_dtype": "float32", "engine": "hf",

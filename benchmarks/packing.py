@@ -69,7 +69,7 @@ import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from statistics import NormalDist
@@ -277,7 +277,7 @@ def main(argv=None) -> None:
     q = attention_quadratic(big.hidden_size, big.parameters_per_layer())
     report: dict = {
         "benchmark": "packing",
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": _machine(),
         "params": {"quick": args.quick, "cap": CAP, "prompts": list(PROMPTS), "replicas": REPLICAS,

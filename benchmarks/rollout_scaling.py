@@ -58,7 +58,7 @@ import tempfile
 import time
 import traceback
 import types
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -417,7 +417,7 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "rollout_scaling",
         "schema": SCHEMA,
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),
         "versions": _versions(),

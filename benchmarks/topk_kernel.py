@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import traceback
@@ -158,7 +157,7 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "topk_kernel",
         "schema": 1,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device_info(torch, device),
         "measurement": device.type == "cuda",

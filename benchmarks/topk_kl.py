@@ -1295,7 +1295,7 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "topk_kl",
         "schema": SCHEMA,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),
         "torch": info,

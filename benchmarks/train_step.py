@@ -59,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -69,7 +69,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from megatron_empg.config import LossConfig, ParallelConfig, RunConfig, load_config, load_model_config  # noqa: E402
+from megatron_empg.config import ParallelConfig, RunConfig, load_config, load_model_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 STAGES = ("old_pass", "anchor_pass", "update", "ema_update")
@@ -405,7 +405,7 @@ def main(argv=None) -> None:
     if CUDA:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if CUDA else "gloo", rank=0, world_size=1)
-    report = {"benchmark": "train_step", "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    report = {"benchmark": "train_step", "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
               "commit": _commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": _machine(),
               "params": {k: v for k, v in vars(args).items() if k != "case"}, "records": []}  # fmt: skip
     try:

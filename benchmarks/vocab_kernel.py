@@ -241,7 +241,7 @@ def sweep(torch, inp: dict, args, timer: Timer, configs: list[tuple[int, int]]) 
                 ("forward", tv2, lambda: kernels.local_stats(
                     logits, cols, args.vocab, with_entropy=True, block_size=block, num_warps=warps)),
                 ("backward", 2 * tv2, lambda: kernels.logsoftmax_backward(
-                    logits, out, args.vocab, lse, cols, inp["g_logprobs"], g_total, entropy, inp["g_entropy"],
+                    logits, out, args.vocab, lse, cols, inp["g_logprobs"], g_total, entropy, inp["g_entropy"],  # noqa: F821
                     block_size=block, num_warps=warps)),
             ):  # fmt: skip
                 ms = []
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "vocab_kernel",
         "schema": 1,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device_info(torch, device),
         "git": {

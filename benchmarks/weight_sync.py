@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -308,7 +308,7 @@ def child_run(spec: dict) -> dict:
         del dst
 
         def param_copy():
-            for view, tensor in views:
+            for view, tensor in views:  # noqa: F821 (deleted below, after its last call)
                 view.copy_(tensor.detach())
 
         seconds, _ = _repeat(param_copy, warmup, repeats)
@@ -551,7 +551,7 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "weight_sync",
         "schema": SCHEMA,
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),
         "versions": _versions(),

@@ -5,7 +5,7 @@ the comparison of two model configs' architectures."""
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 

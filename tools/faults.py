@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
               f"redone={result.get('steps_redone', 0)} leftovers={result['leftovers']} {result['seconds']} s", flush=True)
     report = {
         "benchmark": "faults",
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
         "recipe": str(RECIPE.relative_to(REPO)), "steps": args.steps, "checkpoint_interval": INTERVAL,

@@ -122,7 +122,7 @@ def _log_times(log: Path, since: float) -> float | None:
         stamp = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})", line)
         if stamp and DETECTED.search(line):
             t = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
-            t = t.replace(tzinfo=datetime.timezone.utc).timestamp()
+            t = t.replace(tzinfo=datetime.UTC).timestamp()
             if t >= since - 1:
                 return t
         elif not stamp and DETECTED.search(line) and line.startswith(("restarting after", "not restarting")):

@@ -20,8 +20,9 @@ import json
 import os
 import re
 import struct
+from collections.abc import Sequence
 from pathlib import Path
-from typing import BinaryIO, Sequence
+from typing import BinaryIO
 
 import torch
 

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from megatron_empg.core.checks import check_finite, check_same_shape
 from megatron_empg.core.kl import LOG_RATIO_CLAMP  # inside the clamp the ratio is exact; beyond it
+
 # the ratio is constant, so the (anyway clipped) token gets no gradient
 
 

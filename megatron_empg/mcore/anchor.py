@@ -99,13 +99,12 @@ from megatron_empg.mcore import cpu_shims
 
 cpu_shims.install_pre_import()
 
-from megatron.core import tensor_parallel  # noqa: E402  (after the pre-import shims)
-from megatron.core import fp8_utils  # noqa: E402
+from megatron.core import fp8_utils, tensor_parallel  # noqa: E402  (after the pre-import shims)
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 from megatron.core.optimizer.optimizer import (  # noqa: E402
     ChainedOptimizer,
-    FP32Optimizer,
     Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
 )
 
 if TYPE_CHECKING:

@@ -90,8 +90,9 @@ import logging
 import os
 import secrets
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,7 @@ from megatron_empg.mcore.checkpoint_files import (  # noqa: F401 (re-exported: t
     step_dirs,
     write_atomic,
 )
+from megatron_empg.mcore.checkpoint_load import load_checkpoint  # noqa: F401 (re-exported)
 from megatron_empg.mcore.checkpoint_state import (  # noqa: F401 (re-exported)
     ANCHOR_PREFIX,
     DEFAULT_OPTIMIZER_FORMAT,
@@ -147,7 +149,6 @@ from megatron_empg.mcore.checkpoint_state import (  # noqa: F401 (re-exported)
     set_rng_state,
     unwrap,
 )
-from megatron_empg.mcore.checkpoint_load import load_checkpoint  # noqa: F401 (re-exported)
 from megatron_empg.mcore.checkpoint_verify import (  # noqa: F401 (re-exported)
     check_same_on_all_ranks,
     find_verified_checkpoint,
@@ -186,7 +187,7 @@ def checkpoint_info(
         "layout": dict(layout),
         "model_chunks": model_chunks,
         "parts": dict(parts),
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "megatron_core": _megatron_version(),
         **extra,

@@ -28,8 +28,9 @@ import re
 import secrets
 import shutil
 import zlib
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from megatron_empg.config import ModelConfig

@@ -27,7 +27,7 @@ optimizer state (bucket padding left out).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 from megatron_empg.config import ModelConfig, OptimizerConfig, ParallelConfig
 

@@ -37,7 +37,7 @@ import inspect
 import itertools
 import os
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -38,8 +38,9 @@ import dataclasses
 import os
 import secrets
 import shutil
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist

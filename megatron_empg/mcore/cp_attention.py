@@ -95,7 +95,7 @@ def _masked_buckets(query: Tensor, key: Tensor, value: Tensor, chunks: CpChunks,
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bottom_right_causal(varlen, device: torch.device) -> bool:
     """Whether ``varlen``'s causal mask, for a query segment shorter than its key segment, is
     aligned to the bottom right (query i of q sees keys j <= i + k - q), as flash attention's is:

@@ -20,7 +20,8 @@ import importlib.util
 import logging
 import sys
 import types
-from typing import Callable, Collection, NamedTuple
+from collections.abc import Callable, Collection
+from typing import NamedTuple
 
 import torch
 from packaging.specifiers import SpecifierSet

@@ -26,6 +26,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig  
 from megatron.core.optimizer import get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
+
 def wrap_with_ddp(models: list[torch.nn.Module], settings: OptimizerConfig) -> list[DistributedDataParallel]:
     """Wrap each model chunk in Megatron DDP (fp32 grad buffers) and set the per-token-loss contract.
 

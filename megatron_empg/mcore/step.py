@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.core.aggregation import LossSum
+from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.step_guard import GradNormGuard, SkipReason
 from megatron_empg.mcore import cpu_shims, router_replay
 from megatron_empg.mcore.moe import LossUnits, router_recorder, set_aux_loss_scale
@@ -43,7 +44,6 @@ from megatron_empg.mcore.thd import thd_layout
 from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.context_parallel import CpChunks, split_microbatch
 from megatron_empg.parallel.fused_output import OutputLayerInput
-from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.rl_loss import RLLoss
 from megatron_empg.parallel.vocab_parallel import vocab_parallel_token_stats
 

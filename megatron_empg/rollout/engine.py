@@ -15,8 +15,8 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch

@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
-from typing import Sequence
+from collections.abc import Sequence
 
 _Bin = tuple[float, list[int]]  # (sum of weights, indices; dummy padding indices are >= len(weights))
 

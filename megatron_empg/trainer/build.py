@@ -45,8 +45,8 @@ from megatron_empg.core.behavior_is import BEHAVIOR_IS
 from megatron_empg.core.kl import sampled_kl
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.rpg import RPG_KL_TERMS
-from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
 from megatron_empg.core.topk_kl import topk_kl_from_logprobs
+from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
 from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, KL_KINDS, rl_loss
 from megatron_empg.rollout.data import DataError, check_records
 from megatron_empg.rollout.engine import ROUTED_EXPERT_LIMIT

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch.distributed as dist
 from torch import Tensor

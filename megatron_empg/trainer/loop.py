@@ -36,7 +36,7 @@ from megatron_empg.config import ConfigError, to_yaml
 from megatron_empg.core.behavior_is import behavior_metrics
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.link import Link
-from megatron_empg.trainer import machine
+from megatron_empg.trainer import machine, watchdog
 from megatron_empg.trainer.bad_steps import BadSteps
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.batching import BatchStage, StepBatch
@@ -44,7 +44,6 @@ from megatron_empg.trainer.build import Components
 from megatron_empg.trainer.collect import Scorer, StepRollout, prompt_batches, validation_sets
 from megatron_empg.trainer.engines import build_engines, engine_on_this_rank, training_placement
 from megatron_empg.trainer.forward_batch import forward_rows
-from megatron_empg.trainer import watchdog
 from megatron_empg.trainer.metrics import all_reduce_sums, rollout_metrics, sample_means, timed
 from megatron_empg.trainer.run_dir import check_fresh_start
 from megatron_empg.trainer.signals import any_rank_signalled, ignored_in_children, stop_signals

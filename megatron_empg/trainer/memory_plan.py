@@ -36,7 +36,7 @@ from typing import Any
 from megatron_empg.config import RunConfig
 from megatron_empg.mcore.checkpoint_size import DTYPE_BYTES
 from megatron_empg.trainer import memory_terms as terms
-from megatron_empg.trainer.memory_terms import BF16, FP32, GIB, CUDA, Calibration, rank_shape
+from megatron_empg.trainer.memory_terms import BF16, CUDA, FP32, GIB, Calibration, rank_shape
 
 # torch reports 85,017,493,504 bytes for an H100 80GB HBM3 (benchmarks/results/train_step_gpu_d63de0f.json)
 DEFAULT_DEVICE_BYTES = 85_017_493_504

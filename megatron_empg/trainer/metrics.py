@@ -11,7 +11,8 @@ import math
 import statistics
 import time
 import zlib
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

@@ -20,8 +20,8 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,8 @@ from megatron_empg.rollout.trajectory import Trajectory
 from megatron_empg.trainer.batch import Sample
 from megatron_empg.trainer.metrics import add_sums, sample_means, sample_sums
 from megatron_empg.trainer.signals import ignored_in_children
-from megatron_empg.trainer.watchdog import RestartableError
 from megatron_empg.trainer.start import write_hf_config
+from megatron_empg.trainer.watchdog import RestartableError
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
+from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
-from typing import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -221,7 +221,7 @@ class Watchdog:
 
 
 def _stamp(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def fresh_request(run_dir: Path, since: float) -> dict | None:

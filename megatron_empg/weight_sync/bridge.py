@@ -31,7 +31,8 @@ import dataclasses
 import math
 import re
 import time
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist

@@ -12,7 +12,8 @@ engine's loading, its numerics or its cache are the suspects.
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor

@@ -22,8 +22,9 @@ import itertools
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor

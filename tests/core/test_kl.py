@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from megatron_empg.core.kl import KL_VALUE_CLAMP, KL_ESTIMATORS, importance_weight, sampled_kl
+from megatron_empg.core.kl import KL_ESTIMATORS, KL_VALUE_CLAMP, importance_weight, sampled_kl
 
 # Exact enumeration in float64: the only error is rounding, ~1e-15 relative.
 ENUM_ATOL = 1e-10

@@ -13,7 +13,12 @@ import pytest
 from megatron_empg.trainer.metrics_log import read_metrics
 from megatron_empg.trainer.restarts import read_history
 from tests.trainer.demo_runs import (
-    LAUNCH_TIMEOUT_S, REPO, assert_same_steps, processes_with, run_train, small_demo_config,
+    LAUNCH_TIMEOUT_S,
+    REPO,
+    assert_same_steps,
+    processes_with,
+    run_train,
+    small_demo_config,
 )  # fmt: skip
 
 STEPS = 6

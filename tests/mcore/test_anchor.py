@@ -222,14 +222,13 @@ def tp_merge(pieces: dict[int, torch.Tensor], partition) -> torch.Tensor:
 def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full_state_dict: dict) -> dict:
     import torch.distributed as dist
 
+    from megatron_empg.config import LossConfig, OptimizerConfig
     from megatron_empg.mcore import model as mcore_model
     from megatron_empg.mcore.anchor import EmaAnchor
-    from megatron_empg.config import OptimizerConfig
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from megatron_empg.config import LossConfig
-    from megatron_empg.trainer.build import bind_loss
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
+    from megatron_empg.trainer.build import bind_loss
 
     model_cfg = load_model_config(MODEL)
     vpp = 2 if name.endswith("vpp2") else None
@@ -375,9 +374,9 @@ def _buckets_layout(full_state_dict: dict) -> dict:
     """DP2 distributed optimizer with several DDP buckets: parameters perturbed directly."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from megatron_empg.config import OptimizerConfig
     from megatron_empg.mcore import model as mcore_model
     from megatron_empg.mcore.anchor import EmaAnchor
-    from megatron_empg.config import OptimizerConfig
     from megatron_empg.mcore.optimizer import build_optimizer
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
 

@@ -20,8 +20,8 @@ import functools
 import logging
 import sys
 import traceback
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterator
 
 import pytest
 import torch

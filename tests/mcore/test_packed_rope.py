@@ -16,8 +16,9 @@ ONE_RANK = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)  # a context-pa
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("whole_row_freqs", [False, True])
 def test_vectorized_thd_rope_equals_megatron_loop(interleaved, whole_row_freqs):
-    from megatron_empg.mcore import thd
     from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_empg.mcore import thd
 
     assert rope_utils._apply_rotary_pos_emb_thd is thd.vectorized_thd_rope  # installed
     g = torch.Generator().manual_seed(0)

@@ -87,6 +87,7 @@ def _vllm_engine(llm):
 
 
 def _rank(rank: int, world_size: int, model_dir: str, batches: dict) -> dict:
+    from megatron.core.transformer.moe.router import TopKRouter
     from safetensors.torch import load_file
 
     from megatron_empg.config import ParallelConfig, load_model_config
@@ -94,8 +95,6 @@ def _rank(rank: int, world_size: int, model_dir: str, batches: dict) -> dict:
     from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict, recompute_overrides
     from megatron_empg.mcore.step import StatsRequest, _model_forward, forward_stats
     from megatron_empg.weight_sync import mapping
-
-    from megatron.core.transformer.moe.router import TopKRouter
 
     model = load_model_config(MODEL)
     parallel = ParallelConfig(moe_token_dispatcher_type="allgather")
@@ -150,6 +149,7 @@ def _rank(rank: int, world_size: int, model_dir: str, batches: dict) -> dict:
 def _rank_split(rank: int, world_size: int, model_dir: str, micro: list) -> dict:
     """The replayed forward split two ways: PP 2 (each stage routes its own layer) and EP 2 (DP 2:
     each rank its own micro-batches; the experts split, the router whole)."""
+    from megatron.core.transformer.moe.router import TopKRouter
     from safetensors.torch import load_file
 
     from megatron_empg.config import ParallelConfig, load_model_config
@@ -157,8 +157,6 @@ def _rank_split(rank: int, world_size: int, model_dir: str, micro: list) -> dict
     from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict
     from megatron_empg.mcore.step import StatsRequest, forward_stats
     from megatron_empg.weight_sync import mapping
-
-    from megatron.core.transformer.moe.router import TopKRouter
 
     model = load_model_config(MODEL)
     request = StatsRequest(vocab_size=model.vocab_size, with_entropy=False)

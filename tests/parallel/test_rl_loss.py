@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from megatron_empg.core.aggregation import aggregate
 from megatron_empg.core.kl import sampled_kl
+from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.policy_loss import ppo_clip_loss
 from megatron_empg.core.rpg import corrected_grpo_kl, rpg_kl_penalty, rpg_reinforce_clip_loss
 from megatron_empg.core.topk_kl import topk_kl_from_logprobs
-from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.rl_loss import rl_loss
 from tests.dist import run_distributed
 

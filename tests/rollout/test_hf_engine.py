@@ -123,8 +123,9 @@ class Rig:
 
 @pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-qwen3"])
 def rig(request, tmp_path_factory):
-    from tools.make_tiny_model import save_tiny_hf_model
     from transformers import AutoModelForCausalLM
+
+    from tools.make_tiny_model import save_tiny_hf_model
 
     name = request.param
     model_dir = str(save_tiny_hf_model(load_model_config(name), tmp_path_factory.mktemp(name), seed=0))

@@ -125,7 +125,7 @@ def test_silent_server_times_out_and_raises_unavailable():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
-        url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         with pytest.raises(RetrieverUnavailable, match="timed out") as info:
             RetrieverClient(url, timeout_s=0.2, retries=1, backoff_s=0.0).health()
     assert info.value.attempts == 2 and url in str(info.value)
@@ -156,7 +156,7 @@ def test_health_of_a_server_without_health_endpoint_is_checked_by_a_query():
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        url = "http://127.0.0.1:%d" % server.server_address[1]
+        url = f"http://127.0.0.1:{server.server_address[1]}"
         assert RetrieverClient(url, retries=0).health() == {"status": "ok", "backend": "unknown (no /health)"}
     finally:
         server.shutdown()

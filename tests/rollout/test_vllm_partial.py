@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from megatron_empg.rollout.vllm_engine import VllmEngine
-from tests.rollout.test_vllm_engine import ROLLOUT, TOLERANCE, hf_model, max_abs_diff, random_sequences, \
-    reference_logprobs, sampling  # fmt: skip
+from tests.rollout.test_vllm_engine import (
+    ROLLOUT,
+    TOLERANCE,
+    hf_model,
+    max_abs_diff,
+    random_sequences,
+    reference_logprobs,  # fmt: skip
+    sampling,
+)
 
 pytestmark = pytest.mark.vllm
 

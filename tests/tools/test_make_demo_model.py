@@ -21,7 +21,6 @@ import torch
 
 from megatron_empg.config import ConfigError, load_model_config
 from megatron_empg.tasks.arithmetic import ArithmeticTask, arithmetic_reward
-from tools.make_tiny_model import char_tokenizer
 from tools.make_demo_model import (
     TrainingStream,
     UsageError,
@@ -35,6 +34,7 @@ from tools.make_demo_model import (
     tiny_hf_model,
     train,
 )
+from tools.make_tiny_model import char_tokenizer
 
 SHORT = dict(
     steps=40, batch_size=16, eval_problems=32, stop_accuracy=0.0,

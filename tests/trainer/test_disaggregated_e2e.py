@@ -26,7 +26,14 @@ import pytest
 
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.trainer.demo_runs import (
-    CLOSE_ABS, CLOSE_REL, REPO, interrupt, processes_with, run_train, small_demo_config, train_command,
+    CLOSE_ABS,
+    CLOSE_REL,
+    REPO,
+    interrupt,
+    processes_with,
+    run_train,
+    small_demo_config,
+    train_command,
 )  # fmt: skip
 
 LAUNCH_TIMEOUT_S = 420

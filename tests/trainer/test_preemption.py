@@ -17,7 +17,15 @@ import pytest
 
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.trainer.demo_runs import (
-    CLOSE_ABS, CLOSE_REL, REPO, demo_config, interrupt, processes_with, run_train, train_command, unexpected_errors,
+    CLOSE_ABS,
+    CLOSE_REL,
+    REPO,
+    demo_config,
+    interrupt,
+    processes_with,
+    run_train,
+    train_command,
+    unexpected_errors,
 )  # fmt: skip
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(1200)]

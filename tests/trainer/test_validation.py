@@ -12,13 +12,13 @@ from collections.abc import Sequence
 import pytest
 
 from megatron_empg.config import ConfigError, DataConfig, RunConfig, SamplingConfig, from_dict
+from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.rollout.data import DataError, load_validation_sets
 from megatron_empg.rollout.engine import Completion
-from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.tasks.registry import REWARDS
 from megatron_empg.trainer.collect import Scorer
-from megatron_empg.trainer.rollout import RolloutStage
 from megatron_empg.trainer.metrics import sample_means
+from megatron_empg.trainer.rollout import RolloutStage
 from tools.make_tiny_model import char_tokenizer
 
 QA = DataConfig(source="files", reward="qa_em", train_files=["unused.jsonl"], prompt_key="question",

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_empg.config import load_config, RunConfig
-from megatron_empg.trainer import watchdog
+from megatron_empg.config import RunConfig, load_config
 from megatron_empg.trainer.watchdog import REQUEST, RESTARTABLE_EXIT, Beat, diagnose, phase_timeouts
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,8 +19,8 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from megatron_empg.config import ConfigError, WeightSyncConfig
-from megatron_empg.rollout.engine import EngineState, check_update_arguments
 from megatron_empg.parallel import cuda_ipc
+from megatron_empg.rollout.engine import EngineState, check_update_arguments
 from megatron_empg.weight_sync.transport import TRANSPORTS
 
 

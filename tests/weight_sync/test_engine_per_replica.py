@@ -21,8 +21,15 @@ from megatron_empg.config import ParallelConfig, RunConfig, from_dict
 from megatron_empg.weight_sync import gate, mapping
 from tests.dist import run_distributed
 from tests.weight_sync.test_bridge import swapped_gate_up
-from tests.weight_sync.test_vllm_sync import (PROBE_LENGTH, SEED, TOLERANCE, _engine, _hf_state, _sync_and_check,
-                                              vllm_model)  # fmt: skip
+from tests.weight_sync.test_vllm_sync import (
+    PROBE_LENGTH,
+    SEED,
+    TOLERANCE,
+    _engine,
+    _hf_state,
+    _sync_and_check,
+    vllm_model,  # fmt: skip
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron, pytest.mark.vllm, pytest.mark.slow]
 

@@ -45,8 +45,8 @@ def _engine(model_dir: str, in_process: bool):
 def _sgd_step(chunks, probe, groups, model) -> None:
     """One real optimizer step on the probe's negative log-likelihood (PP1; at TP2 every rank
     steps its shard, and the replicated norms get the same gradient on both ranks)."""
-    from megatron_empg.mcore.step import causal_mask
     from megatron_empg.mcore.model import gather_logits
+    from megatron_empg.mcore.step import causal_mask
 
     (chunk,) = chunks
     params = [p for p in chunk.parameters() if p.requires_grad]
