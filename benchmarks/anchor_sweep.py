@@ -46,8 +46,12 @@ ANCHORS = {  # name -> overrides of the demo recipe (whose anchor is the EMA one
     "reset_topk": ["algorithm.anchor.tau=0.0", "algorithm.anchor.period=1"],
     "fixed_k3": ["algorithm.anchor.tau=1.0", "algorithm.loss.kl=k3", "algorithm.loss.kl_args={}"],
 }
-LABELS = {"fixed_topk": "fixed reference, Top-k KL", "ema_topk": "EMA anchor (0.95 / 2 steps), Top-k KL",
-          "reset_topk": "reset every step (RPG), Top-k KL", "fixed_k3": "fixed reference, K3 (GRPO)"}  # fmt: skip
+LABELS = {
+    "fixed_topk": "fixed reference, Top-k KL",
+    "ema_topk": "EMA anchor (0.95 / 2 steps), Top-k KL",
+    "reset_topk": "reset every step (RPG), Top-k KL",
+    "fixed_k3": "fixed reference, K3 (GRPO)",
+}
 COLORS = {"fixed_topk": "tab:orange", "ema_topk": "tab:blue", "reset_topk": "tab:green", "fixed_k3": "tab:red"}
 EVAL_PROMPTS, EVAL_SAMPLES, EVAL_SEED, EVAL_MAX_TOKENS = 256, 4, 99, 12
 ACCURACY = "reward/accuracy"
@@ -57,23 +61,39 @@ def run_dir(runs: Path, anchor: str, kl_coef: float, seed: int) -> Path:
     return runs / f"{anchor}_kl{kl_coef:g}_seed{seed}"
 
 
-def train(directory: Path, anchor: str, kl_coef: float, seed: int, steps: int, lr: float | None,
-          warm_start: Path) -> float:  # fmt: skip
+def train(
+    directory: Path, anchor: str, kl_coef: float, seed: int, steps: int, lr: float | None, warm_start: Path
+) -> float:
     """One training run into ``directory`` (started over); its wall-clock seconds."""
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     overrides = [
-        f"logging.dir={directory}", f"checkpoint.dir={directory / 'checkpoints'}", "logging.progress=none",
-        "checkpoint.interval=0", "checkpoint.keep_last=1", "rollout.engine=hf", f"train.steps={steps}",
-        f"algorithm.loss.kl_coef={kl_coef}", f"data.seed={seed}", f"rollout.sampling.seed={seed}",
-        f"train.seed={1234 + seed}", f"checkpoint.init_from={warm_start}", *ANCHORS[anchor],
+        f"logging.dir={directory}",
+        f"checkpoint.dir={directory / 'checkpoints'}",
+        "logging.progress=none",
+        "checkpoint.interval=0",
+        "checkpoint.keep_last=1",
+        "rollout.engine=hf",
+        f"train.steps={steps}",
+        f"algorithm.loss.kl_coef={kl_coef}",
+        f"data.seed={seed}",
+        f"rollout.sampling.seed={seed}",
+        f"train.seed={1234 + seed}",
+        f"checkpoint.init_from={warm_start}",
+        *ANCHORS[anchor],
         *([f"optimizer.lr={lr}"] if lr is not None else []),
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     start = time.perf_counter()
     with (directory / "train.log").open("w") as log:
-        subprocess.run([sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(RECIPE), *overrides],
-                       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(RECIPE), *overrides],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
     return time.perf_counter() - start
 
 
@@ -97,8 +117,14 @@ def measure(directory: Path, warm_start: Path) -> dict[str, float]:
     examples = evaluation_examples(settings["digits"], settings["ops"], tokenizer, count=EVAL_PROMPTS)
     repeated = [e for e in examples for _ in range(EVAL_SAMPLES)]
     generator = torch.Generator().manual_seed(EVAL_SEED)
-    responses = hf_generate(policy, [e.prompt_ids for e in repeated], eos_id=tokenizer.eos_token_id,
-                            max_tokens=EVAL_MAX_TOKENS, temperature=1.0, generator=generator)  # fmt: skip
+    responses = hf_generate(
+        policy,
+        [e.prompt_ids for e in repeated],
+        eos_id=tokenizer.eos_token_id,
+        max_tokens=EVAL_MAX_TOKENS,
+        temperature=1.0,
+        generator=generator,
+    )
     kl_sum = entropy_sum = 0.0
     tokens = 0
     with torch.no_grad():
@@ -113,8 +139,11 @@ def measure(directory: Path, warm_start: Path) -> dict[str, float]:
             tokens += len(response)
     shutil.rmtree(hf_dir)
     correct = score(tokenizer, responses, repeated)
-    return {"kl_to_initial": kl_sum / tokens, "entropy": entropy_sum / tokens,
-            "heldout_accuracy": sum(correct) / len(correct)}  # fmt: skip
+    return {
+        "kl_to_initial": kl_sum / tokens,
+        "entropy": entropy_sum / tokens,
+        "heldout_accuracy": sum(correct) / len(correct),
+    }
 
 
 def summarize(rows: list[dict], window: int) -> dict[str, float]:
@@ -150,8 +179,13 @@ def plot(curves: dict, kl_coefs: list[float], window: int, path: Path, title: st
                 low = [min(s[i] for s in series) for i in range(length)]
                 high = [max(s[i] for s in series) for i in range(length)]
                 ax = axes[row][col]
-                ax.plot(range(1, length + 1), mean, color=COLORS[anchor], lw=1.4,
-                        label=f"{LABELS[anchor]} ({len(series)} seeds)")  # fmt: skip
+                ax.plot(
+                    range(1, length + 1),
+                    mean,
+                    color=COLORS[anchor],
+                    lw=1.4,
+                    label=f"{LABELS[anchor]} ({len(series)} seeds)",
+                )
                 ax.fill_between(range(1, length + 1), low, high, color=COLORS[anchor], alpha=0.15, lw=0)
         axes[0][col].set_title(f"kl_coef {coef:g}", fontsize=10)
         axes[0][col].set_ylabel(f"training accuracy ({window}-step mean)")
@@ -175,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=None, help="override optimizer.lr (default: the recipe's)")
     parser.add_argument("--window", type=int, default=25, help="steps per average (default 25)")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "anchor_sweep")
-    parser.add_argument("--warm-start", type=Path, default=WARM_START, help="(built with tools/make_demo_model.py if missing)")
+    parser.add_argument(
+        "--warm-start", type=Path, default=WARM_START, help="(built with tools/make_demo_model.py if missing)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "anchor_sweep_cpu.json")
     args = parser.parse_args(argv)
     warm_start = args.warm_start.resolve()
@@ -192,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{directory.name} ...", flush=True)
                     seconds = train(directory, anchor, coef, seed, args.steps, args.lr, warm_start)
                     rows = read_metrics(directory / "metrics.jsonl")
-                    summary = {"seconds": round(seconds, 1), **summarize(rows, args.window),
-                               **measure(directory, warm_start)}  # fmt: skip
+                    summary = {
+                        "seconds": round(seconds, 1),
+                        **summarize(rows, args.window),
+                        **measure(directory, warm_start),
+                    }
                     shutil.rmtree(directory / "checkpoints")
                     done.write_text(json.dumps(summary, indent=1) + "\n")
                 summary = json.loads(done.read_text())
@@ -217,22 +256,29 @@ def main(argv: list[str] | None = None) -> int:
             }
     png = args.out.with_suffix(".png")
     meta = json.loads((warm_start / "demo_model.json").read_text())
-    title = (f"CPU demo task ({meta['settings']['digits']}-digit {' '.join(meta['settings']['ops'])}), demo warm start, "
-             f"{args.steps} steps; mean and range over seeds")  # fmt: skip
+    title = (
+        f"CPU demo task ({meta['settings']['digits']}-digit {' '.join(meta['settings']['ops'])}), demo warm start, "
+        f"{args.steps} steps; mean and range over seeds"
+    )
     plot(curves, args.kl_coefs, args.window, png, title)
     record = {
         "benchmark": "anchor_sweep",
         "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                  f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '2')})",
-        "recipe": str(RECIPE.relative_to(REPO)), "engine": "hf", "steps": args.steps, "lr": args.lr,
-        "window": args.window, "seeds": args.seeds, "kl_coefs": args.kl_coefs,
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '2')})",
+        "recipe": str(RECIPE.relative_to(REPO)),
+        "engine": "hf",
+        "steps": args.steps,
+        "lr": args.lr,
+        "window": args.window,
+        "seeds": args.seeds,
+        "kl_coefs": args.kl_coefs,
         "anchors": {name: ANCHORS[name] for name in args.anchors},
         "evaluation": {"prompts": EVAL_PROMPTS, "samples_per_prompt": EVAL_SAMPLES, "temperature": 1.0},
         "warm_start": meta.get("evaluation"),
         "results": results,
         "curves": curves,
         "png": str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png),
-    }  # fmt: skip
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0

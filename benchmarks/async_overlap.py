@@ -126,9 +126,16 @@ def configurations(args) -> dict[str, tuple[int, list[str]]]:
     """name -> (processes, placement overrides), in the order the runs take turns."""
     runs = {f"disaggregated_k{k}": (3, [*DISAGGREGATED, f"rollout.max_staleness={k}"]) for k in args.staleness}
     if args.partial:
-        runs.update({f"disaggregated_k{k}_partial": (3, [*DISAGGREGATED, f"rollout.max_staleness={k}",
-                                                         "rollout.partial=true"])
-                     for k in args.staleness if k > 0})  # fmt: skip
+        runs.update(
+            {
+                f"disaggregated_k{k}_partial": (
+                    3,
+                    [*DISAGGREGATED, f"rollout.max_staleness={k}", "rollout.partial=true"],
+                )
+                for k in args.staleness
+                if k > 0
+            }
+        )
     if not args.no_colocated:
         runs[COLOCATED] = (2, [])
     return runs
@@ -142,12 +149,20 @@ def timed_steps(args) -> range:
 def run_overrides(args, placement: list[str], directory: Path) -> list[str]:
     tail = [f"rollout.sampling.max_tokens={long_tail.MAX_TOKENS}", f"train.max_seq_len={long_tail.MAX_SEQ_LEN}"]
     return [
-        f"logging.dir={directory}", f"checkpoint.dir={directory / 'checkpoints'}", "logging.progress=none",
-        "checkpoint.interval=0", "checkpoint.keep_last=1", f"train.steps={args.steps}",
-        f"checkpoint.init_from={args.warm_start.resolve()}", f"train.prompts_per_step={args.prompts_per_step}",
-        f"rollout.sampling.n={args.n}", f"train.micro_batch_size={args.micro_batch_size}",
-        *ENGINE_OVERRIDES[args.engine], *placement, *(tail if args.long_tail_every else []),
-    ]  # fmt: skip
+        f"logging.dir={directory}",
+        f"checkpoint.dir={directory / 'checkpoints'}",
+        "logging.progress=none",
+        "checkpoint.interval=0",
+        "checkpoint.keep_last=1",
+        f"train.steps={args.steps}",
+        f"checkpoint.init_from={args.warm_start.resolve()}",
+        f"train.prompts_per_step={args.prompts_per_step}",
+        f"rollout.sampling.n={args.n}",
+        f"train.micro_batch_size={args.micro_batch_size}",
+        *ENGINE_OVERRIDES[args.engine],
+        *placement,
+        *(tail if args.long_tail_every else []),
+    ]
 
 
 def one_run(args, name: str, directory: Path) -> dict:
@@ -159,12 +174,26 @@ def one_run(args, name: str, directory: Path) -> dict:
         import yaml
 
         base = yaml.safe_load(RECIPE.read_text())["rollout"]["sampling"]["max_tokens"]
-        env = long_tail.environment(directory.with_name(directory.name + "_hook"), log, every=args.long_tail_every,
-                                    factor=args.long_tail_factor, base_max_tokens=base)  # fmt: skip
+        env = long_tail.environment(
+            directory.with_name(directory.name + "_hook"),
+            log,
+            every=args.long_tail_every,
+            factor=args.long_tail_factor,
+            base_max_tokens=base,
+        )
     timed = timed_steps(args)
-    run = train_run(RECIPE, run_overrides(args, placement, directory), name=name, nproc=nproc, directory=directory,
-                    steps=args.steps, timed_steps=timed, env=env, poll_ms=args.poll_ms,
-                    timeout=args.run_timeout)  # fmt: skip
+    run = train_run(
+        RECIPE,
+        run_overrides(args, placement, directory),
+        name=name,
+        nproc=nproc,
+        directory=directory,
+        steps=args.steps,
+        timed_steps=timed,
+        env=env,
+        poll_ms=args.poll_ms,
+        timeout=args.run_timeout,
+    )
     run["long_tail"] = long_tail.summarize(log, 1, timed) if args.long_tail_every else None
     return run
 
@@ -209,36 +238,47 @@ def paper_model(runs: dict, gpus: list[int], staleness: list[int]) -> dict:
         row: dict = {"colocated_seconds": gen(n) + Tr / n + S_c, "k0": best(0, n)}
         for k in (k for k in staleness if k > 0):
             built, unstalled = best(k, n), best(k, n, unstalled=True)
-            row[f"k{k}"] = {"as_built": built, "tail_unstalled_not_built": unstalled,
-                            "k0_over_as_built": row["k0"]["seconds"] / built["seconds"],
-                            "k0_over_tail_unstalled": row["k0"]["seconds"] / unstalled["seconds"]}  # fmt: skip
+            row[f"k{k}"] = {
+                "as_built": built,
+                "tail_unstalled_not_built": unstalled,
+                "k0_over_as_built": row["k0"]["seconds"] / built["seconds"],
+                "k0_over_tail_unstalled": row["k0"]["seconds"] / unstalled["seconds"],
+            }
         tables[str(n)] = row
-    measured = {f"k{k}": {"model_seconds": step(k, 1, 1 + TRAINING_RANKS, False),
-                          "measured_seconds": runs[f"disaggregated_k{k}"]["step_seconds_mean"]}
-                for k in staleness}  # fmt: skip
+    measured = {
+        f"k{k}": {
+            "model_seconds": step(k, 1, 1 + TRAINING_RANKS, False),
+            "measured_seconds": runs[f"disaggregated_k{k}"]["step_seconds_mean"],
+        }
+        for k in staleness
+    }
     return {
         "formulas": {
             "gen(E)": "B / E + G_tail",
             "colocated": "gen(N) + Tr / N + S_c",
             "k0": "min over E in 1..N-1 of gen(E) + Tr / (N - E) + S_d",
             "as_built": "k >= 1: min over E of max(gen(E), Tr / (N - E) + S_d): drawing beside training; "
-                        "each draw still ends with its slowest response, so every k >= 1 is the same here",
+            "each draw still ends with its slowest response, so every k >= 1 is the same here",
             "tail_unstalled_not_built": "k >= 1: min over E of max(B / E, gen(E) / k, Tr / (N - E) + S_d): an engine "
-                                        "that starts the next step's prompts while a step's slowest responses decode "
-                                        "(not built; rollout.partial does not do it either)",
-        },  # fmt: skip
+            "that starts the next step's prompts while a step's slowest responses decode "
+            "(not built; rollout.partial does not do it either)",
+        },
         "inputs": {
-            "G_engine_seconds": G, "G_tail_seconds": G_tail, "B_bulk_seconds": B, "Tr_device_seconds": Tr,
-            "S_d_seconds": S_d, "S_c_seconds": S_c,
+            "G_engine_seconds": G,
+            "G_tail_seconds": G_tail,
+            "B_bulk_seconds": B,
+            "Tr_device_seconds": Tr,
+            "S_d_seconds": S_d,
+            "S_c_seconds": S_c,
             "source": "means of the disaggregated_k0 run (G: time/engine_rollout; G_tail: long_tail tail_seconds; "
-                      "Tr: training stages x 2 ranks; S_d: time/weight_sync) and the colocated run (S_c)",
-        },  # fmt: skip
+            "Tr: training stages x 2 ranks; S_d: time/weight_sync) and the colocated run (S_c)",
+        },
         "gpus": tables,
         "model_at_measured_layout": measured,
         "caveat": "an illustration from CPU stage ratios, not a GPU measurement: perfect scaling of the bulk and of "
-                  "training is assumed, the tail's share is that of this synthetic workload, the weight sync is a "
-                  "constant; GPU throughput, NCCL link bandwidth and CUDA IPC are unmeasured",
-    }  # fmt: skip
+        "training is assumed, the tail's share is that of this synthetic workload, the weight sync is a "
+        "constant; GPU throughput, NCCL link bandwidth and CUDA IPC are unmeasured",
+    }
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -258,8 +298,13 @@ def _check_finite(value, where: str = "") -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=list(ENGINE_OVERRIDES), default="hf")
-    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4],
-                        help="rollout.max_staleness of the disaggregated runs (0 needed: the model's inputs)")
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2, 4],
+        help="rollout.max_staleness of the disaggregated runs (0 needed: the model's inputs)",
+    )
     parser.add_argument("--long-tail-every", type=int, default=16, help="one response in M is long (0: no tail)")
     parser.add_argument("--long-tail-factor", type=float, default=10.0, help="F x the median length")
     parser.add_argument("--steps", type=int, default=32)
@@ -271,17 +316,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (the recipe's 8)")
     parser.add_argument("--micro-batch-size", type=int, default=64, help="the recipe's (64)")
     parser.add_argument("--no-colocated", action="store_true", help="skip the colocated 2-process reference run")
-    parser.add_argument("--partial", action="store_true",
-                        help="also each k >= 1 with rollout.partial=true (the transformers engine only)")
+    parser.add_argument(
+        "--partial",
+        action="store_true",
+        help="also each k >= 1 with rollout.partial=true (the transformers engine only)",
+    )
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 64])
     link_throughput.add_arguments(parser)
     parser.add_argument("--no-link", action="store_true", help="skip the link benchmark")
     parser.add_argument("--poll-ms", type=float, default=5.0)
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds per training run")
     parser.add_argument("--runs-dir", type=Path, default=None, help="(default: a temporary directory, removed)")
-    parser.add_argument("--warm-start", type=Path, default=WARM_START, help="(built with tools/make_demo_model.py if missing)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="(default benchmarks/results/async_overlap_staleness_cpu_<engine>.json)")
+    parser.add_argument(
+        "--warm-start", type=Path, default=WARM_START, help="(built with tools/make_demo_model.py if missing)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="(default benchmarks/results/async_overlap_staleness_cpu_<engine>.json)"
+    )
     args = parser.parse_args(argv)
     if 0 not in args.staleness or min(args.staleness) < 0 or len(set(args.staleness)) != len(args.staleness):
         parser.error(f"--staleness: distinct k >= 0 with 0 among them, got {args.staleness}")
@@ -290,12 +341,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.partial and args.engine != "hf":
         parser.error("--partial: rollout.partial needs the transformers engine (--engine hf)")
     if args.long_tail_every and args.engine != "hf":
-        parser.error("--long-tail-every: the tail is made in the transformers engine only (--engine hf); "
-                     "with --engine vllm give --long-tail-every 0")  # fmt: skip
+        parser.error(
+            "--long-tail-every: the tail is made in the transformers engine only (--engine hf); "
+            "with --engine vllm give --long-tail-every 0"
+        )
     steps = timed_steps(args)
     if len(steps) == 0 or steps.stop <= 2:
-        parser.error(f"--steps {args.steps}: no step to time after --warmup {args.warmup} and before the last "
-                     f"max(k, 1) = {max(max(args.staleness), 1)} (step 1 is never timed)")  # fmt: skip
+        parser.error(
+            f"--steps {args.steps}: no step to time after --warmup {args.warmup} and before the last "
+            f"max(k, 1) = {max(max(args.staleness), 1)} (step 1 is never timed)"
+        )
     args.out = args.out or REPO / "benchmarks" / "results" / f"async_overlap_staleness_cpu_{args.engine}.json"
     return args
 
@@ -311,16 +366,30 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "versions": versions(),
         "params": {
-            "recipe": str(RECIPE.relative_to(REPO)), "engine": args.engine, "staleness": args.staleness,
-            "long_tail_every": args.long_tail_every, "long_tail_factor": args.long_tail_factor,
+            "recipe": str(RECIPE.relative_to(REPO)),
+            "engine": args.engine,
+            "staleness": args.staleness,
+            "long_tail_every": args.long_tail_every,
+            "long_tail_factor": args.long_tail_factor,
             "long_tail_max_tokens": long_tail.MAX_TOKENS if args.long_tail_every else None,
-            "steps": args.steps, "warmup": args.warmup, "timed_steps": list(timed_steps(args)), "rounds": args.rounds,
-            "prompts_per_step": args.prompts_per_step, "n": args.n, "micro_batch_size": args.micro_batch_size,
-            "training_ranks": TRAINING_RANKS, "warm_start": str(args.warm_start), "poll_ms": args.poll_ms,
-            "gpus": args.gpus, "link_mb": args.link_mb, "bucket_mb": args.bucket_mb, "link_repeats": args.link_repeats,
-            "link_rounds": args.link_rounds, "partial": args.partial,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "timed_steps": list(timed_steps(args)),
+            "rounds": args.rounds,
+            "prompts_per_step": args.prompts_per_step,
+            "n": args.n,
+            "micro_batch_size": args.micro_batch_size,
+            "training_ranks": TRAINING_RANKS,
+            "warm_start": str(args.warm_start),
+            "poll_ms": args.poll_ms,
+            "gpus": args.gpus,
+            "link_mb": args.link_mb,
+            "bucket_mb": args.bucket_mb,
+            "link_repeats": args.link_repeats,
+            "link_rounds": args.link_rounds,
+            "partial": args.partial,
             "command": " ".join(["benchmarks/async_overlap.py", *(argv or sys.argv[1:])]),
-        },  # fmt: skip
+        },
     }
     record["wait_for_load"] = wait_for_load(args.wait_load, args.wait_max_s)
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="async_overlap_"))
@@ -331,16 +400,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {index + 1}/{args.rounds}: {name} ...", flush=True)
                 r = one_run(args, name, runs_dir / f"{name}_round{index}")
                 rounds[name].append(r)
-                print(f"  {r['step_seconds_mean']:.3f} s/step over steps {r['timed_steps']}, start-up "
-                      f"{r['startup_seconds']:.1f} s, load before {r['loadavg_before']}, CPU share over the timed "
-                      f"steps: own {r['own_cpu_share']:.2f}, foreign {r['foreign_cpu_share']:.2f}", flush=True)  # fmt: skip
+                print(
+                    f"  {r['step_seconds_mean']:.3f} s/step over steps {r['timed_steps']}, start-up "
+                    f"{r['startup_seconds']:.1f} s, load before {r['loadavg_before']}, CPU share over the timed "
+                    f"steps: own {r['own_cpu_share']:.2f}, foreign {r['foreign_cpu_share']:.2f}",
+                    flush=True,
+                )
     finally:
         if args.runs_dir is None:
             shutil.rmtree(runs_dir, ignore_errors=True)
     runs = {name: pool(rounds[name]) for name in names}
     for name, r in runs.items():
-        print(f"{name}: {r['step_seconds_mean']:.3f} s/step (median {r['step_seconds_median']:.3f}); "
-              + ", ".join(f"{k} {v:.3f}" for k, v in r["means"].items()), flush=True)  # fmt: skip
+        print(
+            f"{name}: {r['step_seconds_mean']:.3f} s/step (median {r['step_seconds_median']:.3f}); "
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["means"].items()),
+            flush=True,
+        )
     record["runs"] = runs
     k0 = runs["disaggregated_k0"]
     comparison = {}
@@ -349,9 +424,10 @@ def main(argv: list[str] | None = None) -> int:
             comparison[f"k0_over_{name.removeprefix('disaggregated_')}"] = {
                 "mean": k0["step_seconds_mean"] / r["step_seconds_mean"],
                 "median": k0["step_seconds_median"] / r["step_seconds_median"],
-                "per_round": [a / b for a, b in zip(k0["step_seconds_mean_per_round"],
-                                                    r["step_seconds_mean_per_round"])],
-            }  # fmt: skip
+                "per_round": [
+                    a / b for a, b in zip(k0["step_seconds_mean_per_round"], r["step_seconds_mean_per_round"])
+                ],
+            }
     record["comparison"] = comparison
     print("comparison: " + json.dumps(comparison), flush=True)
     record["paper_model"] = paper_model(runs, args.gpus, args.staleness)

@@ -298,8 +298,14 @@ def timed_save(root: Path, step: int, build, profile: Profile) -> tuple[float, d
     _sync()
     start = time.perf_counter()
     path = save_checkpoint(
-        root, step, models=ddp, optimizer=optimizer, scheduler=scheduler, anchor=anchor, groups=groups,
-    )  # fmt: skip
+        root,
+        step,
+        models=ddp,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        anchor=anchor,
+        groups=groups,
+    )
     _sync()
     elapsed = time.perf_counter() - start
     return elapsed, profile.take(), checkpoint_bytes(path)
@@ -391,8 +397,15 @@ def _filesystem(path: Path) -> dict:
             vm[name] = int(Path(f"/proc/sys/vm/{name}").read_text())
         except OSError:
             pass
-    return {"path": str(path), "device": best[0], "mount": best[1], "type": best[2], "total_bytes": usage.total,
-            "free_bytes": usage.free, "vm": vm}  # fmt: skip
+    return {
+        "path": str(path),
+        "device": best[0],
+        "mount": best[1],
+        "type": best[2],
+        "total_bytes": usage.total,
+        "free_bytes": usage.free,
+        "vm": vm,
+    }
 
 
 def _machine(target: Path) -> dict:
@@ -429,11 +442,18 @@ def gpu_rate() -> dict:
     seconds = run["variants"][0]["stage_seconds_median"]["checkpoint"]
     model = load_model_config(run["params"]["model"])
     # train_step.py: TP = PP = DP = 1, OptimizerConfig() (not distributed), the anchor, bf16 params
-    nbytes = checkpoint_bytes(model, ParallelConfig(), OptimizerConfig(), anchor=True, params_dtype="bfloat16",
-                              world_size=1).total  # fmt: skip
-    return {"source": "benchmarks/results/train_step_gpu_d63de0f.json", "device": run["machine"]["device"],
-            "writer": "Megatron's FileSystemWriterAsync (before mcore.checkpoint_stream)", "model": model.name,
-            "bytes": nbytes, "seconds": seconds, "bytes_per_second": nbytes / seconds}  # fmt: skip
+    nbytes = checkpoint_bytes(
+        model, ParallelConfig(), OptimizerConfig(), anchor=True, params_dtype="bfloat16", world_size=1
+    ).total
+    return {
+        "source": "benchmarks/results/train_step_gpu_d63de0f.json",
+        "device": run["machine"]["device"],
+        "writer": "Megatron's FileSystemWriterAsync (before mcore.checkpoint_stream)",
+        "model": model.name,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "bytes_per_second": nbytes / seconds,
+    }
 
 
 def recipe_rows(rates: dict[str, float]) -> list[dict]:
@@ -453,28 +473,35 @@ def recipe_rows(rates: dict[str, float]) -> list[dict]:
         components = bind(config, RECIPE_WORLD_SIZE, check_paths=False)
         layout = components.layout
         size = checkpoint_bytes(
-            components.model, config.parallel, config.optimizer, anchor=components.stats.anchor,
-            params_dtype=config.train.params_dtype, world_size=layout.training_ranks,
+            components.model,
+            config.parallel,
+            config.optimizer,
+            anchor=components.stats.anchor,
+            params_dtype=config.train.params_dtype,
+            world_size=layout.training_ranks,
             optimizer_format=config.checkpoint.optimizer_format,
-        )  # fmt: skip
-        rows.append({
-            "recipe": path.name + "".join(f" {o}" for o in overrides),
-            "model": components.model.name,
-            "parameters": components.model.num_parameters(
-                padded_vocab_size=config.parallel.padded_vocab_size(components.model.vocab_size)),
-            "world_size": layout.world_size,
-            "training_ranks": layout.training_ranks,
-            "tp_pp_dp": [layout.tp, layout.pp, layout.dp],
-            "distributed_optimizer": config.optimizer.use_distributed_optimizer,
-            "anchor": components.stats.anchor,
-            "bytes_total": size.total,
-            "bytes_per_rank_max": size.max_per_rank,
-            "parts_bytes": dict(size.parts),
-            "seconds": {
-                name: {"one_writer": size.total / rate, "fully_parallel": size.max_per_rank / rate}
-                for name, rate in rates.items()
-            },
-        })  # fmt: skip
+        )
+        rows.append(
+            {
+                "recipe": path.name + "".join(f" {o}" for o in overrides),
+                "model": components.model.name,
+                "parameters": components.model.num_parameters(
+                    padded_vocab_size=config.parallel.padded_vocab_size(components.model.vocab_size)
+                ),
+                "world_size": layout.world_size,
+                "training_ranks": layout.training_ranks,
+                "tp_pp_dp": [layout.tp, layout.pp, layout.dp],
+                "distributed_optimizer": config.optimizer.use_distributed_optimizer,
+                "anchor": components.stats.anchor,
+                "bytes_total": size.total,
+                "bytes_per_rank_max": size.max_per_rank,
+                "parts_bytes": dict(size.parts),
+                "seconds": {
+                    name: {"one_writer": size.total / rate, "fully_parallel": size.max_per_rank / rate}
+                    for name, rate in rates.items()
+                },
+            }
+        )
     return rows
 
 
@@ -482,11 +509,16 @@ def measured_rate(path: Path) -> dict:
     """Bytes per second of the median save of a result of this benchmark (the streaming writer)."""
     run = json.loads(path.read_text())
     disk = run["machine"]["target_filesystem"]
-    return {"source": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
-            "device": f"{run['machine']['device']}, {disk['type']} on {disk['device']}",
-            "writer": "mcore.checkpoint_stream", "model": run["model"], "bytes": run["bytes"],
-            "seconds": run["save_seconds_median"], "bytes_per_second": run["bytes"] / run["save_seconds_median"],
-            "ratio_to_plain_write": run["ratio_to_plain_write"]}  # fmt: skip
+    return {
+        "source": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
+        "device": f"{run['machine']['device']}, {disk['type']} on {disk['device']}",
+        "writer": "mcore.checkpoint_stream",
+        "model": run["model"],
+        "bytes": run["bytes"],
+        "seconds": run["save_seconds_median"],
+        "bytes_per_second": run["bytes"] / run["save_seconds_median"],
+        "ratio_to_plain_write": run["ratio_to_plain_write"],
+    }
 
 
 def recipes(args) -> None:
@@ -500,49 +532,72 @@ def recipes(args) -> None:
         "rates": {"gpu_before": gpu, "after": after},
         "grace_seconds": GRACE_SECONDS,
         "note": "seconds = bytes / rate. one_writer: the total through one writer (Megatron's writer wrote every "
-                "replicated tensor from DP rank 0); fully_parallel: the most loaded rank's bytes, if the storage "
-                "gives each of the ranks writing at once that rate. gpu_before: the one H100 save, Megatron's "
-                "writer; after: the streaming writer where rates.after.device says (a CPU VM's disk until the "
-                "GPU rerun). A signalled run also finishes its current step first.",
+        "replicated tensor from DP rank 0); fully_parallel: the most loaded rank's bytes, if the storage "
+        "gives each of the ranks writing at once that rate. gpu_before: the one H100 save, Megatron's "
+        "writer; after: the streaming writer where rates.after.device says (a CPU VM's disk until the "
+        "GPU rerun). A signalled run also finishes its current step first.",
         "recipes": rows,
-    }  # fmt: skip
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"rates: before {gpu['bytes_per_second'] / 1e9:.2f} GB/s ({gpu['device']}), "
-          f"after {after['bytes_per_second'] / 1e9:.2f} GB/s ({after['device']}); seconds: one writer / fully parallel")
+    print(
+        f"rates: before {gpu['bytes_per_second'] / 1e9:.2f} GB/s ({gpu['device']}), "
+        f"after {after['bytes_per_second'] / 1e9:.2f} GB/s ({after['device']}); seconds: one writer / fully parallel"
+    )
     for row in rows:
         before_s, after_s = row["seconds"]["gpu_before"], row["seconds"]["after"]
-        print(f"{row['recipe']:<48} {row['bytes_total'] / 1e9:6.1f} GB, {row['bytes_per_rank_max'] / 1e9:5.1f} GB/rank: "
-              f"before rate {before_s['one_writer']:4.0f} s / {before_s['fully_parallel']:3.0f} s, "
-              f"after rate {after_s['one_writer']:4.0f} s / {after_s['fully_parallel']:3.0f} s")
+        print(
+            f"{row['recipe']:<48} {row['bytes_total'] / 1e9:6.1f} GB, {row['bytes_per_rank_max'] / 1e9:5.1f} GB/rank: "
+            f"before rate {before_s['one_writer']:4.0f} s / {before_s['fully_parallel']:3.0f} s, "
+            f"after rate {after_s['one_writer']:4.0f} s / {after_s['fully_parallel']:3.0f} s"
+        )
     print(f"wrote {args.out}")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--model-overrides", default=DEFAULT_OVERRIDES,
-                   help="dotted overrides of the model config, space separated (\"\": none)")
+    p.add_argument(
+        "--model-overrides",
+        default=DEFAULT_OVERRIDES,
+        help='dotted overrides of the model config, space separated ("": none)',
+    )
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="a directory on the filesystem to measure")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--settle", type=float, default=10.0,
-                   help="seconds of pause before each plain write and each save (the disk drains the last one)")
-    p.add_argument("--out", default=None,
-                   help="default benchmarks/results/checkpoint_save_cpu.json (_gpu.json on a CUDA machine)")
-    p.add_argument("--before", default=None,
-                   help="a result of this benchmark before a change: its summary is copied into this one's JSON")
-    p.add_argument("--recipes", action="store_true",
-                   help="write the GPU recipes' checkpoint bytes and predicted save times instead of measuring")
-    p.add_argument("--after-result", default=None,
-                   help="with --recipes: the measured save whose rate the table uses (default: "
-                        "benchmarks/results/checkpoint_save_gpu.json if present, else _cpu.json)")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="seconds of pause before each plain write and each save (the disk drains the last one)",
+    )
+    p.add_argument(
+        "--out", default=None, help="default benchmarks/results/checkpoint_save_cpu.json (_gpu.json on a CUDA machine)"
+    )
+    p.add_argument(
+        "--before",
+        default=None,
+        help="a result of this benchmark before a change: its summary is copied into this one's JSON",
+    )
+    p.add_argument(
+        "--recipes",
+        action="store_true",
+        help="write the GPU recipes' checkpoint bytes and predicted save times instead of measuring",
+    )
+    p.add_argument(
+        "--after-result",
+        default=None,
+        help="with --recipes: the measured save whose rate the table uses (default: "
+        "benchmarks/results/checkpoint_save_gpu.json if present, else _cpu.json)",
+    )
     args = p.parse_args(argv)
     if args.recipes:
         args.out = args.out or str(REPO / "benchmarks/results/checkpoint_recipes.json")
         if args.after_result is None:
             gpu_result = REPO / "benchmarks/results/checkpoint_save_gpu.json"
-            args.after_result = str(gpu_result if gpu_result.exists() else REPO / "benchmarks/results/checkpoint_save_cpu.json")
+            args.after_result = str(
+                gpu_result if gpu_result.exists() else REPO / "benchmarks/results/checkpoint_save_cpu.json"
+            )
         recipes(args)
         return
     if args.out is None:
@@ -567,17 +622,28 @@ def main(argv=None) -> None:
     }
     if args.before:
         before = json.loads(Path(args.before).read_text())
-        keys = ("date_utc", "bytes", "save_seconds", "plain_write_seconds", "save_seconds_median",
-                "plain_write_seconds_median", "ratio_to_plain_write", "first_save_seconds", "breakdown_seconds_median",
-                "machine")  # fmt: skip
+        keys = (
+            "date_utc",
+            "bytes",
+            "save_seconds",
+            "plain_write_seconds",
+            "save_seconds_median",
+            "plain_write_seconds_median",
+            "ratio_to_plain_write",
+            "first_save_seconds",
+            "breakdown_seconds_median",
+            "machine",
+        )
         report["before"] = {"source": args.before, **{key: before[key] for key in keys}}
         report["before"]["ratio_pairs"] = [s / p for s, p in zip(before["save_seconds"], before["plain_write_seconds"])]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{result['bytes'] / 1e9:.2f} GB: save {result['save_seconds_median']:.2f} s "
-          f"({result['save_gb_per_s']:.2f} GB/s), plain write {result['plain_write_seconds_median']:.2f} s "
-          f"({result['plain_write_gb_per_s']:.2f} GB/s): ratio {result['ratio_to_plain_write']:.2f} "
-          f"(pairs: median {result['ratio_pairs_median']:.2f} of {[round(r, 2) for r in result['ratio_pairs']]})")
+    print(
+        f"{result['bytes'] / 1e9:.2f} GB: save {result['save_seconds_median']:.2f} s "
+        f"({result['save_gb_per_s']:.2f} GB/s), plain write {result['plain_write_seconds_median']:.2f} s "
+        f"({result['plain_write_gb_per_s']:.2f} GB/s): ratio {result['ratio_to_plain_write']:.2f} "
+        f"(pairs: median {result['ratio_pairs_median']:.2f} of {[round(r, 2) for r in result['ratio_pairs']]})"
+    )
     for name, seconds in sorted(result["breakdown_seconds_median"].items(), key=lambda item: -item[1]):
         print(f"  {name:<20} {seconds:7.3f} s")
     print(f"wrote {args.out}")

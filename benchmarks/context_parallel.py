@@ -34,8 +34,13 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-OVERRIDES = ["hidden_size=256", "ffn_hidden_size=512", "num_attention_heads=8", "num_query_groups=2",
-             "max_position_embeddings=65536"]  # fmt: skip
+OVERRIDES = [
+    "hidden_size=256",
+    "ffn_hidden_size=512",
+    "num_attention_heads=8",
+    "num_query_groups=2",
+    "max_position_embeddings=65536",
+]
 
 
 def _free_port() -> int:
@@ -91,8 +96,13 @@ def _rank(rank: int, cp: int, port: int, args, out: str) -> None:
             if step:  # the first is a warm-up
                 seconds.append(elapsed)
                 saved = sum(storages.values())
-        result = {"rank": rank, "local_tokens": batch.shape[1], "seconds": seconds, "saved_bytes": saved,
-                  "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # fmt: skip
+        result = {
+            "rank": rank,
+            "local_tokens": batch.shape[1],
+            "seconds": seconds,
+            "saved_bytes": saved,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
         Path(out, f"{cp}_{rank}.json").write_text(json.dumps(result))
     finally:
         destroy_model_parallel()
@@ -112,23 +122,37 @@ def main(argv=None) -> int:
         for cp in (int(c) for c in args.cp.split(",")):
             mp.start_processes(_rank, args=(cp, _free_port(), args, tmp), nprocs=cp, start_method="spawn")
             ranks = [json.loads(Path(tmp, f"{cp}_{r}.json").read_text()) for r in range(cp)]
-            results.append({
-                "cp": cp, "local_tokens": ranks[0]["local_tokens"],
-                "seconds_median": statistics.median(s for r in ranks for s in r["seconds"]),
-                "saved_bytes_per_rank_max": max(r["saved_bytes"] for r in ranks),
-                "max_rss_bytes_per_rank_max": max(r["max_rss_bytes"] for r in ranks), "ranks": ranks,
-            })  # fmt: skip
+            results.append(
+                {
+                    "cp": cp,
+                    "local_tokens": ranks[0]["local_tokens"],
+                    "seconds_median": statistics.median(s for r in ranks for s in r["seconds"]),
+                    "saved_bytes_per_rank_max": max(r["saved_bytes"] for r in ranks),
+                    "max_rss_bytes_per_rank_max": max(r["max_rss_bytes"] for r in ranks),
+                    "ranks": ranks,
+                }
+            )
             r = results[-1]
-            print(f"CP {cp}: {r['local_tokens']} tokens per rank, {r['seconds_median']:.2f} s, saved "
-                  f"{r['saved_bytes_per_rank_max'] / 2**20:.0f} MiB, peak RSS {r['max_rss_bytes_per_rank_max'] / 2**20:.0f} MiB "
-                  f"per rank", flush=True)  # fmt: skip
+            print(
+                f"CP {cp}: {r['local_tokens']} tokens per rank, {r['seconds_median']:.2f} s, saved "
+                f"{r['saved_bytes_per_rank_max'] / 2**20:.0f} MiB, peak RSS {r['max_rss_bytes_per_rank_max'] / 2**20:.0f} MiB "
+                f"per rank",
+                flush=True,
+            )
     base = results[0]["saved_bytes_per_rank_max"]
     report = {
-        "benchmark": "context_parallel", "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                                                     "torch": torch.__version__, "threads_per_rank": 1},
-        "params": vars(args), "model_overrides": [f"num_layers={args.layers}", *OVERRIDES],
-        "results": results, "saved_fraction_of_cp1": {r["cp"]: r["saved_bytes_per_rank_max"] / base for r in results},
-    }  # fmt: skip
+        "benchmark": "context_parallel",
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads_per_rank": 1,
+        },
+        "params": vars(args),
+        "model_overrides": [f"num_layers={args.layers}", *OVERRIDES],
+        "results": results,
+        "saved_fraction_of_cp1": {r["cp"]: r["saved_bytes_per_rank_max"] / base for r in results},
+    }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -33,8 +33,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-MEDIUM = ["name=qwen2-155m", "num_layers=8", "hidden_size=1024", "ffn_hidden_size=2816", "num_attention_heads=16",
-          "num_query_groups=2", "vocab_size=32768"]  # fmt: skip
+MEDIUM = [
+    "name=qwen2-155m",
+    "num_layers=8",
+    "hidden_size=1024",
+    "ffn_hidden_size=2816",
+    "num_attention_heads=16",
+    "num_query_groups=2",
+    "vocab_size=32768",
+]
 DEEP = [*MEDIUM[1:], "name=qwen2-331m", "num_layers=24"]  # the same largest tensor, 3x the layers
 MODELS = {"tiny-qwen2": [], "qwen2-155m": MEDIUM, "qwen2-331m": DEEP}  # name -> overrides of tiny-qwen2.yaml
 
@@ -61,8 +68,12 @@ def _repeat(argv: list[str], out: Path, repeats: int) -> dict:
         shutil.rmtree(out, ignore_errors=True)
         runs.append(_run(argv))
     peaks = [r["peak_rss_mib"] for r in runs]
-    return {"peak_rss_mib_min": min(peaks), "peak_rss_mib_max": max(peaks), "peak_rss_mib": peaks,
-            "wall_s_median": statistics.median(r["wall_s"] for r in runs)}  # fmt: skip
+    return {
+        "peak_rss_mib_min": min(peaks),
+        "peak_rss_mib_max": max(peaks),
+        "peak_rss_mib": peaks,
+        "wall_s_median": statistics.median(r["wall_s"] for r in runs),
+    }
 
 
 def _model_stats(hf_dir: Path) -> dict:
@@ -72,8 +83,12 @@ def _model_stats(hf_dir: Path) -> dict:
     sizes = {name: t.end - t.begin for name, t in tensors.items()}
     largest = max(sizes, key=sizes.get)
     numel = sum(sizes.values()) // 4  # float32
-    return {"parameters": numel, "bytes": sum(sizes.values()), "largest_tensor": largest,
-            "largest_tensor_bytes": sizes[largest]}  # fmt: skip
+    return {
+        "parameters": numel,
+        "bytes": sum(sizes.values()),
+        "largest_tensor": largest,
+        "largest_tensor_bytes": sizes[largest],
+    }
 
 
 def _bit_exact(a: Path, b: Path) -> bool:
@@ -98,12 +113,30 @@ def main() -> int:
             hf, mg, back = tmp / f"{name}-hf", tmp / f"{name}-mg", tmp / f"{name}-back"
             _run([PYTHON, "tools/make_tiny_model.py", "tiny-qwen2", str(hf), *overrides])
             stats = _model_stats(hf)
-            to_megatron = _repeat([PYTHON, "tools/convert_hf_to_megatron.py", str(hf), str(mg), "--tp", "1", "--pp", "1",
-                                   "--no-progress"], mg, args.repeats)  # fmt: skip
-            to_hf = _repeat([PYTHON, "tools/convert_megatron_to_hf.py", str(mg), str(back), "--no-progress"], back,
-                            args.repeats)  # fmt: skip
-            results[name] = {**stats, "hf_to_megatron": to_megatron, "megatron_to_hf": to_hf,
-                             "round_trip_bit_exact": _bit_exact(hf, back)}  # fmt: skip
+            to_megatron = _repeat(
+                [
+                    PYTHON,
+                    "tools/convert_hf_to_megatron.py",
+                    str(hf),
+                    str(mg),
+                    "--tp",
+                    "1",
+                    "--pp",
+                    "1",
+                    "--no-progress",
+                ],
+                mg,
+                args.repeats,
+            )
+            to_hf = _repeat(
+                [PYTHON, "tools/convert_megatron_to_hf.py", str(mg), str(back), "--no-progress"], back, args.repeats
+            )
+            results[name] = {
+                **stats,
+                "hf_to_megatron": to_megatron,
+                "megatron_to_hf": to_hf,
+                "round_trip_bit_exact": _bit_exact(hf, back),
+            }
             print(name, json.dumps(results[name]), flush=True)
     for direction in ("hf_to_megatron", "megatron_to_hf"):
         base = results["tiny-qwen2"][direction]["peak_rss_mib_min"]
@@ -113,8 +146,12 @@ def main() -> int:
     report = {
         "method": __doc__,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_after": os.getloadavg()},  # fmt: skip
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_after": os.getloadavg(),
+        },
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

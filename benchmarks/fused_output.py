@@ -127,10 +127,14 @@ def _inputs(spec: dict, device):
     old = -2.0 + 0.5 * torch.randn(1, T, generator=g)
     seq_ids = torch.arange(T)[None] * 4 // T  # four sequences of T / 4 tokens
     batch = MicroBatch(
-        input_ids=target, target_ids=target, loss_mask=torch.ones(1, T, dtype=torch.bool),
-        advantages=torch.randn(1, T, generator=g), seq_ids=seq_ids, old_logprobs=old,
+        input_ids=target,
+        target_ids=target,
+        loss_mask=torch.ones(1, T, dtype=torch.bool),
+        advantages=torch.randn(1, T, generator=g),
+        seq_ids=seq_ids,
+        old_logprobs=old,
         anchor_logprobs=old - 0.1 * torch.rand(1, T, generator=g),
-    ).to(device)  # fmt: skip
+    ).to(device)
     return hidden, weight, batch
 
 
@@ -182,8 +186,11 @@ def _step(spec: dict, loss_fn, hidden, weight, batch, sync) -> tuple[float, floa
 
 
 def _results(hidden, weight, loss: float) -> dict:
-    return {"loss": loss, "grad_hidden_norm": float(hidden.grad.float().norm()),
-            "grad_weight_norm": float(weight.main_grad.norm())}  # fmt: skip
+    return {
+        "loss": loss,
+        "grad_hidden_norm": float(hidden.grad.float().norm()),
+        "grad_weight_norm": float(weight.main_grad.norm()),
+    }
 
 
 def child_cpu(spec: dict) -> dict:
@@ -263,8 +270,12 @@ def run_cuda(spec: dict, repeats: int) -> dict:
 def run_point_cpu(spec: dict, timeout: float) -> dict:
     # glibc: blocks of 1 MiB and more come from mmap and go back to the OS when freed, so that the
     # timed pass's VmHWM is its own and not memory the tracked pass left in malloc's arenas
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "PYTHONPATH": str(REPO),
-           "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(spec["threads"]),
+        "PYTHONPATH": str(REPO),
+        "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
+    }
     cmd = [sys.executable, __file__, "--_child", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
@@ -296,8 +307,14 @@ def main() -> None:
     points = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         for variant in VARIANTS:
-            spec = dict(variant=variant, tokens=tokens, vocab=args.vocab, hidden=args.hidden,
-                        chunk_size=args.chunk_size, threads=args.threads)  # fmt: skip
+            spec = dict(
+                variant=variant,
+                tokens=tokens,
+                vocab=args.vocab,
+                hidden=args.hidden,
+                chunk_size=args.chunk_size,
+                threads=args.threads,
+            )
             result = run_cuda(spec, args.repeats) if args.device == "cuda" else run_point_cpu(spec, args.timeout)
             print(json.dumps(result), flush=True)
             points.append(result)
@@ -318,19 +335,31 @@ def main() -> None:
 
     report = {
         "benchmark": "benchmarks/fused_output.py",
-        "params": {"vocab": args.vocab, "hidden": args.hidden, "dtype": "bfloat16", "tp": 1, "recipe": RECIPE,
-                   "chunk_size": args.chunk_size or "each path's default: unfused 256, fused 1024",
-                   "device": args.device,
-                   "threads": args.threads if args.device == "cpu" else None,
-                   "repeats": args.repeats if args.device == "cuda" else 1},
-        "machine": {**machine_info(), **({"note": "shared machine: other processes ran beside this benchmark "
-                                                   "(see loadavg)"} if args.device == "cpu" else {})},
+        "params": {
+            "vocab": args.vocab,
+            "hidden": args.hidden,
+            "dtype": "bfloat16",
+            "tp": 1,
+            "recipe": RECIPE,
+            "chunk_size": args.chunk_size or "each path's default: unfused 256, fused 1024",
+            "device": args.device,
+            "threads": args.threads if args.device == "cpu" else None,
+            "repeats": args.repeats if args.device == "cuda" else 1,
+        },
+        "machine": {
+            **machine_info(),
+            **(
+                {"note": "shared machine: other processes ran beside this benchmark (see loadavg)"}
+                if args.device == "cpu"
+                else {}
+            ),
+        },
         "torch": torch.__version__,
         "vocab_kernel_env": os.environ.get("EMPG_VOCAB_KERNEL", "auto"),
         "git_commit": _git_commit(),
         "points": points,
         "comparison": comparison,
-    }  # fmt: skip
+    }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(comparison, indent=2))

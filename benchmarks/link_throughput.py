@@ -109,8 +109,17 @@ def _link_worker(rank: int, port: int, total_mb: float, bucket_mb: float, repeat
             for bucket in buckets:
                 pack_bucket(bucket)
             packing.append(time.perf_counter() - start)
-        Path(out).write_text(json.dumps({"seconds": seconds[1:], "bytes": sent, "received": received[1:],
-                                         "buckets": len(buckets), "pack_seconds": packing[1:]}))  # fmt: skip
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "seconds": seconds[1:],
+                    "bytes": sent,
+                    "received": received[1:],
+                    "buckets": len(buckets),
+                    "pack_seconds": packing[1:],
+                }
+            )
+        )
     else:
         for _ in range(repeats + 1):
             message = link.broadcast_object(src=TRAINER)
@@ -163,14 +172,23 @@ def _spawn(worker, *args) -> dict:
 
 def _rate(seconds: list[float], nbytes: int) -> dict:
     best, median = min(seconds), statistics.median(seconds)
-    return {"seconds_all": seconds, "seconds_best": best, "seconds_median": median,
-            "gbps_best": nbytes / best / 1e9, "gbps_median": nbytes / median / 1e9}  # fmt: skip
+    return {
+        "seconds_all": seconds,
+        "seconds_best": best,
+        "seconds_median": median,
+        "gbps_best": nbytes / best / 1e9,
+        "gbps_median": nbytes / median / 1e9,
+    }
 
 
 def link_benchmark(total_mb: float, bucket_mb: float, repeats: int, rounds: int) -> dict:
     """The link and the plain broadcast, taking turns ``rounds`` times (fresh processes each)."""
-    seconds: dict[str, list[float]] = {"link_transport": [], "pack_bucket_only": [], "broadcast_prealloc": [],
-                                       "broadcast_fresh": []}  # fmt: skip
+    seconds: dict[str, list[float]] = {
+        "link_transport": [],
+        "pack_bucket_only": [],
+        "broadcast_prealloc": [],
+        "broadcast_fresh": [],
+    }
     per_round = []
     for _ in range(rounds):
         link = _spawn(_link_worker, total_mb, bucket_mb, repeats)
@@ -184,10 +202,14 @@ def link_benchmark(total_mb: float, bucket_mb: float, repeats: int, rounds: int)
         per_round.append({key: min(values) for key, values in got.items()})
     nbytes = link["bytes"]
     out = {
-        "bytes": nbytes, "bucket_mb": bucket_mb, "num_buckets": link["buckets"], "repeats": repeats,
-        "rounds": rounds, **{key: _rate(values, nbytes) for key, values in seconds.items()},
+        "bytes": nbytes,
+        "bucket_mb": bucket_mb,
+        "num_buckets": link["buckets"],
+        "repeats": repeats,
+        "rounds": rounds,
+        **{key: _rate(values, nbytes) for key, values in seconds.items()},
         "seconds_best_per_round": per_round,
-    }  # fmt: skip
+    }
     for variant in ("broadcast_prealloc", "broadcast_fresh"):
         out[f"link_over_{variant}_gbps_best"] = out["link_transport"]["gbps_best"] / out[variant]["gbps_best"]
         out[f"link_over_{variant}_gbps_median"] = out["link_transport"]["gbps_median"] / out[variant]["gbps_median"]
@@ -205,9 +227,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> dict:
     """``link_benchmark`` with ``add_arguments``' options, its headline printed."""
     link = link_benchmark(args.link_mb, args.bucket_mb, args.link_repeats, args.link_rounds)
-    print(f"link: LinkTransport {link['link_transport']['gbps_best']:.2f} GB/s best, broadcast prealloc "
-          f"{link['broadcast_prealloc']['gbps_best']:.2f}, fresh {link['broadcast_fresh']['gbps_best']:.2f}",
-          flush=True)  # fmt: skip
+    print(
+        f"link: LinkTransport {link['link_transport']['gbps_best']:.2f} GB/s best, broadcast prealloc "
+        f"{link['broadcast_prealloc']['gbps_best']:.2f}, fresh {link['broadcast_fresh']['gbps_best']:.2f}",
+        flush=True,
+    )
     return link
 
 
@@ -219,9 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "link_throughput_cpu.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    record = {"benchmark": "link_throughput", "machine": machine_info(), "versions": versions(),
-              "params": {"command": " ".join(["benchmarks/link_throughput.py", *(argv or sys.argv[1:])])},
-              "link": run(args)}  # fmt: skip
+    record = {
+        "benchmark": "link_throughput",
+        "machine": machine_info(),
+        "versions": versions(),
+        "params": {"command": " ".join(["benchmarks/link_throughput.py", *(argv or sys.argv[1:])])},
+        "link": run(args),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0

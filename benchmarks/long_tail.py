@@ -73,11 +73,16 @@ def install() -> None:
         tail = _Tail(model, responses, chosen, stop_ids, settings["factor"])
         decode(self, tail if any(chosen) else model, rows, responses, sampling, *rest)
         seconds = time.perf_counter() - tail.start
-        record = {"pid": os.getpid(), "rows": len(responses), "chosen": sum(chosen), "median_length": tail.median,
-                  "target_length": tail.target,
-                  "chosen_lengths": [len(r.token_ids) for r, c in zip(responses, chosen) if c],
-                  "bulk_seconds": tail.bulk_seconds if tail.bulk_seconds is not None else seconds,
-                  "seconds": seconds}  # fmt: skip
+        record = {
+            "pid": os.getpid(),
+            "rows": len(responses),
+            "chosen": sum(chosen),
+            "median_length": tail.median,
+            "target_length": tail.target,
+            "chosen_lengths": [len(r.token_ids) for r, c in zip(responses, chosen) if c],
+            "bulk_seconds": tail.bulk_seconds if tail.bulk_seconds is not None else seconds,
+            "seconds": seconds,
+        }
         with open(settings["log"], "a") as f:  # one short line per call: appends of the engines do not mix
             f.write(json.dumps(record) + "\n")
 
@@ -118,8 +123,11 @@ class _Tail:
             for r, c in zip(self.responses, self.chosen):
                 if c:  # ends with "length" at the target; one already past it ends now
                     r.limit = min(r.limit, max(self.target, len(r.token_ids) + 1))
-        masked = [b for b, i in enumerate(active)
-                  if self.chosen[i] and (self.target is None or len(self.responses[i].token_ids) < self.target)]
+        masked = [
+            b
+            for b, i in enumerate(active)
+            if self.chosen[i] and (self.target is None or len(self.responses[i].token_ids) < self.target)
+        ]
         if masked and self.stop_ids:  # the token drawn next is the (len + 1)-th: no eos up to the target
             rows = torch.tensor(masked, device=out.logits.device)[:, None]
             out.logits[rows, -1, torch.tensor(self.stop_ids, device=out.logits.device)] = -torch.inf

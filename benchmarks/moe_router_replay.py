@@ -53,11 +53,23 @@ THREADS = 2
 
 
 def _machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "note": "no GPU: the transformers engine (vLLM returns "
-            "routed experts on a GPU only); the figures do not depend on the machine's speed"}  # fmt: skip
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "note": "no GPU: the transformers engine (vLLM returns "
+        "routed experts on a GPU only); the figures do not depend on the machine's speed",
+    }
 
 
 def _samples(engine, seed: int, vocab: int) -> list:
@@ -65,12 +77,17 @@ def _samples(engine, seed: int, vocab: int) -> list:
     from megatron_empg.trainer.batch import Sample
 
     g = torch.Generator().manual_seed(1000 + seed)
-    prompts = [torch.randint(1, vocab, (int(torch.randint(8, 25, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(PROMPTS)]  # fmt: skip
+    prompts = [
+        torch.randint(1, vocab, (int(torch.randint(8, 25, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(PROMPTS)
+    ]
     sampling = SamplingConfig(n=N, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, ignore_eos=True)
     groups = engine.generate(prompts, sampling)
-    return [Sample.from_trajectory(SimpleNamespace(prompt_ids=p), i, Trajectory.from_completion(c))
-            for i, (p, group) in enumerate(zip(prompts, groups)) for c in group]  # fmt: skip
+    return [
+        Sample.from_trajectory(SimpleNamespace(prompt_ids=p), i, Trajectory.from_completion(c))
+        for i, (p, group) in enumerate(zip(prompts, groups))
+        for c in group
+    ]
 
 
 def _run(chunk, micro, groups, model, replay: bool) -> dict:
@@ -82,8 +99,11 @@ def _run(chunk, micro, groups, model, replay: bool) -> dict:
     from megatron_empg.mcore.step import StatsRequest, forward_stats
 
     seen: list[tuple[int, torch.Tensor]] = []
-    hooks = [r.register_forward_hook(lambda m, i, out: seen.append((m.layer_number - 1, out[1].clone())))
-             for r in chunk.modules() if isinstance(r, TopKRouter)]  # fmt: skip
+    hooks = [
+        r.register_forward_hook(lambda m, i, out: seen.append((m.layer_number - 1, out[1].clone())))
+        for r in chunk.modules()
+        if isinstance(r, TopKRouter)
+    ]
     batches = micro if replay else [dataclasses.replace(mb, routed_experts=None) for mb in micro]
     stats = forward_stats([chunk], batches, StatsRequest(vocab_size=model.vocab_size, with_entropy=False), groups)
     for hook in hooks:
@@ -109,12 +129,15 @@ def _run(chunk, micro, groups, model, replay: bool) -> dict:
         alike.append(~earlier[loss])
     gaps, alike = torch.cat(gaps), torch.cat(alike)
     return {
-        "sampler_logprob_gap": float(gaps.mean()), "max_gap": float(gaps.max()), "loss_tokens": int(gaps.numel()),
-        "routing_mismatch": mismatched / max(routed, 1), "routed_token_layers": routed,
+        "sampler_logprob_gap": float(gaps.mean()),
+        "max_gap": float(gaps.max()),
+        "loss_tokens": int(gaps.numel()),
+        "routing_mismatch": mismatched / max(routed, 1),
+        "routed_token_layers": routed,
         "gap_routed_alike": float(gaps[alike].mean()) if alike.any() else None,
         "gap_routed_apart": float(gaps[~alike].mean()) if (~alike).any() else None,
         "tokens_routed_apart": int((~alike).sum()),
-    }  # fmt: skip
+    }
 
 
 def main(argv=None) -> None:
@@ -138,13 +161,24 @@ def main(argv=None) -> None:
     os.environ.setdefault("MASTER_PORT", "29541")
     dist.init_process_group("gloo", rank=0, world_size=1)
     report: dict = {
-        "benchmark": "moe_router_replay", "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": _machine(),
-        "params": {"model": MODEL, "prompts": PROMPTS, "n": N, "max_tokens": MAX_TOKENS, "temperature": 1.0,
-                   "prompt_tokens": "8..24 random ids", "trainer_dtype": "float32", "engine": "hf",
-                   "dispatcher": "allgather", "weights": "tools/make_tiny_model.py random (std 0.08), float32"},
+        "benchmark": "moe_router_replay",
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": _machine(),
+        "params": {
+            "model": MODEL,
+            "prompts": PROMPTS,
+            "n": N,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 1.0,
+            "prompt_tokens": "8..24 random ids",
+            "trainer_dtype": "float32",
+            "engine": "hf",
+            "dispatcher": "allgather",
+            "weights": "tools/make_tiny_model.py random (std 0.08), float32",
+        },
         "runs": [],
-    }  # fmt: skip
+    }
     try:
         groups = parallel_state.initialize_model_parallel(parallel, 0)
         (chunk,) = build_gpt_model(model, parallel, routing_replay=True)
@@ -152,21 +186,28 @@ def main(argv=None) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 model_dir = save_tiny_hf_model(model, tmp, seed=seed)
                 state = load_file(f"{model_dir}/model.safetensors")
-                load_full_state_dict([chunk], mapping.to_megatron_state_dict(
-                    state, model, parallel.padded_vocab_size(model.vocab_size)))  # fmt: skip
+                load_full_state_dict(
+                    [chunk], mapping.to_megatron_state_dict(state, model, parallel.padded_vocab_size(model.vocab_size))
+                )
                 for dtype in ENGINE_DTYPES:
                     engine = HfEngine(model_dir, RolloutConfig(dtype=dtype), routed_experts=True)
                     samples = _samples(engine, seed, model.vocab_size)
                     engine.shutdown()
                     micro = micro_batches(samples, [1.0] * len(samples), plan)
-                    run = {"weight_seed": seed, "engine_dtype": dtype,
-                           "without_replay": _run(chunk, micro, groups, model, replay=False),
-                           "with_replay": _run(chunk, micro, groups, model, replay=True)}  # fmt: skip
+                    run = {
+                        "weight_seed": seed,
+                        "engine_dtype": dtype,
+                        "without_replay": _run(chunk, micro, groups, model, replay=False),
+                        "with_replay": _run(chunk, micro, groups, model, replay=True),
+                    }
                     report["runs"].append(run)
                     off, on = run["without_replay"], run["with_replay"]
-                    print(f"seed {seed} engine {dtype}: gap {off['sampler_logprob_gap']:.3e} -> "
-                          f"{on['sampler_logprob_gap']:.3e} with replay; routing mismatch "
-                          f"{off['routing_mismatch']:.4f} -> {on['routing_mismatch']:.4f}", flush=True)
+                    print(
+                        f"seed {seed} engine {dtype}: gap {off['sampler_logprob_gap']:.3e} -> "
+                        f"{on['sampler_logprob_gap']:.3e} with replay; routing mismatch "
+                        f"{off['routing_mismatch']:.4f} -> {on['routing_mismatch']:.4f}",
+                        flush=True,
+                    )
     finally:
         dist.destroy_process_group()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -120,10 +120,15 @@ def _mu(cap: int, at_cap: float) -> float:
 
 def length_stats(samples: list[Sample], cap: int, at_cap: float) -> dict:
     responses = [len(s.response_ids) for s in samples]
-    return {"mu": _mu(cap, at_cap), "sigma": SIGMA, "cap": cap,
-            "target_at_cap": at_cap, "mean_response": statistics.fmean(responses),
-            "at_cap": sum(r == cap for r in responses) / len(responses),
-            "mean_sample_length": statistics.fmean(s.length for s in samples)}  # fmt: skip
+    return {
+        "mu": _mu(cap, at_cap),
+        "sigma": SIGMA,
+        "cap": cap,
+        "target_at_cap": at_cap,
+        "mean_response": statistics.fmean(responses),
+        "at_cap": sum(r == cap for r in responses) / len(responses),
+        "mean_sample_length": statistics.fmean(s.length for s in samples),
+    }
 
 
 def slots_and_compute(micro, q: float) -> tuple[int, float]:
@@ -161,9 +166,15 @@ def slot_report(samples: list[Sample], q: float) -> dict:
                 c[1] += compute
                 c[2] += len(micro)
                 c[3] = max([c[3], *(b * s for b, s in (mb.shape for mb in micro))])
-    layouts = {name: {"slots_per_real_token": c[0] / real_tokens, "compute_per_real_compute": c[1] / real_compute,
-                      "micro_batches": c[2], "largest_micro_batch_slots": c[3]}
-               for name, c in counts.items()}  # fmt: skip
+    layouts = {
+        name: {
+            "slots_per_real_token": c[0] / real_tokens,
+            "compute_per_real_compute": c[1] / real_compute,
+            "micro_batches": c[2],
+            "largest_micro_batch_slots": c[3],
+        }
+        for name, c in counts.items()
+    }
     packed = {n: v["slots_per_real_token"] <= GOAL for n, v in layouts.items() if n.startswith("packed")}
     return {"real_tokens": real_tokens, "layouts": layouts, "goal_max_slots_per_real_token": GOAL, "goal_met": packed}
 
@@ -180,8 +191,9 @@ def balance_report(samples: list[Sample], q: float) -> dict:
             start = time.perf_counter()
             shares = replica_shares(lengths, trains, mini_batches=MINI_BATCHES, cost=cost)
             seconds.append(time.perf_counter() - start)
-        per_mini = [[math.fsum(cost_fn(lengths[r][i]) for r, i in share[j]) for share in shares]
-                    for j in range(MINI_BATCHES)]  # fmt: skip
+        per_mini = [
+            [math.fsum(cost_fn(lengths[r][i]) for r, i in share[j]) for share in shares] for j in range(MINI_BATCHES)
+        ]
         out[name] = {
             "max_over_mean_per_mini_batch": [imbalance(costs) for costs in per_mini],
             "max_over_mean_step": sum(map(max, per_mini)) / sum(statistics.fmean(c) for c in per_mini),
@@ -234,17 +246,29 @@ def update_pass(repeats: int, warmup: int) -> dict:
     real = sum(s.length for s in samples)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     return {
-        "model": "tiny-qwen2", "dtype": "fp32", "samples": count, "cap": cap, "prompts": [8, 40],
-        "length_model": length_stats(samples, cap, STAGES["early"]), "real_tokens": real,
-        "warmup": warmup, "repeats": repeats, "torch_threads": torch.get_num_threads(),
-        "variants": {name: {"shapes": [list(mb.shape) for mb in calls[name]],
-                            "slots_per_real_token": sum(b * s for b, s in (mb.shape for mb in calls[name])) / real,
-                            "attention_scores_per_head": sum(_attention_scores(mb) for mb in calls[name]),
-                            "train_step_seconds_median": medians[name], "train_step_seconds_all": times[name]}
-                     for name in plans},
+        "model": "tiny-qwen2",
+        "dtype": "fp32",
+        "samples": count,
+        "cap": cap,
+        "prompts": [8, 40],
+        "length_model": length_stats(samples, cap, STAGES["early"]),
+        "real_tokens": real,
+        "warmup": warmup,
+        "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+        "variants": {
+            name: {
+                "shapes": [list(mb.shape) for mb in calls[name]],
+                "slots_per_real_token": sum(b * s for b, s in (mb.shape for mb in calls[name])) / real,
+                "attention_scores_per_head": sum(_attention_scores(mb) for mb in calls[name]),
+                "train_step_seconds_median": medians[name],
+                "train_step_seconds_all": times[name],
+            }
+            for name in plans
+        },
         "ratio_packed_over_step_padded": medians["packed"] / medians["step_padded"],
         "ratio_packed_over_padded": medians["packed"] / medians["padded"],
-    }  # fmt: skip
+    }
 
 
 def _attention_scores(mb) -> int:
@@ -256,15 +280,24 @@ def _attention_scores(mb) -> int:
 
 
 def _machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "note": "CPU time is not GPU time; on the CPU a packed row's attention runs on its sequences "
-                "gathered into length buckets (mcore.thd), not Transformer Engine's THD kernel. "
-                "The slot, compute and balance figures do not depend on the machine.",
-    }  # fmt: skip
+        "gathered into length buckets (mcore.thd), not Transformer Engine's THD kernel. "
+        "The slot, compute and balance figures do not depend on the machine.",
+    }
 
 
 def main(argv=None) -> None:
@@ -280,15 +313,25 @@ def main(argv=None) -> None:
         "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": _machine(),
-        "params": {"quick": args.quick, "cap": CAP, "prompts": list(PROMPTS), "replicas": REPLICAS,
-                   "samples_per_replica": PER_REPLICA, "mini_batches": MINI_BATCHES,
-                   "cost_model": "deepseek-r1-distill-qwen-1.5b", "quadratic": q},  # fmt: skip
+        "params": {
+            "quick": args.quick,
+            "cap": CAP,
+            "prompts": list(PROMPTS),
+            "replicas": REPLICAS,
+            "samples_per_replica": PER_REPLICA,
+            "mini_batches": MINI_BATCHES,
+            "cost_model": "deepseek-r1-distill-qwen-1.5b",
+            "quadratic": q,
+        },
         "stages": {},
     }
     for seed, (stage, at_cap) in enumerate(STAGES.items()):
         samples = make_samples(REPLICAS * PER_REPLICA, CAP, at_cap, PROMPTS, seed=seed)
-        report["stages"][stage] = {"length_model": length_stats(samples, CAP, at_cap),
-                                   "slots": slot_report(samples, q), "balance": balance_report(samples, q)}  # fmt: skip
+        report["stages"][stage] = {
+            "length_model": length_stats(samples, CAP, at_cap),
+            "slots": slot_report(samples, q),
+            "balance": balance_report(samples, q),
+        }
         lay = report["stages"][stage]["slots"]["layouts"]
         print(f"{stage}: " + ", ".join(f"{n} {v['slots_per_real_token']:.3f}" for n, v in lay.items()), flush=True)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -299,8 +342,10 @@ def main(argv=None) -> None:
     finally:
         dist.destroy_process_group()
     u = report["update_pass"]
-    print(f"update pass: packed/step_padded {u['ratio_packed_over_step_padded']:.3f}, "
-          f"packed/padded {u['ratio_packed_over_padded']:.3f}")  # fmt: skip
+    print(
+        f"update pass: packed/step_padded {u['ratio_packed_over_step_padded']:.3f}, "
+        f"packed/padded {u['ratio_packed_over_padded']:.3f}"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -41,16 +41,23 @@ def main(argv=None) -> int:
         components = bind(load_config(RunConfig, path), world, check_paths=False)
         plan = plan_memory(components, device_bytes=device)
         fixes = [] if plan.fits else cheapest_fixes(components, world, plan.device_bytes, bind=bind)
-        record = {**plan.to_json()["ranks"][0], "recipe": path.name, "world_size": world,
-                  "device_bytes": plan.device_bytes, "fits": plan.fits,
-                  "fixes": [{"label": f.label, "overrides": list(f.overrides), "peak_bytes": f.peak_bytes} for f in fixes]}  # fmt: skip
+        record = {
+            **plan.to_json()["ranks"][0],
+            "recipe": path.name,
+            "world_size": world,
+            "device_bytes": plan.device_bytes,
+            "fits": plan.fits,
+            "fixes": [{"label": f.label, "overrides": list(f.overrides), "peak_bytes": f.peak_bytes} for f in fixes],
+        }
         rows.append(record)
         gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
         rank = plan.ranks[0]
         fits = "yes" if plan.fits else "no: " + "; ".join(" ".join(f["overrides"]) for f in record["fixes"])
-        print(f"| `{path.stem}` | {world} | {gib(rank.peak_bytes)} GiB ({rank.peak_phase}) | "
-              f"{gib(rank.total('update'))} GiB | {gib(record['weights_and_optimizer_bytes'])} GiB | "
-              f"{gib(record['anchor_bytes'])} GiB | {gib(record['activation_bytes'])} GiB | {fits} |")
+        print(
+            f"| `{path.stem}` | {world} | {gib(rank.peak_bytes)} GiB ({rank.peak_phase}) | "
+            f"{gib(rank.total('update'))} GiB | {gib(record['weights_and_optimizer_bytes'])} GiB | "
+            f"{gib(record['anchor_bytes'])} GiB | {gib(record['activation_bytes'])} GiB | {fits} |"
+        )
     Path(args.out).write_text(json.dumps({"device_bytes": plan.device_bytes, "recipes": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

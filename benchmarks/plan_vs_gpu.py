@@ -31,16 +31,26 @@ STAGES = {"old_pass": ("old_pass",), "anchor_pass": ("anchor_pass",), "update": 
 def _common(seq_len: int, sequences: int, kl: str, attention: str) -> list[str]:
     """Overrides that turn the 8k recipe into the benchmark's configuration."""
     overrides = [
-        "train.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=false",
-        "algorithm.anchor.compute_dtype=bfloat16", "algorithm.anchor.master_on_cpu=false", "algorithm.mini_batches=1",
-        f"train.max_seq_len={seq_len}", f"rollout.max_model_len={seq_len}", f"data.max_prompt_tokens={seq_len // 4}",
-        f"rollout.sampling.max_tokens={seq_len - seq_len // 4}", "rollout.sampling.n=8",
-        f"train.prompts_per_step={max(1, sequences // 8)}", "train.max_tokens_per_forward_microbatch=null",
+        "train.params_dtype=bfloat16",
+        "optimizer.use_distributed_optimizer=false",
+        "algorithm.anchor.compute_dtype=bfloat16",
+        "algorithm.anchor.master_on_cpu=false",
+        "algorithm.mini_batches=1",
+        f"train.max_seq_len={seq_len}",
+        f"rollout.max_model_len={seq_len}",
+        f"data.max_prompt_tokens={seq_len // 4}",
+        f"rollout.sampling.max_tokens={seq_len - seq_len // 4}",
+        "rollout.sampling.n=8",
+        f"train.prompts_per_step={max(1, sequences // 8)}",
+        "train.max_tokens_per_forward_microbatch=null",
         f"model_overrides=[attention_backend={attention}]",
-    ]  # fmt: skip
+    ]
     if kl == "topk":
-        overrides += ["algorithm.loss.kl=topk", "algorithm.loss.kl_args={direction: reverse, importance_weight: true}",
-                      "algorithm.topk=32"]  # fmt: skip
+        overrides += [
+            "algorithm.loss.kl=topk",
+            "algorithm.loss.kl_args={direction: reverse, importance_weight: true}",
+            "algorithm.topk=32",
+        ]
     elif kl != "recipe":
         overrides += [f"algorithm.loss.kl={kl}", "algorithm.loss.kl_args={}"]
     return overrides
@@ -59,25 +69,36 @@ def configurations(path: Path) -> list[dict]:
             if not v.get("ok"):
                 continue
             overrides = _common(p["seq_len"], p["seqs"], v["kl"], "unfused") + [
-                "train.packing=false", f"train.micro_batch_size={p['micro_batch']}", "train.max_tokens_per_microbatch=null"]
+                "train.packing=false",
+                f"train.micro_batch_size={p['micro_batch']}",
+                "train.max_tokens_per_microbatch=null",
+            ]
             measured = v["cuda_memory"]["peak_allocated_by_stage_bytes"]
-            out.append({"name": f"{path.name}: {p['seqs']} x {p['seq_len']}, kl {v['kl']}, unfused, padded",
-                        "overrides": overrides, "options": PlanOptions(fused_swiglu=False, vocab_kernels="torch"),
-                        "measured": {s: measured[s] for s in STAGES if s in measured}})  # fmt: skip
+            out.append(
+                {
+                    "name": f"{path.name}: {p['seqs']} x {p['seq_len']}, kl {v['kl']}, unfused, padded",
+                    "overrides": overrides,
+                    "options": PlanOptions(fused_swiglu=False, vocab_kernels="torch"),
+                    "measured": {s: measured[s] for s in STAGES if s in measured},
+                }
+            )
         return out
     for r in run.get("records", []):
         if not r.get("ok") or "peak_gib_by_stage" not in r or r["kl"] not in ("k3", "topk"):
             continue
         tokens = r["tokens_per_microbatch"]
         overrides = _common(tokens, r["tokens_per_step"] // tokens, r["kl"], r["attention_backend"]) + [
-            f"train.recompute={r['recompute']}", f"train.packing={str(r['packed']).lower()}",
-            f"train.max_tokens_per_microbatch={tokens if r['packed'] else 'null'}", "train.micro_batch_size=1",
+            f"train.recompute={r['recompute']}",
+            f"train.packing={str(r['packed']).lower()}",
+            f"train.max_tokens_per_microbatch={tokens if r['packed'] else 'null'}",
+            "train.micro_batch_size=1",
             f"train.max_tokens_per_forward_microbatch={r['forward_tokens_per_microbatch']}",
-        ]  # fmt: skip
+        ]
         options = PlanOptions(fused_swiglu=bool(r["fusions"].get("bias_activation_fusion")))
         measured = {s: int(v * 2**30) for s, v in r["peak_gib_by_stage"].items() if s in STAGES}
-        out.append({"name": f"{path.name}: {r['case']}", "overrides": overrides, "options": options,
-                    "measured": measured})  # fmt: skip
+        out.append(
+            {"name": f"{path.name}: {r['case']}", "overrides": overrides, "options": options, "measured": measured}
+        )
     return out
 
 
@@ -111,17 +132,30 @@ def main(argv=None) -> int:
     for r in rows:
         print(r["name"])
         for stage, s in r["stages"].items():
-            print(f"  {stage:<12} measured {s['measured_bytes'] / 2**30:6.1f} GiB, planned "
-                  f"{s['predicted_bytes'] / 2**30:6.1f} GiB: {100 * (s['ratio'] - 1):+.1f} %")
+            print(
+                f"  {stage:<12} measured {s['measured_bytes'] / 2**30:6.1f} GiB, planned "
+                f"{s['predicted_bytes'] / 2**30:6.1f} GiB: {100 * (s['ratio'] - 1):+.1f} %"
+            )
     if args.out:
-        Path(args.out).write_text(json.dumps({"tolerance": TOLERANCE, "worst_relative_error": worst,
-                                              "within_tolerance": worst <= TOLERANCE, "comparisons": rows},
-                                             indent=1) + "\n")  # fmt: skip
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "tolerance": TOLERANCE,
+                    "worst_relative_error": worst,
+                    "within_tolerance": worst <= TOLERANCE,
+                    "comparisons": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     if not rows:
         print(f"no train_step_gpu*.json with measured peaks in {args.results}")
     else:
-        print(f"worst {100 * worst:.1f} % over {len(rows)} configurations (tolerance {100 * TOLERANCE:.0f} %)"
-              f"{f'; wrote {args.out}' if args.out else ''}")
+        print(
+            f"worst {100 * worst:.1f} % over {len(rows)} configurations (tolerance {100 * TOLERANCE:.0f} %)"
+            f"{f'; wrote {args.out}' if args.out else ''}"
+        )
     return 0 if worst <= TOLERANCE else 1
 
 

@@ -123,8 +123,14 @@ def _cpu_snapshot(root: int, labels: dict[int, str]) -> tuple[float, dict[str, f
 
 
 def rank_main(rank: int, spec: dict, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        OMP_NUM_THREADS="1",
+    )
     os.environ.pop(BIND, None)  # the binding is this benchmark's to choose
     import torch
     import torch.distributed as dist
@@ -152,12 +158,29 @@ def _rank_run(rank: int, spec: dict) -> dict:
     from megatron_empg.trainer.rollout import RolloutStage, child_environment, engine_environment
 
     num_engines = spec["engines"]
-    config = from_dict(RunConfig, {"model": spec["model"], "tokenizer": spec["model_dir"], "rollout": {
-        "dtype": "float32", "enforce_eager": True, "max_model_len": spec["max_model_len"], "in_process": False,
-        "kv_cache_gib": spec["kv_cache_gib"], "engines": num_engines,
-        "sampling": {"n": spec["n"], "max_tokens": spec["max_tokens"], "temperature": 1.0, "ignore_eos": True,
-                     "seed": spec["seed"]},
-    }, "weight_sync": {"transport": "shm_file"}})  # fmt: skip
+    config = from_dict(
+        RunConfig,
+        {
+            "model": spec["model"],
+            "tokenizer": spec["model_dir"],
+            "rollout": {
+                "dtype": "float32",
+                "enforce_eager": True,
+                "max_model_len": spec["max_model_len"],
+                "in_process": False,
+                "kv_cache_gib": spec["kv_cache_gib"],
+                "engines": num_engines,
+                "sampling": {
+                    "n": spec["n"],
+                    "max_tokens": spec["max_tokens"],
+                    "temperature": 1.0,
+                    "ignore_eos": True,
+                    "seed": spec["seed"],
+                },
+            },
+            "weight_sync": {"transport": "shm_file"},
+        },
+    )
     placement = build_placement(num_engines, tp_rank=0, pp_rank=0, dp_rank=rank, dp_size=WORLD)
     pids: list = [None] * WORLD
     dist.all_gather_object(pids, os.getpid())
@@ -188,8 +211,13 @@ def _rank_run(rank: int, spec: dict) -> dict:
             replicas, metrics = stage.sample(step, examples, dp_size=WORLD)
             samples = replicas[rank % len(replicas)]  # this rank's replica among its engine's
             seconds = time.perf_counter() - start
-            entry = {"step": step, "timed": step >= spec["warmup"], "seconds": seconds, "metrics": metrics,
-                     "samples": [[s.group, s.response_ids, s.sampler_logprobs] for s in samples]}  # fmt: skip
+            entry = {
+                "step": step,
+                "timed": step >= spec["warmup"],
+                "seconds": seconds,
+                "metrics": metrics,
+                "samples": [[s.group, s.response_ids, s.sampler_logprobs] for s in samples],
+            }
             if rank == 0:  # how much CPU other processes of the machine took meanwhile
                 after, window = _cpu_snapshot(spec["root_pid"], labels), time.perf_counter() - window
                 capacity = after[2] * window
@@ -231,15 +259,30 @@ def run_configuration(spec: dict) -> dict:
             if p.is_alive():
                 p.kill()
                 p.join()
-        errors = {f"rank{r}": (Path(tmp) / f"rank{r}.err").read_text()[-3000:]
-                  for r in range(WORLD) if (Path(tmp) / f"rank{r}.err").exists()}  # fmt: skip
+        errors = {
+            f"rank{r}": (Path(tmp) / f"rank{r}.err").read_text()[-3000:]
+            for r in range(WORLD)
+            if (Path(tmp) / f"rank{r}.err").exists()
+        }
         missing = [r for r in range(WORLD) if not (Path(tmp) / f"rank{r}.json").exists()]
         if timed_out or errors or missing:
-            return {"ok": False, "engines": spec["engines"], "timed_out": timed_out, "errors": errors,
-                    "missing_ranks": missing, "exit_codes": [p.exitcode for p in procs]}  # fmt: skip
+            return {
+                "ok": False,
+                "engines": spec["engines"],
+                "timed_out": timed_out,
+                "errors": errors,
+                "missing_ranks": missing,
+                "exit_codes": [p.exitcode for p in procs],
+            }
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return {"ok": True, "engines": spec["engines"], "ranks": ranks, "loadavg_before": load_before,
-            "loadavg_after": _loadavg(), "wall_seconds": round(time.perf_counter() - start, 2)}  # fmt: skip
+    return {
+        "ok": True,
+        "engines": spec["engines"],
+        "ranks": ranks,
+        "loadavg_before": load_before,
+        "loadavg_after": _loadavg(),
+        "wall_seconds": round(time.perf_counter() - start, 2),
+    }
 
 
 def _step_samples(ranks: list[dict], index: int) -> list:
@@ -257,17 +300,19 @@ def _timed_steps(res: dict, num_samples: int) -> list[dict]:
         samples = _step_samples(ranks, i)
         if len(samples) != num_samples:
             raise RuntimeError(f"E={res['engines']} step {i}: {len(samples)} samples, expected {num_samples}")
-        out.append({
-            "seconds": max(rank["steps"][i]["seconds"] for rank in ranks),
-            "seconds_per_rank": [round(rank["steps"][i]["seconds"], 4) for rank in ranks],
-            "response_tokens": sum(len(s[1]) for s in samples),
-            "engine_seconds_max": step["metrics"]["engines/seconds_max"],
-            "engine_seconds_mean": step["metrics"]["engines/seconds_mean"],
-            "engine_slowest_share": step["metrics"]["engines/slowest_share"],
-            "foreign_cpu_share": step["foreign_cpu_share"],
-            "own_cpu_share": step["own_cpu_share"],
-            "own_cpu_share_by_process": step["own_cpu_share_by_process"],
-        })  # fmt: skip
+        out.append(
+            {
+                "seconds": max(rank["steps"][i]["seconds"] for rank in ranks),
+                "seconds_per_rank": [round(rank["steps"][i]["seconds"], 4) for rank in ranks],
+                "response_tokens": sum(len(s[1]) for s in samples),
+                "engine_seconds_max": step["metrics"]["engines/seconds_max"],
+                "engine_seconds_mean": step["metrics"]["engines/seconds_mean"],
+                "engine_slowest_share": step["metrics"]["engines/slowest_share"],
+                "foreign_cpu_share": step["foreign_cpu_share"],
+                "own_cpu_share": step["own_cpu_share"],
+                "own_cpu_share_by_process": step["own_cpu_share_by_process"],
+            }
+        )
     return out
 
 
@@ -301,26 +346,32 @@ def summarize(runs: list[dict], num_samples: int, clean_share: float) -> dict:
     }
     for res, timed in zip(runs, rounds):
         owners = [r for r in res["ranks"] if r["is_owner"]]
-        out["rounds"].append({
-            "seconds_per_step_all": [round(step["seconds"], 4) for step in timed],
-            "seconds_per_step_median": statistics.median(step["seconds"] for step in timed),
-            "seconds_per_step_per_rank": [step["seconds_per_rank"] for step in timed],
-            "engine_seconds_max_all": [round(step["engine_seconds_max"], 4) for step in timed],
-            "engine_seconds_mean_all": [round(step["engine_seconds_mean"], 4) for step in timed],
-            "engine_slowest_share_all": [round(step["engine_slowest_share"], 4) for step in timed],
-            "foreign_cpu_share_all": [round(step["foreign_cpu_share"], 3) for step in timed],
-            "own_cpu_share_all": [round(step["own_cpu_share"], 3) for step in timed],
-            "own_cpu_share_by_process_median": {
-                name: round(statistics.median(step["own_cpu_share_by_process"].get(name, 0.0) for step in timed), 3)
-                for name in timed[0]["own_cpu_share_by_process"]},
-            "warmup_seconds_per_rank": [[round(r["steps"][i]["seconds"], 4) for r in res["ranks"]]
-                                        for i, step in enumerate(res["ranks"][0]["steps"]) if not step["timed"]],
-            "engine_start_seconds": [round(r["engine_start_seconds"], 2) for r in owners],
-            "engine_shutdown_seconds": [round(r["engine_shutdown_seconds"], 2) for r in owners],
-            "loadavg_before": res["loadavg_before"],
-            "loadavg_after": res["loadavg_after"],
-            "wall_seconds": res["wall_seconds"],
-        })  # fmt: skip
+        out["rounds"].append(
+            {
+                "seconds_per_step_all": [round(step["seconds"], 4) for step in timed],
+                "seconds_per_step_median": statistics.median(step["seconds"] for step in timed),
+                "seconds_per_step_per_rank": [step["seconds_per_rank"] for step in timed],
+                "engine_seconds_max_all": [round(step["engine_seconds_max"], 4) for step in timed],
+                "engine_seconds_mean_all": [round(step["engine_seconds_mean"], 4) for step in timed],
+                "engine_slowest_share_all": [round(step["engine_slowest_share"], 4) for step in timed],
+                "foreign_cpu_share_all": [round(step["foreign_cpu_share"], 3) for step in timed],
+                "own_cpu_share_all": [round(step["own_cpu_share"], 3) for step in timed],
+                "own_cpu_share_by_process_median": {
+                    name: round(statistics.median(step["own_cpu_share_by_process"].get(name, 0.0) for step in timed), 3)
+                    for name in timed[0]["own_cpu_share_by_process"]
+                },
+                "warmup_seconds_per_rank": [
+                    [round(r["steps"][i]["seconds"], 4) for r in res["ranks"]]
+                    for i, step in enumerate(res["ranks"][0]["steps"])
+                    if not step["timed"]
+                ],
+                "engine_start_seconds": [round(r["engine_start_seconds"], 2) for r in owners],
+                "engine_shutdown_seconds": [round(r["engine_shutdown_seconds"], 2) for r in owners],
+                "loadavg_before": res["loadavg_before"],
+                "loadavg_after": res["loadavg_after"],
+                "wall_seconds": res["wall_seconds"],
+            }
+        )
     owners = [r for r in runs[0]["ranks"] if r["is_owner"]]
     out["engine_environment"] = [r["engine_environment"] for r in owners]
     out["engine_processes_round_0"] = [r["engine_processes"] for r in owners]
@@ -341,8 +392,13 @@ def compare_samples(one: dict, many: dict) -> dict:
             if ga == gb and ida == idb:
                 identical += 1
                 max_diff = max([max_diff, *(abs(x - y) for x, y in zip(lpa, lpb))])
-    return {"token_identical": identical == compared, "samples_compared": compared, "samples_identical": identical,
-            "steps_compared": steps, "max_abs_logprob_diff": max_diff}  # fmt: skip
+    return {
+        "token_identical": identical == compared,
+        "samples_compared": compared,
+        "samples_identical": identical,
+        "steps_compared": steps,
+        "max_abs_logprob_diff": max_diff,
+    }
 
 
 def wait_for_load(limit: float | None, max_wait_s: float, poll_s: float = 60.0) -> dict:
@@ -375,14 +431,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=None, help="timed steps per configuration run (default 5; quick 1)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=None,
-                   help="how many times the configurations run in turn, engines started anew (default 3; quick 1)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="how many times the configurations run in turn, engines started anew (default 3; quick 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--kv-cache-gib", type=int, default=1)
     p.add_argument("--configs", default="1,2", help="comma list of engine counts, run in this order (1 first)")
-    p.add_argument("--clean-share", type=float, default=0.1,
-                   help="a step is clean when other processes took at most this share of the machine's CPU")
+    p.add_argument(
+        "--clean-share",
+        type=float,
+        default=0.1,
+        help="a step is clean when other processes took at most this share of the machine's CPU",
+    )
     p.add_argument("--wait-load", type=float, default=None, help="first wait until the 1-min load average <= this")
     p.add_argument("--wait-max-s", type=float, default=900.0)
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per configuration run")
@@ -423,15 +487,30 @@ def main(argv=None) -> int:
         "versions": _versions(),
         "wait_for_load": waited,
         "params": {
-            "model": args.model, "model_parameters": model.num_parameters(), "prompts": num_prompts, "n": n,
-            "max_tokens": max_tokens, "prompt_len": args.prompt_len, "ignore_eos": True, "temperature": 1.0,
-            "seed": args.seed, "repeats": repeats, "warmup": args.warmup, "rounds": rounds,
-            "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib, "dtype": "float32",
-            "enforce_eager": True, "in_process": False, "load_format": "dummy", "configs": configs,
-            "clean_share": args.clean_share, "quick": quick,
+            "model": args.model,
+            "model_parameters": model.num_parameters(),
+            "prompts": num_prompts,
+            "n": n,
+            "max_tokens": max_tokens,
+            "prompt_len": args.prompt_len,
+            "ignore_eos": True,
+            "temperature": 1.0,
+            "seed": args.seed,
+            "repeats": repeats,
+            "warmup": args.warmup,
+            "rounds": rounds,
+            "max_model_len": args.max_model_len,
+            "kv_cache_gib": args.kv_cache_gib,
+            "dtype": "float32",
+            "enforce_eager": True,
+            "in_process": False,
+            "load_format": "dummy",
+            "configs": configs,
+            "clean_share": args.clean_share,
+            "quick": quick,
             "parallel": f"TP1 PP1 DP{WORLD}, {WORLD} spawned gloo ranks, OMP_NUM_THREADS=1 and 1 torch thread each",
             "cores": sorted(os.sched_getaffinity(0)),
-        },  # fmt: skip
+        },
         "method": __doc__.split("\n\n", 2)[2],
         "results": {},
     }
@@ -441,11 +520,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="rollout_scaling_model_") as model_dir:
         save_tiny_hf_model(model, model_dir, seed=args.seed)
         base = {
-            "model": args.model, "model_dir": model_dir, "n": n, "max_tokens": max_tokens, "seed": args.seed,
-            "warmup": args.warmup, "repeats": repeats, "max_model_len": args.max_model_len,
-            "kv_cache_gib": args.kv_cache_gib, "timeout_s": args.timeout_s, "root_pid": os.getpid(),
+            "model": args.model,
+            "model_dir": model_dir,
+            "n": n,
+            "max_tokens": max_tokens,
+            "seed": args.seed,
+            "warmup": args.warmup,
+            "repeats": repeats,
+            "max_model_len": args.max_model_len,
+            "kv_cache_gib": args.kv_cache_gib,
+            "timeout_s": args.timeout_s,
+            "root_pid": os.getpid(),
             "prompts": make_prompts(num_prompts, args.prompt_len, model.vocab_size, args.seed),
-        }  # fmt: skip
+        }
         for round_ in range(rounds):
             for engines in configs:
                 res = run_configuration({**base, "engines": engines})
@@ -456,9 +543,12 @@ def main(argv=None) -> int:
                     continue
                 raw[engines].append(res)
                 timed = _timed_steps(res, num_prompts * n)
-                print(f"round {round_} E={engines}: s/step {[round(t['seconds'], 3) for t in timed]}, CPU share: "
-                      f"ours {[round(t['own_cpu_share'], 2) for t in timed]}, "
-                      f"others {[round(t['foreign_cpu_share'], 2) for t in timed]}", flush=True)  # fmt: skip
+                print(
+                    f"round {round_} E={engines}: s/step {[round(t['seconds'], 3) for t in timed]}, CPU share: "
+                    f"ours {[round(t['own_cpu_share'], 2) for t in timed]}, "
+                    f"others {[round(t['foreign_cpu_share'], 2) for t in timed]}",
+                    flush=True,
+                )
     if failures:
         report["failures"] = failures
     for engines, runs in raw.items():
@@ -478,27 +568,37 @@ def main(argv=None) -> int:
             entry = comparison[f"E{engines}_vs_E1"] = {
                 "speedup_median": ref["seconds_per_step_median"] / mine["seconds_per_step_median"],
                 "speedup_best": ref["seconds_per_step_best"] / mine["seconds_per_step_best"],
-                "speedup_clean_median": (ref["clean_seconds_per_step_median"] / mine["clean_seconds_per_step_median"]
-                                         if ref["clean_steps"] and mine["clean_steps"] else None),
-                "speedup_per_round_median": [a["seconds_per_step_median"] / b["seconds_per_step_median"]
-                                             for a, b in zip(ref["rounds"], mine["rounds"])],
+                "speedup_clean_median": (
+                    ref["clean_seconds_per_step_median"] / mine["clean_seconds_per_step_median"]
+                    if ref["clean_steps"] and mine["clean_steps"]
+                    else None
+                ),
+                "speedup_per_round_median": [
+                    a["seconds_per_step_median"] / b["seconds_per_step_median"]
+                    for a, b in zip(ref["rounds"], mine["rounds"])
+                ],
                 "samples_per_round": [compare_samples(a, b) for a, b in pairs],
-            }  # fmt: skip
+            }
             entry["token_identical"] = all(c["token_identical"] for c in entry["samples_per_round"])
             ok = ok and entry["token_identical"]
     report["comparison"] = comparison
     for key, summary in report["results"].items():
         clean = summary["clean_seconds_per_step_median"]
-        print(f"{key}: {summary['seconds_per_step_median']:.3f} s/step median over {summary['timed_steps']} steps "
-              f"(best {summary['seconds_per_step_best']:.3f}; clean median "
-              f"{'-' if clean is None else f'{clean:.3f}'} over {summary['clean_steps']}), "
-              f"{summary['samples_per_s_median']:.1f} samples/s, {summary['response_tokens_per_s_median']:.0f} tokens/s",
-              flush=True)  # fmt: skip
+        print(
+            f"{key}: {summary['seconds_per_step_median']:.3f} s/step median over {summary['timed_steps']} steps "
+            f"(best {summary['seconds_per_step_best']:.3f}; clean median "
+            f"{'-' if clean is None else f'{clean:.3f}'} over {summary['clean_steps']}), "
+            f"{summary['samples_per_s_median']:.1f} samples/s, {summary['response_tokens_per_s_median']:.0f} tokens/s",
+            flush=True,
+        )
     for key, entry in comparison.items():
         if isinstance(entry, dict):
-            print(f"{key}: speedup {entry['speedup_median']:.2f}x median, {entry['speedup_best']:.2f}x best, clean "
-                  f"{entry['speedup_clean_median']}, per round {[round(x, 2) for x in entry['speedup_per_round_median']]}; "
-                  f"token identical: {entry['token_identical']}", flush=True)  # fmt: skip
+            print(
+                f"{key}: speedup {entry['speedup_median']:.2f}x median, {entry['speedup_best']:.2f}x best, clean "
+                f"{entry['speedup_clean_median']}, per round {[round(x, 2) for x in entry['speedup_per_round_median']]}; "
+                f"token identical: {entry['token_identical']}",
+                flush=True,
+            )
         else:
             print(f"{key}: {entry}")
     report["machine"]["loadavg_at_end"] = _loadavg()

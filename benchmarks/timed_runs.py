@@ -30,9 +30,22 @@ from benchmarks.weight_sync import _cpu_model  # noqa: E402  (the machine's desc
 LAUNCHER = REPO / "launchers" / "torchrun.sh"
 TRAINING_STAGES = ("advantages", "batching", "old_pass", "anchor_pass", "update", "ema_update")
 ENGINE_KEYS = ("time/engine_rollout", "time/engine_rewards")  # the engine rank's, not the trainer's
-STAGE_KEYS = ("time/engine_rollout", "time/engine_rewards", "time/rollout", "time/rewards", "time/rollout_wait",
-              "time/advantages", "time/batching", "time/old_pass", "time/anchor_pass", "time/update",
-              "time/ema_update", "time/weight_sync", "sync/seconds", "gate")  # fmt: skip
+STAGE_KEYS = (
+    "time/engine_rollout",
+    "time/engine_rewards",
+    "time/rollout",
+    "time/rewards",
+    "time/rollout_wait",
+    "time/advantages",
+    "time/batching",
+    "time/old_pass",
+    "time/anchor_pass",
+    "time/update",
+    "time/ema_update",
+    "time/weight_sync",
+    "sync/seconds",
+    "gate",
+)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -117,16 +130,33 @@ def wait_for_load(limit: float | None, max_seconds: float) -> dict | None:
 # ---------------------------------------------------------------------------------------------- one run
 
 
-def train_run(recipe: Path, overrides: list[str], *, name: str, nproc: int, directory: Path, steps: int,
-              timed_steps: range, env: dict[str, str], poll_ms: float, timeout: float) -> dict:  # fmt: skip
+def train_run(
+    recipe: Path,
+    overrides: list[str],
+    *,
+    name: str,
+    nproc: int,
+    directory: Path,
+    steps: int,
+    timed_steps: range,
+    env: dict[str, str],
+    poll_ms: float,
+    timeout: float,
+) -> dict:
     """One run of ``recipe`` + ``overrides`` on ``nproc`` processes through launchers/torchrun.sh,
     in ``directory`` (started over), polling its metrics.jsonl: each record with the wall clock at
     which it appeared; ``env`` added to this process's environment."""
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     command = [str(LAUNCHER), str(recipe), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "NPROC_PER_NODE": str(nproc),
-           "PYTHON": sys.executable, "TORCHRUN": str(Path(sys.executable).parent / "torchrun"), **env}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "NPROC_PER_NODE": str(nproc),
+        "PYTHON": sys.executable,
+        "TORCHRUN": str(Path(sys.executable).parent / "torchrun"),
+        **env,
+    }
     metrics = directory / "metrics.jsonl"
     records: list[dict] = []
     arrivals: list[float] = []
@@ -190,12 +220,18 @@ def summarize_run(name, nproc, overrides, records, arrivals, cpu_at, start, tota
     per_step = []
     for i, record in enumerate(records):
         wall = arrivals[i] - arrivals[i - 1] if i > 0 else None  # step 1: from start-up, not a step
-        per_step.append({"step": record["step"], "wall_seconds": wall, **stage_times(record),
-                         "staleness_mean": float(record.get("rollout/staleness_mean", 0.0)),
-                         "staleness_token_mean": float(record.get("rollout/staleness_token_mean", 0.0)),
-                         "partial_fraction": float(record.get("rollout/partial_fraction", 0.0)),
-                         "response_length_mean": float(record.get("response/length_mean", float("nan"))),
-                         "accuracy": float(record.get("reward/accuracy", float("nan")))})  # fmt: skip
+        per_step.append(
+            {
+                "step": record["step"],
+                "wall_seconds": wall,
+                **stage_times(record),
+                "staleness_mean": float(record.get("rollout/staleness_mean", 0.0)),
+                "staleness_token_mean": float(record.get("rollout/staleness_token_mean", 0.0)),
+                "partial_fraction": float(record.get("rollout/partial_fraction", 0.0)),
+                "response_length_mean": float(record.get("response/length_mean", float("nan"))),
+                "accuracy": float(record.get("reward/accuracy", float("nan"))),
+            }
+        )
     timed = [s for s in per_step if s["step"] in timed_steps and s["wall_seconds"] is not None]
     if not timed:
         raise RuntimeError(f"{name}: no step of {list(timed_steps)} timed (step 1 never is)")
@@ -203,12 +239,18 @@ def summarize_run(name, nproc, overrides, records, arrivals, cpu_at, start, tota
     capacity = (arrivals[last] - arrivals[first]) * CLOCK_TICKS * (os.cpu_count() or 1)
     busy, own = (cpu_at[last][0] - cpu_at[first][0]), (cpu_at[last][1] - cpu_at[first][1])
     return {
-        "processes": nproc, "overrides": overrides, "loadavg_before": load, "run_seconds": total,
-        "startup_seconds": arrivals[0] - start, "timed_steps": [s["step"] for s in timed],
+        "processes": nproc,
+        "overrides": overrides,
+        "loadavg_before": load,
+        "run_seconds": total,
+        "startup_seconds": arrivals[0] - start,
+        "timed_steps": [s["step"] for s in timed],
         "step_seconds_mean": statistics.fmean(s["wall_seconds"] for s in timed),
-        "own_cpu_share": own / capacity, "foreign_cpu_share": max(busy - own, 0) / capacity,
-        "sync_gbytes": float(records[-1].get("sync/gbytes", 0.0)), "per_step": per_step,
-    }  # fmt: skip
+        "own_cpu_share": own / capacity,
+        "foreign_cpu_share": max(busy - own, 0) / capacity,
+        "sync_gbytes": float(records[-1].get("sync/gbytes", 0.0)),
+        "per_step": per_step,
+    }
 
 
 def pool_rounds(rounds: list[dict]) -> dict:

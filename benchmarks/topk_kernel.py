@@ -55,8 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--torch-repeats", type=int, default=3, help="timed calls of the torch path (~140 ms each)")
-    p.add_argument("--sweep", default="1024:4,2048:8,4096:8,8192:16",
-                   help="BLOCK:num_warps launch configs of the top-k kernel alone ('' for none)")  # fmt: skip
+    p.add_argument(
+        "--sweep",
+        default="1024:4,2048:8,4096:8,8192:16",
+        help="BLOCK:num_warps launch configs of the top-k kernel alone ('' for none)",
+    )
     p.add_argument("--copy-gb", type=float, default=2.0, help="size of the copy_ measuring the bandwidth")
     p.add_argument("--logit-scale", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
@@ -95,9 +98,21 @@ def run_variant(torch, mode: str, k: int, inp: dict, args, timer: Timer, warmup:
     from megatron_empg.parallel.vocab_parallel import vocab_parallel_token_stats
 
     os.environ["EMPG_VOCAB_KERNEL"] = mode
-    time_ms, stats = _timed(timer, lambda: vocab_parallel_token_stats(
-        inp["logits"], inp["ids"], k, vocab_start=0, vocab_size=args.vocab, tp_group=None, with_entropy=False,
-        validate=False), warmup, repeats)  # fmt: skip
+    time_ms, stats = _timed(
+        timer,
+        lambda: vocab_parallel_token_stats(
+            inp["logits"],
+            inp["ids"],
+            k,
+            vocab_start=0,
+            vocab_size=args.vocab,
+            tp_group=None,
+            with_entropy=False,
+            validate=False,
+        ),
+        warmup,
+        repeats,
+    )
     return {"mode": mode, "k": k, "time_ms": time_ms}, stats
 
 
@@ -108,12 +123,18 @@ def kernel_alone(torch, inp: dict, args, timer: Timer, configs: list, copy_bw: f
     nbytes = args.tokens * args.vocab * 2
     rows = []
     for block, warps in configs:
-        row = {"block": block or topk_triton.launch_config(args.vocab)[0],
-               "num_warps": warps or topk_triton.launch_config(args.vocab)[1], "default": block is None}  # fmt: skip
+        row = {
+            "block": block or topk_triton.launch_config(args.vocab)[0],
+            "num_warps": warps or topk_triton.launch_config(args.vocab)[1],
+            "default": block is None,
+        }
         try:
-            row["time_ms"], _ = _timed(timer, lambda: topk_triton.topk(
-                inp["logits"], args.k, args.vocab, block_size=block, num_warps=warps),
-                2, max(3, args.repeats // 2))  # fmt: skip
+            row["time_ms"], _ = _timed(
+                timer,
+                lambda: topk_triton.topk(inp["logits"], args.k, args.vocab, block_size=block, num_warps=warps),
+                2,
+                max(3, args.repeats // 2),
+            )
             gbps = nbytes / (row["time_ms"]["median"] / 1e3) / 1e9
             row["achieved_bandwidth_GBps"], row["fraction_of_copy_bandwidth"] = gbps, gbps / copy_bw
         except Exception as err:  # noqa: BLE001 - a config that fails to compile or launch is recorded
@@ -123,8 +144,11 @@ def kernel_alone(torch, inp: dict, args, timer: Timer, configs: list, copy_bw: f
 
 
 def check(torch, ours, ref, logits, k: int) -> dict:
-    out = {"tolerances": VALUE_TOL, "topk_ids_equal": bool(torch.equal(ours.topk_ids, ref.topk_ids)),
-           "rows_with_different_ids": int((ours.topk_ids != ref.topk_ids).any(-1).sum())}  # fmt: skip
+    out = {
+        "tolerances": VALUE_TOL,
+        "topk_ids_equal": bool(torch.equal(ours.topk_ids, ref.topk_ids)),
+        "rows_with_different_ids": int((ours.topk_ids != ref.topk_ids).any(-1).sum()),
+    }
     ok = out["topk_ids_equal"]
     for name in ("topk_logprobs", "logprobs", "lse"):
         x, y = getattr(ours, name), getattr(ref, name)
@@ -161,17 +185,17 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device_info(torch, device),
         "measurement": device.type == "cuda",
-        "note": "GPU timings" if device.type == "cuda" else
-                "CPU under TRITON_INTERPRET=1 at toy sizes: a check of the flow; the times mean nothing",
+        "note": "GPU timings"
+        if device.type == "cuda"
+        else "CPU under TRITON_INTERPRET=1 at toy sizes: a check of the flow; the times mean nothing",
         "git": {
             "commit": _git("rev-parse", "HEAD"),
             "dirty": (_git("status", "--porcelain", "--", "megatron_empg") or "").splitlines(),
         },
-        "params": {**vars(args), "dtype": "bf16", "tp": 1, "ids": 1, "with_entropy": False,
-                   "max_k": topk_triton.MAX_K},
+        "params": {**vars(args), "dtype": "bf16", "tp": 1, "ids": 1, "with_entropy": False, "max_k": topk_triton.MAX_K},
         "default_launch_config": {"block": block, "num_warps": warps},
         "partial": True,
-    }  # fmt: skip
+    }
     status = 0
     try:
         result["copy_bandwidth"] = copy_bandwidth(torch, device, int(args.copy_gb * 2**30), timer)
@@ -208,28 +232,36 @@ def main(argv=None) -> int:
 def report(r: dict) -> None:
     p = r["params"]
     cb = (r.get("copy_bandwidth") or {}).get("bandwidth_GBps")
-    print(f"\ntopk_kernel: {r['device']['name']}, T={p['tokens']} V={p['vocab']} k={p['k']} bf16, old pass "
-          f"(1 id, no entropy); copy bandwidth {cb and round(cb)} GB/s"
-          f"{'' if r['measurement'] else ' -- ' + r['note']}")  # fmt: skip
+    print(
+        f"\ntopk_kernel: {r['device']['name']}, T={p['tokens']} V={p['vocab']} k={p['k']} bf16, old pass "
+        f"(1 id, no entropy); copy bandwidth {cb and round(cb)} GB/s"
+        f"{'' if r['measurement'] else ' -- ' + r['note']}"
+    )
     for name, v in (r.get("variants") or {}).items():
         print(f"{name:<12} {v['time_ms']['median']:>10.3f} ms (min {v['time_ms']['min']:.3f})")
     if "ratios" in r:
         x = r["ratios"]
-        print(f"triton_topk / triton_k0 = {x['triton_topk_over_triton_k0']:.2f}; "
-              f"torch_topk / triton_topk = {x['torch_topk_over_triton_topk']:.1f}")
+        print(
+            f"triton_topk / triton_k0 = {x['triton_topk_over_triton_k0']:.2f}; "
+            f"torch_topk / triton_topk = {x['torch_topk_over_triton_topk']:.1f}"
+        )
     if "check" in r:
         c = r["check"]
-        print(f"check vs torch: ids {'identical' if c['topk_ids_equal'] else 'DIFFER'} "
-              f"({c['rows_with_tie_across_kth']} rows tied across the k-th place), max |diff| top-k log-probs "
-              f"{c['topk_logprobs_max_abs_diff']:.1e}, lse {c['lse_max_abs_diff']:.1e}: "
-              f"{'OK' if c['ok'] else 'MISMATCH'}")
+        print(
+            f"check vs torch: ids {'identical' if c['topk_ids_equal'] else 'DIFFER'} "
+            f"({c['rows_with_tie_across_kth']} rows tied across the k-th place), max |diff| top-k log-probs "
+            f"{c['topk_logprobs_max_abs_diff']:.1e}, lse {c['lse_max_abs_diff']:.1e}: "
+            f"{'OK' if c['ok'] else 'MISMATCH'}"
+        )
     for s in r.get("kernel_alone", []):
         what = f"  topk kernel BLOCK {s['block']:>5} warps {s['num_warps']:>2}{' (default)' if s['default'] else ''}"
         if "error" in s:
             print(f"{what}: {s['error']}")
         else:
-            print(f"{what}: {s['time_ms']['median']:.3f} ms, {s['achieved_bandwidth_GBps']:.0f} GB/s "
-                  f"({100 * s['fraction_of_copy_bandwidth']:.1f}% of copy)")
+            print(
+                f"{what}: {s['time_ms']['median']:.3f} ms, {s['achieved_bandwidth_GBps']:.0f} GB/s "
+                f"({100 * s['fraction_of_copy_bandwidth']:.1f}% of copy)"
+            )
     if "error" in r:
         print(r["error"])
 

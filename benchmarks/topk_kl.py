@@ -403,16 +403,34 @@ def _build_forward(spec: dict, inp: dict):
 
     def ours_vp(head_anchor, anchor, inplace):
         kl, _ = vocab_parallel_topk_kl(
-            logits, token, q, head_anchor, anchor,
-            vocab_start=0, vocab_size=V, tp_group=None, direction="reverse", tail_grad=tail_grad,
-            old_logprobs=old, chunk_size=chunk, inplace_backward=inplace,
+            logits,
+            token,
+            q,
+            head_anchor,
+            anchor,
+            vocab_start=0,
+            vocab_size=V,
+            tp_group=None,
+            direction="reverse",
+            tail_grad=tail_grad,
+            old_logprobs=old,
+            chunk_size=chunk,
+            inplace_backward=inplace,
         )
         return kl.values.mean()
 
     def ours_core(validate):
         kl = topk_kl(
-            logits, token, q, inp["head_anchor_logprobs"], inp["anchor_logprobs"],
-            direction="reverse", tail_grad=tail_grad, old_logprobs=old, chunk_size=chunk, validate=validate,
+            logits,
+            token,
+            q,
+            inp["head_anchor_logprobs"],
+            inp["anchor_logprobs"],
+            direction="reverse",
+            tail_grad=tail_grad,
+            old_logprobs=old,
+            chunk_size=chunk,
+            validate=validate,
         )
         return kl.values.mean()
 
@@ -457,9 +475,7 @@ def _build_forward(spec: dict, inp: dict):
 
         def f():
             with torch.no_grad():
-                lp, _ = vocab_parallel_logprobs(
-                    ref, ids, vocab_start=0, vocab_size=V, tp_group=None, chunk_size=chunk
-                )
+                lp, _ = vocab_parallel_logprobs(ref, ids, vocab_start=0, vocab_size=V, tp_group=None, chunk_size=chunk)
             return ours_vp(lp[:, :K], lp[:, K], True)
 
         return f
@@ -473,9 +489,15 @@ def _build_forward(spec: dict, inp: dict):
         def f():
             with torch.no_grad():
                 stats = vocab_parallel_token_stats(
-                    logits.detach(), ids, k, vocab_start=0, vocab_size=V, tp_group=None, with_entropy=False,
+                    logits.detach(),
+                    ids,
+                    k,
+                    vocab_start=0,
+                    vocab_size=V,
+                    tp_group=None,
+                    with_entropy=False,
                     chunk_size=chunk,
-                )  # fmt: skip
+                )
             return stats.logprobs.sum() + stats.topk_logprobs.sum()
 
         return f
@@ -500,12 +522,15 @@ def _trainer_update_pass(spec: dict, inp: dict):
     logits, token = inp["logits"], inp["token"]
     gen = torch.Generator(device=token.device).manual_seed(spec["seed"] + 1)
     batch = MicroBatch(
-        input_ids=token[None], target_ids=token[None],
+        input_ids=token[None],
+        target_ids=token[None],
         loss_mask=torch.ones(1, T, dtype=torch.bool, device=token.device),
         advantages=torch.randn(1, T, generator=gen, device=token.device),
-        old_logprobs=inp["old_logprobs"][None], anchor_logprobs=inp["anchor_logprobs"][None],
-        topk_ids=inp["q"][None], topk_anchor_logprobs=inp["head_anchor_logprobs"][None],
-    )  # fmt: skip
+        old_logprobs=inp["old_logprobs"][None],
+        anchor_logprobs=inp["anchor_logprobs"][None],
+        topk_ids=inp["q"][None],
+        topk_anchor_logprobs=inp["head_anchor_logprobs"][None],
+    )
     return lambda: loss_fn(logits.view(1, T, V), batch, vocab_start=0, tp_group=None).loss.loss_sum
 
 
@@ -537,9 +562,7 @@ def _tracked_run(step, restore) -> dict:
         peak = max(peak, cur)
     ops = []
     for avg in sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]:
-        ops.append(
-            {"op": avg.key, "calls": avg.count, "self_cpu_s": round(avg.self_cpu_time_total / 1e6, 4)}
-        )
+        ops.append({"op": avg.key, "calls": avg.count, "self_cpu_s": round(avg.self_cpu_time_total / 1e6, 4)})
     return {"tracked_peak_bytes": peak, "tracked_end_bytes": cur, "tracked_events": len(mem), "top_ops_self_cpu": ops}
 
 
@@ -574,9 +597,7 @@ def child_bench(spec: dict) -> dict:
     t0 = time.perf_counter()
     inp = _make_inputs(spec)
     out["setup_s"] = round(time.perf_counter() - t0, 3)
-    out["input_bytes"] = sum(
-        t.numel() * t.element_size() for t in inp.values() if isinstance(t, torch.Tensor)
-    )
+    out["input_bytes"] = sum(t.numel() * t.element_size() for t in inp.values() if isinstance(t, torch.Tensor))
     forward = _build_forward(spec, inp)
     logits = inp["logits"]
     inplace = spec["variant"] in INPLACE
@@ -643,7 +664,9 @@ def child_bench(spec: dict) -> dict:
     tot = sorted(f + b for f, b in zip(fwd, bwd))
     if tot:
         out["time_total_s"] = {
-            "median": round(tot[len(tot) // 2] if len(tot) % 2 else (tot[len(tot) // 2 - 1] + tot[len(tot) // 2]) / 2, 4),
+            "median": round(
+                tot[len(tot) // 2] if len(tot) % 2 else (tot[len(tot) // 2 - 1] + tot[len(tot) // 2]) / 2, 4
+            ),
             "min": round(tot[0], 4),
             "all": [round(x, 4) for x in (f + b for f, b in zip(fwd, bwd))],
         }
@@ -750,7 +773,9 @@ def child_bench_cuda(spec: dict) -> dict:
     tot = [(f + b) / 1e3 for f, b in zip(fwd_ms, bwd_ms)]
     if tot:
         out["time_total_s"] = {
-            "median": round(_median(tot), 6), "min": round(min(tot), 6), "all": [round(x, 6) for x in tot],
+            "median": round(_median(tot), 6),
+            "min": round(min(tot), 6),
+            "all": [round(x, 6) for x in tot],
         }
         need = min_bytes_moved(spec["variant"], spec["tokens"], spec["vocab"])
         t_med, f_med, b_med = _median(tot), _median(fwd_ms) / 1e3, _median(bwd_ms) / 1e3
@@ -786,7 +811,7 @@ def cuda_copy_bandwidth(nbytes: int, warmup: int = 3, repeats: int = 20) -> dict
         b.record()
     torch.cuda.synchronize()
     ms = [a.elapsed_time(b) for a, b in events]
-    ok = bool(torch.equal(dst[:1 << 20], src[:1 << 20])) and bool(torch.equal(dst[-(1 << 20):], src[-(1 << 20):]))
+    ok = bool(torch.equal(dst[: 1 << 20], src[: 1 << 20])) and bool(torch.equal(dst[-(1 << 20) :], src[-(1 << 20) :]))
     med = _median(ms) / 1e3
     del src, dst
     torch.cuda.empty_cache()
@@ -843,16 +868,28 @@ def child_check(spec: dict) -> dict:
     tok = torch.randint(0, V, (T,), generator=gen).to(dev)
     lr = full_log_softmax(r)
     kl, _ = vocab_parallel_topk_kl(
-        z, tok, q, lr, lr.gather(-1, tok[:, None]).squeeze(-1),
-        vocab_start=0, vocab_size=V, tp_group=None, direction="reverse", chunk_size=8,
+        z,
+        tok,
+        q,
+        lr,
+        lr.gather(-1, tok[:, None]).squeeze(-1),
+        vocab_start=0,
+        vocab_size=V,
+        tp_group=None,
+        direction="reverse",
+        chunk_size=8,
     )
     res["exact_kl_vs_ours_k_eq_V"] = {"max_abs_diff": float((ex - kl.values).abs().max()), "max_kl": float(ex.max())}
     tol = 1e-4
-    res["ok"] = all(
-        v["loss_abs_diff_vs_naive_emapg"] < tol and v["grad_max_abs_diff_vs_naive_emapg"] < 1e-2 * max(v["grad_max_abs"], 1e-30)
-        for k_, v in res.items()
-        if isinstance(v, dict) and "loss" in v
-    ) and res["exact_kl_vs_ours_k_eq_V"]["max_abs_diff"] < tol
+    res["ok"] = (
+        all(
+            v["loss_abs_diff_vs_naive_emapg"] < tol
+            and v["grad_max_abs_diff_vs_naive_emapg"] < 1e-2 * max(v["grad_max_abs"], 1e-30)
+            for k_, v in res.items()
+            if isinstance(v, dict) and "loss" in v
+        )
+        and res["exact_kl_vs_ours_k_eq_V"]["max_abs_diff"] < tol
+    )
     if dev.type != "cpu":
         res["device"] = str(dev)
     res["note"] = (
@@ -868,9 +905,23 @@ def child_check(spec: dict) -> dict:
 
 
 COLLECTIVES = (
-    "all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv",
-    "isend", "irecv", "all_gather_object", "broadcast_object_list",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "all_gather_object",
+    "broadcast_object_list",
 )
 
 
@@ -896,8 +947,10 @@ def _install_counters(dist, log: list) -> None:
                 out_list = args[0] if args else kwargs["tensor_list"]
                 tensor = args[1] if len(args) > 1 else kwargs["tensor"]
                 entry.update(
-                    sent_bytes=nbytes(tensor), received_bytes=nbytes(out_list),
-                    shape=list(tensor.shape), dtype=str(tensor.dtype),
+                    sent_bytes=nbytes(tensor),
+                    received_bytes=nbytes(out_list),
+                    shape=list(tensor.shape),
+                    dtype=str(tensor.dtype),
                 )
             else:
                 entry["arg_bytes"] = sum(nbytes(a) for a in args)
@@ -954,9 +1007,7 @@ def tp_worker(rank: int, world: int, port: int, spec: dict, out_dir: str) -> Non
         # update pass: Top-k KL forward (one all-gather inside vocab_parallel_logprobs) + backward
         logits = shard.clone().requires_grad_(True)
         (kl, lp), c_fwd = count(
-            lambda: vocab_parallel_topk_kl(
-                logits, token, q, ha, an, direction="reverse", old_logprobs=old, **kw
-            )
+            lambda: vocab_parallel_topk_kl(logits, token, q, ha, an, direction="reverse", old_logprobs=old, **kw)
         )
         loss = kl.values.mean()
         (grad,), c_bwd = count(lambda: torch.autograd.grad(loss, logits))
@@ -968,8 +1019,11 @@ def tp_worker(rank: int, world: int, port: int, spec: dict, out_dir: str) -> Non
         (g_ref,) = torch.autograd.grad(kl_ref.values.mean(), full_l)
         res["check_update"] = {
             "loss_abs_diff": abs(float(loss) - float(kl_ref.values.mean())),
-            "grad_max_abs_diff": float((grad[:, :n_valid].float() - g_ref[:, start : start + n_valid].float()).abs().max())
-            if n_valid else 0.0,
+            "grad_max_abs_diff": float(
+                (grad[:, :n_valid].float() - g_ref[:, start : start + n_valid].float()).abs().max()
+            )
+            if n_valid
+            else 0.0,
             "grad_max_abs": float(g_ref.float().abs().max()),
             "padding_grad_max_abs": float(grad[:, n_valid:].float().abs().max()) if n_valid < v_local else 0.0,
         }
@@ -978,14 +1032,13 @@ def tp_worker(rank: int, world: int, port: int, spec: dict, out_dir: str) -> Non
         with torch.no_grad():
             (lp_anchor, _), c_anchor = count(lambda: vocab_parallel_logprobs(shard, ids, **kw))
         res["passes"]["anchor_logprobs_k_plus_1"] = c_anchor
-        res["check_anchor"] = {
-            "max_abs_diff": float((lp_anchor - gather_logprobs(full, ids)).abs().max())
-        }
+        res["check_anchor"] = {"max_abs_diff": float((lp_anchor - gather_logprobs(full, ids)).abs().max())}
         # old-policy / anchor top-k pass
         (tv, ti), c_topk = count(lambda: vocab_parallel_topk(shard, K, **kw))
         res["passes"]["topk"] = c_topk
         rv, ri = topk_logprobs(full, K)
         res["check_topk"] = {"ids_equal": bool(torch.equal(ti, ri)), "max_abs_diff": float((tv - rv).abs().max())}
+
         # baseline: an actual full-vocab fp32 all-gather of the logits shard
         def gather_full():
             parts = [torch.empty(T, v_local) for _ in range(world)]
@@ -1205,25 +1258,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--tp", default="1,2,4", help="comma list; sizes > 1 run the all-gather byte count")
     p.add_argument("--tp-tokens", type=int, default=256)
-    p.add_argument("--out", default=None,
-                   help="default benchmarks/results/topk_kl_cpu.json (--device cpu) or topk_kl_gpu.json (cuda)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cuda: GPU mode (CUDA events, allocator peak, bandwidth vs a measured copy; no TP part)")
-    p.add_argument("--copy-gb", type=float, default=2.0,
-                   help="GPU mode: GiB copied by the device-to-device copy that gives the reference bandwidth")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="default benchmarks/results/topk_kl_cpu.json (--device cpu) or topk_kl_gpu.json (cuda)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: GPU mode (CUDA events, allocator peak, bandwidth vs a measured copy; no TP part)",
+    )
+    p.add_argument(
+        "--copy-gb",
+        type=float,
+        default=2.0,
+        help="GPU mode: GiB copied by the device-to-device copy that gives the reference bandwidth",
+    )
     p.add_argument("--variants", default=",".join(MAIN_VARIANTS))
     p.add_argument("--min-tokens", type=int, default=512, help="lowest token count tried after an OOM")
-    p.add_argument("--sweep-tokens", type=int, default=None,
-                   help="tokens of the chunk-size sweep (default min(2048, --tokens)); 0 disables it")
+    p.add_argument(
+        "--sweep-tokens",
+        type=int,
+        default=None,
+        help="tokens of the chunk-size sweep (default min(2048, --tokens)); 0 disables it",
+    )
     p.add_argument("--sweep-chunks", default="256,512,1024,2048")
     p.add_argument("--sweep-variants", default="ours_vp_inplace,ours_core_novalidate")
     p.add_argument("--tail-grad", default="unbiased", choices=("unbiased", "reference"))
-    p.add_argument("--trainer-tokens", default="",
-                   help="comma list of further token counts at which the trainer's path (TRAINER_GROUP) is measured")
+    p.add_argument(
+        "--trainer-tokens",
+        default="",
+        help="comma list of further token counts at which the trainer's path (TRAINER_GROUP) is measured",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: torch default)")
-    p.add_argument("--mem-limit-gb", type=float, default=None,
-                   help="extra-memory budget per child: RLIMIT_AS = virtual size after the inputs + budget "
-                   "+ 1 GiB slack for virtual reservations; default budget: MemAvailable - 1 GiB")
+    p.add_argument(
+        "--mem-limit-gb",
+        type=float,
+        default=None,
+        help="extra-memory budget per child: RLIMIT_AS = virtual size after the inputs + budget "
+        "+ 1 GiB slack for virtual reservations; default budget: MemAvailable - 1 GiB",
+    )
     p.add_argument("--no-tracked", action="store_true", help="skip the torch.profiler memory run")
     p.add_argument("--no-check", action="store_true", help="skip the small correctness cross-check")
     p.add_argument("--seed", type=int, default=0)
@@ -1245,19 +1320,25 @@ def _child_entry(spec: dict) -> None:
         elif kind == "info":
             import torch
 
-            res = {"torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
-                   "interop_threads": torch.get_num_interop_threads(),
-                   "default_chunk_size": __import__("megatron_empg.core.logprob", fromlist=["x"]).DEFAULT_CHUNK_SIZE,
-                   "mkldnn": torch.backends.mkldnn.is_available(), "cuda": torch.cuda.is_available()}
+            res = {
+                "torch_version": torch.__version__,
+                "torch_threads": torch.get_num_threads(),
+                "interop_threads": torch.get_num_interop_threads(),
+                "default_chunk_size": __import__("megatron_empg.core.logprob", fromlist=["x"]).DEFAULT_CHUNK_SIZE,
+                "mkldnn": torch.backends.mkldnn.is_available(),
+                "cuda": torch.cuda.is_available(),
+            }
             if spec.get("device") == "cuda":
                 props = torch.cuda.get_device_properties(0)
                 res.update(
-                    torch_cuda_version=torch.version.cuda, device_name=props.name,
-                    device_total_memory_bytes=props.total_memory, multiprocessors=props.multi_processor_count,
+                    torch_cuda_version=torch.version.cuda,
+                    device_name=props.name,
+                    device_total_memory_bytes=props.total_memory,
+                    multiprocessors=props.multi_processor_count,
                     capability=list(torch.cuda.get_device_capability(0)),
                     l2_cache_bytes=getattr(props, "L2_cache_size", None),
                     copy_bandwidth=cuda_copy_bandwidth(int(spec["copy_gb"] * 2**30)),
-                )  # fmt: skip
+                )
         else:
             raise ValueError(kind)
     except Exception:  # noqa: BLE001 - the parent records it
@@ -1285,9 +1366,17 @@ def main(argv=None) -> int:
         raise SystemExit(f"--device cuda, but the child sees no CUDA device: {json.dumps(info)[:1500]}")
     chunk = args.chunk_size or info.get("default_chunk_size", 1024)
     base = {
-        "kind": "bench", "vocab": args.vocab, "k": args.k, "seed": args.seed, "repeats": args.repeats,
-        "warmup": args.warmup, "tail_grad": args.tail_grad, "threads": args.threads,
-        "tracked": not args.no_tracked, "logit_scale": args.logit_scale, "ref_noise": 0.5,
+        "kind": "bench",
+        "vocab": args.vocab,
+        "k": args.k,
+        "seed": args.seed,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "tail_grad": args.tail_grad,
+        "threads": args.threads,
+        "tracked": not args.no_tracked,
+        "logit_scale": args.logit_scale,
+        "ref_noise": 0.5,
         "mem_budget": None if args.mem_limit_gb is None else int(args.mem_limit_gb * 2**30),
     }
     if cuda:
@@ -1333,17 +1422,23 @@ def main(argv=None) -> int:
             report["method"].pop(key)
         report["device_copy_bandwidth"] = info["copy_bandwidth"]
         cb = info["copy_bandwidth"]
-        print(f"{info.get('device_name')}: torch {info.get('torch_version')} (CUDA {info.get('torch_cuda_version')}); "
-              f"device-to-device copy {cb['bandwidth_GBps']:.0f} GB/s (read + write, "
-              f"{cb['bytes_copied'] / 2**30:.1f} GiB copied, median of {cb['repeats']}); chunk {chunk}", flush=True)
+        print(
+            f"{info.get('device_name')}: torch {info.get('torch_version')} (CUDA {info.get('torch_cuda_version')}); "
+            f"device-to-device copy {cb['bandwidth_GBps']:.0f} GB/s (read + write, "
+            f"{cb['bytes_copied'] / 2**30:.1f} GiB copied, median of {cb['repeats']}); chunk {chunk}",
+            flush=True,
+        )
     else:
         print(f"torch {info.get('torch_version')} threads {info.get('torch_threads')}; chunk {chunk}", flush=True)
 
     if not args.no_check:
         check = run_child({**base, "kind": "check"}, args.child_timeout)
         report["cross_check"] = check
-        print(f"cross-check ok={check.get('ok')}: "
-              + json.dumps({k: v for k, v in check.items() if k not in ('note',)})[:800], flush=True)
+        print(
+            f"cross-check ok={check.get('ok')}: "
+            + json.dumps({k: v for k, v in check.items() if k not in ("note",)})[:800],
+            flush=True,
+        )
 
     # main comparison. The ours/naive variants and the trainer's path run at one token count (the
     # trainer's path right after the bare function: the ratio of neighbours on a shared machine):
@@ -1395,7 +1490,9 @@ def main(argv=None) -> int:
     key = "ours_vp_inplace/naive_emapg"
     if key in comparison["ratios"]:
         comparison["headline"] = {"pair": key, **comparison["ratios"][key]}
-    comparison["targets"] = "ours peak extra memory <= 0.1x naive (tracked allocations; RSS ratio also given), time <= 0.5x"
+    comparison["targets"] = (
+        "ours peak extra memory <= 0.1x naive (tracked allocations; RSS ratio also given), time <= 0.5x"
+    )
     report["comparison"] = comparison
 
     # the trainer's path: its rows at --tokens (above) and at every --trainer-tokens count
@@ -1445,12 +1542,15 @@ def main(argv=None) -> int:
         report["tp"].append(r)
         if r.get("ok"):
             m = r["measured"]
-            print(f"TP={world}: bytes/token sent per rank: update {m['update_topk_kl_forward']['sent_bytes_per_token_per_rank']:.0f} "
-                  f"(+bwd {m['update_topk_kl_backward']['sent_bytes_per_token_per_rank']:.0f}), "
-                  f"anchor {m['anchor_logprobs_k_plus_1']['sent_bytes_per_token_per_rank']:.0f}, "
-                  f"topk {m['topk']['sent_bytes_per_token_per_rank']:.0f}, "
-                  f"full fp32 {m['full_vocab_fp32_all_gather']['sent_bytes_per_token_per_rank']:.0f}; "
-                  f"checks {r['checks_vs_single_device']}", flush=True)
+            print(
+                f"TP={world}: bytes/token sent per rank: update {m['update_topk_kl_forward']['sent_bytes_per_token_per_rank']:.0f} "
+                f"(+bwd {m['update_topk_kl_backward']['sent_bytes_per_token_per_rank']:.0f}), "
+                f"anchor {m['anchor_logprobs_k_plus_1']['sent_bytes_per_token_per_rank']:.0f}, "
+                f"topk {m['topk']['sent_bytes_per_token_per_rank']:.0f}, "
+                f"full fp32 {m['full_vocab_fp32_all_gather']['sent_bytes_per_token_per_rank']:.0f}; "
+                f"checks {r['checks_vs_single_device']}",
+                flush=True,
+            )
         else:
             print(f"TP={world} FAILED: {r.get('error', '')[-800:]}", flush=True)
 
@@ -1461,13 +1561,17 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(report, indent=1) + "\n")
     h = comparison.get("headline")
     if h and cuda:
-        print(f"headline {h['pair']} at T={h['tokens']}: time x{h['time_median_ratio']:.3f} "
-              f"(target <=0.5: {h['target_time_le_0.5x_met']}), peak extra mem (CUDA allocator) "
-              f"x{h['peak_extra_mem_ratio_cuda']} (target <=0.1: {h['target_mem_le_0.1x_met']})")
+        print(
+            f"headline {h['pair']} at T={h['tokens']}: time x{h['time_median_ratio']:.3f} "
+            f"(target <=0.5: {h['target_time_le_0.5x_met']}), peak extra mem (CUDA allocator) "
+            f"x{h['peak_extra_mem_ratio_cuda']} (target <=0.1: {h['target_mem_le_0.1x_met']})"
+        )
     elif h:
-        print(f"headline {h['pair']} at T={h['tokens']}: time x{h['time_median_ratio']:.3f} "
-              f"(target <=0.5: {h['target_time_le_0.5x_met']}), peak extra mem tracked x{h['peak_extra_mem_ratio_tracked']} "
-              f"rss x{h['peak_extra_mem_ratio_rss']:.3f} (target <=0.1: {h['target_mem_le_0.1x_met']})")
+        print(
+            f"headline {h['pair']} at T={h['tokens']}: time x{h['time_median_ratio']:.3f} "
+            f"(target <=0.5: {h['target_time_le_0.5x_met']}), peak extra mem tracked x{h['peak_extra_mem_ratio_tracked']} "
+            f"rss x{h['peak_extra_mem_ratio_rss']:.3f} (target <=0.1: {h['target_mem_le_0.1x_met']})"
+        )
     for entry in comparison.get("trainer_path", []):
         for pair, r in entry["ratios"].items():
             mem = next((r[k] for k in ("peak_extra_mem_ratio_cuda", "peak_extra_mem_ratio_tracked") if r.get(k)), None)

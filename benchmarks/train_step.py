@@ -94,15 +94,22 @@ class Case:
             key, _, value = item.partition("=")
             if key not in fields:
                 raise SystemExit(f"--case {text!r}: unknown key {key!r}; expected {sorted(fields)}")
-            values[key] = int(value) if key in ("tokens", "forward_tokens") else \
-                value in ("1", "true") if key == "packed" else value  # fmt: skip
+            values[key] = (
+                int(value)
+                if key in ("tokens", "forward_tokens")
+                else value in ("1", "true")
+                if key == "packed"
+                else value
+            )
         return cls(**values)
 
     def name(self) -> str:
         layout = "packed" if self.packed else "padded"
         forward = f" forward={self.forward_tokens}" if self.forward_tokens else ""
-        return f"{self.attention} {layout} {self.tokens}{forward} recompute={self.recompute} kl={self.kl} " \
-               f"fusions={self.fusions}"  # fmt: skip
+        return (
+            f"{self.attention} {layout} {self.tokens}{forward} recompute={self.recompute} kl={self.kl} "
+            f"fusions={self.fusions}"
+        )
 
 
 def _sync() -> None:
@@ -141,8 +148,8 @@ def step_flops(model_cfg, lengths: list[int]) -> dict:
         "step_flops_causal": passes * (linear + attention_full / 2),
         "step_flops_megatron": passes * (linear + attention_full),
         "formula": "5 x (2 N tokens + sum_seq 4 L^2 heads head_dim layers [x 1/2 causal]); N = layer and "
-                   "output-layer matmul parameters; 5 = old + anchor forward + update (forward + 2x backward)",
-    }  # fmt: skip
+        "output-layer matmul parameters; 5 = old + anchor forward + update (forward + 2x backward)",
+    }
 
 
 def _samples(vocab: int, case: Case, tokens_per_step: int, lengths_mode: str, seed: int):
@@ -168,8 +175,11 @@ def _samples(vocab: int, case: Case, tokens_per_step: int, lengths_mode: str, se
 def _micro_batches(samples, advantages, case: Case, device):
     from megatron_empg.trainer.batch import MicroBatchPlan, micro_batches
 
-    plan = MicroBatchPlan(packing=True, max_tokens=case.tokens) if case.packed else \
-        MicroBatchPlan(packing=False, micro_batch_size=max(1, case.tokens // max(s.length for s in samples)))  # fmt: skip
+    plan = (
+        MicroBatchPlan(packing=True, max_tokens=case.tokens)
+        if case.packed
+        else MicroBatchPlan(packing=False, micro_batch_size=max(1, case.tokens // max(s.length for s in samples)))
+    )
     return [mb.to(device) for mb in micro_batches(samples, advantages, plan)]
 
 
@@ -204,19 +214,38 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
     loss, plan = bind_loss(loss_cfg, vocab_size=model_cfg.vocab_size, topk=args.k)
     peaks: dict[str, int] = {}
     progress.update(stage="build", step=None)
-    policy = build_gpt_model(model_cfg, parallel, params_dtype=dtype, attention_backend=attention.name,
-                             fusions=fusions, **recompute_overrides(case.recompute))  # fmt: skip
+    policy = build_gpt_model(
+        model_cfg,
+        parallel,
+        params_dtype=dtype,
+        attention_backend=attention.name,
+        fusions=fusions,
+        **recompute_overrides(case.recompute),
+    )
     settings = OptimizerConfig(lr=1e-6, clip_grad=1.0)
     ddp = wrap_with_ddp(policy, settings)
     optimizer = build_optimizer(ddp, settings)
     scheduler = build_scheduler(optimizer, settings)
-    anchor = EmaAnchor.from_configs(model_cfg, parallel, ddp, optimizer, tau=0.95, period=1, compute_dtype=dtype,
-                                    attention_backend=attention.name, fusions=fusions)  # fmt: skip
+    anchor = EmaAnchor.from_configs(
+        model_cfg,
+        parallel,
+        ddp,
+        optimizer,
+        tau=0.95,
+        period=1,
+        compute_dtype=dtype,
+        attention_backend=attention.name,
+        fusions=fusions,
+    )
     built_bytes = torch.cuda.memory_allocated() if CUDA else None
     vocab = model_cfg.vocab_size
     old_request = StatsRequest(vocab_size=vocab, k=plan.old_topk, with_entropy=False)
-    anchor_request = StatsRequest(vocab_size=vocab, k=plan.anchor_topk, with_entropy=False,
-                                  extra_ids_key="topk_ids" if plan.anchor_at_old_topk else None)  # fmt: skip
+    anchor_request = StatsRequest(
+        vocab_size=vocab,
+        k=plan.anchor_topk,
+        with_entropy=False,
+        extra_ids_key="topk_ids" if plan.anchor_at_old_topk else None,
+    )
     times: dict[str, list[float]] = {stage: [] for stage in STAGES}
     lengths: list[int] = []
     for step in range(args.warmup + args.repeats):
@@ -226,24 +255,29 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         mbs = _micro_batches(samples, advantages, case, device)
         rows = forward_rows(mbs, ForwardPlan(max_tokens=case.forward_tokens or None))
         progress["stage"] = "old_pass"
-        old, t_old = _timed(lambda: rows.split_stats(forward_stats(ddp, rows.batches, old_request, groups)), peaks,
-                            "old_pass")  # fmt: skip
+        old, t_old = _timed(
+            lambda: rows.split_stats(forward_stats(ddp, rows.batches, old_request, groups)), peaks, "old_pass"
+        )
         for mb, out in zip(mbs, old, strict=True):
             mb.old_logprobs = out["logprobs"]
             if plan.old_topk:
                 mb.topk_ids = out["topk_ids"]
         rows = forward_rows(mbs, ForwardPlan(max_tokens=case.forward_tokens or None))  # with the old pass's ids
         progress["stage"] = "anchor_pass"
-        ref, t_anchor = _timed(lambda: rows.split_stats(forward_stats(anchor.models, rows.batches, anchor_request,
-                                                                      groups)), peaks, "anchor_pass")  # fmt: skip
+        ref, t_anchor = _timed(
+            lambda: rows.split_stats(forward_stats(anchor.models, rows.batches, anchor_request, groups)),
+            peaks,
+            "anchor_pass",
+        )
         for mb, out in zip(mbs, ref, strict=True):
             mb.anchor_logprobs = out["logprobs"]
             if plan.anchor_at_old_topk:
                 mb.topk_anchor_logprobs = out["extra_logprobs"]
         progress["stage"] = "update"
         units = functools.partial(loss_units, agg_mode=loss_cfg.agg_mode)  # a mixture of experts' router losses
-        _, t_update = _timed(lambda: train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups, loss_units=units),
-                             peaks, "update")  # fmt: skip
+        _, t_update = _timed(
+            lambda: train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups, loss_units=units), peaks, "update"
+        )
         progress["stage"] = "ema_update"
         _, t_ema = _timed(anchor.update, peaks, "ema_update")
         if step >= args.warmup:
@@ -307,23 +341,38 @@ def time_checkpoint(state: dict, directory: Path) -> dict:
         shutil.rmtree(root, ignore_errors=True)
     write_s = plain_write(directory / "plain_write.bin", num_bytes)
     return {
-        "checkpoint_s": save_s, "checkpoint_gb": num_bytes / 1e9, "plain_write_s": write_s,
-        "write_gb_per_s": num_bytes / 1e9 / write_s, "checkpoint_gb_per_s": num_bytes / 1e9 / save_s,
-        "ratio_to_plain_write": save_s / write_s, "directory": str(directory), "filesystem": _filesystem(directory),
-    }  # fmt: skip
+        "checkpoint_s": save_s,
+        "checkpoint_gb": num_bytes / 1e9,
+        "plain_write_s": write_s,
+        "write_gb_per_s": num_bytes / 1e9 / write_s,
+        "checkpoint_gb_per_s": num_bytes / 1e9 / save_s,
+        "ratio_to_plain_write": save_s / write_s,
+        "directory": str(directory),
+        "filesystem": _filesystem(directory),
+    }
 
 
 def _filesystem(path: Path) -> str:
     try:
-        return subprocess.run(["df", "-T", str(path)], capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+        return subprocess.run(["df", "-T", str(path)], capture_output=True, text=True, check=True).stdout.splitlines()[
+            -1
+        ]
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def _failure(case: Case, err: BaseException, progress: dict) -> dict:
-    out = {"case": case.name(), "ok": False, "attention_backend": case.attention, "tokens_per_microbatch": case.tokens,
-           "recompute": case.recompute, "packed": case.packed, "oom": isinstance(err, torch.cuda.OutOfMemoryError),
-           "failed_at": dict(progress), "error": f"{type(err).__name__}: {err}"[:1500]}  # fmt: skip
+    out = {
+        "case": case.name(),
+        "ok": False,
+        "attention_backend": case.attention,
+        "tokens_per_microbatch": case.tokens,
+        "recompute": case.recompute,
+        "packed": case.packed,
+        "oom": isinstance(err, torch.cuda.OutOfMemoryError),
+        "failed_at": dict(progress),
+        "error": f"{type(err).__name__}: {err}"[:1500],
+    }
     if CUDA:
         out["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     return out
@@ -335,10 +384,14 @@ def _machine() -> dict:
 
     varlen = varlen_attention()
     info = {
-        "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if CUDA else "cpu", "torch_threads": torch.get_num_threads(),
-        "transformer_engine": te_import_error() is None, "varlen_attn": varlen.describe() if varlen else None,
-    }  # fmt: skip
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if CUDA else "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "transformer_engine": te_import_error() is None,
+        "varlen_attn": varlen.describe() if varlen else None,
+    }
     try:
         import megatron.core
         import triton
@@ -348,16 +401,20 @@ def _machine() -> dict:
         pass
     if CUDA:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        info.update(torch_cuda=torch.version.cuda, device_total_bytes=props.total_memory,
-                    multiprocessors=props.multi_processor_count)  # fmt: skip
+        info.update(
+            torch_cuda=torch.version.cuda,
+            device_total_bytes=props.total_memory,
+            multiprocessors=props.multi_processor_count,
+        )
     return info
 
 
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
         return out.stdout.strip() + ("+dirty" if dirty else "") or "unknown"
     except OSError:
         return "unknown"
@@ -365,8 +422,10 @@ def _commit() -> str:
 
 def _summary(record: dict) -> str:
     if not record["ok"]:
-        return f"{record['case']}: {'OUT OF MEMORY' if record['oom'] else 'FAILED'} at {record['failed_at']}: " \
-               f"{record['error'][:300]}"  # fmt: skip
+        return (
+            f"{record['case']}: {'OUT OF MEMORY' if record['oom'] else 'FAILED'} at {record['failed_at']}: "
+            f"{record['error'][:300]}"
+        )
     stages = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in record["stage_seconds_median"].items())
     line = f"{record['case']}: {record['tokens_per_s']:.0f} tokens/s"
     if "mfu" in record:
@@ -379,8 +438,12 @@ def _summary(record: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: tiny-qwen2 on CPU, the recipe's model on CUDA")
-    p.add_argument("--model-override", action="append", default=[], help="a dotted override of the model config "
-                   "(repeatable), e.g. num_layers=4")  # fmt: skip
+    p.add_argument(
+        "--model-override",
+        action="append",
+        default=[],
+        help="a dotted override of the model config (repeatable), e.g. num_layers=4",
+    )
     p.add_argument("--recipe", default=str(REPO / "recipes/r1_distill_qwen_1.5b_math_ema_pg.yaml"))
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16" if CUDA else "fp32")
     p.add_argument("--case", action="append", type=Case.parse, help="repeatable; default: one sdpa case")
@@ -405,9 +468,15 @@ def main(argv=None) -> None:
     if CUDA:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if CUDA else "gloo", rank=0, world_size=1)
-    report = {"benchmark": "train_step", "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-              "commit": _commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": _machine(),
-              "params": {k: v for k, v in vars(args).items() if k != "case"}, "records": []}  # fmt: skip
+    report = {
+        "benchmark": "train_step",
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": _machine(),
+        "params": {k: v for k, v in vars(args).items() if k != "case"},
+        "records": [],
+    }
     try:
         for case in cases:
             progress: dict = {}
@@ -436,8 +505,11 @@ def main(argv=None) -> None:
         dist.destroy_process_group()
     if "checkpoint" in report:
         c = report["checkpoint"]
-        print(f"checkpoint: {c['checkpoint_gb']:.1f} GB in {c['checkpoint_s']:.1f} s; plain write {c['plain_write_s']:.1f} s "
-              f"({c['write_gb_per_s']:.2f} GB/s): {c['ratio_to_plain_write']:.2f}x", flush=True)  # fmt: skip
+        print(
+            f"checkpoint: {c['checkpoint_gb']:.1f} GB in {c['checkpoint_s']:.1f} s; plain write {c['plain_write_s']:.1f} s "
+            f"({c['write_gb_per_s']:.2f} GB/s): {c['ratio_to_plain_write']:.2f}x",
+            flush=True,
+        )
     print(f"wrote {args.out}")
     if not all(r["ok"] for r in report["records"]):
         sys.exit(1)

@@ -57,8 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ids", type=int, default=33, help="M = k + 1 ids per token")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--sweep", default="4096:8,8192:8,8192:16,16384:16,32768:32",
-                   help="BLOCK:num_warps launch configs timed per kernel ('' for none)")
+    p.add_argument(
+        "--sweep",
+        default="4096:8,8192:8,8192:16,16384:16,32768:32",
+        help="BLOCK:num_warps launch configs timed per kernel ('' for none)",
+    )
     p.add_argument("--copy-gb", type=float, default=2.0, help="size of the copy_ measuring the bandwidth")
     p.add_argument("--logit-scale", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
@@ -115,9 +118,11 @@ def device_info(torch, device) -> dict:
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         info.update(
-            name=p.name, total_memory_bytes=p.total_memory, multiprocessors=p.multi_processor_count,
+            name=p.name,
+            total_memory_bytes=p.total_memory,
+            multiprocessors=p.multi_processor_count,
             capability=list(torch.cuda.get_device_capability(device)),
-        )  # fmt: skip
+        )
     else:
         info.update(name=f"CPU ({platform.processor() or platform.machine()})", cpu_count=os.cpu_count())
     return info
@@ -139,8 +144,13 @@ def copy_bandwidth(torch, device, nbytes: int, timer: Timer, repeats: int = 20) 
         ms.append(timer.ms(a, b))
     ok = bool(torch.equal(dst, src))
     del src, dst
-    return {"bytes_read_plus_written": 2 * nbytes, "median_ms": _median(ms), "min_ms": min(ms),
-            "bandwidth_GBps": 2 * nbytes / (_median(ms) / 1e3) / 1e9, "copy_verified": ok}  # fmt: skip
+    return {
+        "bytes_read_plus_written": 2 * nbytes,
+        "median_ms": _median(ms),
+        "min_ms": min(ms),
+        "bandwidth_GBps": 2 * nbytes / (_median(ms) / 1e3) / 1e9,
+        "copy_verified": ok,
+    }
 
 
 def make_inputs(torch, args, device) -> dict:
@@ -172,9 +182,15 @@ def run_path(torch, mode: str, inp: dict, args, timer: Timer) -> tuple[dict, tup
         timer.sync()
         a = timer.mark()
         logprobs, entropy = vocab_parallel_logprobs(
-            logits, inp["ids"], vocab_start=0, vocab_size=args.vocab, tp_group=None, inplace_backward=True,
-            with_entropy=True, validate=False,
-        )  # fmt: skip
+            logits,
+            inp["ids"],
+            vocab_start=0,
+            vocab_size=args.vocab,
+            tp_group=None,
+            inplace_backward=True,
+            with_entropy=True,
+            validate=False,
+        )
         b = timer.mark()
         (grad,) = torch.autograd.grad((logprobs, entropy), logits, (inp["g_logprobs"], inp["g_entropy"]))
         c = timer.mark()
@@ -189,11 +205,13 @@ def run_path(torch, mode: str, inp: dict, args, timer: Timer) -> tuple[dict, tup
     result = {
         "mode": mode,
         "grad_aliases_logits": grad.data_ptr() == logits.data_ptr(),
-        "time_ms": {k: {"median": med[k], "min": min(x), "all": x} for k, x in
-                    (("forward", fwd), ("backward", bwd), ("total", tot))},
+        "time_ms": {
+            k: {"median": med[k], "min": min(x), "all": x}
+            for k, x in (("forward", fwd), ("backward", bwd), ("total", tot))
+        },
         "min_bytes_moved": need,
         "achieved_bandwidth_GBps": {k: need[k] / (med[k] / 1e3) / 1e9 for k in need},
-    }  # fmt: skip
+    }
     return result, (logprobs.detach(), entropy.detach(), grad.detach())
 
 
@@ -238,12 +256,31 @@ def sweep(torch, inp: dict, args, timer: Timer, configs: list[tuple[int, int]]) 
         row = {"block": block, "num_warps": warps}
         try:
             for name, nbytes, call in (
-                ("forward", tv2, lambda: kernels.local_stats(
-                    logits, cols, args.vocab, with_entropy=True, block_size=block, num_warps=warps)),
-                ("backward", 2 * tv2, lambda: kernels.logsoftmax_backward(
-                    logits, out, args.vocab, lse, cols, inp["g_logprobs"], g_total, entropy, inp["g_entropy"],  # noqa: F821
-                    block_size=block, num_warps=warps)),
-            ):  # fmt: skip
+                (
+                    "forward",
+                    tv2,
+                    lambda: kernels.local_stats(
+                        logits, cols, args.vocab, with_entropy=True, block_size=block, num_warps=warps
+                    ),
+                ),
+                (
+                    "backward",
+                    2 * tv2,
+                    lambda: kernels.logsoftmax_backward(
+                        logits,
+                        out,  # noqa: F821 (deleted after the sweep, its last use)
+                        args.vocab,
+                        lse,
+                        cols,
+                        inp["g_logprobs"],
+                        g_total,
+                        entropy,
+                        inp["g_entropy"],
+                        block_size=block,
+                        num_warps=warps,
+                    ),
+                ),
+            ):
                 ms = []
                 for i in range(2 + max(3, args.repeats // 2)):
                     timer.sync()
@@ -281,8 +318,10 @@ def main(argv=None) -> int:
         print("no CUDA device", file=sys.stderr)
         return 1
     timer = Timer(torch, device)
-    launch = {name: dict(zip(("block", "num_warps"), kernels.launch_config(args.vocab, torch.bfloat16, forward=fwd)))
-              for name, fwd in (("forward", True), ("backward", False))}  # fmt: skip
+    launch = {
+        name: dict(zip(("block", "num_warps"), kernels.launch_config(args.vocab, torch.bfloat16, forward=fwd)))
+        for name, fwd in (("forward", True), ("backward", False))
+    }
     result = {
         "benchmark": "vocab_kernel",
         "schema": 1,
@@ -335,28 +374,38 @@ def report(r: dict) -> None:
     dev = r["device"]["name"]
     cb = (r.get("copy_bandwidth") or {}).get("bandwidth_GBps")
     p = r["params"]
-    print(f"\nvocab_kernel: {dev}, T={p['tokens']} V={p['vocab']} M={p['ids']} bf16, entropy, in-place backward; "
-          f"copy bandwidth {cb and round(cb)} GB/s; default launch {r['default_launch_config']}")
+    print(
+        f"\nvocab_kernel: {dev}, T={p['tokens']} V={p['vocab']} M={p['ids']} bf16, entropy, in-place backward; "
+        f"copy bandwidth {cb and round(cb)} GB/s; default launch {r['default_launch_config']}"
+    )
     print(f"{'path':<8} {'fwd ms':>8} {'bwd ms':>8} {'total ms':>9} {'GB/s':>7} {'%copy':>6}")
     for mode, x in (r.get("paths") or {}).items():
         t = x["time_ms"]
-        print(f"{mode:<8} {t['forward']['median']:>8.3f} {t['backward']['median']:>8.3f} {t['total']['median']:>9.3f} "
-              f"{x['achieved_bandwidth_GBps']['total']:>7.0f} {100 * x['fraction_of_copy_bandwidth']['total']:>6.1f}")
+        print(
+            f"{mode:<8} {t['forward']['median']:>8.3f} {t['backward']['median']:>8.3f} {t['total']['median']:>9.3f} "
+            f"{x['achieved_bandwidth_GBps']['total']:>7.0f} {100 * x['fraction_of_copy_bandwidth']['total']:>6.1f}"
+        )
     if "check" in r:
         c = r["check"]
-        print(f"check vs torch: logprobs {c['logprobs_max_abs_diff']:.2e}, entropy {c['entropy_max_abs_diff']:.2e}, "
-              f"grad {c['grad_max_abs_diff']:.2e} (max diff / tol {c['grad_max_diff_over_tol']:.2f}): "
-              f"{'OK' if c['ok'] else 'MISMATCH'}")
+        print(
+            f"check vs torch: logprobs {c['logprobs_max_abs_diff']:.2e}, entropy {c['entropy_max_abs_diff']:.2e}, "
+            f"grad {c['grad_max_abs_diff']:.2e} (max diff / tol {c['grad_max_diff_over_tol']:.2f}): "
+            f"{'OK' if c['ok'] else 'MISMATCH'}"
+        )
     if "goal" in r:
         g = r["goal"]
-        print(f"speedup vs torch x{r['speedup_vs_torch']['total']:.1f}; triton at {100 * g['achieved']:.1f}% of copy "
-              f"bandwidth (goal {100 * g['fraction_of_copy_bandwidth']:.0f}%: {'met' if g['met'] else 'NOT met'})")
+        print(
+            f"speedup vs torch x{r['speedup_vs_torch']['total']:.1f}; triton at {100 * g['achieved']:.1f}% of copy "
+            f"bandwidth (goal {100 * g['fraction_of_copy_bandwidth']:.0f}%: {'met' if g['met'] else 'NOT met'})"
+        )
     for s in r.get("sweep", []):
         if "error" in s:
             print(f"  BLOCK {s['block']:>6} warps {s['num_warps']:>2}: {s['error']}")
         else:
-            print(f"  BLOCK {s['block']:>6} warps {s['num_warps']:>2}: fwd {s['forward_ms']:.3f} ms "
-                  f"({s['forward_GBps']:.0f} GB/s), bwd {s['backward_ms']:.3f} ms ({s['backward_GBps']:.0f} GB/s)")
+            print(
+                f"  BLOCK {s['block']:>6} warps {s['num_warps']:>2}: fwd {s['forward_ms']:.3f} ms "
+                f"({s['forward_GBps']:.0f} GB/s), bwd {s['backward_ms']:.3f} ms ({s['backward_GBps']:.0f} GB/s)"
+            )
     if "error" in r:
         print(r["error"])
 

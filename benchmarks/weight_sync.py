@@ -65,18 +65,39 @@ SCHEMA = 1
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # Qwen/Qwen2.5-0.5B's config.json, on top of the qwen2.5-1.5b entry (same family and flags).
 QWEN25_05B = dict(
-    name="qwen2.5-0.5b-dims", hf_model_id=None, num_layers=24, hidden_size=896, ffn_hidden_size=4864,
-    num_attention_heads=14, num_query_groups=2, vocab_size=151936, max_position_embeddings=32768,
-    rope_theta=1_000_000.0, norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
-)  # fmt: skip
+    name="qwen2.5-0.5b-dims",
+    hf_model_id=None,
+    num_layers=24,
+    hidden_size=896,
+    ffn_hidden_size=4864,
+    num_attention_heads=14,
+    num_query_groups=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    norm_epsilon=1e-6,
+    add_qkv_bias=True,
+    tie_word_embeddings=True,
+)
 # --smoke: head_dim 32 (vLLM's CPU attention has no head_dim 16); vocab 1000 is padded to 1024 by
 # Megatron, so the Megatron and HF byte counts differ.
 SMOKE = dict(
-    name="qwen2-smoke", hf_model_id=None, num_layers=2, hidden_size=128, ffn_hidden_size=256,
-    num_attention_heads=4, num_query_groups=2, vocab_size=1000, max_position_embeddings=1024,
-    rope_theta=1_000_000.0, norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
-    bos_token_id=0, eos_token_id=0,
-)  # fmt: skip
+    name="qwen2-smoke",
+    hf_model_id=None,
+    num_layers=2,
+    hidden_size=128,
+    ffn_hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=1000,
+    max_position_embeddings=1024,
+    rope_theta=1_000_000.0,
+    norm_epsilon=1e-6,
+    add_qkv_bias=True,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 TARGET_RATIO = 0.5
 
 
@@ -195,8 +216,15 @@ def _sync_measurement(shards, model, sgroups, make_transport, bucket_bytes, warm
     placement = build_placement(1, tp_rank=0, pp_rank=0, dp_rank=0, dp_size=1)
 
     def once():
-        return sync_weights(shards, model, sgroups, make_transport(), f"v{next(counter)}", bucket_bytes=bucket_bytes,
-                            placement=placement)  # fmt: skip
+        return sync_weights(
+            shards,
+            model,
+            sgroups,
+            make_transport(),
+            f"v{next(counter)}",
+            bucket_bytes=bucket_bytes,
+            placement=placement,
+        )
 
     wall, reports = _repeat(once, warmup, repeats)
     last = reports[-1]
@@ -234,9 +262,11 @@ def _round_trip_by_family(shards, model, warmup: int, repeats: int) -> dict:
         entry["bytes"] += full.numel() * full.element_size()
         calls = {
             "to_hf": lambda: mapping.to_hf(name, full, model),
-            "to_megatron": lambda: mapping.to_megatron(name, dict(converted), model, full.size(0)) if converted else None,
+            "to_megatron": lambda: (
+                mapping.to_megatron(name, dict(converted), model, full.size(0)) if converted else None
+            ),
             "round_trip_error": lambda: bridge._round_trip_error(name, full, converted, rule, model),
-        }  # fmt: skip
+        }
         for label, fn in calls.items():
             entry[label] += min(_repeat(fn, warmup, repeats)[0])
     return out
@@ -325,10 +355,13 @@ def child_run(spec: dict) -> dict:
         # 1. gather + convert + bucket into a discarding receiver
         bucket_sizes = [int(mb * 2**20) for mb in spec["bucket_mb"]]
         m["bridge"] = [
-            ratio(_sync_measurement(shards, model, sgroups, lambda: InProcessTransport(DiscardingReceiver()), b,
-                                    warmup, repeats))
+            ratio(
+                _sync_measurement(
+                    shards, model, sgroups, lambda: InProcessTransport(DiscardingReceiver()), b, warmup, repeats
+                )
+            )
             for b in bucket_sizes
-        ]  # fmt: skip
+        ]
 
         def convert_only():
             for name, tensor, _ in shards:
@@ -355,10 +388,19 @@ def child_run(spec: dict) -> dict:
         # 3a. the shared-memory file transport without an engine: bridge + file writes
         shm_dir = spec["shm_dir"]
         m["shm_write"] = [
-            ratio(_sync_measurement(shards, model, sgroups, lambda: SharedMemoryFileTransport(DiscardingReceiver(), shm_dir),
-                                    b, warmup, repeats))
+            ratio(
+                _sync_measurement(
+                    shards,
+                    model,
+                    sgroups,
+                    lambda: SharedMemoryFileTransport(DiscardingReceiver(), shm_dir),
+                    b,
+                    warmup,
+                    repeats,
+                )
+            )
             for b in bucket_sizes
-        ]  # fmt: skip
+        ]
 
         # 2 + 3. into a real vLLM engine
         if spec["vllm"]:
@@ -398,8 +440,10 @@ def _vllm_part(spec, model, chunks, shards, sgroups, groups, bucket_sizes, ratio
         """Engine vs Megatron log-probs of one random sequence: the weights did arrive."""
         trainer = score_sequences(chunks, sequence, model.vocab_size, groups)
         engine_lp = torch.tensor(engine.score(sequence), dtype=torch.float32)
-        return {"max_abs_logprob_diff": (trainer.float() - engine_lp).abs().max().item(),
-                "sequence_length": len(sequence[0])}  # fmt: skip
+        return {
+            "max_abs_logprob_diff": (trainer.float() - engine_lp).abs().max().item(),
+            "sequence_length": len(sequence[0]),
+        }
 
     with tempfile.TemporaryDirectory(prefix="weight_sync_bench_") as tmp:
         _write_hf_config(model, DTYPES[spec["dtype"]], Path(tmp))
@@ -413,16 +457,24 @@ def _vllm_part(spec, model, chunks, shards, sgroups, groups, bucket_sizes, ratio
             out["vllm_check_before_sync"] = check(engine)
             out["vllm_in_process"] = []
             for b in bucket_sizes:
-                entry = ratio(_sync_measurement(shards, model, sgroups, lambda: InProcessTransport(engine), b,
-                                                warmup, repeats))  # fmt: skip
+                entry = ratio(
+                    _sync_measurement(shards, model, sgroups, lambda: InProcessTransport(engine), b, warmup, repeats)
+                )
                 entry["check"] = check(engine)
                 out["vllm_in_process"].append(entry)
             out["vllm_shm_file"] = []
             for b in bucket_sizes:
-                entry = ratio(_sync_measurement(
-                    shards, model, sgroups, lambda: SharedMemoryFileTransport(engine, spec["shm_dir"]), b,
-                    warmup, repeats,
-                ))  # fmt: skip
+                entry = ratio(
+                    _sync_measurement(
+                        shards,
+                        model,
+                        sgroups,
+                        lambda: SharedMemoryFileTransport(engine, spec["shm_dir"]),
+                        b,
+                        warmup,
+                        repeats,
+                    )
+                )
                 entry["check"] = check(engine)
                 out["vllm_shm_file"].append(entry)
         finally:
@@ -444,8 +496,11 @@ def run_child(spec: dict, timeout: float) -> dict:
         return {"ok": False, "dtype": spec["dtype"], "error": f"timeout after {timeout} s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"ok": False, "dtype": spec["dtype"],
-                "error": f"child exited with {proc.returncode}: {proc.stderr.strip()[-3000:]}"}  # fmt: skip
+        return {
+            "ok": False,
+            "dtype": spec["dtype"],
+            "error": f"child exited with {proc.returncode}: {proc.stderr.strip()[-3000:]}",
+        }
     res = json.loads(lines[-1])
     res["child_wall_seconds"] = round(time.perf_counter() - start, 2)
     res["loadavg_before"], res["loadavg_after"] = load_before, _loadavg()
@@ -556,21 +611,34 @@ def main(argv=None) -> int:
         "machine": machine_info(),
         "versions": _versions(),
         "params": {
-            "dtypes": dtypes, "bucket_mb": bucket_mb, "repeats": repeats, "warmup": args.warmup,
-            "vllm": not args.no_vllm, "vllm_repeats": vllm_repeats, "vllm_warmup": args.vllm_warmup,
-            "smoke": smoke, "shm_dir": args.shm_dir, "model_dims": SMOKE if smoke else QWEN25_05B,
+            "dtypes": dtypes,
+            "bucket_mb": bucket_mb,
+            "repeats": repeats,
+            "warmup": args.warmup,
+            "vllm": not args.no_vllm,
+            "vllm_repeats": vllm_repeats,
+            "vllm_warmup": args.vllm_warmup,
+            "smoke": smoke,
+            "shm_dir": args.shm_dir,
+            "model_dims": SMOKE if smoke else QWEN25_05B,
             "parallel": "TP1 PP1 DP1, one process (gloo world of 1)",
-        },  # fmt: skip
+        },
         "method": __doc__.split("\n\n", 3)[3],
         "target": f"sync throughput excluding vLLM's own reload >= {TARGET_RATIO}x memcpy (recorded, not asserted)",
         "results": [],
     }
     for dtype in dtypes:
         spec = {
-            "dtype": dtype, "smoke": smoke, "bucket_mb": bucket_mb, "repeats": repeats, "warmup": args.warmup,
-            "vllm": not args.no_vllm, "vllm_repeats": vllm_repeats, "vllm_warmup": args.vllm_warmup,
+            "dtype": dtype,
+            "smoke": smoke,
+            "bucket_mb": bucket_mb,
+            "repeats": repeats,
+            "warmup": args.warmup,
+            "vllm": not args.no_vllm,
+            "vllm_repeats": vllm_repeats,
+            "vllm_warmup": args.vllm_warmup,
             "shm_dir": args.shm_dir,
-        }  # fmt: skip
+        }
         res = run_child(spec, args.child_timeout)
         if res.get("ok"):
             res["headline"] = _headline(res)
@@ -594,11 +662,15 @@ def _describe(res: dict) -> str:
     def line(label, e):
         extra = ""
         if "transport_seconds_best" in e:
-            extra = (f" | transport {e['transport_seconds_best']:.3f} s, rest {e['rest_seconds_best']:.3f} s "
-                     f"({e['rest_gbps_best']:.2f} GB/s, {e.get('rest_ratio_to_memcpy_best', 0):.2f}x)")  # fmt: skip
+            extra = (
+                f" | transport {e['transport_seconds_best']:.3f} s, rest {e['rest_seconds_best']:.3f} s "
+                f"({e['rest_gbps_best']:.2f} GB/s, {e.get('rest_ratio_to_memcpy_best', 0):.2f}x)"
+            )
         ratio = f" {e['ratio_to_memcpy_best']:.3f}x memcpy" if "ratio_to_memcpy_best" in e else ""
-        lines.append(f"  {label:<34} best {e['seconds_best']:.3f} s median {e['seconds_median']:.3f} s "
-                     f"{e['gbps_best']:.2f} GB/s{ratio}{extra}")  # fmt: skip
+        lines.append(
+            f"  {label:<34} best {e['seconds_best']:.3f} s median {e['seconds_median']:.3f} s "
+            f"{e['gbps_best']:.2f} GB/s{ratio}{extra}"
+        )
 
     line("memcpy", m["memcpy"])
     line("param_copy", m["param_copy"])
@@ -608,8 +680,10 @@ def _describe(res: dict) -> str:
     for key, e in m["bridge_parts"].items():
         if key == "round_trip_by_family":
             for family, f in e.items():
-                lines.append(f"  round trip {family:<18} {f['bytes'] / 1e6:8.1f} MB: to_hf {f['to_hf']:.3f} s, "
-                             f"to_megatron {f['to_megatron']:.3f} s, round_trip_error {f['round_trip_error']:.3f} s")
+                lines.append(
+                    f"  round trip {family:<18} {f['bytes'] / 1e6:8.1f} MB: to_hf {f['to_hf']:.3f} s, "
+                    f"to_megatron {f['to_megatron']:.3f} s, round_trip_error {f['round_trip_error']:.3f} s"
+                )
         else:
             line(f"part: {key}", e)
     for key in ("vllm_in_process", "vllm_shm_file"):

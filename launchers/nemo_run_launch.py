@@ -84,15 +84,23 @@ def _parser() -> argparse.ArgumentParser:
     slurm.add_argument("--container-mounts", default="", help="src:dst[,src:dst...] (data, checkpoints)")
     slurm.add_argument("--signal-seconds", type=int, default=300, help="SIGUSR1 this long before the time limit")
     slurm.add_argument("--retries", type=int, default=3, help="requeues after a pre-emption or a failure")
-    slurm.add_argument("--tunnel", choices=("local", "ssh"), default="local",
-                       help="local: sbatch on this machine (a login node); ssh: through --host")  # fmt: skip
+    slurm.add_argument(
+        "--tunnel",
+        choices=("local", "ssh"),
+        default="local",
+        help="local: sbatch on this machine (a login node); ssh: through --host",
+    )
     slurm.add_argument("--host")
     slurm.add_argument("--user")
     slurm.add_argument("--identity", help="SSH key file")
     slurm.add_argument("--job-dir", help="where nemo-run keeps the experiment on the cluster (ssh: required)")
-    slurm.add_argument("--packager", choices=("git", "none"), default="git",
-                       help="git: the job runs a git archive of HEAD (committed code only); none: this "
-                            "checkout in place (a shared filesystem, mounted at the same path)")  # fmt: skip
+    slurm.add_argument(
+        "--packager",
+        choices=("git", "none"),
+        default="git",
+        help="git: the job runs a git archive of HEAD (committed code only); none: this "
+        "checkout in place (a shared filesystem, mounted at the same path)",
+    )
     for sub in (local, slurm):
         sub.add_argument("--name", help="experiment name (default: empg-<config name>)")
         sub.add_argument("--python", default="python", help="the ranks' interpreter (default: python)")
@@ -130,8 +138,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
             paths["the repository"] = str(REPO)
         for name, path in paths.items():
             if "/nemo_run" in path:
-                raise ConfigError(name, f"{path} contains '/nemo_run', which nemo-run rewrites in jobs without a "
-                                        "container: use another directory (or NEMORUN_HOME)")  # fmt: skip
+                raise ConfigError(
+                    name,
+                    f"{path} contains '/nemo_run', which nemo-run rewrites in jobs without a "
+                    "container: use another directory (or NEMORUN_HOME)",
+                )
 
 
 def _train_args(args: argparse.Namespace, overrides: list[str]) -> list[str]:
@@ -171,14 +182,24 @@ def _slurm(args: argparse.Namespace, run, overrides: list[str]):
     }
     gpus = args.gpus_per_node
     executor = run.SlurmExecutor(
-        account=args.account, partition=args.partition, nodes=args.nodes, ntasks_per_node=args.ntasks,
-        gpus_per_node=gpus or None, cpus_per_task=args.cpus_per_task, time=args.time,
-        container_image=args.container_image, container_mounts=mounts, tunnel=tunnel, packager=packager,
-        signal=f"USR1@{args.signal_seconds}", retries=args.retries, env_vars=env,
+        account=args.account,
+        partition=args.partition,
+        nodes=args.nodes,
+        ntasks_per_node=args.ntasks,
+        gpus_per_node=gpus or None,
+        cpus_per_task=args.cpus_per_task,
+        time=args.time,
+        container_image=args.container_image,
+        container_mounts=mounts,
+        tunnel=tunnel,
+        packager=packager,
+        signal=f"USR1@{args.signal_seconds}",
+        retries=args.retries,
+        env_vars=env,
         job_name_prefix=f"{args.name}-",
         # Slurm >= 22.05: srun does not take --cpus-per-task from the allocation unless told.
         srun_args=[f"--cpus-per-task={args.cpus_per_task}"] if args.cpus_per_task else None,
-    )  # fmt: skip
+    )
     train = shlex.join([args.python, "-m", "megatron_empg.trainer.cli", *_train_args(args, overrides)])
     task = run.Script(inline=TASK_SCRIPT.format(cd=cd, train=train, preempted=PREEMPTED_EXIT))
     return executor, task
@@ -203,8 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     nodes, args.ntasks, gpus = _layout(args)
     config = args.config if Path(args.config).is_absolute() else str(REPO / args.config)
     try:
-        overrides = resolve_launch(config, args.overrides, world_size=nodes * args.ntasks, tasks_per_node=args.ntasks,
-                                   gpus_per_node=gpus, cpu=gpus == 0)  # fmt: skip
+        overrides = resolve_launch(
+            config,
+            args.overrides,
+            world_size=nodes * args.ntasks,
+            tasks_per_node=args.ntasks,
+            gpus_per_node=gpus,
+            cpu=gpus == 0,
+        )
     except (ConfigError, FileNotFoundError) as error:
         checked = f"{nodes} nodes x {args.ntasks} tasks, {gpus} GPUs per node"
         sys.stderr.write(f"{PROG}: error: {error} (checked for {checked})\n")

@@ -37,8 +37,9 @@ def small_demo_reference(tmp_path_factory, warm_start) -> list[dict]:
     )
 
     tmp = tmp_path_factory.mktemp("single")
-    done = run_train(small_demo_config(tmp, "single", warm_start, REFERENCE_STEPS), tmp, "single",
-                     timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    done = run_train(
+        small_demo_config(tmp, "single", warm_start, REFERENCE_STEPS), tmp, "single", timeout=LAUNCH_TIMEOUT_S
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     metrics = read_metrics(tmp / "single" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, REFERENCE_STEPS + 1))

@@ -65,8 +65,15 @@ def _error(fn, *args, **kwargs) -> str:
 
 
 def test_from_dict_builds_nested_types_and_coerces():
-    data = {"name": "x", "inner": {"size": 3, "scale": 2, "mode": "b", "limit": None}, "ids": [1, 2],
-            "pair": [4, "s"], "token": [1, 2], "extra": {"k": [1, {"z": 2}]}, "maybe": {"size": 1}}  # fmt: skip
+    data = {
+        "name": "x",
+        "inner": {"size": 3, "scale": 2, "mode": "b", "limit": None},
+        "ids": [1, 2],
+        "pair": [4, "s"],
+        "token": [1, 2],
+        "extra": {"k": [1, {"z": 2}]},
+        "maybe": {"size": 1},
+    }
     obj = from_dict(Outer, data)
     assert obj.inner == Inner(size=3, scale=2.0, mode="b")
     assert isinstance(obj.inner.scale, float)  # an int is accepted for a float
@@ -128,10 +135,21 @@ def test_overrides_nested_defaults_yaml_values_and_free_form_dicts():
     base = {"name": "x", "inner": {"size": 1}}
     out = apply_overrides(
         base,
-        ["inner.scale=1e-6", "flag=true", "ids=[1, 2]", "inner.limit=null", "inner.limit=5", "name=y",
-         "maybe.size=3", "extra.a.b=1", "extra.c={d: 2}", "token=-1", "names=[p, q]"],
+        [
+            "inner.scale=1e-6",
+            "flag=true",
+            "ids=[1, 2]",
+            "inner.limit=null",
+            "inner.limit=5",
+            "name=y",
+            "maybe.size=3",
+            "extra.a.b=1",
+            "extra.c={d: 2}",
+            "token=-1",
+            "names=[p, q]",
+        ],
         cls=Outer,
-    )  # fmt: skip
+    )
     assert base == {"name": "x", "inner": {"size": 1}}  # not modified
     obj = from_dict(Outer, out)
     assert obj.inner.scale == 1e-6 and obj.flag is True and obj.ids == (1, 2) and obj.inner.limit == 5
@@ -156,7 +174,13 @@ def test_override_of_unknown_key_is_an_error_naming_it():
 
 def test_yaml_reads_exponents_without_a_dot_as_floats():
     assert parse_yaml("a: 1e-6\nb: 1.0e-6\nc: 3\nd: -2E+3\ne: 1_000\nf: '1e-6'") == {
-        "a": 1e-6, "b": 1e-6, "c": 3, "d": -2000.0, "e": 1000, "f": "1e-6"}  # fmt: skip
+        "a": 1e-6,
+        "b": 1e-6,
+        "c": 3,
+        "d": -2000.0,
+        "e": 1000,
+        "f": "1e-6",
+    }
 
 
 def test_a_defaults_file_is_merged_under_the_files_own_keys(tmp_path):
@@ -180,8 +204,17 @@ def test_a_defaults_file_is_merged_under_the_files_own_keys(tmp_path):
 
 
 def test_to_dict_round_trips():
-    obj = from_dict(Outer, {"name": "x", "inner": {"size": 2, "mode": "b"}, "ids": [3], "pair": [1, "a"],
-                            "extra": {"k": {"j": [1]}}, "maybe": {"size": 4}})  # fmt: skip
+    obj = from_dict(
+        Outer,
+        {
+            "name": "x",
+            "inner": {"size": 2, "mode": "b"},
+            "ids": [3],
+            "pair": [1, "a"],
+            "extra": {"k": {"j": [1]}},
+            "maybe": {"size": 4},
+        },
+    )
     data = to_dict(obj)
     assert data["ids"] == [3] and data["inner"] == {"size": 2, "scale": 1.0, "mode": "b", "limit": None}
     assert from_dict(Outer, data) == obj
@@ -192,11 +225,21 @@ def test_to_dict_round_trips():
 # ModelConfig / ParallelConfig validation: every message names the field.
 
 TINY = {
-    "name": "t", "family": "qwen2", "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 128,
-    "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 250, "max_position_embeddings": 256,
-    "rope_theta": 1e6, "norm_epsilon": 1e-6, "add_qkv_bias": True, "qk_layernorm": False,
+    "name": "t",
+    "family": "qwen2",
+    "num_layers": 4,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "vocab_size": 250,
+    "max_position_embeddings": 256,
+    "rope_theta": 1e6,
+    "norm_epsilon": 1e-6,
+    "add_qkv_bias": True,
+    "qk_layernorm": False,
     "tie_word_embeddings": False,
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(
@@ -227,28 +270,52 @@ def test_invalid_model_configs_name_the_field(overrides, field, words):
 
 
 def test_head_dim_allows_heads_that_do_not_divide_hidden_size():
-    cfg = load_config(ModelConfig, TINY, ["family=qwen3", "add_qkv_bias=false", "qk_layernorm=true",
-                                          "num_attention_heads=6", "num_query_groups=2", "head_dim=32"])  # fmt: skip
+    cfg = load_config(
+        ModelConfig,
+        TINY,
+        [
+            "family=qwen3",
+            "add_qkv_bias=false",
+            "qk_layernorm=true",
+            "num_attention_heads=6",
+            "num_query_groups=2",
+            "head_dim=32",
+        ],
+    )
     assert cfg.kv_channels == 32
-    message = _error(load_config, ModelConfig, TINY, ["family=llama", "add_qkv_bias=false", "num_attention_heads=6",
-                                                       "num_query_groups=2", "head_dim=32"])  # fmt: skip
+    message = _error(
+        load_config,
+        ModelConfig,
+        TINY,
+        ["family=llama", "add_qkv_bias=false", "num_attention_heads=6", "num_query_groups=2", "head_dim=32"],
+    )
     assert message.startswith("num_attention_heads: family 'llama' (Hugging Face) needs")
 
 
 @pytest.mark.parametrize(
     ("parallel", "field", "words"),
     [
-        ({"tensor_model_parallel_size": 8}, "tensor_model_parallel_size", "does not divide model.num_attention_heads=4"),
+        (
+            {"tensor_model_parallel_size": 8},
+            "tensor_model_parallel_size",
+            "does not divide model.num_attention_heads=4",
+        ),
         ({"tensor_model_parallel_size": 4}, "tensor_model_parallel_size", "does not divide model.num_query_groups=2"),
         ({"pipeline_model_parallel_size": 3}, "pipeline_model_parallel_size", "does not divide model.num_layers=4"),
-        ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 4},
-         "virtual_pipeline_model_parallel_size", "num_layers=4 is not divisible by pipeline_model_parallel_size x"),
-        ({"virtual_pipeline_model_parallel_size": 2}, "virtual_pipeline_model_parallel_size",
-         "needs pipeline_model_parallel_size >= 2"),
+        (
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 4},
+            "virtual_pipeline_model_parallel_size",
+            "num_layers=4 is not divisible by pipeline_model_parallel_size x",
+        ),
+        (
+            {"virtual_pipeline_model_parallel_size": 2},
+            "virtual_pipeline_model_parallel_size",
+            "needs pipeline_model_parallel_size >= 2",
+        ),
         ({"sequence_parallel": True}, "sequence_parallel", "needs tensor_model_parallel_size > 1"),
         ({"tensor_model_parallel_size": 0}, "tensor_model_parallel_size", "must be >= 1"),
     ],
-)  # fmt: skip
+)
 def test_invalid_parallel_layouts_name_the_field(parallel, field, words):
     model = load_config(ModelConfig, TINY)
     with pytest.raises(ConfigError) as info:
@@ -267,13 +334,26 @@ def test_world_size_must_be_a_multiple_of_tp_times_pp():
 
 @pytest.mark.parametrize(
     ("vocab", "divisible_by", "tp", "expected"),
-    [(250, 128, 1, 256), (250, 128, 2, 256), (300, 128, 1, 384), (300, 128, 2, 512), (256, 128, 2, 256),
-     (151936, 128, 1, 151936), (151936, 128, 8, 152576), (128256, 128, 4, 128512), (5, 1, 4, 8)],
-)  # fmt: skip
+    [
+        (250, 128, 1, 256),
+        (250, 128, 2, 256),
+        (300, 128, 1, 384),
+        (300, 128, 2, 512),
+        (256, 128, 2, 256),
+        (151936, 128, 1, 151936),
+        (151936, 128, 8, 152576),
+        (128256, 128, 4, 128512),
+        (5, 1, 4, 8),
+    ],
+)
 def test_padded_vocab_size_is_the_next_multiple_of_divisible_by_times_tp(vocab, divisible_by, tp, expected):
     assert padded_vocab_size(vocab, divisible_by, tp) == expected
-    assert ParallelConfig(tensor_model_parallel_size=tp, make_vocab_size_divisible_by=divisible_by).padded_vocab_size(
-        vocab) == expected  # fmt: skip
+    assert (
+        ParallelConfig(tensor_model_parallel_size=tp, make_vocab_size_divisible_by=divisible_by).padded_vocab_size(
+            vocab
+        )
+        == expected
+    )
 
 
 def test_padded_vocab_size_rejects_bad_arguments():
@@ -285,17 +365,31 @@ def test_padded_vocab_size_rejects_bad_arguments():
 # model_configs/*.yaml
 
 YAMLS = sorted(MODEL_CONFIG_DIR.glob("*.yaml"))
-REAL = ["deepseek-r1-distill-qwen-1.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-4b", "qwen3-8b",
-        "llama3.1-8b", "qwen3-30b-a3b"]
+REAL = [
+    "deepseek-r1-distill-qwen-1.5b",
+    "qwen2.5-1.5b",
+    "qwen2.5-3b",
+    "qwen2.5-7b",
+    "qwen3-4b",
+    "qwen3-8b",
+    "llama3.1-8b",
+    "qwen3-30b-a3b",
+]
 TINY_MODELS = ["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 LOCAL = ["demo-qwen2"]  # built locally (tools/make_demo_model.py), no HF model id
 
 # Published totals (billions, as rounded by the publisher: Hugging Face's safetensors count / the
 # Qwen model cards' "Number of Parameters (Non-Embedding)").
 PUBLISHED_TOTAL = {
-    "deepseek-r1-distill-qwen-1.5b": 1.78, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62,
-    "qwen3-4b": 4.02, "qwen3-8b": 8.19, "llama3.1-8b": 8.03, "qwen3-30b-a3b": 30.53,
-}  # fmt: skip
+    "deepseek-r1-distill-qwen-1.5b": 1.78,
+    "qwen2.5-1.5b": 1.54,
+    "qwen2.5-3b": 3.09,
+    "qwen2.5-7b": 7.62,
+    "qwen3-4b": 4.02,
+    "qwen3-8b": 8.19,
+    "llama3.1-8b": 8.03,
+    "qwen3-30b-a3b": 30.53,
+}
 PUBLISHED_NON_EMBEDDING = {"qwen2.5-1.5b": 1.31, "qwen2.5-3b": 2.77, "qwen2.5-7b": 6.53, "qwen3-8b": 6.95}
 
 
@@ -356,9 +450,14 @@ def test_real_models_match_their_published_parameter_counts(name):
 def test_to_hf_config_spells_rope_and_family_fields_for_transformers_5():
     llama = load_model_config("llama3.1-8b").to_hf_config()
     assert llama["model_type"] == "llama" and llama["architectures"] == ["LlamaForCausalLM"]
-    assert llama["rope_parameters"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-                                        "rope_theta": 500000.0}  # fmt: skip
+    assert llama["rope_parameters"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    }
     assert llama["head_dim"] == 128 and llama["attention_bias"] is False and llama["rms_norm_eps"] == 1e-5
     qwen3 = load_model_config("qwen3-8b").to_hf_config()
     assert qwen3["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6} and qwen3["head_dim"] == 128

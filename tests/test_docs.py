@@ -49,6 +49,11 @@ def test_every_markdown_file_a_file_names_exists():
 
 
 def test_no_file_names_a_place_outside_the_repository():
-    outside = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in _tracked() if p.name != "test_docs.py"
-               for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if OUTSIDE.search(line)]  # fmt: skip
+    outside = [
+        f"{p.relative_to(REPO)}:{i}: {line.strip()}"
+        for p in _tracked()
+        if p.name != "test_docs.py"
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert not outside, outside

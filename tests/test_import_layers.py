@@ -41,34 +41,60 @@ MODULE_LEVEL: dict[str, dict[str, bool]] = {
     "core": {STDLIB: True, "torch": True, "torch.distributed": False, "megatron_empg.core": True},
     # triton is imported only by the kernel modules, which the package imports on first use
     "kernels": {
-        STDLIB: True, "torch": True, "torch.distributed": False, "triton": True, "megatron_empg.kernels": True,
+        STDLIB: True,
+        "torch": True,
+        "torch.distributed": False,
+        "triton": True,
+        "megatron_empg.kernels": True,
     },
     "parallel": {
-        STDLIB: True, "torch": True,
-        "megatron_empg.core": True, "megatron_empg.kernels": True, "megatron_empg.parallel": True,
+        STDLIB: True,
+        "torch": True,
+        "megatron_empg.core": True,
+        "megatron_empg.kernels": True,
+        "megatron_empg.parallel": True,
     },
     "mcore": {
-        STDLIB: True, "torch": True, **VERSION_GATES, "megatron": True,
-        "megatron_empg.core": True, "megatron_empg.parallel": True,
-        "megatron_empg.mcore": True, "megatron_empg.config": True,
+        STDLIB: True,
+        "torch": True,
+        **VERSION_GATES,
+        "megatron": True,
+        "megatron_empg.core": True,
+        "megatron_empg.parallel": True,
+        "megatron_empg.mcore": True,
+        "megatron_empg.config": True,
     },
     "rollout": {
-        STDLIB: True, "torch": True, **VERSION_GATES,
-        "megatron_empg.core": True, "megatron_empg.parallel": True,
-        "megatron_empg.rollout": True, "megatron_empg.config": True,
+        STDLIB: True,
+        "torch": True,
+        **VERSION_GATES,
+        "megatron_empg.core": True,
+        "megatron_empg.parallel": True,
+        "megatron_empg.rollout": True,
+        "megatron_empg.config": True,
     },
     "weight_sync": {
-        STDLIB: True, "torch": True, **VERSION_GATES,
-        "megatron_empg.core": True, "megatron_empg.parallel": True,
-        "megatron_empg.weight_sync": True, "megatron_empg.config": True,
+        STDLIB: True,
+        "torch": True,
+        **VERSION_GATES,
+        "megatron_empg.core": True,
+        "megatron_empg.parallel": True,
+        "megatron_empg.weight_sync": True,
+        "megatron_empg.config": True,
     },
     "tasks": {
-        STDLIB: True, "torch": True,
-        "megatron_empg.core": True, "megatron_empg.rollout": True,
-        "megatron_empg.tasks": True, "megatron_empg.config": True,
+        STDLIB: True,
+        "torch": True,
+        "megatron_empg.core": True,
+        "megatron_empg.rollout": True,
+        "megatron_empg.tasks": True,
+        "megatron_empg.config": True,
     },
     "trainer": {
-        STDLIB: True, THIRD_PARTY: True, "megatron": False, **dict.fromkeys(ENGINES, False),
+        STDLIB: True,
+        THIRD_PARTY: True,
+        "megatron": False,
+        **dict.fromkeys(ENGINES, False),
         "megatron_empg": True,
     },
 }
@@ -223,9 +249,7 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
     for imp in imports_of(source, module, is_package):
         if not is_allowed(imp.module, lazy if imp.lazy else eager):
             where = "inside a function" if imp.lazy else "at module level"
-            found.append(
-                f"{module}:{imp.line}: layer {layer!r} may not import {imp.module} {where}"
-            )
+            found.append(f"{module}:{imp.line}: layer {layer!r} may not import {imp.module} {where}")
     return found
 
 
@@ -289,7 +313,10 @@ def test_importing_the_package_imports_neither_megatron_nor_vllm():
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
         cwd=PACKAGE_DIR.parent,
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -302,8 +329,7 @@ VIOLATIONS = [
     ("megatron_empg.core.x", "import torch.distributed as dist", "torch.distributed"),
     ("megatron_empg.core.x", "from torch import distributed", "torch.distributed"),
     ("megatron_empg.core.x", "from torch.distributed import all_reduce", "torch.distributed"),
-    ("megatron_empg.core.x", "import torch\ndef f(t):\n    torch.distributed.all_reduce(t)",
-     "torch.distributed"),
+    ("megatron_empg.core.x", "import torch\ndef f(t):\n    torch.distributed.all_reduce(t)", "torch.distributed"),
     ("megatron_empg.core.x", "import numpy", "numpy"),
     ("megatron_empg.core.x", "from megatron_empg import config", "megatron_empg.config"),
     ("megatron_empg.core.x", "from ..parallel import vocab_parallel", "megatron_empg.parallel"),
@@ -317,23 +343,18 @@ VIOLATIONS = [
     ("megatron_empg.parallel.x", "from megatron_empg.mcore import model", "megatron_empg.mcore"),
     ("megatron_empg.parallel.x", "from megatron.core import parallel_state", "megatron.core"),
     ("megatron_empg.rollout.x", "import vllm", "vllm"),
-    ("megatron_empg.rollout.x", "try:\n    import vllm\nexcept ImportError:\n    vllm = None",
-     "vllm"),
+    ("megatron_empg.rollout.x", "try:\n    import vllm\nexcept ImportError:\n    vllm = None", "vllm"),
     ("megatron_empg.rollout.x", "def f():\n    from megatron.core import mpu", "megatron.core"),
     ("megatron_empg.rollout.x", "from megatron_empg.trainer import loop", "megatron_empg.trainer"),
-    ("megatron_empg.rollout.x", "from megatron_empg.tasks.arithmetic import ArithmeticTask",
-     "megatron_empg.tasks"),
-    ("megatron_empg.rollout.x", "def f():\n    from megatron_empg.tasks import registry",
-     "megatron_empg.tasks"),
+    ("megatron_empg.rollout.x", "from megatron_empg.tasks.arithmetic import ArithmeticTask", "megatron_empg.tasks"),
+    ("megatron_empg.rollout.x", "def f():\n    from megatron_empg.tasks import registry", "megatron_empg.tasks"),
     ("megatron_empg.tasks.x", "from megatron_empg.trainer.build import bind", "megatron_empg.trainer"),
     ("megatron_empg.tasks.x", "from megatron_empg.mcore import model", "megatron_empg.mcore"),
     ("megatron_empg.tasks.x", "from megatron_empg.weight_sync import transport", "megatron_empg.weight_sync"),
     ("megatron_empg.tasks.x", "import numpy", "numpy"),
     ("megatron_empg.tasks.x", "def f():\n    import vllm", "vllm"),
-    ("megatron_empg.weight_sync.x", "import importlib\nm = importlib.import_module('vllm')",
-     "vllm"),
-    ("megatron_empg.weight_sync.x", "from megatron_empg.mcore.export import f",
-     "megatron_empg.mcore"),
+    ("megatron_empg.weight_sync.x", "import importlib\nm = importlib.import_module('vllm')", "vllm"),
+    ("megatron_empg.weight_sync.x", "from megatron_empg.mcore.export import f", "megatron_empg.mcore"),
     ("megatron_empg.trainer.x", "from megatron.core import parallel_state", "megatron.core"),
     ("megatron_empg.trainer.x", "from vllm import LLM", "vllm"),
     ("megatron_empg.mcore.x", "import vllm", "vllm"),
@@ -350,28 +371,51 @@ def test_checker_catches_violation(module, source, expected):
 
 
 ALLOWED = [
-    ("megatron_empg.core.x", "import math\nimport torch\nimport torch.nn.functional as F\n"
-     "from torch import Tensor, nn\nfrom .checks import check_bool\n"
-     "from megatron_empg.core.aggregation import aggregate\nx = torch.nn.functional.softmax"),
-    ("megatron_empg.parallel.x", "import torch.distributed as dist\nfrom torch import distributed\n"
-     "from megatron_empg.core import kl\nfrom megatron_empg.kernels import vocab_logprob_kernels"),
-    ("megatron_empg.kernels.x", "import torch\nimport triton\nimport triton.language as tl\n"
-     "def f():\n    from megatron_empg.kernels import vocab_logprob_triton"),
-    ("megatron_empg.mcore.x", "from megatron.core import parallel_state\nimport megatron.core\n"
-     "from megatron_empg.parallel import vocab_parallel\n"
-     "from megatron_empg.config import RunConfig\n"
-     "def f():\n    import transformer_engine"),
+    (
+        "megatron_empg.core.x",
+        "import math\nimport torch\nimport torch.nn.functional as F\n"
+        "from torch import Tensor, nn\nfrom .checks import check_bool\n"
+        "from megatron_empg.core.aggregation import aggregate\nx = torch.nn.functional.softmax",
+    ),
+    (
+        "megatron_empg.parallel.x",
+        "import torch.distributed as dist\nfrom torch import distributed\n"
+        "from megatron_empg.core import kl\nfrom megatron_empg.kernels import vocab_logprob_kernels",
+    ),
+    (
+        "megatron_empg.kernels.x",
+        "import torch\nimport triton\nimport triton.language as tl\n"
+        "def f():\n    from megatron_empg.kernels import vocab_logprob_triton",
+    ),
+    (
+        "megatron_empg.mcore.x",
+        "from megatron.core import parallel_state\nimport megatron.core\n"
+        "from megatron_empg.parallel import vocab_parallel\n"
+        "from megatron_empg.config import RunConfig\n"
+        "def f():\n    import transformer_engine",
+    ),
     ("megatron_empg.rollout.x", "def f():\n    import vllm\n    return vllm.LLM"),
-    ("megatron_empg.rollout.x", "from __future__ import annotations\n"
-     "from typing import TYPE_CHECKING\n"
-     "if TYPE_CHECKING:\n    import vllm\nclass Engine:\n    llm: vllm.LLM"),
-    ("megatron_empg.tasks.x", "from megatron_empg.rollout.data import PromptExample\n"
-     "from megatron_empg.rollout.rewards import RewardResult\nfrom megatron_empg.config import DataConfig\n"
-     "from megatron_empg.tasks.task import Task\ndef f():\n    from math_verify import parse"),
-    ("megatron_empg.weight_sync.x", "import torch.distributed as dist\n"
-     "def f():\n    import importlib\n    return importlib.import_module('vllm')"),
-    ("megatron_empg.trainer.x", "import yaml\nfrom megatron_empg.mcore import model\n"
-     "from megatron_empg import rollout\ndef f():\n    import vllm"),
+    (
+        "megatron_empg.rollout.x",
+        "from __future__ import annotations\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import vllm\nclass Engine:\n    llm: vllm.LLM",
+    ),
+    (
+        "megatron_empg.tasks.x",
+        "from megatron_empg.rollout.data import PromptExample\n"
+        "from megatron_empg.rollout.rewards import RewardResult\nfrom megatron_empg.config import DataConfig\n"
+        "from megatron_empg.tasks.task import Task\ndef f():\n    from math_verify import parse",
+    ),
+    (
+        "megatron_empg.weight_sync.x",
+        "import torch.distributed as dist\ndef f():\n    import importlib\n    return importlib.import_module('vllm')",
+    ),
+    (
+        "megatron_empg.trainer.x",
+        "import yaml\nfrom megatron_empg.mcore import model\n"
+        "from megatron_empg import rollout\ndef f():\n    import vllm",
+    ),
     ("megatron_empg.config", "import dataclasses\nimport yaml\nfrom typing import Literal"),
     ("megatron_empg", "from __future__ import annotations\n__version__ = '0'"),
 ]

@@ -109,7 +109,8 @@ def test_expert_names_round_trip_bit_exact_and_name_their_family():
     assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], hf_state[k]) for k in hf_state)
     assert mapping.tensor_rule("decoder.layers.0.mlp.router.weight", cfg).family == "moe.router"
     assert mapping.tensor_rule("decoder.layers.0.mlp.experts.local_experts.7.linear_fc2.weight", cfg).family == (
-        "moe.experts.down")  # fmt: skip
+        "moe.experts.down"
+    )
     with pytest.raises(KeyError, match="expert 8 is outside the model's 8 experts"):
         mapping.hf_names_of("decoder.layers.0.mlp.experts.local_experts.8.linear_fc2.weight", cfg)
     with pytest.raises(ValueError, match="moe_ffn_hidden_size"):
@@ -118,7 +119,8 @@ def test_expert_names_round_trip_bit_exact_and_name_their_family():
 
 def test_te_grouped_expert_names_and_expert_offsets():
     assert mapping.canonical_name("decoder.layers.3.mlp.experts.linear_fc1.weight5") == (
-        "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight")  # fmt: skip
+        "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"
+    )
     local = "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"
     assert global_name(local, 4, expert_offset=6) == "decoder.layers.5.mlp.experts.local_experts.8.linear_fc2.weight"
     assert local_name(global_name(local, 4, 6), 4, 6) == local

@@ -16,8 +16,12 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 R1 = "r1_distill_qwen_1.5b_math_ema_pg"
 # The world each recipe is written for: the CPU demos run in one process, the GPU recipes on one
 # node of 8 GPUs (their comments; the reference runs' layout), the 32k Qwen3-8B one on two, Qwen3-30B-A3B on four.
-WORLD_SIZES = {"demo_cpu.yaml": 1, "demo_cpu_grpo.yaml": 1, "qwen3_8b_dapo_math_rpg_urkl_32k_cp4.yaml": 16,
-               "qwen3_30b_a3b_dapo_math_ema_pg.yaml": 32}
+WORLD_SIZES = {
+    "demo_cpu.yaml": 1,
+    "demo_cpu_grpo.yaml": 1,
+    "qwen3_8b_dapo_math_rpg_urkl_32k_cp4.yaml": 16,
+    "qwen3_30b_a3b_dapo_math_ema_pg.yaml": 32,
+}
 CPU_RECIPES = ("demo_cpu.yaml", "demo_cpu_grpo.yaml")
 
 
@@ -65,8 +69,9 @@ def test_every_recipe_binds_at_its_world_size(path, tmp_path):
     assert components.layout.world_size == WORLD_SIZES.get(path.name, 8)
 
 
-@pytest.mark.parametrize("path", [p for p in sorted(RECIPES.glob("*.yaml")) if p.name not in CPU_RECIPES],
-                         ids=lambda p: p.name)  # fmt: skip
+@pytest.mark.parametrize(
+    "path", [p for p in sorted(RECIPES.glob("*.yaml")) if p.name not in CPU_RECIPES], ids=lambda p: p.name
+)
 def test_every_gpu_recipe_plans_within_an_h100_at_its_world_size(path, tmp_path):
     """``empg plan``'s numbers (``trainer.memory_plan``) for one 80 GB H100 per rank; the recipes'
     comments quote them."""
@@ -97,11 +102,14 @@ def test_r1_math_recipe_has_the_published_hyperparameters():
     assert config.algorithm.mask_truncated
 
 
-@pytest.mark.parametrize(("stage", "response", "seed", "continues_from"), [
-    ("", 8192, 6725, None),
-    ("_16k", 16384, 986, "8k/checkpoints/step_00000480"),
-    ("_24k", 24576, 986, "16k/checkpoints/step_00000800"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("stage", "response", "seed", "continues_from"),
+    [
+        ("", 8192, 6725, None),
+        ("_16k", 16384, 986, "8k/checkpoints/step_00000480"),
+        ("_24k", 24576, 986, "16k/checkpoints/step_00000800"),
+    ],
+)
 def test_r1_math_stages_lengths_seeds_and_continuation(stage, response, seed, continues_from):
     config = load_config(RunConfig, RECIPES / f"{R1}{stage}.yaml")
     assert config.rollout.sampling.max_tokens == response
@@ -153,14 +161,21 @@ def test_search_recipe_has_the_published_hyperparameters():
     assert (sampling.temperature, sampling.top_p, sampling.max_tokens) == (1.0, 0.95, 500)
     agent = config.rollout.search_agent
     assert (agent.retriever_url, agent.topk, agent.max_turns, agent.max_obs_tokens) == (
-        "http://127.0.0.1:8000", 3, 4, 500)  # fmt: skip
+        "http://127.0.0.1:8000",
+        3,
+        4,
+        500,
+    )
     data = config.data
     assert (data.reward, data.prompt_key, data.answer_key) == ("qa_em", "question", "golden_answers")
     assert data.prompt_template.format(prompt="who wrote hamlet?") == SEARCH_R1_BASE_PREFIX.format(
-        question="who wrote hamlet?")  # fmt: skip
+        question="who wrote hamlet?"
+    )
     assert data.apply_chat_template and data.system_prompt is None and data.max_prompt_tokens == 2048
     # a whole episode fits: the prompt, max_turns + 1 turns of max_tokens, max_turns observations
-    episode = data.max_prompt_tokens + (agent.max_turns + 1) * sampling.max_tokens + agent.max_turns * agent.max_obs_tokens
+    episode = (
+        data.max_prompt_tokens + (agent.max_turns + 1) * sampling.max_tokens + agent.max_turns * agent.max_obs_tokens
+    )
     assert episode == 6548 and config.train.max_seq_len == config.rollout.max_model_len == 6656
     assert not config.rollout.in_process and config.weight_sync.transport == "shm_file"
     assert config.rollout.dtype == config.train.params_dtype == "bfloat16"
@@ -183,7 +198,11 @@ def test_rpg_recipes_have_the_papers_hyperparameters(variant):
     assert config.model_config().hf_model_id == "Qwen/Qwen3-4B"
     assert (config.train.steps, config.train.prompts_per_step, config.rollout.sampling.n) == (400, 512, 16)
     assert config.train.prompts_per_step // config.algorithm.mini_batches == 32  # prompts per optimizer step
-    assert (config.data.max_prompt_tokens, config.rollout.sampling.max_tokens, config.train.max_seq_len) == (2048, 2048, 4096)
+    assert (config.data.max_prompt_tokens, config.rollout.sampling.max_tokens, config.train.max_seq_len) == (
+        2048,
+        2048,
+        4096,
+    )
     opt = config.optimizer
     assert (opt.weight_decay, opt.clip_grad, opt.lr_decay_style) == (0.1, 1.0, "constant")
     assert opt.lr_warmup_steps == 10 * config.algorithm.mini_batches  # 10 RL steps

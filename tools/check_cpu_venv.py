@@ -11,7 +11,9 @@ from importlib import metadata
 
 def main() -> int:
     problems = []
-    nvidia = sorted(d.metadata["Name"] for d in metadata.distributions() if d.metadata["Name"].lower().startswith("nvidia"))
+    nvidia = sorted(
+        d.metadata["Name"] for d in metadata.distributions() if d.metadata["Name"].lower().startswith("nvidia")
+    )
     if nvidia:
         problems.append(f"nvidia packages installed: {', '.join(nvidia)}")
     try:

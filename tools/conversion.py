@@ -17,10 +17,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ("auto", *DTYPES)
 # ModelConfig fields that decide the tensors' names, shapes and meaning.
 ARCHITECTURE_FIELDS = (
-    "family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "vocab_size", "rope_theta", "rope_scaling", "norm_epsilon", "add_qkv_bias", "qk_layernorm",
+    "family",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "rope_theta",
+    "rope_scaling",
+    "norm_epsilon",
+    "add_qkv_bias",
+    "qk_layernorm",
     "tie_word_embeddings",
-)  # fmt: skip
+)
 MAX_LISTED = 12  # names listed in one message
 
 
@@ -38,7 +49,9 @@ def listed(names: Sequence[str]) -> str:
     return ", ".join(names[:MAX_LISTED]) + more
 
 
-def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None, convert: Callable[[argparse.Namespace], None]) -> int:
+def run_cli(
+    parser: argparse.ArgumentParser, argv: list[str] | None, convert: Callable[[argparse.Namespace], None]
+) -> int:
     """Parse ``argv`` and run ``convert``; an ``ArgumentProblem`` becomes argparse's usage error
     (the message on stderr, exit code 2)."""
     args = parser.parse_args(argv)
@@ -55,7 +68,9 @@ def resolve_dtype(option: str, stored: Iterable[torch.dtype], where: str) -> tor
         return DTYPES[option]
     found = sorted({str(d).removeprefix("torch.") for d in stored})
     if len(found) != 1:
-        raise ArgumentProblem("--dtype", f"auto needs a single dtype, but {where} holds {found}; pick one of {list(DTYPES)}")
+        raise ArgumentProblem(
+            "--dtype", f"auto needs a single dtype, but {where} holds {found}; pick one of {list(DTYPES)}"
+        )
     return getattr(torch, found[0])
 
 
@@ -78,4 +93,6 @@ def hf_plan(model: ModelConfig, shapes: Mapping[str, torch.Size], dtype: torch.d
 
 def architecture_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
     """``"field: a != b"`` for every architecture field in which ``a`` and ``b`` differ."""
-    return [f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}" for f in ARCHITECTURE_FIELDS if getattr(a, f) != getattr(b, f)]
+    return [
+        f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}" for f in ARCHITECTURE_FIELDS if getattr(a, f) != getattr(b, f)
+    ]

@@ -59,18 +59,31 @@ def positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="convert_hf_to_megatron.py", description=__doc__.split("\n\n")[0],
+        prog="convert_hf_to_megatron.py",
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    parser.add_argument("hf_dir", metavar="HF_DIR", type=Path, help="HF model directory: config.json, *.safetensors, tokenizer")
-    parser.add_argument("out", metavar="OUT", type=Path, help="checkpoint directory to create (must not exist or be empty)")
+    )
+    parser.add_argument(
+        "hf_dir", metavar="HF_DIR", type=Path, help="HF model directory: config.json, *.safetensors, tokenizer"
+    )
+    parser.add_argument(
+        "out", metavar="OUT", type=Path, help="checkpoint directory to create (must not exist or be empty)"
+    )
     parser.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size the checkpoint is for")
     parser.add_argument("--pp", type=positive_int, required=True, help="pipeline-parallel size the checkpoint is for")
     parser.add_argument("--vpp", type=positive_int, default=None, help="virtual pipeline stages per pipeline rank")
-    parser.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
-                        help="Megatron's vocabulary padding multiple (times TP); default 128")  # fmt: skip
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="dtype of the stored weights; auto: the safetensors' dtype")  # fmt: skip
+    parser.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=positive_int,
+        default=128,
+        help="Megatron's vocabulary padding multiple (times TP); default 128",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="dtype of the stored weights; auto: the safetensors' dtype",
+    )
     parser.add_argument("--name", default=None, help="model name recorded in the checkpoint (default: HF_DIR's name)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -94,9 +107,11 @@ def convert(args: argparse.Namespace) -> None:
         raise ArgumentProblem("HF_DIR", f"{config_path}: {e}") from e
     try:
         parallel = ParallelConfig(
-            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-            virtual_pipeline_model_parallel_size=args.vpp, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        )  # fmt: skip
+            tensor_model_parallel_size=args.tp,
+            pipeline_model_parallel_size=args.pp,
+            virtual_pipeline_model_parallel_size=args.vpp,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        )
         parallel.validate_for(model)
     except ConfigError as e:
         raise ArgumentProblem(PARALLEL_OPTIONS.get(e.field, "--tp/--pp"), e.reason) from e
@@ -119,9 +134,12 @@ def convert(args: argparse.Namespace) -> None:
 
 
 def _write(
-    args: argparse.Namespace, model: ModelConfig, parallel: ParallelConfig, stored: SafetensorsDirectory,
+    args: argparse.Namespace,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    stored: SafetensorsDirectory,
     dtype: torch.dtype,
-) -> None:  # fmt: skip
+) -> None:
     """Check the HF tensors' shapes against the model, then stream them into the checkpoint."""
     from tqdm import tqdm
 
@@ -149,9 +167,15 @@ def _write(
         try:
             with tqdm(total=len(plan), desc="converting", unit="tensor", disable=args.no_progress) as bar:
                 write_model_checkpoint(
-                    args.out, model, parallel, full_tensor, dtype=dtype, hf_assets=args.hf_dir, provenance=provenance,
+                    args.out,
+                    model,
+                    parallel,
+                    full_tensor,
+                    dtype=dtype,
+                    hf_assets=args.hf_dir,
+                    provenance=provenance,
                     progress=lambda name: bar.update(),
-                )  # fmt: skip
+                )
         except SafetensorsError as e:  # e.g. a file truncated inside a tensor
             raise ArgumentProblem("HF_DIR", str(e)) from e
         except OutputDirError as e:

@@ -54,20 +54,34 @@ def size_option(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="convert_megatron_to_hf.py", description=__doc__.split("\n\n")[0],
+        prog="convert_megatron_to_hf.py",
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("ckpt", metavar="CKPT", type=Path, help="checkpoint directory (or a training run's root)")
-    parser.add_argument("out", metavar="OUT", type=Path, help="HF model directory to create (must not exist or be empty)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="dtype of the written weights; auto: the checkpoint's")  # fmt: skip
-    parser.add_argument("--max-shard-size", type=size_option, default="5GB",
-                        help="largest safetensors file, e.g. 500MB, 5GB, 2GiB (default 5GB)")  # fmt: skip
-    parser.add_argument("--model-config", default=None,
-                        help="model config (a name in model_configs/ or a YAML path) for a checkpoint without "
-                             "model_config.yaml")  # fmt: skip
-    parser.add_argument("--hf-assets", type=Path, default=None,
-                        help="directory with the HF config and tokenizer files (default: the checkpoint's hf/)")
+    parser.add_argument(
+        "out", metavar="OUT", type=Path, help="HF model directory to create (must not exist or be empty)"
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="dtype of the written weights; auto: the checkpoint's"
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=size_option,
+        default="5GB",
+        help="largest safetensors file, e.g. 500MB, 5GB, 2GiB (default 5GB)",
+    )
+    parser.add_argument(
+        "--model-config",
+        default=None,
+        help="model config (a name in model_configs/ or a YAML path) for a checkpoint without model_config.yaml",
+    )
+    parser.add_argument(
+        "--hf-assets",
+        type=Path,
+        default=None,
+        help="directory with the HF config and tokenizer files (default: the checkpoint's hf/)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -130,7 +144,8 @@ def _hf_config(model: ModelConfig, assets: Path, assets_option: str) -> dict:
         raise ArgumentProblem(assets_option, f"{path}: {e}") from e
     if differences:
         raise ArgumentProblem(
-            assets_option, f"{path} describes another model than the checkpoint's model config: {'; '.join(differences)}"
+            assets_option,
+            f"{path} describes another model than the checkpoint's model config: {'; '.join(differences)}",
         )
     return hf_config
 
@@ -158,9 +173,14 @@ def _write(args: argparse.Namespace, ckpt: Path, model: ModelConfig, assets: Pat
 
 
 def _write_hf(
-    out: Path, reader: ModelCheckpointReader, plan: dict[str, list[PlannedTensor]], assets: Path, hf_config: dict,
-    max_shard_size: int, progress: bool,
-) -> list[str]:  # fmt: skip
+    out: Path,
+    reader: ModelCheckpointReader,
+    plan: dict[str, list[PlannedTensor]],
+    assets: Path,
+    hf_config: dict,
+    max_shard_size: int,
+    progress: bool,
+) -> list[str]:
     """Stream the tensors of ``plan`` from ``reader`` into safetensors in ``out`` (atomically), with
     config.json (``hf_config``, its dtype set), the HF assets and generation_config.json. Returns
     the safetensors files (and index) written."""

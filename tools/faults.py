@@ -81,30 +81,53 @@ class Suite:
         config = read_yaml(RECIPE)
         config["train"]["steps"] = steps or self.steps
         config["logging"] = {"dir": str(self.work / name), "progress": "none"}
-        config["checkpoint"].update(dir=str(self.work / name / "checkpoints"), interval=INTERVAL, keep_last=KEEP_LAST,
-                                    init_from=str(self.warm_start))  # fmt: skip
+        config["checkpoint"].update(
+            dir=str(self.work / name / "checkpoints"),
+            interval=INTERVAL,
+            keep_last=KEEP_LAST,
+            init_from=str(self.warm_start),
+        )
         path = self.work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         return path
 
-    def start(self, name: str, *extra: str, launcher: bool = False, log_suffix: str = "", nproc: int = 1,
-              env: dict[str, str] | None = None) -> subprocess.Popen:  # fmt: skip
+    def start(
+        self,
+        name: str,
+        *extra: str,
+        launcher: bool = False,
+        log_suffix: str = "",
+        nproc: int = 1,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen:
         """``empg train`` on the case's config in a process group of its own, marked in its
         environment; ``launcher``: through launchers/torchrun.sh on ``nproc`` ranks."""
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "EMPG_FAULT_CASE": name, **(env or {}),
-               "PYTHONPATH": f"{self.work / 'hook'}:{REPO}"}  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "EMPG_FAULT_CASE": name,
+            **(env or {}),
+            "PYTHONPATH": f"{self.work / 'hook'}:{REPO}",
+        }
         command = [sys.executable, "-m", "megatron_empg.trainer.cli", "train", str(self.work / f"{name}.yaml"), *extra]
         if launcher:
-            env.update(NPROC_PER_NODE=str(nproc), PYTHON=sys.executable,
-                       TORCHRUN=str(Path(sys.executable).parent / "torchrun"))  # fmt: skip
+            env.update(
+                NPROC_PER_NODE=str(nproc), PYTHON=sys.executable, TORCHRUN=str(Path(sys.executable).parent / "torchrun")
+            )
             # the reference's in-process engine (the launcher would otherwise add its own CPU defaults)
-            command = [str(LAUNCHER), str(self.work / f"{name}.yaml"), "rollout.in_process=true",
-                       "weight_sync.transport=in_process", *extra]
+            command = [
+                str(LAUNCHER),
+                str(self.work / f"{name}.yaml"),
+                "rollout.in_process=true",
+                "weight_sync.transport=in_process",
+                *extra,
+            ]
         log = open(self.work / f"{name}{log_suffix}.log", "a")  # noqa: SIM115 (closed with the process)
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.sessions.setdefault(name, set()).add(proc.pid)
         return proc
 
@@ -136,8 +159,9 @@ class Suite:
 
     # ------------------------------------------------------------------ checks
 
-    def compare(self, name: str, reference: str = "reference", ignore: tuple[str, ...] = (),
-                until_step: int | None = None) -> dict:  # fmt: skip
+    def compare(
+        self, name: str, reference: str = "reference", ignore: tuple[str, ...] = (), until_step: int | None = None
+    ) -> dict:
         """The case's metrics against ``reference``'s, step by step (``until_step``: up to it),
         every key but the timings and ``ignore``."""
         got = self.metrics(name)
@@ -149,8 +173,11 @@ class Suite:
             keys = {k for k in (*a, *b) if not k.startswith(TIMING) and k not in ignore}
             differing += [f"step {a['step']}: {k}" for k in sorted(keys) if a.get(k) != b.get(k)]
         same_steps = [r["step"] for r in got] == [r["step"] for r in expected]
-        return {"resumed_identical": same_steps and not differing, "steps": [r["step"] for r in got],
-                "differences": differing[:10]}  # fmt: skip
+        return {
+            "resumed_identical": same_steps and not differing,
+            "steps": [r["step"] for r in got],
+            "differences": differing[:10],
+        }
 
     def leftovers(self, name: str, shm_before: set[str], settle_s: float = 10.0) -> list[str]:
         """What the case left once its last run ended: processes (after ``settle_s`` to exit, as
@@ -192,8 +219,15 @@ def kill9(suite: Suite, name: str, trigger, what: str) -> dict:
     proc.wait()
     code = suite.resume(name)
     start = _resumed_from(suite.work / f"{name}.log")
-    return {"fault": f"SIGKILL {what}", "aimed_moment_hit": hit, "steps_logged_before": logged,
-            "resume_exit_code": code, "resumed_from": start, "steps_redone": max(0, logged - start), "steps_lost": 0}
+    return {
+        "fault": f"SIGKILL {what}",
+        "aimed_moment_hit": hit,
+        "steps_logged_before": logged,
+        "resume_exit_code": code,
+        "resumed_from": start,
+        "steps_redone": max(0, logged - start),
+        "steps_lost": 0,
+    }
 
 
 def kill9_uniform(suite: Suite, name: str, rng: random.Random) -> dict:
@@ -232,9 +266,15 @@ def signalled(suite: Suite, name: str, how: str) -> dict:
     stopped = _stopped_at(suite.work / f"{name}.log")
     resumed = suite.resume(name)
     start = _resumed_from(suite.work / f"{name}.log")
-    return {"fault": {"torchrun": "SIGTERM to launchers/torchrun.sh"}.get(how, f"{how.upper()} to the process group"),
-            "exit_code": code, "checkpointed_at": stopped, "steps_logged_before": logged, "resume_exit_code": resumed,
-            "resumed_from": start, "steps_lost": max(0, logged - start)}  # fmt: skip
+    return {
+        "fault": {"torchrun": "SIGTERM to launchers/torchrun.sh"}.get(how, f"{how.upper()} to the process group"),
+        "exit_code": code,
+        "checkpointed_at": stopped,
+        "steps_logged_before": logged,
+        "resume_exit_code": resumed,
+        "resumed_from": start,
+        "steps_lost": max(0, logged - start),
+    }
 
 
 def second_run(suite: Suite, name: str) -> dict:
@@ -247,9 +287,14 @@ def second_run(suite: Suite, name: str) -> dict:
     refused_s = time.monotonic() - began
     text = (suite.work / f"{name}-second.log").read_text()
     first_code = suite.finish(first)
-    return {"fault": "a second empg train on the same directories", "second_exit_code": code,
-            "second_refused_after_s": round(refused_s, 3), "names_the_holder": f"pid {first.pid} on host" in text,
-            "first_exit_code": first_code, "steps_lost": 0}  # fmt: skip
+    return {
+        "fault": "a second empg train on the same directories",
+        "second_exit_code": code,
+        "second_refused_after_s": round(refused_s, 3),
+        "names_the_holder": f"pid {first.pid} on host" in text,
+        "first_exit_code": first_code,
+        "steps_lost": 0,
+    }
 
 
 def stopped_then(suite: Suite, name: str, damage, what: str) -> dict:
@@ -264,10 +309,20 @@ def stopped_then(suite: Suite, name: str, damage, what: str) -> dict:
     code = suite.resume(name)
     start = _resumed_from(suite.work / f"{name}.log")
     text = (suite.work / f"{name}.log").read_text()
-    return {"fault": what, "damage": detail, "steps_logged_before": logged, "resume_exit_code": code,
-            "resumed_from": start, "steps_redone": max(0, logged - start), "steps_lost": 0,
-            "warned": [line.split("WARNING ", 1)[1][:300] for line in text.splitlines()
-                       if "WARNING megatron_empg" in line and ("damaged" in line or "torn" in line or "skip" in line)]}
+    return {
+        "fault": what,
+        "damage": detail,
+        "steps_logged_before": logged,
+        "resume_exit_code": code,
+        "resumed_from": start,
+        "steps_redone": max(0, logged - start),
+        "steps_lost": 0,
+        "warned": [
+            line.split("WARNING ", 1)[1][:300]
+            for line in text.splitlines()
+            if "WARNING megatron_empg" in line and ("damaged" in line or "torn" in line or "skip" in line)
+        ],
+    }
 
 
 def tear_metrics(run: Path) -> str:
@@ -300,10 +355,17 @@ def full_disk(suite: Suite, name: str) -> dict:
     logged = suite.logged(name)
     resumed = suite.resume(name)
     start = _resumed_from(suite.work / f"{name}.log")
-    return {"fault": f"RLIMIT_FSIZE {limit} bytes after the first checkpoint", "exit_code": code,
-            "message": [line[:1000] for line in said], "traceback": "Traceback" in text,
-            "steps_logged_before": logged, "resume_exit_code": resumed,
-            "resumed_from": start, "steps_redone": max(0, logged - start), "steps_lost": 0}  # fmt: skip
+    return {
+        "fault": f"RLIMIT_FSIZE {limit} bytes after the first checkpoint",
+        "exit_code": code,
+        "message": [line[:1000] for line in said],
+        "traceback": "Traceback" in text,
+        "steps_logged_before": logged,
+        "resume_exit_code": resumed,
+        "resumed_from": start,
+        "steps_redone": max(0, logged - start),
+        "steps_lost": 0,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,19 +389,23 @@ def main(argv: list[str] | None = None) -> int:
     suite = Suite(work, warm, args.steps)
     rng = random.Random(args.seed)
     cases = {f"kill9_uniform_{i}": (lambda n: kill9_uniform(suite, n, rng)) for i in range(args.kills)}
-    cases.update({
-        "kill9_tmp_write": lambda n: kill9_aimed(suite, n, "tmp_write"),
-        "kill9_commit": lambda n: kill9_aimed(suite, n, "commit"),
-        "kill9_retention": lambda n: kill9_aimed(suite, n, "retention"),
-        "group_sigterm": lambda n: signalled(suite, n, "sigterm"),
-        "group_sigusr1": lambda n: signalled(suite, n, "sigusr1"),
-        "torchrun_sigterm": lambda n: signalled(suite, n, "torchrun"),
-        "second_run": lambda n: second_run(suite, n),
-        "torn_metrics": lambda n: stopped_then(suite, n, tear_metrics, "a torn metrics.jsonl line"),
-        "truncated_checkpoint": lambda n: stopped_then(suite, n, truncate_checkpoint, "the newest checkpoint truncated"),
-        "full_disk": lambda n: full_disk(suite, n),
-        **supervised_cases(suite),
-    })  # fmt: skip
+    cases.update(
+        {
+            "kill9_tmp_write": lambda n: kill9_aimed(suite, n, "tmp_write"),
+            "kill9_commit": lambda n: kill9_aimed(suite, n, "commit"),
+            "kill9_retention": lambda n: kill9_aimed(suite, n, "retention"),
+            "group_sigterm": lambda n: signalled(suite, n, "sigterm"),
+            "group_sigusr1": lambda n: signalled(suite, n, "sigusr1"),
+            "torchrun_sigterm": lambda n: signalled(suite, n, "torchrun"),
+            "second_run": lambda n: second_run(suite, n),
+            "torn_metrics": lambda n: stopped_then(suite, n, tear_metrics, "a torn metrics.jsonl line"),
+            "truncated_checkpoint": lambda n: stopped_then(
+                suite, n, truncate_checkpoint, "the newest checkpoint truncated"
+            ),
+            "full_disk": lambda n: full_disk(suite, n),
+            **supervised_cases(suite),
+        }
+    )
     began = time.monotonic()
     suite.config("reference")
     code = suite.finish(suite.start("reference"))
@@ -352,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         code = suite.finish(suite.start("reference_2ranks", *HF, launcher=True, nproc=2))
         suite.references["reference_2ranks"] = suite.metrics("reference_2ranks")
         if code != 0 or len(suite.references["reference_2ranks"]) != args.steps:
-            print(f"the 2-rank reference run failed (exit {code}): see {work / 'reference_2ranks.log'}", file=sys.stderr)
+            print(
+                f"the 2-rank reference run failed (exit {code}): see {work / 'reference_2ranks.log'}", file=sys.stderr
+            )
             return 1
     results = []
     for name, case in cases.items():
@@ -365,25 +433,37 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # noqa: BLE001 (recorded: the suite goes on)
             result = {"case": name, "error": f"{type(error).__name__}: {error}"}
         until = FAULT_STEP - 1 if name == "nan_step" else None  # later steps differ by design (a refused update)
-        result.update(suite.compare(name, result.get("compare_with", "reference"), tuple(result.get("ignore", ())),
-                                    until), leftovers=suite.leftovers(name, shm_before),
-                      seconds=round(time.monotonic() - t0, 1))  # fmt: skip
+        result.update(
+            suite.compare(name, result.get("compare_with", "reference"), tuple(result.get("ignore", ())), until),
+            leftovers=suite.leftovers(name, shm_before),
+            seconds=round(time.monotonic() - t0, 1),
+        )
         results.append(result)
-        print(f"{name:<22} identical={result['resumed_identical']} lost={result.get('steps_lost')} "
-              f"redone={result.get('steps_redone', 0)} leftovers={result['leftovers']} {result['seconds']} s", flush=True)
+        print(
+            f"{name:<22} identical={result['resumed_identical']} lost={result.get('steps_lost')} "
+            f"redone={result.get('steps_redone', 0)} leftovers={result['leftovers']} {result['seconds']} s",
+            flush=True,
+        )
     report = {
         "benchmark": "faults",
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
-        "recipe": str(RECIPE.relative_to(REPO)), "steps": args.steps, "checkpoint_interval": INTERVAL,
-        "keep_last": KEEP_LAST, "timing_metrics_excluded": list(TIMING),
-        "summary": {"cases": len(results), "resumed_identical": sum(r["resumed_identical"] for r in results),
-                    "steps_lost": sum(r.get("steps_lost") or 0 for r in results),
-                    "with_leftovers": sum(bool(r["leftovers"]) for r in results),
-                    "errors": sum("error" in r for r in results)},
-        "cases": results, "total_wall_s": round(time.monotonic() - began, 1),
-    }  # fmt: skip
+        "recipe": str(RECIPE.relative_to(REPO)),
+        "steps": args.steps,
+        "checkpoint_interval": INTERVAL,
+        "keep_last": KEEP_LAST,
+        "timing_metrics_excluded": list(TIMING),
+        "summary": {
+            "cases": len(results),
+            "resumed_identical": sum(r["resumed_identical"] for r in results),
+            "steps_lost": sum(r.get("steps_lost") or 0 for r in results),
+            "with_leftovers": sum(bool(r["leftovers"]) for r in results),
+            "errors": sum("error" in r for r in results),
+        },
+        "cases": results,
+        "total_wall_s": round(time.monotonic() - began, 1),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["summary"]))

@@ -85,8 +85,10 @@ elif hook == "nan_step":
     loop.Trainer.update = update
 '''
 
-DETECTED = re.compile(r"engine \d+ failed inside|hang: rank|restartable:|restarting after attempt|ran past .* scored 0|"
-                      r"refused")  # fmt: skip
+DETECTED = re.compile(
+    r"engine \d+ failed inside|hang: rank|restartable:|restarting after attempt|ran past .* scored 0|"
+    r"refused"
+)
 
 
 def _beat(run: Path, rank: int) -> dict:
@@ -98,8 +100,9 @@ def _beat(run: Path, rank: int) -> dict:
 
 def _at_phase(suite, proc, name: str, rank: int, phase: str, step: int) -> bool:
     run = suite.work / name
-    return suite.wait_for(proc, lambda: (_beat(run, rank).get("phase"), _beat(run, rank).get("step")) == (phase, step),
-                          poll_s=0.01)  # fmt: skip
+    return suite.wait_for(
+        proc, lambda: (_beat(run, rank).get("phase"), _beat(run, rank).get("step")) == (phase, step), poll_s=0.01
+    )
 
 
 def _engine_core(suite, name: str) -> int | None:
@@ -130,8 +133,16 @@ def _log_times(log: Path, since: float) -> float | None:
     return None
 
 
-def _run_with_fault(suite, name: str, extra: tuple[str, ...], fault, *, nproc: int, hook: str | None = None,
-                    reference: str = "reference") -> dict:  # fmt: skip
+def _run_with_fault(
+    suite,
+    name: str,
+    extra: tuple[str, ...],
+    fault,
+    *,
+    nproc: int,
+    hook: str | None = None,
+    reference: str = "reference",
+) -> dict:
     """Start the case through the launcher, apply ``fault(proc) -> description`` once, wait for the
     launcher to end; the times and what the run directory says."""
     suite.config(name)
@@ -152,12 +163,21 @@ def _run_with_fault(suite, name: str, extra: tuple[str, ...], fault, *, nproc: i
         first_after = time.time()  # (logged in the last poll's interval)
     run = suite.work / name
     detected = _log_times(suite.work / f"{name}.log", t_fault)
-    history = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()] \
-        if (run / "restarts.jsonl").exists() else []  # fmt: skip
-    return {"fault": description, "exit_code": code, "restarts": [(r["cause"], r["restart"]) for r in history],
-            "seconds_to_detection": None if detected is None else round(detected - t_fault, 1),
-            "seconds_to_next_step": None if first_after is None else round(first_after - t_fault, 1),
-            "hang_dirs": sorted(p.name for p in run.glob("hang-*")), "steps_lost": 0, "compare_with": reference}
+    history = (
+        [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+        if (run / "restarts.jsonl").exists()
+        else []
+    )
+    return {
+        "fault": description,
+        "exit_code": code,
+        "restarts": [(r["cause"], r["restart"]) for r in history],
+        "seconds_to_detection": None if detected is None else round(detected - t_fault, 1),
+        "seconds_to_next_step": None if first_after is None else round(first_after - t_fault, 1),
+        "hang_dirs": sorted(p.name for p in run.glob("hang-*")),
+        "steps_lost": 0,
+        "compare_with": reference,
+    }
 
 
 def engine_core(suite, name: str, sig: int) -> dict:
@@ -196,7 +216,9 @@ def reward_hang(suite, name: str) -> dict:
     result = _run_with_fault(suite, name, (), fault, nproc=1, hook="reward_hang")
     step = next((r for r in suite.metrics(name) if r["step"] == FAULT_STEP), {})
     # the timed-out sample's own reward metrics (e.g. reward/malformed) are not counted
-    result.update(reward_timeouts_at_fault_step=step.get("reward/timeouts"), ignore=["reward/timeouts", "reward/malformed"])
+    result.update(
+        reward_timeouts_at_fault_step=step.get("reward/timeouts"), ignore=["reward/timeouts", "reward/malformed"]
+    )
     return result
 
 
@@ -211,7 +233,9 @@ def nan_step(suite, name: str) -> dict:
     result["skipped_steps"] = [r.get("train/skipped_steps") for r in records]
     result["steps_before_identical"] = all(
         all(r.get(k) == reference[r["step"]].get(k) for k in r if not k.startswith(suite.timing))
-        for r in records if r["step"] < FAULT_STEP)  # fmt: skip
+        for r in records
+        if r["step"] < FAULT_STEP
+    )
     result["after_differs_by_design"] = True  # the refused step's update is not applied: later steps differ
     return result
 

@@ -124,8 +124,9 @@ def demo_model_config(overrides: Sequence[str] = ()) -> ModelConfig:
 
 
 def data_config(seed: int, digits: int, ops: Sequence[str]) -> DataConfig:
-    return DataConfig(source="arithmetic", reward="arithmetic", seed=seed, arithmetic_digits=digits,
-                      arithmetic_ops=list(ops))  # fmt: skip
+    return DataConfig(
+        source="arithmetic", reward="arithmetic", seed=seed, arithmetic_digits=digits, arithmetic_ops=list(ops)
+    )
 
 
 class TrainingStream:
@@ -138,9 +139,15 @@ class TrainingStream:
     first line must be the integer alone). Both are drawn per problem index from ``noise_seed``."""
 
     def __init__(
-        self, task: ArithmeticTask, tokenizer: Any, excluded: set[str], *, answer_noise: float = 0.0,
-        restate_fraction: float = 0.0, noise_seed: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        task: ArithmeticTask,
+        tokenizer: Any,
+        excluded: set[str],
+        *,
+        answer_noise: float = 0.0,
+        restate_fraction: float = 0.0,
+        noise_seed: int = 0,
+    ) -> None:
         self.task, self.tokenizer, self.excluded = task, tokenizer, excluded
         self.answer_noise, self.restate_fraction, self.noise_seed = answer_noise, restate_fraction, noise_seed
         self.eos = tokenizer.eos_token_id
@@ -212,10 +219,17 @@ def learning_rate(step: int, steps: int, peak: float) -> float:
 
 
 def train(
-    model: torch.nn.Module, stream: TrainingStream, *, steps: int, batch_size: int, lr: float,
-    validate: Callable[[], float] | None = None, stop_accuracy: float = 0.0, check_every: int = CHECK_EVERY,
+    model: torch.nn.Module,
+    stream: TrainingStream,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    validate: Callable[[], float] | None = None,
+    stop_accuracy: float = 0.0,
+    check_every: int = CHECK_EVERY,
     log: Callable[[str], None] = print,
-) -> tuple[list[float], list[tuple[int, float]]]:  # fmt: skip
+) -> tuple[list[float], list[tuple[int, float]]]:
     """At most ``steps`` AdamW steps on the answer tokens' mean cross-entropy (the learning rate
     schedule spans ``steps``). Every ``check_every`` steps ``validate()`` (with the model in eval
     mode) gives an accuracy; training stops at the first one >= ``stop_accuracy`` (0: never).
@@ -256,9 +270,14 @@ def train(
 
 @torch.no_grad()
 def hf_generate(
-    model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, eos_id: int, max_tokens: int,
-    temperature: float, generator: torch.Generator | None = None,
-) -> list[list[int]]:  # fmt: skip
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    eos_id: int,
+    max_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
     """Each prompt's response ids (up to and including the first eos, at most ``max_tokens``):
     greedy at temperature 0, else sampled from softmax(logits / temperature). Prompts of one
     length run as one batch (no padding)."""
@@ -308,8 +327,13 @@ def evaluation_examples(
 
 
 def greedy_accuracy(model: torch.nn.Module, tokenizer: Any, examples: Sequence[Any]) -> float:
-    responses = hf_generate(model, [e.prompt_ids for e in examples], eos_id=tokenizer.eos_token_id,
-                            max_tokens=EVAL_MAX_TOKENS, temperature=0.0)  # fmt: skip
+    responses = hf_generate(
+        model,
+        [e.prompt_ids for e in examples],
+        eos_id=tokenizer.eos_token_id,
+        max_tokens=EVAL_MAX_TOKENS,
+        temperature=0.0,
+    )
     correct = score(tokenizer, responses, examples)
     return sum(correct) / len(correct)
 
@@ -317,12 +341,19 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: Any, examples: Sequence[A
 def evaluate_hf(model: torch.nn.Module, tokenizer: Any, examples: Sequence[Any]) -> dict[str, Any]:
     prompts = [e.prompt_ids for e in examples]
     eos = tokenizer.eos_token_id
-    greedy = score(tokenizer, hf_generate(model, prompts, eos_id=eos, max_tokens=EVAL_MAX_TOKENS, temperature=0.0),
-                   examples)  # fmt: skip
+    greedy = score(
+        tokenizer, hf_generate(model, prompts, eos_id=eos, max_tokens=EVAL_MAX_TOKENS, temperature=0.0), examples
+    )
     generator = torch.Generator().manual_seed(EVAL_SAMPLING_SEED)
     repeated = [e for e in examples for _ in range(EVAL_SAMPLES)]
-    samples = hf_generate(model, [e.prompt_ids for e in repeated], eos_id=eos, max_tokens=EVAL_MAX_TOKENS,
-                          temperature=1.0, generator=generator)  # fmt: skip
+    samples = hf_generate(
+        model,
+        [e.prompt_ids for e in repeated],
+        eos_id=eos,
+        max_tokens=EVAL_MAX_TOKENS,
+        temperature=1.0,
+        generator=generator,
+    )
     return accuracies(tokenizer, greedy, samples, repeated)
 
 
@@ -331,8 +362,12 @@ def accuracies(tokenizer: Any, greedy: list[bool], samples: list[list[int]], rep
     ``samples`` of the problems ``repeated`` ``EVAL_SAMPLES`` times each."""
     sampled = score(tokenizer, samples, repeated)
     restating = restated(tokenizer, samples, repeated)
-    return {"greedy_accuracy": sum(greedy) / len(greedy), "sampled_accuracy": sum(sampled) / len(sampled),
-            "sampled_restated": sum(restating) / len(restating), "greedy_correct": greedy}  # fmt: skip
+    return {
+        "greedy_accuracy": sum(greedy) / len(greedy),
+        "sampled_accuracy": sum(sampled) / len(sampled),
+        "sampled_restated": sum(restating) / len(restating),
+        "greedy_correct": greedy,
+    }
 
 
 def evaluate_vllm(model_dir: str | Path, tokenizer: Any, examples: Sequence[Any]) -> dict[str, Any]:
@@ -372,10 +407,20 @@ def output_dir_problem(out: Path) -> str | None:
 
 
 def check_arguments(
-    out: Path, *, steps: int, seed: int, digits: int, ops: Sequence[str], model_overrides: Sequence[str],
-    batch_size: int, lr: float, stop_accuracy: float, eval_problems: int, answer_noise: float = 0.0,
+    out: Path,
+    *,
+    steps: int,
+    seed: int,
+    digits: int,
+    ops: Sequence[str],
+    model_overrides: Sequence[str],
+    batch_size: int,
+    lr: float,
+    stop_accuracy: float,
+    eval_problems: int,
+    answer_noise: float = 0.0,
     restate_fraction: float = 0.0,
-) -> tuple[DataConfig, ModelConfig]:  # fmt: skip
+) -> tuple[DataConfig, ModelConfig]:
     """The training data's and the model's configs; ``UsageError`` / ``ConfigError`` name a bad argument."""
     problem = output_dir_problem(out)
     if problem is not None:
@@ -396,22 +441,41 @@ def check_arguments(
 
 
 def make_demo_model(
-    out_dir: str | os.PathLike, *, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED,
-    digits: int = DEFAULT_DIGITS, ops: Sequence[str] = tuple(DEFAULT_OPS), model_overrides: Sequence[str] = (),
-    batch_size: int = DEFAULT_BATCH_SIZE, lr: float = DEFAULT_LR, stop_accuracy: float = DEFAULT_STOP_ACCURACY,
-    eval_problems: int = EVAL_PROBLEMS, answer_noise: float = DEFAULT_ANSWER_NOISE,
-    restate_fraction: float = DEFAULT_RESTATE_FRACTION, verify_vllm: bool = False, log: Callable[[str], None] = print,
-) -> dict[str, Any]:  # fmt: skip
+    out_dir: str | os.PathLike,
+    *,
+    steps: int = DEFAULT_STEPS,
+    seed: int = DEFAULT_SEED,
+    digits: int = DEFAULT_DIGITS,
+    ops: Sequence[str] = tuple(DEFAULT_OPS),
+    model_overrides: Sequence[str] = (),
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    lr: float = DEFAULT_LR,
+    stop_accuracy: float = DEFAULT_STOP_ACCURACY,
+    eval_problems: int = EVAL_PROBLEMS,
+    answer_noise: float = DEFAULT_ANSWER_NOISE,
+    restate_fraction: float = DEFAULT_RESTATE_FRACTION,
+    verify_vllm: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Build, train, measure and write the demo model to ``out_dir``; returns ``demo_model.json``'s content.
 
     Uses the process's torch thread count as it is (the CLI sets ``--threads``).
     """
     out = Path(out_dir)
     data, model_config = check_arguments(
-        out, steps=steps, seed=seed, digits=digits, ops=ops, model_overrides=model_overrides,
-        batch_size=batch_size, lr=lr, stop_accuracy=stop_accuracy, eval_problems=eval_problems,
-        answer_noise=answer_noise, restate_fraction=restate_fraction,
-    )  # fmt: skip
+        out,
+        steps=steps,
+        seed=seed,
+        digits=digits,
+        ops=ops,
+        model_overrides=model_overrides,
+        batch_size=batch_size,
+        lr=lr,
+        stop_accuracy=stop_accuracy,
+        eval_problems=eval_problems,
+        answer_noise=answer_noise,
+        restate_fraction=restate_fraction,
+    )
     start = time.perf_counter()
 
     torch.manual_seed(seed)
@@ -424,33 +488,60 @@ def make_demo_model(
     space = 10 ** (2 * digits) * len(ops)
     held_out = space >= 20 * (eval_problems + VALIDATION_PROBLEMS)
     excluded = {e.meta["problem"] for e in [*examples, *validation]} if held_out else set()
-    stream = TrainingStream(ArithmeticTask(data, tokenizer), tokenizer, excluded, answer_noise=answer_noise,
-                            restate_fraction=restate_fraction, noise_seed=seed)  # fmt: skip
-    log(f"training {model_config.name} ({model_config.num_parameters():,} parameters) for at most {steps} steps "
+    stream = TrainingStream(
+        ArithmeticTask(data, tokenizer),
+        tokenizer,
+        excluded,
+        answer_noise=answer_noise,
+        restate_fraction=restate_fraction,
+        noise_seed=seed,
+    )
+    log(
+        f"training {model_config.name} ({model_config.num_parameters():,} parameters) for at most {steps} steps "
         f"of {batch_size} {digits}-digit {''.join(ops)} problems on {torch.get_num_threads()} threads, until "
-        f"the validation greedy accuracy reaches {stop_accuracy}")  # fmt: skip
+        f"the validation greedy accuracy reaches {stop_accuracy}"
+    )
     losses, checks = train(
-        model, stream, steps=steps, batch_size=batch_size, lr=lr, stop_accuracy=stop_accuracy,
-        validate=(lambda: greedy_accuracy(model, tokenizer, validation)) if stop_accuracy > 0 else None, log=log,
-    )  # fmt: skip
+        model,
+        stream,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        stop_accuracy=stop_accuracy,
+        validate=(lambda: greedy_accuracy(model, tokenizer, validation)) if stop_accuracy > 0 else None,
+        log=log,
+    )
     train_s = time.perf_counter() - start
 
     hf = evaluate_hf(model, tokenizer, examples)
     eval_s = time.perf_counter() - start - train_s
-    log(f"HF: greedy accuracy {hf['greedy_accuracy']:.3f}, sampled (T=1) {hf['sampled_accuracy']:.3f}, "
-        f"samples restating the problem {hf['sampled_restated']:.3f} ({eval_s:.1f} s)")  # fmt: skip
+    log(
+        f"HF: greedy accuracy {hf['greedy_accuracy']:.3f}, sampled (T=1) {hf['sampled_accuracy']:.3f}, "
+        f"samples restating the problem {hf['sampled_restated']:.3f} ({eval_s:.1f} s)"
+    )
     window = max(1, min(50, len(losses) // 4))
     summary: dict[str, Any] = {
         "model": model_config.name,
         "family": model_config.family,
         "num_parameters": model_config.num_parameters(),
         "settings": {
-            "steps": steps, "stop_accuracy": stop_accuracy, "check_every": CHECK_EVERY, "seed": seed,
-            "digits": digits, "ops": list(ops), "answer_noise": answer_noise,
-            "restate_fraction": restate_fraction, "batch_size": batch_size, "lr": lr,
-            "warmup_steps": min(WARMUP_STEPS, max(1, steps // 10)), "min_lr_ratio": MIN_LR_RATIO,
-            "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP, "init_std": INIT_STD,
-            "model_overrides": list(model_overrides), "torch_threads": torch.get_num_threads(),
+            "steps": steps,
+            "stop_accuracy": stop_accuracy,
+            "check_every": CHECK_EVERY,
+            "seed": seed,
+            "digits": digits,
+            "ops": list(ops),
+            "answer_noise": answer_noise,
+            "restate_fraction": restate_fraction,
+            "batch_size": batch_size,
+            "lr": lr,
+            "warmup_steps": min(WARMUP_STEPS, max(1, steps // 10)),
+            "min_lr_ratio": MIN_LR_RATIO,
+            "weight_decay": WEIGHT_DECAY,
+            "grad_clip": GRAD_CLIP,
+            "init_std": INIT_STD,
+            "model_overrides": list(model_overrides),
+            "torch_threads": torch.get_num_threads(),
         },
         "training": {
             "steps_run": len(losses),
@@ -460,17 +551,24 @@ def make_demo_model(
             "loss_last": sum(losses[-window:]) / window,
             "loss_window": window,
             "losses_every_10": [round(x, 5) for x in losses[::10]],
-            "validation": {"data_seed": VALIDATION_DATA_SEED, "problems": VALIDATION_PROBLEMS,
-                           "greedy_accuracy_at_step": [[step, accuracy] for step, accuracy in checks]},
+            "validation": {
+                "data_seed": VALIDATION_DATA_SEED,
+                "problems": VALIDATION_PROBLEMS,
+                "greedy_accuracy_at_step": [[step, accuracy] for step, accuracy in checks],
+            },
             "seconds": round(train_s, 2),
         },
         "evaluation": {
-            "data_seed": EVAL_DATA_SEED, "problems": eval_problems, "held_out": held_out,
-            "samples_per_problem": EVAL_SAMPLES, "max_tokens": EVAL_MAX_TOKENS, "reward": "arithmetic",
+            "data_seed": EVAL_DATA_SEED,
+            "problems": eval_problems,
+            "held_out": held_out,
+            "samples_per_problem": EVAL_SAMPLES,
+            "max_tokens": EVAL_MAX_TOKENS,
+            "reward": "arithmetic",
             "hf": {key: hf[key] for key in ("greedy_accuracy", "sampled_accuracy", "sampled_restated")},
             "seconds": round(eval_s, 2),
         },
-    }  # fmt: skip
+    }
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
@@ -485,10 +583,13 @@ def make_demo_model(
             differ = sum(a != b for a, b in zip(vllm["greedy_correct"], hf["greedy_correct"]))
             summary["evaluation"]["vllm"] = {
                 **{key: vllm[key] for key in ("greedy_accuracy", "sampled_accuracy", "sampled_restated")},
-                "greedy_differs_from_hf": differ, "seconds": round(time.perf_counter() - vllm_start, 2),
-            }  # fmt: skip
-            log(f"vLLM: greedy accuracy {vllm['greedy_accuracy']:.3f}, sampled (T=1) "
-                f"{vllm['sampled_accuracy']:.3f}; greedy correctness differs from HF on {differ} problems")  # fmt: skip
+                "greedy_differs_from_hf": differ,
+                "seconds": round(time.perf_counter() - vllm_start, 2),
+            }
+            log(
+                f"vLLM: greedy accuracy {vllm['greedy_accuracy']:.3f}, sampled (T=1) "
+                f"{vllm['sampled_accuracy']:.3f}; greedy correctness differs from HF on {differ} problems"
+            )
         summary["seconds"] = round(time.perf_counter() - start, 2)
         (tmp / "demo_model.json").write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, out)  # atomic; replaces an empty directory, fails on a non-empty one
@@ -502,18 +603,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="the model directory to write (must not exist or be empty)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="at most this many training steps")
-    parser.add_argument("--stop-accuracy", type=float, default=DEFAULT_STOP_ACCURACY,
-                        help="stop once the validation greedy accuracy reaches this (0: train all steps)")
+    parser.add_argument(
+        "--stop-accuracy",
+        type=float,
+        default=DEFAULT_STOP_ACCURACY,
+        help="stop once the validation greedy accuracy reaches this (0: train all steps)",
+    )
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weights and training data")
     parser.add_argument("--digits", type=int, default=DEFAULT_DIGITS, help="operands have up to this many digits")
     parser.add_argument("--ops", nargs="+", default=DEFAULT_OPS, help="operators, e.g. --ops + - or --ops '+-*'")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak learning rate")
-    parser.add_argument("--answer-noise", type=float, default=DEFAULT_ANSWER_NOISE,
-                        help=f"fraction of training answers off by one (default {DEFAULT_ANSWER_NOISE})")
-    parser.add_argument("--restate-fraction", type=float, default=DEFAULT_RESTATE_FRACTION,
-                        help="fraction of training responses that restate the problem before the answer "
-                        f"(default {DEFAULT_RESTATE_FRACTION})")
+    parser.add_argument(
+        "--answer-noise",
+        type=float,
+        default=DEFAULT_ANSWER_NOISE,
+        help=f"fraction of training answers off by one (default {DEFAULT_ANSWER_NOISE})",
+    )
+    parser.add_argument(
+        "--restate-fraction",
+        type=float,
+        default=DEFAULT_RESTATE_FRACTION,
+        help="fraction of training responses that restate the problem before the answer "
+        f"(default {DEFAULT_RESTATE_FRACTION})",
+    )
     parser.add_argument("--eval-problems", type=int, default=EVAL_PROBLEMS, help="held-out problems measured")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--verify-vllm", action="store_true", help="also measure the model in a VllmEngine")
@@ -524,19 +637,37 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
         check_arguments(
-            Path(args.out_dir), steps=args.steps, seed=args.seed, digits=args.digits, ops=ops,
-            model_overrides=args.overrides, batch_size=args.batch_size, lr=args.lr,
-            stop_accuracy=args.stop_accuracy, eval_problems=args.eval_problems, answer_noise=args.answer_noise,
+            Path(args.out_dir),
+            steps=args.steps,
+            seed=args.seed,
+            digits=args.digits,
+            ops=ops,
+            model_overrides=args.overrides,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            stop_accuracy=args.stop_accuracy,
+            eval_problems=args.eval_problems,
+            answer_noise=args.answer_noise,
             restate_fraction=args.restate_fraction,
-        )  # fmt: skip
+        )
     except ValueError as error:  # UsageError, ConfigError
         parser.error(str(error))
     torch.set_num_threads(args.threads)
     summary = make_demo_model(
-        args.out_dir, steps=args.steps, seed=args.seed, digits=args.digits, ops=ops, model_overrides=args.overrides,
-        batch_size=args.batch_size, lr=args.lr, stop_accuracy=args.stop_accuracy, eval_problems=args.eval_problems,
-        answer_noise=args.answer_noise, restate_fraction=args.restate_fraction, verify_vllm=args.verify_vllm,
-    )  # fmt: skip
+        args.out_dir,
+        steps=args.steps,
+        seed=args.seed,
+        digits=args.digits,
+        ops=ops,
+        model_overrides=args.overrides,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        stop_accuracy=args.stop_accuracy,
+        eval_problems=args.eval_problems,
+        answer_noise=args.answer_noise,
+        restate_fraction=args.restate_fraction,
+        verify_vllm=args.verify_vllm,
+    )
     print(f"wrote {args.out_dir} in {summary['seconds']:.1f} s")
     return 0
 

@@ -57,9 +57,13 @@ def char_tokenizer(vocab_size: int):
     specials = [EOS_TOKEN, UNK_TOKEN] + [t for t in vocab if t.startswith("<|extra_")]
     tokenizer.add_special_tokens(specials)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN, model_max_length=1 << 20,
-    )  # fmt: skip
+        tokenizer_object=tokenizer,
+        bos_token=EOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=1 << 20,
+    )
 
 
 def tiny_hf_model(model: ModelConfig, *, seed: int = 0, std: float = 0.08):

@@ -148,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.train is not None:
             rows, counts = train_rows(args.train)
             write_rows(rows, args.out / f"{TRAIN_NAME}.parquet")
-            print(f"{args.out / TRAIN_NAME}.parquet: {counts['kept']} problems ({counts['rows']} rows, "
-                  f"{counts['problems']} distinct problems, {counts['chinese']} Chinese dropped)")  # fmt: skip
+            print(
+                f"{args.out / TRAIN_NAME}.parquet: {counts['kept']} problems ({counts['rows']} rows, "
+                f"{counts['problems']} distinct problems, {counts['chinese']} Chinese dropped)"
+            )
         for name, path, problem_key, answer_key in args.validation:
             rows = validation_rows(name, path, problem_key, answer_key)
             write_rows(rows, args.out / f"{name}.parquet")

@@ -99,19 +99,16 @@ def convert_row(source: Source, line: int, row: Any) -> dict[str, Any]:
             raise RowError(source.path, line, f"field {field!r} is missing (the row has {sorted(row)})")
     row_id = row["id"]
     if isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or str(row_id).strip() == "":
-        raise RowError(
-            source.path, line, f"field 'id': expected a non-empty string or an int, got {row_id!r}"
-        )
+        raise RowError(source.path, line, f"field 'id': expected a non-empty string or an int, got {row_id!r}")
     question = row["question"]
     if not isinstance(question, str) or not question.strip():
         raise RowError(source.path, line, f"field 'question': expected a non-empty string, got {question!r}")
     answers = row["golden_answers"]
-    if (
-        not isinstance(answers, list) or not answers
-        or not all(isinstance(a, str) and a.strip() for a in answers)
-    ):  # fmt: skip
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
         raise RowError(
-            source.path, line, f"field 'golden_answers': expected a non-empty list of non-empty strings, got {answers!r}"
+            source.path,
+            line,
+            f"field 'golden_answers': expected a non-empty list of non-empty strings, got {answers!r}",
         )
     return {
         "question": normalize_question(question),
@@ -177,9 +174,10 @@ def prepare(sources: list[Source], out: Path, *, limit: int | None = None, seed:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="prepare_search_data.py", description=__doc__.split("\n\n")[0],
+        prog="prepare_search_data.py",
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("sources", nargs="+", metavar="NAME=PATH", help="a FlashRAG JSONL file and its data_source")
     parser.add_argument("--out", required=True, type=Path, help="the JSONL file to write")
     parser.add_argument("--limit", type=int, default=None, help="keep at most N >= 1 rows of each file")

@@ -93,7 +93,6 @@ class LossConfig:
             raise ConfigError("chunk_size", f"must be >= 1 or null, got {self.chunk_size!r}")
 
 
-
 ANCHOR_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
 
 
@@ -126,7 +125,9 @@ class AnchorConfig:
         if self.first_update is not None and self.first_update < 1:
             raise ConfigError("first_update", f"must be >= 1 or null, got {self.first_update!r}")
         if self.fp8 == "te" and self.compute_dtype != "float8_e4m3fn":
-            raise ConfigError("fp8", f"te stores FP8 weights: it needs compute_dtype float8_e4m3fn, got {self.compute_dtype}")
+            raise ConfigError(
+                "fp8", f"te stores FP8 weights: it needs compute_dtype float8_e4m3fn, got {self.compute_dtype}"
+            )
 
 
 DYNAMIC_SAMPLING_METRICS = ("acc", "reward")
@@ -209,5 +210,3 @@ class AlgorithmConfig:
             raise ConfigError("overlong_penalty", f"must be >= 0, got {self.overlong_penalty!r}")
         if not self.behavior_is_cap >= 1:  # also rejects NaN
             raise ConfigError("behavior_is_cap", f"must be >= 1, got {self.behavior_is_cap!r}")
-
-

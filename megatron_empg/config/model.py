@@ -17,9 +17,11 @@ MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
 Family = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 
 _HF_ARCHITECTURE = {
-    "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
-}  # fmt: skip
+}
 # Families whose every layer's MLP is a mixture of experts (``num_experts`` required).
 MOE_FAMILIES = ("qwen3_moe",)
 # What each family's HF implementation hard-codes, as (field, required value).
@@ -98,8 +100,15 @@ class ModelConfig:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
     def validate(self) -> None:
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                     "vocab_size", "max_position_embeddings"):  # fmt: skip
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
         if self.head_dim is not None and self.head_dim <= 0:
@@ -144,19 +153,26 @@ class ModelConfig:
     def _validate_moe(self) -> None:
         if self.family not in MOE_FAMILIES:
             if self.num_experts is not None or self.moe_ffn_hidden_size is not None:
-                raise ConfigError("num_experts", f"family {self.family!r} is dense: leave num_experts and "
-                                  f"moe_ffn_hidden_size null (mixtures of experts: {list(MOE_FAMILIES)})")  # fmt: skip
+                raise ConfigError(
+                    "num_experts",
+                    f"family {self.family!r} is dense: leave num_experts and "
+                    f"moe_ffn_hidden_size null (mixtures of experts: {list(MOE_FAMILIES)})",
+                )
             return
         for name in ("num_experts", "moe_ffn_hidden_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(name, f"family {self.family!r} needs a positive int, got {value!r}")
         if not 1 <= self.moe_router_topk <= self.num_experts:
-            raise ConfigError("moe_router_topk", f"must be in [1, num_experts={self.num_experts}], "
-                              f"got {self.moe_router_topk}")  # fmt: skip
+            raise ConfigError(
+                "moe_router_topk", f"must be in [1, num_experts={self.num_experts}], got {self.moe_router_topk}"
+            )
         if self.moe_router_score_function != "softmax":
-            raise ConfigError("moe_router_score_function", f"family {self.family!r} routes with softmax (its HF "
-                              f"implementation), got {self.moe_router_score_function!r}")  # fmt: skip
+            raise ConfigError(
+                "moe_router_score_function",
+                f"family {self.family!r} routes with softmax (its HF "
+                f"implementation), got {self.moe_router_score_function!r}",
+            )
         if not (math.isfinite(self.moe_aux_loss_coeff) and self.moe_aux_loss_coeff >= 0):
             raise ConfigError("moe_aux_loss_coeff", f"must be a finite number >= 0, got {self.moe_aux_loss_coeff}")
         for name in ("moe_z_loss_coeff", "moe_expert_capacity_factor"):
@@ -249,17 +265,24 @@ class ModelConfig:
             hf.update(use_sliding_window=False)
         if self.is_moe:
             hf.update(
-                num_experts=self.num_experts, num_experts_per_tok=self.moe_router_topk,
-                moe_intermediate_size=self.moe_ffn_hidden_size, norm_topk_prob=self.moe_norm_topk_prob,
-                router_aux_loss_coef=self.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[],
-            )  # fmt: skip
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.moe_router_topk,
+                moe_intermediate_size=self.moe_ffn_hidden_size,
+                norm_topk_prob=self.moe_norm_topk_prob,
+                router_aux_loss_coef=self.moe_aux_loss_coeff,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
         return hf
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> int:
     """Megatron's padded vocabulary: the next multiple of ``make_vocab_size_divisible_by * TP``."""
-    for name, value in (("vocab_size", vocab_size), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
-                        ("tensor_model_parallel_size", tensor_model_parallel_size)):  # fmt: skip
+    for name, value in (
+        ("vocab_size", vocab_size),
+        ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
+        ("tensor_model_parallel_size", tensor_model_parallel_size),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(name, f"must be a positive int, got {value!r}")
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
@@ -313,8 +336,13 @@ class ParallelConfig:
         return self.model_parallel_size * self.context_parallel_size
 
     def validate(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by",
-                     "context_parallel_size", "expert_model_parallel_size"):  # fmt: skip
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "make_vocab_size_divisible_by",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         etp = self.expert_tensor_parallel_size
@@ -382,16 +410,23 @@ class ParallelConfig:
         ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
         if not model.is_moe:
             if ep > 1 or etp not in (None, self.tensor_model_parallel_size):
-                raise ConfigError("expert_model_parallel_size", f"model {model.name!r} has no experts: leave "
-                                  "expert_model_parallel_size 1 and expert_tensor_parallel_size null")  # fmt: skip
+                raise ConfigError(
+                    "expert_model_parallel_size",
+                    f"model {model.name!r} has no experts: leave "
+                    "expert_model_parallel_size 1 and expert_tensor_parallel_size null",
+                )
             return
         if model.num_experts % ep:
-            raise ConfigError("expert_model_parallel_size", f"expert_model_parallel_size={ep} does not divide "
-                              f"model.num_experts={model.num_experts}")  # fmt: skip
+            raise ConfigError(
+                "expert_model_parallel_size",
+                f"expert_model_parallel_size={ep} does not divide model.num_experts={model.num_experts}",
+            )
         if model.moe_ffn_hidden_size % self.expert_tp_size:
-            raise ConfigError("expert_tensor_parallel_size", f"expert_tensor_parallel_size={self.expert_tp_size} "
-                              f"does not divide model.moe_ffn_hidden_size={model.moe_ffn_hidden_size}")  # fmt: skip
-
+            raise ConfigError(
+                "expert_tensor_parallel_size",
+                f"expert_tensor_parallel_size={self.expert_tp_size} "
+                f"does not divide model.moe_ffn_hidden_size={model.moe_ffn_hidden_size}",
+            )
 
 
 def model_config_path(name: str) -> Path:

@@ -73,7 +73,9 @@ class SearchAgentConfig:
 
     def validate(self) -> None:
         if not self.retriever_url.startswith(("http://", "https://")):
-            raise ConfigError("retriever_url", f"expected an http(s) URL such as http://127.0.0.1:8000, got {self.retriever_url!r}")
+            raise ConfigError(
+                "retriever_url", f"expected an http(s) URL such as http://127.0.0.1:8000, got {self.retriever_url!r}"
+            )
         if self.topk < 1:
             raise ConfigError("topk", f"must be >= 1, got {self.topk!r}")
         if self.max_turns < 0:
@@ -170,40 +172,59 @@ class RolloutConfig:
         if self.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(
-                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_gib < 1:
             raise ConfigError("kv_cache_gib", f"must be >= 1 (whole GiB), got {self.kv_cache_gib!r}")
         if isinstance(self.engines, int) and self.engines < 1:
             raise ConfigError("engines", f"must be per_replica, single or an int >= 1, got {self.engines!r}")
         if self.disaggregated:
             if self.engine_ranks < 1:
-                raise ConfigError("engine_ranks", f"must be >= 1 with placement disaggregated, got {self.engine_ranks!r}")
+                raise ConfigError(
+                    "engine_ranks", f"must be >= 1 with placement disaggregated, got {self.engine_ranks!r}"
+                )
             if self.engine_ranks % self.tensor_parallel_size:
-                raise ConfigError("engine_ranks", f"{self.engine_ranks} must be a multiple of tensor_parallel_size="
-                                  f"{self.tensor_parallel_size} (each engine runs on that many engine ranks)")  # fmt: skip
+                raise ConfigError(
+                    "engine_ranks",
+                    f"{self.engine_ranks} must be a multiple of tensor_parallel_size="
+                    f"{self.tensor_parallel_size} (each engine runs on that many engine ranks)",
+                )
             if self.engines != "per_replica":
-                raise ConfigError("engines", f"is for placement colocated; disaggregated engines are engine_ranks / "
-                                  f"tensor_parallel_size (leave engines at per_replica), got {self.engines!r}")  # fmt: skip
+                raise ConfigError(
+                    "engines",
+                    f"is for placement colocated; disaggregated engines are engine_ranks / "
+                    f"tensor_parallel_size (leave engines at per_replica), got {self.engines!r}",
+                )
         elif self.engine_ranks:
-            raise ConfigError("engine_ranks", f"needs placement disaggregated (colocated engines use training ranks), "
-                              f"got {self.engine_ranks!r}")  # fmt: skip
+            raise ConfigError(
+                "engine_ranks",
+                f"needs placement disaggregated (colocated engines use training ranks), got {self.engine_ranks!r}",
+            )
         if self.engine_restarts < 0:
             raise ConfigError("engine_restarts", f"must be >= 0, got {self.engine_restarts!r}")
         if self.max_staleness < 0:
-            raise ConfigError("max_staleness", f"must be >= 0 (0: every step drawn by the weights it starts from), "
-                              f"got {self.max_staleness!r}")  # fmt: skip
+            raise ConfigError(
+                "max_staleness",
+                f"must be >= 0 (0: every step drawn by the weights it starts from), got {self.max_staleness!r}",
+            )
         if self.max_staleness > 0 and not self.disaggregated:
-            raise ConfigError("max_staleness", f"{self.max_staleness} needs placement disaggregated: colocated engines "
-                              "draw on the training ranks between steps (and sleep while they train), so they cannot "
-                              "run ahead of the trainer")  # fmt: skip
+            raise ConfigError(
+                "max_staleness",
+                f"{self.max_staleness} needs placement disaggregated: colocated engines "
+                "draw on the training ranks between steps (and sleep while they train), so they cannot "
+                "run ahead of the trainer",
+            )
         if self.partial and self.max_staleness < 1:
-            raise ConfigError("partial", "true needs max_staleness >= 1 (and placement disaggregated): at 0 no weights "
-                              "are pushed while a rollout is drawn")  # fmt: skip
+            raise ConfigError(
+                "partial",
+                "true needs max_staleness >= 1 (and placement disaggregated): at 0 no weights "
+                "are pushed while a rollout is drawn",
+            )
         if self.partial and self.search_agent is not None:
-            raise ConfigError("partial", "true is not built for the search agent (an episode's turns would need "
-                              "per-turn versions); set rollout.partial=false")  # fmt: skip
+            raise ConfigError(
+                "partial",
+                "true is not built for the search agent (an episode's turns would need "
+                "per-turn versions); set rollout.partial=false",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,5 +258,3 @@ class WeightSyncConfig:
             raise ConfigError("probe_length", f"must be >= 2, got {self.probe_length!r}")
         if self.probe_continuation < 0:
             raise ConfigError("probe_continuation", f"must be >= 0, got {self.probe_continuation!r}")
-
-

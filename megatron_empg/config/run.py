@@ -126,7 +126,6 @@ class DataConfig:
             )
 
 
-
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The loop: ``steps`` RL steps of ``prompts_per_step`` prompts (x ``rollout.sampling.n``
@@ -425,8 +424,7 @@ class RunConfig:
         if self.tokenizer is None and self.checkpoint.init_from is None and self.checkpoint.continue_from is None:
             raise ConfigError(
                 "tokenizer",
-                "needed when checkpoint.init_from and checkpoint.continue_from are null "
-                "(the engine needs a tokenizer)",
+                "needed when checkpoint.init_from and checkpoint.continue_from are null (the engine needs a tokenizer)",
             )
         if not self.rollout.in_process and self.weight_sync.transport == "in_process":
             raise ConfigError(
@@ -439,5 +437,3 @@ class RunConfig:
                 "validation.interval",
                 f"must be a multiple of logging.interval={self.logging.interval}, got {self.validation.interval}",
             )
-
-

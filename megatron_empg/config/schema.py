@@ -19,7 +19,6 @@ import yaml
 T = TypeVar("T")
 
 
-
 class ConfigError(ValueError):
     """A configuration value is wrong. ``field`` is its dotted path ('' for the whole config)."""
 
@@ -195,7 +194,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
         key_type, value_type = args if args else (Any, Any)
         return {
-            _coerce(key_type, k, join_path(path, k)): _coerce(value_type, v, join_path(path, k)) for k, v in value.items()
+            _coerce(key_type, k, join_path(path, k)): _coerce(value_type, v, join_path(path, k))
+            for k, v in value.items()
         }
     raise TypeError(f"{path}: field type {tp!r} is not supported by megatron_empg.config")
 
@@ -364,4 +364,3 @@ def load_config(cls: type[T], path_or_dict: str | os.PathLike | Mapping, overrid
     """Read a YAML file (or take a dict), apply the dotted overrides, build and validate ``cls``."""
     data = path_or_dict if isinstance(path_or_dict, Mapping) else read_yaml(path_or_dict)
     return from_dict(cls, apply_overrides(data, overrides, cls=cls))
-

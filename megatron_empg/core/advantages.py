@@ -74,9 +74,7 @@ def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], Ad
 def advantage_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered under ``name``; ValueError listing the valid names otherwise."""
     if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; valid names: {sorted(ADVANTAGE_ESTIMATORS)}"
-        )
+        raise ValueError(f"unknown advantage estimator {name!r}; valid names: {sorted(ADVANTAGE_ESTIMATORS)}")
     return ADVANTAGE_ESTIMATORS[name]
 
 
@@ -89,19 +87,14 @@ def _work_dtype(rewards: Tensor) -> torch.dtype:
     return torch.promote_types(rewards.dtype, torch.float32)
 
 
-def _check_inputs(
-    rewards: Tensor, group_ids: Tensor | None, validate: bool, eps: float = ADVANTAGE_EPS
-) -> None:
+def _check_inputs(rewards: Tensor, group_ids: Tensor | None, validate: bool, eps: float = ADVANTAGE_EPS) -> None:
     if not rewards.is_floating_point() or rewards.dim() != 1:
         raise ValueError(
-            f"rewards must be a 1-D float tensor [B], got shape {tuple(rewards.shape)} "
-            f"and dtype {rewards.dtype}"
+            f"rewards must be a 1-D float tensor [B], got shape {tuple(rewards.shape)} and dtype {rewards.dtype}"
         )
     if group_ids is not None:
         if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
-            raise ValueError(
-                f"group_ids must be an integer tensor [B], got dtype {group_ids.dtype}"
-            )
+            raise ValueError(f"group_ids must be an integer tensor [B], got dtype {group_ids.dtype}")
         check_same_shape(rewards=rewards, group_ids=group_ids)
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps={eps!r} must be a finite number >= 0")
@@ -111,9 +104,7 @@ def _check_inputs(
 
 def _check_token_counts(token_counts: Tensor, rewards: Tensor, validate: bool) -> None:
     if token_counts.is_floating_point() or token_counts.dtype == torch.bool:
-        raise ValueError(
-            f"token_counts must be an integer tensor [B], got dtype {token_counts.dtype}"
-        )
+        raise ValueError(f"token_counts must be an integer tensor [B], got dtype {token_counts.dtype}")
     check_same_shape(rewards=rewards, token_counts=token_counts)
     if validate:
         ok = torch.stack([(token_counts >= 0).all(), token_counts.sum() >= 2]).tolist()  # one sync
@@ -275,9 +266,7 @@ def rloo(rewards: Tensor, group_ids: Tensor, *, validate: bool = True) -> Tensor
 
 
 @register_advantage_estimator("rpg_batchmean")
-def rpg_batchmean(
-    rewards: Tensor, group_ids: Tensor | None = None, *, validate: bool = True
-) -> Tensor:
+def rpg_batchmean(rewards: Tensor, group_ids: Tensor | None = None, *, validate: bool = True) -> Tensor:
     """``R_i - mean_batch R`` (RPG's ``rpg_batchmean``, arXiv:2505.17508). Sums to 0 over the batch.
 
     Args:
@@ -368,9 +357,7 @@ def reinforce_pp_baseline(
     Returns:
         [B] advantages, float32 (float64 for float64 rewards).
     """
-    return reinforce_pp(
-        rewards, group_ids, baseline=True, token_counts=token_counts, eps=eps, validate=validate
-    )
+    return reinforce_pp(rewards, group_ids, baseline=True, token_counts=token_counts, eps=eps, validate=validate)
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,8 +376,7 @@ def token_advantages(advantages: Tensor, loss_mask: Tensor) -> Tensor:
     """
     if loss_mask.dtype != torch.bool or loss_mask.dim() != 2:
         raise ValueError(
-            f"loss_mask must be a [B, S] bool tensor, got shape {tuple(loss_mask.shape)} "
-            f"and dtype {loss_mask.dtype}"
+            f"loss_mask must be a [B, S] bool tensor, got shape {tuple(loss_mask.shape)} and dtype {loss_mask.dtype}"
         )
     if advantages.dim() != 1 or advantages.shape[0] != loss_mask.shape[0]:
         raise ValueError(

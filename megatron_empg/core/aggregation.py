@@ -45,8 +45,15 @@ def masked_values(values: Tensor, loss_mask: Tensor) -> Tensor:
     return torch.where(loss_mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-def aggregate(values: Tensor, loss_mask: Tensor, mode: str = "token-mean", seq_ids: Tensor | None = None, *,
-              sequence_tokens: Tensor | None = None, counts_sequences: bool = True) -> LossSum:  # fmt: skip
+def aggregate(
+    values: Tensor,
+    loss_mask: Tensor,
+    mode: str = "token-mean",
+    seq_ids: Tensor | None = None,
+    *,
+    sequence_tokens: Tensor | None = None,
+    counts_sequences: bool = True,
+) -> LossSum:
     """Reduce per-token values to a ``LossSum`` under one of ``AGG_MODES``.
 
     Args:

@@ -26,8 +26,7 @@ def check_same_shape(**tensors: Tensor | None) -> None:
     for name, t in items[1:]:
         if t.shape != first.shape:
             raise ValueError(
-                f"{name} has shape {tuple(t.shape)} but {first_name} has shape {tuple(first.shape)}; "
-                "they must match"
+                f"{name} has shape {tuple(t.shape)} but {first_name} has shape {tuple(first.shape)}; they must match"
             )
 
 

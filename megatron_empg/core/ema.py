@@ -31,10 +31,7 @@ from megatron_empg.core.checks import check_finite
 
 def _check_tau(name: str, tau: float) -> None:
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
-        raise ValueError(
-            f"{name}={tau!r} must be a number in [0, 1] (1 keeps a fixed reference, 0 copies "
-            "the policy)"
-        )
+        raise ValueError(f"{name}={tau!r} must be a number in [0, 1] (1 keeps a fixed reference, 0 copies the policy)")
 
 
 def ema_update_(
@@ -102,8 +99,7 @@ def _check_pairs(anchors: list[Tensor], policies: list[Tensor]) -> None:
             raise ValueError(f"policy[{i}] has dtype {p.dtype}; it must be a floating-point tensor")
         if p.shape != a.shape:
             raise ValueError(
-                f"policy[{i}] has shape {tuple(p.shape)} but anchor[{i}] has shape "
-                f"{tuple(a.shape)}; they must match"
+                f"policy[{i}] has shape {tuple(p.shape)} but anchor[{i}] has shape {tuple(a.shape)}; they must match"
             )
         if p.device != a.device:
             raise ValueError(f"policy[{i}] is on {p.device} but anchor[{i}] is on {a.device}")

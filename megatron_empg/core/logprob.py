@@ -32,9 +32,7 @@ def _check_logits_ids(logits: Tensor, ids: Tensor) -> None:
     if ids.dtype != torch.int64:
         raise ValueError(f"ids must be int64, got {ids.dtype}")
     if logits.shape[:-1] != ids.shape[:-1]:
-        raise ValueError(
-            f"ids has leading shape {tuple(ids.shape[:-1])} but logits has {tuple(logits.shape[:-1])}"
-        )
+        raise ValueError(f"ids has leading shape {tuple(ids.shape[:-1])} but logits has {tuple(logits.shape[:-1])}")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

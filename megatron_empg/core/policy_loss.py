@@ -47,9 +47,7 @@ def importance_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
     return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
 
-def check_clip_range(
-    clip_eps_low: float, clip_eps_high: float | None, clip_c: float | None
-) -> tuple[float, float]:
+def check_clip_range(clip_eps_low: float, clip_eps_high: float | None, clip_c: float | None) -> tuple[float, float]:
     """Validate the clip constants; return (clip_eps_low, clip_eps_high) with None resolved.
 
     Raises:

@@ -76,9 +76,7 @@ DIVERGENCES: dict[str, Divergence] = {
     "fkl": Divergence(lambda lw: -lw, torch.ones_like, False, False),
     "rkl": Divergence(lambda lw: lw.exp() * lw, lambda lw: -lw.exp() * (lw + 1), False, True),
     "ufkl": Divergence(lambda lw: torch.expm1(lw) - lw, lambda lw: -torch.expm1(lw), True, True),
-    "urkl": Divergence(
-        lambda lw: lw.exp() * lw - torch.expm1(lw), lambda lw: -lw.exp() * lw, True, True
-    ),
+    "urkl": Divergence(lambda lw: lw.exp() * lw - torch.expm1(lw), lambda lw: -lw.exp() * lw, True, True),
     "ujs": Divergence(
         lambda lw: 0.5 * (lw.exp() * lw - lw),
         lambda lw: -0.5 * (lw.exp() * lw + torch.expm1(lw)),
@@ -153,9 +151,14 @@ def rpg_loss(
         ``PolicyLoss`` with values [*] and metrics ``ratio`` and ``kl`` (= Z d(w)) [*].
     """
     spec = _check_rpg_inputs(
-        divergence, kl_coef, z_old, validate,
-        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
-    )  # fmt: skip
+        divergence,
+        kl_coef,
+        z_old,
+        validate,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+    )
     log_w = _log_ratio(logprobs, old_logprobs.detach())  # [*]
     kl = z_old * spec.value(log_w)  # [*]
     values = -z_old * advantages * log_w.exp() + kl_coef * kl  # [*]
@@ -179,9 +182,14 @@ def rpg_reinforce_loss(
     Arguments and metrics as ``rpg_loss``.
     """
     spec = _check_rpg_inputs(
-        divergence, kl_coef, z_old, validate,
-        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
-    )  # fmt: skip
+        divergence,
+        kl_coef,
+        z_old,
+        validate,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+    )
     log_w = _log_ratio(logprobs.detach(), old_logprobs)  # [*], no grad
     psi = z_old * (advantages.detach() * log_w.exp() + kl_coef * spec.kl_weight(log_w))  # [*]
     values = -psi * logprobs  # [*]
@@ -229,9 +237,14 @@ def rpg_reinforce_clip_loss(
         M = 0 by reason), ``ratio``, ``kl`` [*].
     """
     spec = _check_rpg_inputs(
-        divergence, kl_coef, z_old, validate,
-        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
-    )  # fmt: skip
+        divergence,
+        kl_coef,
+        z_old,
+        validate,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+    )
     clip_eps_low, clip_eps_high = check_clip_range(clip_eps_low, clip_eps_high, clip_c)
     check_choice("branch_on", branch_on, BRANCH_ON)
     log_w = _log_ratio(logprobs.detach(), old_logprobs)  # [*], no grad
@@ -276,9 +289,14 @@ def rpg_reinforce_hard_clip_loss(
         (w > 1 + eps_high), ``ratio``, ``kl`` [*].
     """
     spec = _check_rpg_inputs(
-        divergence, kl_coef, z_old, validate,
-        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
-    )  # fmt: skip
+        divergence,
+        kl_coef,
+        z_old,
+        validate,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+    )
     clip_eps_low, clip_eps_high = check_clip_range(clip_eps_low, clip_eps_high, None)
     log_w = _log_ratio(logprobs.detach(), old_logprobs)  # [*], no grad
     log_w_bar = log_w.clamp(math.log1p(-clip_eps_low), math.log1p(clip_eps_high))  # [*]
@@ -319,15 +337,25 @@ def rpg_dual_clip_loss(
         ``PolicyLoss``; metrics of ``ppo_clip_loss`` plus ``kl`` [*].
     """
     spec = _check_rpg_inputs(
-        divergence, kl_coef, z_old, validate,
-        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
-    )  # fmt: skip
+        divergence,
+        kl_coef,
+        z_old,
+        validate,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+    )
     log_w = _log_ratio(logprobs.detach(), old_logprobs)  # [*], no grad
     reg_advantages = advantages.detach() + kl_coef * spec.kl_weight(log_w) / log_w.exp()  # [*]
     ppo = ppo_clip_loss(
-        logprobs, old_logprobs, reg_advantages,
-        clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, clip_c=clip_c, validate=False,
-    )  # fmt: skip
+        logprobs,
+        old_logprobs,
+        reg_advantages,
+        clip_eps_low=clip_eps_low,
+        clip_eps_high=clip_eps_high,
+        clip_c=clip_c,
+        validate=False,
+    )
     metrics = {**ppo.metrics, "kl": (z_old * spec.value(log_w)).detach()}
     return PolicyLoss(z_old * ppo.values, metrics)
 
@@ -359,9 +387,7 @@ def rpg_kl_penalty(
     Returns:
         [*] per-token penalty values.
     """
-    spec = _check_rpg_inputs(
-        divergence, 0.0, 1.0, validate, logprobs=logprobs, anchor_logprobs=anchor_logprobs
-    )
+    spec = _check_rpg_inputs(divergence, 0.0, 1.0, validate, logprobs=logprobs, anchor_logprobs=anchor_logprobs)
     values = spec.value(_log_ratio(logprobs, anchor_logprobs.detach()))  # [*]
     if max_abs_value is not None and spec.value_clamped:
         values = values.clamp(-max_abs_value, max_abs_value)

@@ -73,8 +73,10 @@ class GradNormGuard:
         if reason == SkipReason.NON_FINITE_GRAD_NORM:
             return f"non-finite gradient norm ({grad_norm})"
         if reason == SkipReason.GRAD_NORM_SPIKE:
-            return (f"gradient norm {grad_norm:.4g} > {threshold:.4g} (train.skip_grad_norm_factor={self.factor:g} "
-                    f"x the median of the last applied steps' norms)")  # fmt: skip
+            return (
+                f"gradient norm {grad_norm:.4g} > {threshold:.4g} (train.skip_grad_norm_factor={self.factor:g} "
+                f"x the median of the last applied steps' norms)"
+            )
         raise ValueError(f"describe: {reason!r} is not a reason to refuse a step")
 
     def record(self, grad_norm: float) -> None:

@@ -105,9 +105,12 @@ def topk_kl_from_logprobs(
     check_choice("tail_grad", tail_grad, TAIL_GRADS)
     check_same_shape(head_logprobs=head_logprobs, head_anchor_logprobs=head_anchor_logprobs)
     check_same_shape(
-        logprobs=logprobs, anchor_logprobs=anchor_logprobs, in_head=in_head, old_logprobs=old_logprobs,
+        logprobs=logprobs,
+        anchor_logprobs=anchor_logprobs,
+        in_head=in_head,
+        old_logprobs=old_logprobs,
         tail_weights=tail_weights,
-    )  # fmt: skip
+    )
     check_bool("in_head", in_head)
     if head_logprobs.shape[:-1] != logprobs.shape:
         raise ValueError(

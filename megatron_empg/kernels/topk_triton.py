@@ -136,8 +136,9 @@ def topk(
     """
     num_tokens, width = logits.shape
     if logits.dtype not in KERNEL_DTYPES or (width > 1 and logits.stride(1) != 1):
-        raise ValueError(f"logits must be {KERNEL_DTYPES} with unit column stride, got {logits.dtype} "
-                         f"strides {logits.stride()}")  # fmt: skip
+        raise ValueError(
+            f"logits must be {KERNEL_DTYPES} with unit column stride, got {logits.dtype} strides {logits.stride()}"
+        )
     if not 0 <= n_valid <= min(width, 2**31 - 1):
         raise ValueError(f"n_valid={n_valid} must be in [0, V_local={width}]")
     if not 1 <= k <= min(n_valid, MAX_K):
@@ -149,7 +150,15 @@ def topk(
     block, warps = launch_config(width)
     with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
         _topk_kernel[(num_tokens,)](
-            logits, logits.stride(0), width, n_valid, k, values, ids,
-            BLOCK=block_size or block, K_PAD=max(16, triton.next_power_of_2(k)), num_warps=num_warps or warps,
-        )  # fmt: skip
+            logits,
+            logits.stride(0),
+            width,
+            n_valid,
+            k,
+            values,
+            ids,
+            BLOCK=block_size or block,
+            K_PAD=max(16, triton.next_power_of_2(k)),
+            num_warps=num_warps or warps,
+        )
     return values, ids

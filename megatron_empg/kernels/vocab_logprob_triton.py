@@ -189,8 +189,9 @@ def _config(logits: Tensor, block_size: int | None, num_warps: int | None, *, fo
 
 def _check(logits: Tensor, cols: Tensor) -> None:
     if logits.dtype not in KERNEL_DTYPES or (logits.shape[1] > 1 and logits.stride(1) != 1):
-        raise ValueError(f"logits must be {KERNEL_DTYPES} with unit column stride, got {logits.dtype} "
-                         f"strides {logits.stride()}")
+        raise ValueError(
+            f"logits must be {KERNEL_DTYPES} with unit column stride, got {logits.dtype} strides {logits.stride()}"
+        )
     if cols.dtype != torch.int64 or cols.shape[0] != logits.shape[0] or not cols.is_contiguous():
         raise ValueError(f"cols must be contiguous int64 [T, M], got {cols.dtype} {tuple(cols.shape)}")
 
@@ -227,10 +228,19 @@ def local_stats(
     block, warps = _config(logits, block_size, num_warps, forward=True)
     with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
         _local_stats_kernel[(num_tokens,)](
-            logits, logits.stride(0), logits.shape[1], n_valid, cols, num_ids, out, out.stride(0),
-            WITH_ENTROPY=with_entropy, BLOCK=block, BLOCK_M=triton.next_power_of_2(max(num_ids, 1)),
+            logits,
+            logits.stride(0),
+            logits.shape[1],
+            n_valid,
+            cols,
+            num_ids,
+            out,
+            out.stride(0),
+            WITH_ENTROPY=with_entropy,
+            BLOCK=block,
+            BLOCK_M=triton.next_power_of_2(max(num_ids, 1)),
             num_warps=warps,
-        )  # fmt: skip
+        )
     return out
 
 
@@ -280,9 +290,23 @@ def logsoftmax_backward(
 
     with torch.cuda.device(logits.device) if logits.is_cuda else nullcontext():
         _logsoftmax_backward_kernel[(num_tokens,)](
-            logits, logits.stride(0), grad, grad.stride(0), width, n_valid, lse,
-            f32(grad_total), f32(entropy), f32(grad_entropy), cols, f32(grad_ids), cols.shape[1],
-            HAS_IDS_GRAD=grad_ids is not None, HAS_ENTROPY_GRAD=grad_entropy is not None, BLOCK=block,
-            BLOCK_M=triton.next_power_of_2(max(cols.shape[1], 1)), num_warps=warps,
-        )  # fmt: skip
+            logits,
+            logits.stride(0),
+            grad,
+            grad.stride(0),
+            width,
+            n_valid,
+            lse,
+            f32(grad_total),
+            f32(entropy),
+            f32(grad_entropy),
+            cols,
+            f32(grad_ids),
+            cols.shape[1],
+            HAS_IDS_GRAD=grad_ids is not None,
+            HAS_ENTROPY_GRAD=grad_entropy is not None,
+            BLOCK=block,
+            BLOCK_M=triton.next_power_of_2(max(cols.shape[1], 1)),
+            num_warps=warps,
+        )
     return grad

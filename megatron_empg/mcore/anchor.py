@@ -402,9 +402,15 @@ class EmaAnchor:
                 return build_gpt_model(model_cfg, parallel, params_dtype=params_dtype, **kwargs)
 
         return cls(
-            policy_models, optimizer, build, tau=tau, period=period, first_update=first_update,
-            compute_dtype=compute_dtype, master_on_cpu=master_on_cpu,
-        )  # fmt: skip
+            policy_models,
+            optimizer,
+            build,
+            tau=tau,
+            period=period,
+            first_update=first_update,
+            compute_dtype=compute_dtype,
+            master_on_cpu=master_on_cpu,
+        )
 
     def _build_layout(self, policy_models: list, mains: dict) -> None:
         """Pair anchor and policy parameters by name; with the distributed optimizer, give the
@@ -429,8 +435,10 @@ class EmaAnchor:
                 # a mixture of experts: the experts' buffers are sharded over the expert-DP group
                 for buffer in getattr(ddp, "expert_parallel_buffers", []):
                     if self.mode == "te":
-                        raise NotImplementedError("Transformer Engine FP8 anchor parameters with expert-parallel "
-                                                  "DDP buffers (the FP8 re-quantization is over one DP group)")  # fmt: skip
+                        raise NotImplementedError(
+                            "Transformer Engine FP8 anchor parameters with expert-parallel "
+                            "DDP buffers (the FP8 re-quantization is over one DP group)"
+                        )
                     placed.update(self._mirror_buffer(buffer, name_of, anchor_params))
             for name, policy_param in policy_params.items():
                 ap = anchor_params[name]
@@ -447,9 +455,13 @@ class EmaAnchor:
                 buffer, offset = placed.get(name, (None, None))
                 self._params.append(
                     _Param(
-                        key=f"{c}.{name}", param=ap, buffer=buffer, offset=offset,
-                        te_fp8=fp8_utils.is_float8tensor(ap), policy=policy_param,
-                    )  # fmt: skip
+                        key=f"{c}.{name}",
+                        param=ap,
+                        buffer=buffer,
+                        offset=offset,
+                        te_fp8=fp8_utils.is_float8tensor(ap),
+                        policy=policy_param,
+                    )
                 )
 
     def _mirror_buffer(self, buffer, name_of: dict, anchor_params: dict) -> dict[str, tuple[int, int]]:
@@ -496,7 +508,7 @@ class EmaAnchor:
         return placed
 
     def _pick_mode(self) -> str:
-        """"plain" (bf16/fp16/fp32 weights), "te" (Transformer Engine FP8 parameters) or "emulated"."""
+        """ "plain" (bf16/fp16/fp32 weights), "te" (Transformer Engine FP8 parameters) or "emulated"."""
         params = [(n, p) for model in self.models for n, p in model.named_parameters()]
         te = any(fp8_utils.is_float8tensor(p) for _, p in params)
         if self.compute_dtype != torch.float8_e4m3fn:

@@ -65,8 +65,9 @@ class UnfusedAttention(DotProductAttention):
     """Megatron's local ``DotProductAttention``, which also takes packed rows (one call per length
     bucket of ``ThdLayout.buckets``, under the causal mask)."""
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):  # fmt: skip
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         _check_causal(attn_mask_type or self.attn_mask_type, attention_bias)
@@ -85,9 +86,17 @@ class SdpaAttention(MegatronModule):
     ``DotProductAttention``'s arguments; ``attention_mask`` is not read (padded rows are causal,
     see the module docstring), so that no mask is built or copied per layer."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         unsupported = {
             "attention_dropout": (config.attention_dropout if attention_dropout is None else attention_dropout) != 0,
@@ -115,18 +124,22 @@ class SdpaAttention(MegatronModule):
         # scores back before the softmax: the same attention, so it does not enter here.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):  # fmt: skip
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         _check_causal(attn_mask_type or self.attn_mask_type, attention_bias)
         # varlen_attn runs the flash kernel, which takes fp16 / bf16 only: fp32 rows go through SDPA
         varlen = varlen_attention() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
         if self.cp_group is not None:
             if packed_seq_params is None:
-                raise ValueError(f"SdpaAttention under context parallelism (context_parallel_size="
-                                 f"{self.cp_group.size()}) takes packed THD rows split over the CP ranks "
-                                 "(parallel.context_parallel.split_microbatch); got padded rows")  # fmt: skip
-            return context_parallel_attention(query, key, value, _thd_layout(packed_seq_params), self.cp_group,
-                                              self.softmax_scale, varlen)  # fmt: skip
+                raise ValueError(
+                    f"SdpaAttention under context parallelism (context_parallel_size="
+                    f"{self.cp_group.size()}) takes packed THD rows split over the CP ranks "
+                    "(parallel.context_parallel.split_microbatch); got padded rows"
+                )
+            return context_parallel_attention(
+                query, key, value, _thd_layout(packed_seq_params), self.cp_group, self.softmax_scale, varlen
+            )
         if packed_seq_params is not None:
             layout = _thd_layout(packed_seq_params)
             if varlen is not None:
@@ -135,8 +148,9 @@ class SdpaAttention(MegatronModule):
         s, b = query.shape[:2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, dim]
         with _sdpa_priority(query):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                 enable_gqa=self.groups != self.heads)  # fmt: skip
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=self.groups != self.heads
+            )
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _buckets(self, query: Tensor, key: Tensor, value: Tensor, layout: ThdLayout) -> Tensor:
@@ -145,8 +159,9 @@ class SdpaAttention(MegatronModule):
         for bucket in layout.buckets():
             q, k, v = (bucket.unpack(x).transpose(1, 2) for x in (query, key, value))  # [n, heads, L, dim]
             with _sdpa_priority(query):
-                context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                         enable_gqa=self.groups != self.heads)  # fmt: skip
+                context = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=self.groups != self.heads
+                )
             bucket.pack_(out, context.transpose(1, 2))
         return out
 
@@ -178,16 +193,27 @@ class _Varlen:
         self.takes_gqa = "enable_gqa" in parameters
 
     def describe(self) -> str:
-        return f"varlen_attn({', '.join(self.causal)}{', scale' if self.takes_scale else ''}" \
-               f"{', enable_gqa' if self.takes_gqa else ''})"  # fmt: skip
+        return (
+            f"varlen_attn({', '.join(self.causal)}{', scale' if self.takes_scale else ''}"
+            f"{', enable_gqa' if self.takes_gqa else ''})"
+        )
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, layout: ThdLayout, scale: float) -> Tensor:
         """[t, heads, dim], [t, groups, dim] x 2 -> [t, heads * dim]."""
         cu, longest = layout.cu_seqlens_q, layout.max_seqlen_q
         return self.segments(query, key, value, cu, cu, longest, longest, scale)
 
-    def segments(self, query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                 max_seqlen_q: int, max_seqlen_k: int, scale: float) -> Tensor:  # fmt: skip
+    def segments(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        scale: float,
+    ) -> Tensor:
         """Query segment i ([t_q, heads, dim] at ``cu_seqlens_q``) attends causally to key / value
         segment i ([t_k, groups, dim] at ``cu_seqlens_k``, int32) -> [t_q, heads * dim]. Where a
         key segment is longer, the causal mask is the kernel's (flash: aligned to the bottom right)."""
@@ -229,10 +255,14 @@ def _varlen_native_gqa() -> bool:
         out = varlen.fn(q, k, v, cu, cu, 9, 9, **varlen.causal)
     except (RuntimeError, ValueError):
         return False
-    ref = torch.cat([
-        F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, enable_gqa=True)
-        .transpose(0, 1) for a, b in ((0, 7), (7, 16))
-    ])  # fmt: skip
+    ref = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, enable_gqa=True
+            ).transpose(0, 1)
+            for a, b in ((0, 7), (7, 16))
+        ]
+    )
     native = bool(torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=0))
     log.info("varlen_attn %s GQA natively", "takes" if native else "does not take")
     return native

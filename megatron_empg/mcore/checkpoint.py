@@ -175,7 +175,12 @@ def _before_commit(tmp_dir: Path) -> None:
 
 
 def checkpoint_info(
-    *, step: int, model_name: str | None, layout: Mapping[str, int | None], model_chunks: int, parts: Mapping[str, Any],
+    *,
+    step: int,
+    model_name: str | None,
+    layout: Mapping[str, int | None],
+    model_chunks: int,
+    parts: Mapping[str, Any],
     **extra: Any,
 ) -> dict:
     """The ``empg_checkpoint.json`` of a checkpoint (``extra``: more top-level entries)."""
@@ -196,10 +201,14 @@ def checkpoint_info(
 
 
 def finish_checkpoint_dir(
-    directory: Path, info: Mapping[str, Any], *, model_config: ModelConfig | None = None,
-    hf_assets: str | os.PathLike | None = None, files: Mapping[str, Mapping[str, int]] | None = None,
+    directory: Path,
+    info: Mapping[str, Any],
+    *,
+    model_config: ModelConfig | None = None,
+    hf_assets: str | os.PathLike | None = None,
+    files: Mapping[str, Mapping[str, int]] | None = None,
     checksums: bool = True,
-) -> None:  # fmt: skip
+) -> None:
     """Complete a checkpoint whose shards ``directory`` holds: write ``model_config.yaml``, copy
     the HF assets into ``hf/``, fsync, and write the completion marker last (atomically), with the
     manifest of every other file (see ``mcore.checkpoint_files``). ``files``: manifest entries
@@ -227,10 +236,17 @@ def finish_checkpoint_dir(
 
 
 def _commit(
-    root: Path, tmp: Path, final: Path, info: dict, keep_last: int | None, nonce: str,
-    model_config: ModelConfig | None, hf_assets: str | os.PathLike | None, files: Mapping[str, Mapping[str, int]],
+    root: Path,
+    tmp: Path,
+    final: Path,
+    info: dict,
+    keep_last: int | None,
+    nonce: str,
+    model_config: ModelConfig | None,
+    hf_assets: str | os.PathLike | None,
+    files: Mapping[str, Mapping[str, int]],
     checksums: bool,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """Rank 0: model config and HF assets, completion marker with the manifest, rename, ``latest``,
     retention. Returns the names removed."""
     finish_checkpoint_dir(tmp, info, model_config=model_config, hf_assets=hf_assets, files=files, checksums=checksums)
@@ -280,8 +296,12 @@ def _warn_if_low_space(root: Path) -> None:
             "checkpoint directory %s: %s free on its filesystem, less than the %s of the last checkpoint %s: "
             "this save will likely fail for lack of space (%s is kept if it does). Make room: remove old "
             "checkpoints, lower checkpoint.keep_last, or move checkpoint.dir",
-            root, format_bytes(free), format_bytes(need), previous.name, previous.name,
-        )  # fmt: skip
+            root,
+            format_bytes(free),
+            format_bytes(need),
+            previous.name,
+            previous.name,
+        )
 
 
 def _failed_save(root: Path, tmp: Path, final: Path, error: str) -> CheckpointError:

@@ -47,7 +47,18 @@ TRASH_MARK = ".trash-"
 MODEL_CONFIG_FILE = "model_config.yaml"  # the ModelConfig (config.to_yaml)
 HF_ASSETS_DIR = "hf"  # copies of the HF config and tokenizer files
 # Files of a HF model directory that are weights (the checkpoint holds those itself): never copied.
-HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
+HF_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".gguf",
+    ".onnx",
+    ".index.json",
+)
 CHUNK_BYTES = 4 << 20  # read size for CRC32s: 1-8 MiB measure alike (~3 GB/s); 4 MiB suits parallel filesystems
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -411,8 +422,6 @@ def checkpoint_bytes(path: str | os.PathLike) -> int:
     return sum(entry["size"] for entry in files.values()) + (path / INFO_FILE).stat().st_size
 
 
-
-
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
     """The ``ModelConfig`` stored in the checkpoint at ``path``; ``CheckpointError`` if it has none."""
     from megatron_empg.config import load_model_config
@@ -437,8 +446,12 @@ def copy_hf_assets(src: str | os.PathLike, dst: str | os.PathLike, *, exclude: C
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for entry in sorted(src.iterdir()):
-        if (not entry.is_file() or entry.name.startswith(".") or entry.name.endswith(HF_WEIGHT_SUFFIXES)
-                or entry.name in exclude):  # fmt: skip
+        if (
+            not entry.is_file()
+            or entry.name.startswith(".")
+            or entry.name.endswith(HF_WEIGHT_SUFFIXES)
+            or entry.name in exclude
+        ):
             continue
         shutil.copyfile(entry, dst / entry.name)
         copied.append(entry.name)

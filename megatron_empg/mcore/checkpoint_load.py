@@ -162,7 +162,7 @@ def load_checkpoint(
         master = {}
         for i in range(len(anchor.models)):
             for key, tensor in loaded[f"anchor_master{i}"].items():
-                master[f"{i}.{key[len(ANCHOR_PREFIX):]}"] = tensor
+                master[f"{i}.{key[len(ANCHOR_PREFIX) :]}"] = tensor
         anchor.load_full_master_state(master)
     if restore_rng:
         set_rng_state(loaded["rng_state"])
@@ -171,7 +171,9 @@ def load_checkpoint(
     extra["step"] = info["step"]
     if rank0:
         optimizer_note = "loaded" if load_optimizer else ("fresh" if optimizer is not None else "not asked")
-        rng_note = "restored" if restore_rng else ("not restored (layout differs)" if parts.get("rng", True) else "none saved")
+        rng_note = (
+            "restored" if restore_rng else ("not restored (layout differs)" if parts.get("rng", True) else "none saved")
+        )
         anchor_note = "loaded" if anchor is not None else "not asked"
         logger.info(
             "loaded %s at %s (optimizer: %s, anchor: %s, RNG: %s)", where, layout, optimizer_note, anchor_note, rng_note

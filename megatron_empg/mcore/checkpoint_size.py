@@ -150,7 +150,9 @@ def checkpoint_bytes(
                 per_rank[tp_rank + tp * (dp_rank + dp * pp_rank)] = size
         # The experts lie on the expert grid (ETP x EP x expert-DP per stage): counted whole, spread
         # evenly over the stage's ranks (each expert shard goes to one of its expert-DP holders).
-        expert_elements = sum(local_experts(model, parallel)) * parallel.expert_grid_size // pp * (model.num_layers // pp)
+        expert_elements = (
+            sum(local_experts(model, parallel)) * parallel.expert_grid_size // pp * (model.num_layers // pp)
+        )
         for part, size in saved:
             parts[part] += expert_elements * size
             for rank in range(pp_rank * ranks_per_stage, (pp_rank + 1) * ranks_per_stage):

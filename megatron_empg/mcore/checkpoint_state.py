@@ -118,8 +118,8 @@ def load_optimizer_state(optimizer, state: dict) -> None:
         for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
             if isinstance(inner, distrib_optimizer.DistributedOptimizer):
                 original = inner._set_main_param_and_optimizer_states
-                inner._set_main_param_and_optimizer_states = (
-                    lambda model_param, tensors, original=original: original(model_param, {"step": None, **tensors})
+                inner._set_main_param_and_optimizer_states = lambda model_param, tensors, original=original: original(
+                    model_param, {"step": None, **tensors}
                 )
                 patched.append(inner)
     try:

@@ -129,7 +129,9 @@ def _write_file(path: str, storage_key: str, bytes_data: list, tensor_data: list
     with contextlib.ExitStack() as stack:
         crc_pool = None
         if checksums:
-            crc_pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc"))
+            crc_pool = stack.enter_context(
+                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc")
+            )
         f = stack.enter_context(open(path, "wb", buffering=WRITE_CHUNK))
         sink = _Sink(f, crc_pool)
         for item, data in itertools.chain(bytes_data, _on_host(tensor_data)):

@@ -31,8 +31,6 @@ from megatron_empg.mcore.checkpoint_files import (
 logger = logging.getLogger(__name__)
 
 
-
-
 def rank0_then_share(fn: Callable[[], Any], what: str) -> Any:
     """Run ``fn`` on rank 0 and give its result to every rank; if it raised, raise on every rank
     (so no rank waits forever in a later collective). A ``CheckpointError`` keeps its message."""
@@ -90,9 +88,7 @@ def check_same_on_all_ranks(obj: Any, what: str) -> None:
 # Integrity: the files' CRC32s, shared by the ranks.
 
 
-def measure_on_all_ranks(
-    directory: Path, checksums: bool, written: dict[str, dict] | None = None
-) -> dict[str, dict]:
+def measure_on_all_ranks(directory: Path, checksums: bool, written: dict[str, dict] | None = None) -> dict[str, dict]:
     """The manifest entries (``{"size", "crc32"}``) of every file in ``directory`` but
     ``empg_checkpoint.json``: rank 0 lists the files; the entries each rank measured while writing
     its files (``written``: ``StreamingSaveStrategy.files``) are gathered, and the other files are

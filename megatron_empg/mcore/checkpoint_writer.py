@@ -38,4 +38,3 @@ def start_checkpoint_writer() -> multiprocessing.process.BaseProcess | None:
     filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
     (started,) = [p for p in multiprocessing.active_children() if p not in before]
     return started
-

@@ -215,11 +215,16 @@ def _chunks(chunk: GPTModel) -> dict[str, list[_Chunk]]:
             if not isinstance(sharded, ShardedTensor):
                 raise ConversionError(f"{name}: unexpected sharded entry {type(sharded).__name__}")
             data = sharded.data  # a view of the meta parameter
-            out.setdefault(name, []).append(_Chunk(
-                name=name, sharded=sharded, size=tuple(data.shape), stride=tuple(data.stride()),
-                offset=data.storage_offset() - param.storage_offset(),
-                shape=(1,) * sharded.prepend_axis_num + tuple(sharded.local_shape),
-            ))  # fmt: skip
+            out.setdefault(name, []).append(
+                _Chunk(
+                    name=name,
+                    sharded=sharded,
+                    size=tuple(data.shape),
+                    stride=tuple(data.stride()),
+                    offset=data.storage_offset() - param.storage_offset(),
+                    shape=(1,) * sharded.prepend_axis_num + tuple(sharded.local_shape),
+                )
+            )
             covered[name] += data.numel()
     wrong = {name: (n, params[name].numel()) for name, n in covered.items() if n != params[name].numel()}
     if wrong:
@@ -232,9 +237,12 @@ class _FullTensorCache:
     keeping only the latest one (until ``release``); ``progress(name)`` after each new one."""
 
     def __init__(
-        self, full_tensor: Callable[[str], torch.Tensor], shapes: Mapping[str, torch.Size], dtype: torch.dtype,
+        self,
+        full_tensor: Callable[[str], torch.Tensor],
+        shapes: Mapping[str, torch.Size],
+        dtype: torch.dtype,
         progress: Callable[[str], None] | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._full_tensor, self._shapes, self._dtype, self._progress = full_tensor, shapes, dtype, progress
         self._name: str | None = None
         self._tensor: torch.Tensor | None = None
@@ -248,7 +256,9 @@ class _FullTensorCache:
                 tensor = self._full_tensor(name)
                 if not torch.is_tensor(tensor) or tensor.shape != self._shapes[name]:
                     got = tuple(tensor.shape) if torch.is_tensor(tensor) else type(tensor).__name__
-                    raise ConversionError(f"{name}: got a full tensor of shape {got}, the model has {tuple(self._shapes[name])}")
+                    raise ConversionError(
+                        f"{name}: got a full tensor of shape {got}, the model has {tuple(self._shapes[name])}"
+                    )
             except BaseException as e:
                 self.error = e
                 raise
@@ -341,7 +351,10 @@ def write_model_checkpoint(
 
     # dist_checkpointing.save's steps, on meta tensors
     sources = {c.index: c for chunks in _chunks(chunk).values() for c in chunks}
-    state = {"model0": chunk.sharded_state_dict(), _CONTENT_METADATA_KEY: {"format": FORMAT, "format_version": FORMAT_VERSION}}
+    state = {
+        "model0": chunk.sharded_state_dict(),
+        _CONTENT_METADATA_KEY: {"format": FORMAT, "format_version": FORMAT_VERSION},
+    }
     sharded, common = save_preprocess(state, validate_access_integrity=True)
     sharded["common_state"] = ShardedObject("common_state", common, (1,), (0,), replica_id=0)
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
@@ -356,18 +369,31 @@ def write_model_checkpoint(
         "world_size": parallel.model_parallel_size,
     }
     parts = {
-        "model": True, "optimizer": None, "optimizer_format": None, "scheduler": False, "anchor": False,
-        "rng": False, "model_config": True, "hf_assets": hf_assets is not None,
-    }  # fmt: skip
+        "model": True,
+        "optimizer": None,
+        "optimizer_format": None,
+        "scheduler": False,
+        "anchor": False,
+        "rng": False,
+        "model_config": True,
+        "hf_assets": hf_assets is not None,
+    }
     info = checkpoint_info(
-        step=0, model_name=model.name, layout=layout, model_chunks=1, parts=parts,
-        padded_vocab_size=padded_vocab_size, dtype=str(dtype).removeprefix("torch."),
+        step=0,
+        model_name=model.name,
+        layout=layout,
+        model_chunks=1,
+        parts=parts,
+        padded_vocab_size=padded_vocab_size,
+        dtype=str(dtype).removeprefix("torch."),
         converted_from=dict(provenance or {}),
-    )  # fmt: skip
+    )
     shapes = {name: p.shape for name, p in params.items()}
     with atomic_output_dir(out_dir) as tmp:
         cache = _FullTensorCache(full_tensor, shapes, dtype, progress)
-        writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+        writer = FileSystemWriter(
+            tmp, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0
+        )
         try:
             dcp_save(pyt_state, storage_writer=writer, planner=_streaming_planner(sources, cache), no_dist=True)
         except BaseException:

@@ -49,23 +49,25 @@ from megatron_empg.parallel.context_parallel import CpChunks, gather_from_cp
 log = logging.getLogger(__name__)
 
 
-def context_parallel_attention(query: Tensor, key: Tensor, value: Tensor, layout: ThdLayout, group,
-                               scale: float, varlen=None) -> Tensor:  # fmt: skip
+def context_parallel_attention(
+    query: Tensor, key: Tensor, value: Tensor, layout: ThdLayout, group, scale: float, varlen=None
+) -> Tensor:
     """This rank's causal attention over the whole packed row (module docstring): local [S_local,
     heads, dim] query, [S_local, groups, dim] key / value -> [S_local, heads * dim]. ``layout``:
     the split micro-batch's ``ThdLayout`` (its ``cp_chunks``); ``group``: the CP process group;
     ``varlen``: ``mcore.attention.varlen_attention()`` on CUDA, else None."""
     chunks = layout.cp_chunks
     if chunks is None:
-        raise ValueError("context-parallel attention needs the ThdLayout of a CP rank's share of a packed row "
-                         "(mcore.thd.thd_layout of parallel.context_parallel.split_microbatch's micro-batch)")  # fmt: skip
+        raise ValueError(
+            "context-parallel attention needs the ThdLayout of a CP rank's share of a packed row "
+            "(mcore.thd.thd_layout of parallel.context_parallel.split_microbatch's micro-batch)"
+        )
     groups = key.size(1)
     kv = gather_from_cp(torch.cat([key, value], dim=1), chunks, group)  # [S_full, 2 * groups, dim]
     return attend_gathered(query, kv[:, :groups], kv[:, groups:], chunks, scale, varlen)
 
 
-def attend_gathered(query: Tensor, key: Tensor, value: Tensor, chunks: CpChunks, scale: float,
-                    varlen=None) -> Tensor:  # fmt: skip
+def attend_gathered(query: Tensor, key: Tensor, value: Tensor, chunks: CpChunks, scale: float, varlen=None) -> Tensor:
     """The attention after the gather: local query [S_local, heads, dim], the FULL row's key /
     value [S_full, groups, dim] (full-row order) -> [S_local, heads * dim]. ``varlen``
     (``mcore.attention._Varlen``; the caller passes it on CUDA only) is used where its causal mask
@@ -73,8 +75,9 @@ def attend_gathered(query: Tensor, key: Tensor, value: Tensor, chunks: CpChunks,
     if varlen is not None and _bottom_right_causal(varlen, query.device):
         ranges = chunks.key_ranges(query.device)
         k, v = (x.index_select(0, ranges.key_index) for x in (key, value))
-        return varlen.segments(query, k, v, ranges.cu_seqlens_q, ranges.cu_seqlens_k, ranges.max_seqlen_q,
-                               ranges.max_seqlen_k, scale)  # fmt: skip
+        return varlen.segments(
+            query, k, v, ranges.cu_seqlens_q, ranges.cu_seqlens_k, ranges.max_seqlen_q, ranges.max_seqlen_k, scale
+        )
     return _masked_buckets(query, key, value, chunks, scale)
 
 
@@ -85,11 +88,15 @@ def _masked_buckets(query: Tensor, key: Tensor, value: Tensor, chunks: CpChunks,
     out = query.new_empty(query.size(0), heads * dim)
     for bucket in chunks.chunk_buckets(query.device):
         q = query.index_select(0, bucket.query_index).view(bucket.batch, bucket.queries, heads, dim)
-        k, v = (x.index_select(0, bucket.key_index).view(bucket.batch, bucket.keys, groups, dim)
-                for x in (key, value))  # fmt: skip
-        context = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=bucket.mask, scale=scale,
-                                                 enable_gqa=groups != heads)  # fmt: skip
+        k, v = (x.index_select(0, bucket.key_index).view(bucket.batch, bucket.keys, groups, dim) for x in (key, value))
+        context = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=bucket.mask,
+            scale=scale,
+            enable_gqa=groups != heads,
+        )
         flat = context.transpose(1, 2).reshape(bucket.batch * bucket.queries, heads * dim)
         out.index_copy_(0, bucket.rows, flat.index_select(0, bucket.slots))
     return out
@@ -106,10 +113,13 @@ def _bottom_right_causal(varlen, device: torch.device) -> bool:
     cu_q, cu_k = (torch.tensor([0, n], device=device, dtype=torch.int32) for n in (4, 12))
     out = varlen.segments(q, k, v, cu_q, cu_k, 4, 12, 0.125).view(4, 2, 64)
     mask = torch.arange(12, device=device)[None, :] <= torch.arange(4, device=device)[:, None] + 8
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                         scale=0.125).transpose(0, 1)  # fmt: skip
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=0.125
+    ).transpose(0, 1)
     aligned = bool(torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=0))
     if not aligned:
-        log.warning("varlen_attn's causal mask is not aligned to the bottom right: context-parallel attention "
-                    "uses masked SDPA instead")  # fmt: skip
+        log.warning(
+            "varlen_attn's causal mask is not aligned to the bottom right: context-parallel attention "
+            "uses masked SDPA instead"
+        )
     return aligned

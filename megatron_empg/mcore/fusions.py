@@ -33,8 +33,14 @@ import torch
 from megatron_empg.mcore.attention_backends import AttentionChoice
 from megatron_empg.parallel.fused_output import accumulate_weight_grad_
 
-FUSIONS = ("bias_activation_fusion", "gradient_accumulation_fusion", "apply_rope_fusion", "masked_softmax_fusion",
-           "persist_layer_norm", "bias_dropout_fusion")  # fmt: skip
+FUSIONS = (
+    "bias_activation_fusion",
+    "gradient_accumulation_fusion",
+    "apply_rope_fusion",
+    "masked_softmax_fusion",
+    "persist_layer_norm",
+    "bias_dropout_fusion",
+)
 _SOFTMAX_EXTENSIONS = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda")
 
 
@@ -55,20 +61,32 @@ def fusion_plan(attention: AttentionChoice, *, cuda: bool) -> FusionPlan:
     """Which fusions a model on ``attention``'s spec runs with, on a CUDA machine or not."""
     te = attention.uses_te
     plan: dict[str, tuple[bool, str]] = {
-        "persist_layer_norm": (False, "apex's persistent kernel is LayerNorm only; RMSNorm is "
-                                      + ("TE's" if te else "torch's fused kernel")),
+        "persist_layer_norm": (
+            False,
+            "apex's persistent kernel is LayerNorm only; RMSNorm is " + ("TE's" if te else "torch's fused kernel"),
+        ),
         "bias_dropout_fusion": (False, "no biases and dropout 0: one add, nothing to fuse"),
-    }  # fmt: skip
+    }
     if not cuda:
         reason = "CPU: the compiled and mixed-dtype kernels are for CUDA"
-        plan.update(dict.fromkeys(("bias_activation_fusion", "gradient_accumulation_fusion", "apply_rope_fusion",
-                                   "masked_softmax_fusion"), (False, reason)))  # fmt: skip
+        plan.update(
+            dict.fromkeys(
+                (
+                    "bias_activation_fusion",
+                    "gradient_accumulation_fusion",
+                    "apply_rope_fusion",
+                    "masked_softmax_fusion",
+                ),
+                (False, reason),
+            )
+        )
     else:
         plan["bias_activation_fusion"] = (True, "SwiGLU by torch.compile")
         kernel = "apex's kernel" if _apex_wgrad() else "a torch GEMM with fp32 output"
         plan["gradient_accumulation_fusion"] = (
-            True, f"TE's linears; the output layer through {kernel}" if te else f"Megatron's linears through {kernel}"
-        )  # fmt: skip
+            True,
+            f"TE's linears; the output layer through {kernel}" if te else f"Megatron's linears through {kernel}",
+        )
         plan["apply_rope_fusion"] = (True, "TE's fused RoPE") if te else (False, "needs Transformer Engine")
         if attention.name == "sdpa":
             plan["masked_softmax_fusion"] = (False, "sdpa's kernels fuse the softmax")
@@ -95,8 +113,9 @@ def _addmm_(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: tor
     """main_grad [out, in] += grad_output.T [out, tokens] @ total_input [tokens, in] (apex's argument
     order; leading dims are flattened into tokens): ``parallel.fused_output.accumulate_weight_grad_``,
     one GEMM with fp32 output on CUDA."""
-    accumulate_weight_grad_(main_grad, grad_output.reshape(-1, grad_output.shape[-1]),
-                            total_input.reshape(-1, total_input.shape[-1]), None)  # fmt: skip
+    accumulate_weight_grad_(
+        main_grad, grad_output.reshape(-1, grad_output.shape[-1]), total_input.reshape(-1, total_input.shape[-1]), None
+    )
 
 
 WgradAccumulation = types.SimpleNamespace(wgrad_gemm_accum_fp32=_addmm_, wgrad_gemm_accum_fp16=_addmm_)

@@ -56,8 +56,11 @@ def resolve_attention(model: ModelConfig, override: str | None = None) -> Attent
     ``te`` also needs megatron-core to have found Transformer Engine."""
     choice = resolve_attention_backend(override or model.attention_backend)
     if choice.uses_te and not te_available():
-        raise ConfigError("model.attention_backend", "te: transformer_engine imports, but megatron-core did not "
-                          "accept it (see megatron.core.extensions.transformer_engine); use sdpa")  # fmt: skip
+        raise ConfigError(
+            "model.attention_backend",
+            "te: transformer_engine imports, but megatron-core did not "
+            "accept it (see megatron.core.extensions.transformer_engine); use sdpa",
+        )
     return choice
 
 
@@ -92,11 +95,15 @@ def transformer_config(
     attention = attention or resolve_attention(model)
     te = attention.uses_te
     if fp8 is not None and not te:
-        raise ConfigError("model.attention_backend", f"fp8={fp8!r} needs te (Transformer Engine); it is "
-                          f"{attention.describe()}")  # fmt: skip
+        raise ConfigError(
+            "model.attention_backend", f"fp8={fp8!r} needs te (Transformer Engine); it is {attention.describe()}"
+        )
     if parallel.sequence_parallel and not te:
-        raise ConfigError("parallel.sequence_parallel", "needs model.attention_backend te (the local spec's torch "
-                          f"norms do not support it); it is {attention.describe()}")  # fmt: skip
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            "needs model.attention_backend te (the local spec's torch "
+            f"norms do not support it); it is {attention.describe()}",
+        )
     fusions = fusions or fusion_plan(attention, cuda=torch.cuda.is_available())
     kwargs: dict[str, Any] = dict(
         num_layers=model.num_layers,
@@ -261,9 +268,14 @@ def build_gpt_model(
     elif use_cpu_initialization is None:
         use_cpu_initialization = not on_cuda
     config = transformer_config(
-        model, parallel, params_dtype=params_dtype, use_cpu_initialization=use_cpu_initialization, fp8=fp8,
-        attention=attention, **config_overrides,
-    )  # fmt: skip
+        model,
+        parallel,
+        params_dtype=params_dtype,
+        use_cpu_initialization=use_cpu_initialization,
+        fp8=fp8,
+        attention=attention,
+        **config_overrides,
+    )
     spec = layer_spec(model, attention)
     vocab_size = parallel.padded_vocab_size(model.vocab_size)
     scaling = model.rope_scaling
@@ -464,9 +476,18 @@ def load_full_state_dict(
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     etp_rank, etp_size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     for chunk in chunks:
-        shard_full_state_dict(chunk, full_state_dict, tp_rank, tp_size, layer_offset(chunk), vocab_size=vocab_size,
-                              canonical_name=canonical_name, expert_offset=expert_offset(chunk), etp_rank=etp_rank,
-                              etp_size=etp_size)  # fmt: skip
+        shard_full_state_dict(
+            chunk,
+            full_state_dict,
+            tp_rank,
+            tp_size,
+            layer_offset(chunk),
+            vocab_size=vocab_size,
+            canonical_name=canonical_name,
+            expert_offset=expert_offset(chunk),
+            etp_rank=etp_rank,
+            etp_size=etp_size,
+        )
 
 
 def named_weight_shards(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:

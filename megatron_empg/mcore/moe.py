@@ -70,8 +70,10 @@ def set_aux_loss_scale(
     if not has_router_losses(config):
         return None
     if loss_units is None:
-        raise ValueError("a mixture of experts with moe_aux_loss_coeff or moe_z_loss_coeff needs train_step's "
-                         "loss_units (the loss count of a micro-batch) to scale the router losses")  # fmt: skip
+        raise ValueError(
+            "a mixture of experts with moe_aux_loss_coeff or moe_z_loss_coeff needs train_step's "
+            "loss_units (the loss count of a micro-batch) to scale the router losses"
+        )
     cp = {"cp_group": groups.cp_group} if groups.cp_size > 1 else {}
     units = sum(int(loss_units(batch, **cp)) for batch in microbatches)
     totals = torch.tensor([units, len(microbatches)], dtype=torch.float64, device=collective_device(groups.sum_group))

@@ -175,9 +175,14 @@ def _stats_loss(batch: MicroBatch, request: StatsRequest, groups: ParallelGroups
         ids = torch.cat([ids, extra.reshape(b * s, -1)], dim=-1)
     kwargs = {"chunk_size": request.chunk_size} if request.chunk_size else {}
     stats = vocab_parallel_token_stats(
-        logits.reshape(b * s, width), ids, request.k, vocab_size=request.vocab_size,
-        with_entropy=request.with_entropy, **_vocab_shard(width, groups), **kwargs,
-    )  # fmt: skip
+        logits.reshape(b * s, width),
+        ids,
+        request.k,
+        vocab_size=request.vocab_size,
+        with_entropy=request.with_entropy,
+        **_vocab_shard(width, groups),
+        **kwargs,
+    )
     out = {
         "logprobs": stats.logprobs[:, 0].reshape(b, s),
         "lse": stats.lse.reshape(b, s),
@@ -257,8 +262,12 @@ def share_stats(
 def _stats_layout(batch: MicroBatch, request: StatsRequest) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of each output ``_stats_loss`` gives for ``batch``."""
     b, s = batch.shape
-    layout = [("logprobs", (b, s), torch.float32), ("lse", (b, s), torch.float32),
-              ("topk_logprobs", (b, s, request.k), torch.float32), ("topk_ids", (b, s, request.k), torch.int64)]  # fmt: skip
+    layout = [
+        ("logprobs", (b, s), torch.float32),
+        ("lse", (b, s), torch.float32),
+        ("topk_logprobs", (b, s, request.k), torch.float32),
+        ("topk_ids", (b, s, request.k), torch.int64),
+    ]
     if request.extra_ids_key is not None:
         layout.append(("extra_logprobs", (b, s, getattr(batch, request.extra_ids_key).shape[-1]), torch.float32))
     if request.with_entropy:
@@ -266,9 +275,7 @@ def _stats_layout(batch: MicroBatch, request: StatsRequest) -> list[tuple[str, t
     return layout
 
 
-def score_sequences(
-    models, sequences: Sequence[Sequence[int]], vocab_size: int, groups: ParallelGroups
-) -> Tensor:
+def score_sequences(models, sequences: Sequence[Sequence[int]], vocab_size: int, groups: ParallelGroups) -> Tensor:
     """[N, L-1] float32 log p(x_t | x_<t) of N equal-length token sequences under the policy, on
     every pipeline stage (one micro-batch per sequence). The trainer's side of the consistency gate."""
     lengths = {len(seq) for seq in sequences}
@@ -300,11 +307,20 @@ def _score_context_parallel(models, ids: Tensor, vocab_size: int, groups: Parall
     positions = torch.arange(width, device=ids.device)[None]
     chunks = CpChunks.from_cu_seqlens([0, width], groups.cp_size, groups.cp_rank)
     microbatches = [
-        split_microbatch(MicroBatch(rows[i : i + 1], targets[i : i + 1], position_ids=positions,
-                                    seq_ids=torch.zeros_like(positions), cu_seqlens=cu, max_seqlen=width),
-                         groups.cp_size, groups.cp_rank)
+        split_microbatch(
+            MicroBatch(
+                rows[i : i + 1],
+                targets[i : i + 1],
+                position_ids=positions,
+                seq_ids=torch.zeros_like(positions),
+                cu_seqlens=cu,
+                max_seqlen=width,
+            ),
+            groups.cp_size,
+            groups.cp_rank,
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
     outputs = forward_stats(models, microbatches, StatsRequest(vocab_size=vocab_size, with_entropy=False), groups)
     local = torch.empty(n, width // groups.cp_size, dtype=torch.float32, device=ids.device)
     if outputs is not None:
@@ -314,6 +330,7 @@ def _score_context_parallel(models, ids: Tensor, vocab_size: int, groups: Parall
     dist.all_gather(shares, local, group=groups.cp_group)
     full = torch.cat(shares, dim=1)[:, chunks.full_order(ids.device)]  # rank-major -> the row's order
     return full[:, :length]
+
 
 # ---------------------------------------------------------------- update pass
 
@@ -380,7 +397,9 @@ def broadcast_object_from_last_stage(obj, groups: ParallelGroups):
     if groups.pp_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp_group, groups.pp_size - 1), group=groups.pp_group)
+    dist.broadcast_object_list(
+        box, src=dist.get_global_rank(groups.pp_group, groups.pp_size - 1), group=groups.pp_group
+    )
     return box[0]
 
 
@@ -464,8 +483,11 @@ def _agree(reason: SkipReason, grad_norm: float, threshold: float | None) -> tup
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return reason, grad_norm, threshold
     finite = grad_norm if math.isfinite(grad_norm) else 0.0
-    values = torch.tensor([float(reason), finite, math.isnan(grad_norm), math.isinf(grad_norm), threshold or 0.0],
-                          dtype=torch.float64, device=collective_device())  # fmt: skip
+    values = torch.tensor(
+        [float(reason), finite, math.isnan(grad_norm), math.isinf(grad_norm), threshold or 0.0],
+        dtype=torch.float64,
+        device=collective_device(),
+    )
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     code, finite, nan, inf, threshold = values.tolist()
     return SkipReason(int(code)), float("nan") if nan else float("inf") if inf else finite, threshold or None

@@ -96,8 +96,15 @@ def length_buckets(lengths: list[int], device: torch.device | None = None) -> li
         real = offset[None, :] < lengths_t[:, None]  # [n, L]
         gather = starts_t[:, None] + torch.minimum(offset[None, :], lengths_t[:, None] - 1)
         slots = real.reshape(-1).nonzero().squeeze(1)
-        buckets.append(LengthBucket(len(members), longest, gather.reshape(-1).to(device), slots.to(device),
-                                    gather.reshape(-1)[slots].to(device)))  # fmt: skip
+        buckets.append(
+            LengthBucket(
+                len(members),
+                longest,
+                gather.reshape(-1).to(device),
+                slots.to(device),
+                gather.reshape(-1)[slots].to(device),
+            )
+        )
     return buckets
 
 
@@ -131,10 +138,14 @@ def thd_layout(batch: MicroBatch) -> ThdLayout:
     if batch.cp_size > 1:
         cp_chunks = CpChunks.from_cu_seqlens(batch.cu_seqlens, batch.cp_size, batch.cp_rank)
     return ThdLayout(
-        qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
-        max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen, positions=batch.position_ids.reshape(-1),
+        qkv_format="thd",
+        cu_seqlens_q=batch.cu_seqlens,
+        cu_seqlens_kv=batch.cu_seqlens,
+        max_seqlen_q=batch.max_seqlen,
+        max_seqlen_kv=batch.max_seqlen,
+        positions=batch.position_ids.reshape(-1),
         cp_chunks=cp_chunks,
-    )  # fmt: skip
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,13 +172,28 @@ def install_per_token_rope(decoder: torch.nn.Module) -> None:
 
 
 _LOOPED_THD_ROPE = rope_utils._apply_rotary_pos_emb_thd
-_THD_ROPE_PARAMETERS = ("t", "cu_seqlens", "freqs", "rotary_interleaved", "mla_rotary_interleaved", "mscale",
-                        "cp_group", "multi_latent_attention")  # fmt: skip
+_THD_ROPE_PARAMETERS = (
+    "t",
+    "cu_seqlens",
+    "freqs",
+    "rotary_interleaved",
+    "mla_rotary_interleaved",
+    "mscale",
+    "cp_group",
+    "multi_latent_attention",
+)
 
 
-def vectorized_thd_rope(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotary_interleaved: bool = False,
-                        mla_rotary_interleaved: bool = False, mscale: float = 1.0, cp_group=None,
-                        multi_latent_attention=None) -> Tensor:  # fmt: skip
+def vectorized_thd_rope(
+    t: Tensor,
+    cu_seqlens: Tensor,
+    freqs: Tensor,
+    rotary_interleaved: bool = False,
+    mla_rotary_interleaved: bool = False,
+    mscale: float = 1.0,
+    cp_group=None,
+    multi_latent_attention=None,
+) -> Tensor:
     """RoPE of a packed row ``t`` [t, heads, dim]: token i rotated by ``freqs`` at its position in
     its ``cu_seqlens`` sequence, as megatron-core's loop does, in one call and without a host sync.
     ``freqs`` with one row per token ([t, 1, 1, d]: ``_per_token_rope``'s, or a row of one
@@ -176,14 +202,20 @@ def vectorized_thd_rope(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotary_int
     token first. A table under CP (and the deprecated argument) go to megatron-core's function."""
     per_token = freqs.size(0) == t.size(0)
     if cp_group is None or (cp_group.size() != 1 and not per_token) or multi_latent_attention is not None:
-        return _LOOPED_THD_ROPE(t, cu_seqlens, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, cp_group,
-                                multi_latent_attention)  # fmt: skip
+        return _LOOPED_THD_ROPE(
+            t, cu_seqlens, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, cp_group, multi_latent_attention
+        )
     if not per_token:  # a table: per-sequence positions from the boundaries
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=t.size(0))
         freqs = freqs[torch.arange(t.size(0), device=t.device) - starts]
-    return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,
-                                                 mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale).squeeze(1)
+    return rope_utils._apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1),
+        freqs,
+        rotary_interleaved=rotary_interleaved,
+        mla_rotary_interleaved=mla_rotary_interleaved,
+        mscale=mscale,
+    ).squeeze(1)
 
 
 if tuple(inspect.signature(_LOOPED_THD_ROPE).parameters) == _THD_ROPE_PARAMETERS:  # the 0.19 function it replaces

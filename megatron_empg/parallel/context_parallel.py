@@ -139,8 +139,10 @@ class CpChunks:
         if self.cp_size > 1:
             for i, length in enumerate(self.lengths):
                 if length % (2 * self.cp_size):
-                    raise ValueError(f"segment {i} of the packed row has {length} tokens, not a multiple of "
-                                     f"2 * cp_size = {2 * self.cp_size} (pad every sequence to that)")  # fmt: skip
+                    raise ValueError(
+                        f"segment {i} of the packed row has {length} tokens, not a multiple of "
+                        f"2 * cp_size = {2 * self.cp_size} (pad every sequence to that)"
+                    )
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Tensor | Sequence[int], cp_size: int, cp_rank: int) -> CpChunks:
@@ -194,8 +196,9 @@ class CpChunks:
         """[S_full] int64: the full-row position of each row of a rank-major all-gather of the ranks'
         local rows ([cp_size * S_local]: rank 0's rows, then rank 1's, ...)."""
         ranks = range(self.cp_size)
-        return self._cached("gathered_positions", device,
-                            lambda d: torch.cat([self.for_rank(r).local_index() for r in ranks]).to(d))  # fmt: skip
+        return self._cached(
+            "gathered_positions", device, lambda d: torch.cat([self.for_rank(r).local_index() for r in ranks]).to(d)
+        )
 
     def full_order(self, device=None) -> Tensor:
         """[S_full] int64: the index into a rank-major all-gather that gives the full-row order
@@ -233,18 +236,25 @@ class CpChunks:
             length, local_start, segment_start, full_start, key_length = (
                 torch.tensor([getattr(q, name) for q in members])[:, None]
                 for name in ("length", "local_start", "segment_start", "full_start", "key_length")
-            )  # fmt: skip
+            )
             offset = torch.minimum(torch.arange(queries)[None, :], length - 1)  # [n, queries]
             query_index = local_start + offset
             position = full_start - segment_start + offset  # the query's position in its segment
             key = torch.arange(keys)[None, :]
             mask = key[:, None, :] <= position[:, :, None]  # [n, queries, keys]
             slots = (torch.arange(queries)[None, :] < length).reshape(-1).nonzero().squeeze(1)
-            buckets.append(ChunkBucket(
-                len(members), queries, keys, query_index.reshape(-1).to(device),
-                (segment_start + torch.minimum(key, key_length - 1)).reshape(-1).to(device),
-                mask.unsqueeze(1).to(device), slots.to(device), query_index.reshape(-1)[slots].to(device),
-            ))  # fmt: skip
+            buckets.append(
+                ChunkBucket(
+                    len(members),
+                    queries,
+                    keys,
+                    query_index.reshape(-1).to(device),
+                    (segment_start + torch.minimum(key, key_length - 1)).reshape(-1).to(device),
+                    mask.unsqueeze(1).to(device),
+                    slots.to(device),
+                    query_index.reshape(-1)[slots].to(device),
+                )
+            )
         return tuple(buckets)
 
 
@@ -266,8 +276,10 @@ def split_microbatch(batch: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatc
     if cp_size == 1:
         return batch
     if not batch.packed or batch.shape[0] != 1:
-        raise ValueError(f"context parallelism splits one packed row; got {'a packed' if batch.packed else 'padded'} "
-                         f"batch of shape {batch.shape}")  # fmt: skip
+        raise ValueError(
+            f"context parallelism splits one packed row; got {'a packed' if batch.packed else 'padded'} "
+            f"batch of shape {batch.shape}"
+        )
     if batch.cp_size != 1:
         raise ValueError(f"the micro-batch is already CP rank {batch.cp_rank}'s share of {batch.cp_size}")
     chunks = CpChunks.from_cu_seqlens(batch.cu_seqlens, cp_size, cp_rank)
@@ -312,8 +324,10 @@ def gather_from_cp(x: Tensor, chunks: CpChunks, group) -> Tensor:
     if chunks.cp_size == 1:
         return x
     if group.size() != chunks.cp_size or group.rank() != chunks.cp_rank:
-        raise ValueError(f"CpChunks of CP rank {chunks.cp_rank} of {chunks.cp_size} on rank {group.rank()} of a "
-                         f"group of {group.size()}")  # fmt: skip
+        raise ValueError(
+            f"CpChunks of CP rank {chunks.cp_rank} of {chunks.cp_size} on rank {group.rank()} of a "
+            f"group of {group.size()}"
+        )
     if x.size(0) != chunks.local_length:
         raise ValueError(f"{x.size(0)} local rows; CP rank {chunks.cp_rank} holds {chunks.local_length}")
     return _GatherFromCp.apply(x, chunks, group)

@@ -104,17 +104,22 @@ class _FusedOutputLogprobs(torch.autograd.Function):
         num_tokens, width = hidden.shape[0], weight.shape[0]
         local_ids, owned = _owned_local_ids(ids, shard, shard.num_valid(width))
         logits = hidden.new_empty(min(chunk_size, num_tokens), width)  # the one chunk of logits
-        packed = torch.cat([
-            _local_pass(
-                torch.mm(hidden[s:e], weight.t(), out=logits[: e - s]), local_ids[s:e], owned[s:e], shard,
-                k=0, with_entropy=with_entropy, chunk_size=chunk_size,
-            )
-            for s, e in chunk_ranges(num_tokens, chunk_size)
-        ])  # fmt: skip
-        del logits
-        stats = _reduce_pass(
-            _all_gather(packed, shard.tp_group), num_ids=ids.shape[1], k=0, with_entropy=with_entropy
+        packed = torch.cat(
+            [
+                _local_pass(
+                    torch.mm(hidden[s:e], weight.t(), out=logits[: e - s]),
+                    local_ids[s:e],
+                    owned[s:e],
+                    shard,
+                    k=0,
+                    with_entropy=with_entropy,
+                    chunk_size=chunk_size,
+                )
+                for s, e in chunk_ranges(num_tokens, chunk_size)
+            ]
         )
+        del logits
+        stats = _reduce_pass(_all_gather(packed, shard.tp_group), num_ids=ids.shape[1], k=0, with_entropy=with_entropy)
         ctx.shard, ctx.chunk_size = shard, chunk_size
         if not with_entropy:
             ctx.save_for_backward(hidden, weight, local_ids, owned, stats.lse)

@@ -138,17 +138,25 @@ def start_worlds(engine_ranks: int, timeout: datetime.timedelta, *, engine_tp: i
         raise ValueError(f"{engine_ranks} engine ranks leave no training rank in a world of {world}")
     # torchrun's agent already serves the store at MASTER_PORT; srun leaves it to rank 0
     host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=None,
-                          is_master=host, timeout=timeout, wait_for_workers=False)  # fmt: skip
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=None,
+        is_master=host,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
     is_engine = rank >= training
     if is_engine:
         local = rank - training
-        dist.init_process_group("gloo", store=dist.PrefixStore("engines/", store), rank=local,
-                                world_size=engine_ranks, timeout=timeout)  # fmt: skip
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("engines/", store), rank=local, world_size=engine_ranks, timeout=timeout
+        )
     else:
         local = rank
-        dist.init_process_group(backend, store=dist.PrefixStore("training/", store), rank=local,
-                                world_size=training, timeout=timeout)  # fmt: skip
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("training/", store), rank=local, world_size=training, timeout=timeout
+        )
     link = None
     if (is_engine and local % engine_tp == 0) or rank == 0:
         link_rank = LEAD + local // engine_tp if is_engine else TRAINER

@@ -107,8 +107,9 @@ class EnginePlacement:
         return box[0]
 
 
-def build_placement(num_engines: int, *, tp_rank: int, pp_rank: int, dp_rank: int, dp_size: int,
-                    cp_rank: int = 0) -> EnginePlacement:  # fmt: skip
+def build_placement(
+    num_engines: int, *, tp_rank: int, pp_rank: int, dp_rank: int, dp_size: int, cp_rank: int = 0
+) -> EnginePlacement:
     """The placement of ``num_engines`` engines over the current world; every rank calls it
     together (one object all-gather of each rank's grid coordinates and node, then one
     ``new_group`` per engine group of more than one rank and less than the world). A replica's
@@ -126,7 +127,11 @@ def build_placement(num_engines: int, *, tp_rank: int, pp_rank: int, dp_rank: in
         for e in range(num_engines)
     )
     owners = tuple(
-        next(r for r, (tp, pp, cp, dp, _) in enumerate(everyone) if (tp, pp, cp, dp) == (0, 0, 0, e * replicas_per_engine))
+        next(
+            r
+            for r, (tp, pp, cp, dp, _) in enumerate(everyone)
+            if (tp, pp, cp, dp) == (0, 0, 0, e * replicas_per_engine)
+        )
         for e in range(num_engines)
     )
     engine = dp_rank // replicas_per_engine
@@ -143,11 +148,17 @@ def build_placement(num_engines: int, *, tp_rank: int, pp_rank: int, dp_rank: in
     host = everyone[rank][4]
     on_node = [e for e, owner in enumerate(owners) if everyone[owner][4] == host]
     return EnginePlacement(
-        num_engines=num_engines, engine=engine, owners=owners, members=members, group=group,
-        feeds_engine=dp_rank % replicas_per_engine == 0 and cp_rank == 0, rank=rank,
-        node_slot=on_node.index(engine) if engine in on_node else 0, node_slots=max(len(on_node), 1),
+        num_engines=num_engines,
+        engine=engine,
+        owners=owners,
+        members=members,
+        group=group,
+        feeds_engine=dp_rank % replicas_per_engine == 0 and cp_rank == 0,
+        rank=rank,
+        node_slot=on_node.index(engine) if engine in on_node else 0,
+        node_slots=max(len(on_node), 1),
         local_rank=local_rank,
-    )  # fmt: skip
+    )
 
 
 def engine_world_placement(num_engines: int, engine_tp: int, dp_size: int) -> EnginePlacement:
@@ -157,5 +168,6 @@ def engine_world_placement(num_engines: int, engine_tp: int, dp_size: int) -> En
     ``[e * dp_size/E, (e+1) * dp_size/E)``. Every engine rank calls it together."""
     rank = dist.get_rank()
     engine = rank // engine_tp
-    return build_placement(num_engines, tp_rank=rank % engine_tp, pp_rank=0, dp_rank=engine * (dp_size // num_engines),
-                           dp_size=dp_size)  # fmt: skip
+    return build_placement(
+        num_engines, tp_rank=rank % engine_tp, pp_rank=0, dp_rank=engine * (dp_size // num_engines), dp_size=dp_size
+    )

@@ -34,7 +34,9 @@ def die_with_parent() -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this process may outlive its parent", ctypes.get_errno())
+        logger.warning(
+            "prctl(PR_SET_PDEATHSIG) failed (errno %d): this process may outlive its parent", ctypes.get_errno()
+        )
         return False
     if os.getppid() != parent.pid:  # the parent died before the request: nothing will signal this one
         os._exit(1)

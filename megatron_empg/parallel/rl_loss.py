@@ -130,8 +130,14 @@ def rl_loss(
         raise ValueError(f"kl={kl!r} needs batch.anchor_logprobs")
     check_same_shape(target_ids=batch.target_ids, behavior_weights=batch.behavior_weights)
     with_entropy = entropy_coef > 0 or log_entropy
-    shard = dict(vocab_start=vocab_start, vocab_size=vocab_size, tp_group=tp_group, with_entropy=with_entropy,
-                 validate=validate, **({"chunk_size": chunk_size} if chunk_size else {}))  # fmt: skip
+    shard = dict(
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+        with_entropy=with_entropy,
+        validate=validate,
+        **({"chunk_size": chunk_size} if chunk_size else {}),
+    )
     if fused:
         gathered, entropy = fused_output_logprobs(
             rows.reshape(num_tokens, -1), vocab_parallel_logits.weight, ids, **shard
@@ -160,18 +166,29 @@ def rl_loss(
     if kl is not None:
         if kl == "topk":
             kl_values = topk_kl_from_gathered(
-                gathered, batch.topk_ids, batch.target_ids, batch.topk_anchor_logprobs, batch.anchor_logprobs,
-                old_logprobs=old if use_iw else None, tail_weights=weights, validate=validate, **kl_args,
-            ).values  # fmt: skip
+                gathered,
+                batch.topk_ids,
+                batch.target_ids,
+                batch.topk_anchor_logprobs,
+                batch.anchor_logprobs,
+                old_logprobs=old if use_iw else None,
+                tail_weights=weights,
+                validate=validate,
+                **kl_args,
+            ).values
         elif kl == "grpo_corrected":  # its importance weight w_old is part of the term
             kl_values = corrected_grpo_kl(logprobs, old, batch.anchor_logprobs, validate=validate, **kl_args)
         elif kl in RPG_KL_TERMS:
             kl_values = RPG_KL_TERMS[kl](logprobs, batch.anchor_logprobs, validate=validate, **kl_args)
         else:
             kl_values = sampled_kl(
-                logprobs, batch.anchor_logprobs, estimator=kl, old_logprobs=old if use_iw else None,
-                validate=validate, **kl_args,
-            )  # fmt: skip
+                logprobs,
+                batch.anchor_logprobs,
+                estimator=kl,
+                old_logprobs=old if use_iw else None,
+                validate=validate,
+                **kl_args,
+            )
         if kl != "topk":  # the Top-k KL weights its sampled tail itself
             kl_values = _weighted(kl_values, weights)
         kl_sum = aggregate(kl_values, mask, agg_mode, seq_ids, **split)

@@ -177,7 +177,9 @@ def _reduce_pass(gathered: Tensor, *, num_ids: int, k: int, with_entropy: bool) 
     return TokenStats(logprobs, lse, entropy, top_values - lse[:, None], top_ids)
 
 
-def upstream_grads(grad_logprobs: Tensor | None, owned: Tensor, acc: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+def upstream_grads(
+    grad_logprobs: Tensor | None, owned: Tensor, acc: torch.dtype
+) -> tuple[Tensor | None, Tensor | None]:
     """The log-probs' gradient [T, M] -> (at the ids this rank owns [T, M], summed over every id [T]),
     in ``acc``; (None, None) when the log-probs get no gradient."""
     if grad_logprobs is None:
@@ -194,9 +196,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no work for it
         local_ids, owned = _owned_local_ids(ids, shard, shard.num_valid(logits.shape[1]))
         packed = _local_pass(logits, local_ids, owned, shard, k=0, with_entropy=with_entropy, chunk_size=chunk_size)
-        stats = _reduce_pass(
-            _all_gather(packed, shard.tp_group), num_ids=ids.shape[1], k=0, with_entropy=with_entropy
-        )
+        stats = _reduce_pass(_all_gather(packed, shard.tp_group), num_ids=ids.shape[1], k=0, with_entropy=with_entropy)
         ctx.shard, ctx.chunk_size, ctx.inplace_backward = shard, chunk_size, inplace_backward
         ctx.kernels = vocab_logprob_kernels(logits)  # the backward follows the forward's choice
         if not with_entropy:
@@ -216,9 +216,16 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
         if ctx.kernels is not None:  # one read and one write of the logits
             ctx.kernels.logsoftmax_backward(
-                logits, grad_logits, n_valid, lse, torch.where(owned, local_ids, -1), grad_ids, grad_total,
-                entropy, grad_entropy,
-            )  # fmt: skip
+                logits,
+                grad_logits,
+                n_valid,
+                lse,
+                torch.where(owned, local_ids, -1),
+                grad_ids,
+                grad_total,
+                entropy,
+                grad_entropy,
+            )
         else:
             scratch = torch.empty(min(ctx.chunk_size, num_tokens), width, dtype=acc, device=logits.device)
             for s, e in chunk_ranges(num_tokens, ctx.chunk_size):
@@ -342,9 +349,15 @@ def vocab_parallel_topk(
     """Global top-k (logprobs [T, k] descending, float32; ids [T, k] int64), no gradient: the
     top-k part of ``vocab_parallel_token_stats``."""
     stats = vocab_parallel_token_stats(
-        vocab_parallel_logits, None, k, vocab_start=vocab_start, vocab_size=vocab_size, tp_group=tp_group,
-        with_entropy=False, chunk_size=chunk_size,
-    )  # fmt: skip
+        vocab_parallel_logits,
+        None,
+        k,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+        with_entropy=False,
+        chunk_size=chunk_size,
+    )
     return stats.topk_logprobs, stats.topk_ids
 
 

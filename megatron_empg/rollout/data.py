@@ -149,8 +149,11 @@ def apply_prompt_template(template: str | None, prompt: Prompt) -> Prompt:
     if not users:
         raise ValueError("data.prompt_template is set but the messages have no user message")
     last = users[-1]
-    return [*prompt[:last], {**prompt[last], "content": template.format(prompt=prompt[last]["content"])},
-            *prompt[last + 1 :]]  # fmt: skip
+    return [
+        *prompt[:last],
+        {**prompt[last], "content": template.format(prompt=prompt[last]["content"])},
+        *prompt[last + 1 :],
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,9 +252,10 @@ def parse_prompt(value: Any) -> Prompt:
     messages = []
     for i, message in enumerate(value):
         if not (
-            isinstance(message, Mapping) and isinstance(message.get("role"), str)
+            isinstance(message, Mapping)
+            and isinstance(message.get("role"), str)
             and isinstance(message.get("content"), str)
-        ):  # fmt: skip
+        ):
             raise ValueError(f"message {i}: expected {{role: str, content: str}}, got {_describe(message)}")
         messages.append({"role": message["role"], "content": message["content"]})
     if not any(message["content"].strip() for message in messages):
@@ -285,9 +289,7 @@ class PromptDataset:
     process and Python version), or the file order without ``shuffle``.
     """
 
-    def __init__(
-        self, examples: list[PromptExample], *, shuffle: bool, seed: int, num_dropped_long: int = 0
-    ) -> None:
+    def __init__(self, examples: list[PromptExample], *, shuffle: bool, seed: int, num_dropped_long: int = 0) -> None:
         if not examples:
             raise ValueError("PromptDataset: no examples")
         self.examples = examples
@@ -375,9 +377,11 @@ def load_prompt_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     if config.source != "files":
         raise ValueError(f"load_prompt_dataset: data.source is {config.source!r}, not 'files'")
     formatter = PromptFormatter(
-        tokenizer, system_prompt=config.system_prompt, prompt_template=config.prompt_template,
+        tokenizer,
+        system_prompt=config.system_prompt,
+        prompt_template=config.prompt_template,
         apply_chat_template=config.apply_chat_template,
-    )  # fmt: skip
+    )
     if config.apply_chat_template and not formatter.uses_chat_template:
         log.info("the tokenizer has no chat template: prompts are tokenized as plain text")
     texts: list[str] = []
@@ -398,7 +402,9 @@ def load_prompt_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
         if len(prompt_ids) > config.max_prompt_tokens:
             if not config.drop_long_prompts:
                 raise DataError(
-                    file, row, f"the prompt has {len(prompt_ids)} tokens, more than data.max_prompt_tokens="
+                    file,
+                    row,
+                    f"the prompt has {len(prompt_ids)} tokens, more than data.max_prompt_tokens="
                     f"{config.max_prompt_tokens} (data.drop_long_prompts: true drops such rows)",
                 )
             num_dropped_long += 1
@@ -408,8 +414,10 @@ def load_prompt_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     if num_dropped_long:
         log.warning(
             "dropped %d of %d prompts longer than data.max_prompt_tokens=%d",
-            num_dropped_long, len(records), config.max_prompt_tokens,
-        )  # fmt: skip
+            num_dropped_long,
+            len(records),
+            config.max_prompt_tokens,
+        )
     if not examples:
         raise DataError(", ".join(config.train_files), None, "every prompt is longer than data.max_prompt_tokens")
     return PromptDataset(examples, shuffle=config.shuffle, seed=config.seed, num_dropped_long=num_dropped_long)

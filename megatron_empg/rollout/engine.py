@@ -66,9 +66,7 @@ class Completion:
         if self.versions is not None and len(self.versions) != len(self.token_ids):
             raise ValueError(f"Completion: {len(self.token_ids)} token ids but {len(self.versions)} versions")
         if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(
-                f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}"
-            )
+            raise ValueError(f"Completion.finish_reason: expected one of {FINISH_REASONS}, got {self.finish_reason!r}")
 
 
 def check_routed_experts(routed: torch.Tensor | None, response_tokens: int, owner: str) -> None:
@@ -77,11 +75,17 @@ def check_routed_experts(routed: torch.Tensor | None, response_tokens: int, owne
     if routed is None:
         return
     if not isinstance(routed, torch.Tensor) or routed.dtype != ROUTED_EXPERT_DTYPE or routed.dim() != 3:
-        what = f"{routed.dtype} tensor of shape {list(routed.shape)}" if isinstance(routed, torch.Tensor) else type(routed).__name__
+        what = (
+            f"{routed.dtype} tensor of shape {list(routed.shape)}"
+            if isinstance(routed, torch.Tensor)
+            else type(routed).__name__
+        )
         raise ValueError(f"{owner}: routed_experts must be an int16 [tokens, layers, top_k] tensor, got {what}")
     if routed.shape[0] < response_tokens:
-        raise ValueError(f"{owner}: routed_experts covers {routed.shape[0]} tokens, fewer than the prompt's and "
-                         f"the {response_tokens} response tokens' but the last")  # fmt: skip
+        raise ValueError(
+            f"{owner}: routed_experts covers {routed.shape[0]} tokens, fewer than the prompt's and "
+            f"the {response_tokens} response tokens' but the last"
+        )
 
 
 class RolloutEngine(Protocol):
@@ -97,7 +101,11 @@ class RolloutEngine(Protocol):
     """The policy step the engine's weights come from (None: the weights it was started with)."""
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None,
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,
         between_steps: Callable[[], None] | None = None,
     ) -> list[list[Completion]]:
         """Sample ``sampling.n`` responses to each prompt.
@@ -290,7 +298,9 @@ def check_generate_arguments(
     request seed (``seeds``, else ``sampling.seed + i * n``, else None)."""
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling: expected a SamplingConfig, got {type(sampling).__name__}")
-    token_prompts = check_token_sequences(prompts, argument="prompts", vocab_size=vocab_size, max_length=max_model_len - 1)
+    token_prompts = check_token_sequences(
+        prompts, argument="prompts", vocab_size=vocab_size, max_length=max_model_len - 1
+    )
     bad_stop = [t for t in sampling.stop_token_ids if not 0 <= t < vocab_size]
     if bad_stop:
         raise ValueError(f"sampling.stop_token_ids: {bad_stop} outside [0, vocab_size={vocab_size})")
@@ -323,17 +333,13 @@ def check_token_sequences(
         if len(sequence) == 0:
             raise ValueError(f"{argument}[{i}]: expected at least one token id, got an empty sequence")
         if len(sequence) > max_length:
-            raise ValueError(
-                f"{argument}[{i}]: {len(sequence)} tokens, more than the engine allows ({max_length})"
-            )
+            raise ValueError(f"{argument}[{i}]: {len(sequence)} tokens, more than the engine allows ({max_length})")
         try:
             ids = [operator.index(token) for token in sequence]
         except TypeError as error:
             raise TypeError(f"{argument}[{i}]: token ids must be integers ({error})") from None
         bad = next((j for j, token in enumerate(ids) if not 0 <= token < vocab_size), None)
         if bad is not None:
-            raise ValueError(
-                f"{argument}[{i}][{bad}]: token id {ids[bad]} is outside [0, vocab_size={vocab_size})"
-            )
+            raise ValueError(f"{argument}[{i}][{bad}]: token id {ids[bad]} is outside [0, vocab_size={vocab_size})")
         checked.append(ids)
     return checked

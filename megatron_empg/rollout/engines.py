@@ -35,10 +35,18 @@ class EngineKind:
 
 
 ENGINES: dict[str, EngineKind] = {
-    "vllm": EngineKind("megatron_empg.rollout.vllm_engine:VllmEngine", own_process=True,
-                       in_process_beside_training=False, updates_mid_generation=True,
-                       routes_on=("cuda",)),  # enable_return_routed_experts: its GPU model runner only
-    "hf": EngineKind("megatron_empg.rollout.hf_engine:HfEngine", own_process=False,
-                     in_process_beside_training=True, updates_mid_generation=True,
-                     routes_on=("cpu", "cuda")),  # from the router logits
+    "vllm": EngineKind(
+        "megatron_empg.rollout.vllm_engine:VllmEngine",
+        own_process=True,
+        in_process_beside_training=False,
+        updates_mid_generation=True,
+        routes_on=("cuda",),
+    ),  # enable_return_routed_experts: its GPU model runner only
+    "hf": EngineKind(
+        "megatron_empg.rollout.hf_engine:HfEngine",
+        own_process=False,
+        in_process_beside_training=True,
+        updates_mid_generation=True,
+        routes_on=("cpu", "cuda"),
+    ),  # from the router logits
 }

@@ -199,7 +199,11 @@ class HfEngine:
     # Sampling and scoring.
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None,
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,
         between_steps: Callable[[], None] | None = None,
     ) -> list[list[Completion]]:
         """Sample ``sampling.n`` responses per prompt.
@@ -236,15 +240,27 @@ class HfEngine:
             if recorder is not None:
                 recorder.remove()
         return [
-            [Completion(r.token_ids, r.logprobs, *r.finish, versions=r.versions if between_steps else None,
-                        routed_experts=torch.cat(r.routing) if recorder is not None else None)
-             for r in responses[i * sampling.n : (i + 1) * sampling.n]]
+            [
+                Completion(
+                    r.token_ids,
+                    r.logprobs,
+                    *r.finish,
+                    versions=r.versions if between_steps else None,
+                    routed_experts=torch.cat(r.routing) if recorder is not None else None,
+                )
+                for r in responses[i * sampling.n : (i + 1) * sampling.n]
+            ]
             for i in range(len(token_prompts))
-        ]  # fmt: skip
+        ]
 
     def _decode(
-        self, model: PreTrainedModel, rows: list[list[int]], responses: list[_Response], sampling: SamplingConfig,
-        between_steps: Callable[[], None] | None, recorder: RouterRecorder | None = None,
+        self,
+        model: PreTrainedModel,
+        rows: list[list[int]],
+        responses: list[_Response],
+        sampling: SamplingConfig,
+        between_steps: Callable[[], None] | None,
+        recorder: RouterRecorder | None = None,
     ) -> None:
         """Generate every response until it finishes: one forward of the unfinished rows per step
         (``recorder``: each forward's routing into the responses, module docstring)."""
@@ -263,10 +279,18 @@ class HfEngine:
                     input_ids, mask = (t.to(self._device) for t in _padded(sequences, left=True))
                     cache = DynamicCache(config=model.config)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
-            logits = model(
-                input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1,
-            ).logits[:, -1].float()  # fmt: skip
+            logits = (
+                model(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                .logits[:, -1]
+                .float()
+            )
             if recorder is not None:
                 routing = recorder.take(*input_ids.shape)
                 for b, i in enumerate(active):
@@ -282,9 +306,9 @@ class HfEngine:
             else:
                 logprobs = processed_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
                 probs = logprobs.exp()
-                tokens = torch.cat([
-                    torch.multinomial(probs[b], 1, generator=responses[i].generator) for b, i in enumerate(active)
-                ])  # fmt: skip
+                tokens = torch.cat(
+                    [torch.multinomial(probs[b], 1, generator=responses[i].generator) for b, i in enumerate(active)]
+                )
             chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
             keep = []
             for b, (i, token, logprob) in enumerate(zip(active, tokens.tolist(), chosen.tolist())):

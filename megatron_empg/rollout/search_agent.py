@@ -98,13 +98,20 @@ class Episode:
         self.done, self.finish_reason = True, finish_reason
 
     def trajectory(self) -> Trajectory:
-        return Trajectory(self.response_ids, self.sampler_logprobs, self.finish_reason, self.response_mask, self.stats())
+        return Trajectory(
+            self.response_ids, self.sampler_logprobs, self.finish_reason, self.response_mask, self.stats()
+        )
 
     def stats(self) -> dict[str, float]:
         """Per-episode counts for the step's metrics (summed over samples, then averaged)."""
         observed = len(self.response_mask) - sum(self.response_mask)
-        return {"turns": float(self.turns), "searches": float(self.searches), "answered": float(self.answered),
-                "invalid_actions": float(self.invalid_actions), "observation_tokens": float(observed)}  # fmt: skip
+        return {
+            "turns": float(self.turns),
+            "searches": float(self.searches),
+            "answered": float(self.answered),
+            "invalid_actions": float(self.invalid_actions),
+            "observation_tokens": float(observed),
+        }
 
 
 def format_passages(passages: Sequence[Passage]) -> str:
@@ -163,9 +170,12 @@ class SearchAgent:
             if not live:
                 break
             turn_sampling = dataclasses.replace(
-                sampling, n=1, stop=stop, seed=None,
+                sampling,
+                n=1,
+                stop=stop,
+                seed=None,
                 max_tokens=min(sampling.max_tokens, max(self.max_length - episodes[j].length for j in live)),
-            )  # fmt: skip
+            )
             seeds = None if sampling.seed is None else [sampling.seed + j * turns + turn for j in live]
             live = [episodes[j] for j in live]
             completions = engine.generate([e.prompt_ids + e.response_ids for e in live], turn_sampling, seeds=seeds)

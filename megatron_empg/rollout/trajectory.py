@@ -51,5 +51,10 @@ class Trajectory:
     @classmethod
     def from_completion(cls, completion: Completion) -> Trajectory:
         versions = None if completion.versions is None else list(completion.versions)
-        return cls(list(completion.token_ids), list(completion.logprobs), completion.finish_reason, versions=versions,
-                   routed_experts=completion.routed_experts)  # fmt: skip
+        return cls(
+            list(completion.token_ids),
+            list(completion.logprobs),
+            completion.finish_reason,
+            versions=versions,
+            routed_experts=completion.routed_experts,
+        )

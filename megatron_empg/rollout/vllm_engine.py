@@ -148,8 +148,9 @@ def _check_no_live_in_process_engine() -> None:
         )
 
 
-def _completion(output: CompletionOutput, version: str | None = None, per_token: bool = False,
-                prompt_tokens: int | None = None) -> Completion:  # fmt: skip
+def _completion(
+    output: CompletionOutput, version: str | None = None, per_token: bool = False, prompt_tokens: int | None = None
+) -> Completion:
     """``output`` as a ``Completion``; with ``prompt_tokens`` (P) also its routing, which must cover
     the P + T - 1 tokens vLLM ran."""
     token_ids = list(output.token_ids)
@@ -172,11 +173,14 @@ def _completion(output: CompletionOutput, version: str | None = None, per_token:
         ran = prompt_tokens + len(token_ids) - 1
         if output.routed_experts is None or output.routed_experts.ndim != 3 or len(output.routed_experts) != ran:
             got = None if output.routed_experts is None else list(output.routed_experts.shape)
-            raise RuntimeError(f"vLLM returned routed experts of shape {got}; expected [{ran}, layers, top_k] for "
-                               f"{prompt_tokens} prompt and {len(token_ids)} generated tokens")  # fmt: skip
+            raise RuntimeError(
+                f"vLLM returned routed experts of shape {got}; expected [{ran}, layers, top_k] for "
+                f"{prompt_tokens} prompt and {len(token_ids)} generated tokens"
+            )
         routed = torch.from_numpy(output.routed_experts.astype("int64", copy=False)).to(ROUTED_EXPERT_DTYPE)
-    return Completion(token_ids, logprobs, output.finish_reason, output.stop_reason, versions=versions,
-                      routed_experts=routed)  # fmt: skip
+    return Completion(
+        token_ids, logprobs, output.finish_reason, output.stop_reason, versions=versions, routed_experts=routed
+    )
 
 
 class VllmEngine:
@@ -264,7 +268,11 @@ class VllmEngine:
     # Sampling and scoring.
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seeds: Sequence[int] | None = None,
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,
         between_steps: Callable[[], None] | None = None,
     ) -> list[list[Completion]]:
         """Sample ``sampling.n`` responses per prompt.
@@ -296,14 +304,21 @@ class VllmEngine:
             else:
                 outputs = self._step_until_done(requests, params, between_steps)
         return [
-            [_completion(c, version, per_token=between_steps is not None,
-                         prompt_tokens=len(prompt) if self._routed_experts else None)
-             for c in sorted(out.outputs, key=lambda c: c.index)]
+            [
+                _completion(
+                    c,
+                    version,
+                    per_token=between_steps is not None,
+                    prompt_tokens=len(prompt) if self._routed_experts else None,
+                )
+                for c in sorted(out.outputs, key=lambda c: c.index)
+            ]
             for out, prompt in zip(outputs, token_prompts)
-        ]  # fmt: skip
+        ]
 
-    def _step_until_done(self, requests: list[dict], params: list[SamplingParams],
-                         between_steps: Callable[[], None]) -> list:  # fmt: skip
+    def _step_until_done(
+        self, requests: list[dict], params: list[SamplingParams], between_steps: Callable[[], None]
+    ) -> list:
         """``LLM.generate``'s loop, with ``between_steps`` before every step but the first:
         ``[P]`` final ``RequestOutput`` s in request order."""
         llm, engine = self._llm, self._llm.llm_engine

@@ -68,9 +68,11 @@ class ArithmeticTask:
     def __init__(self, config: DataConfig, tokenizer: Any) -> None:
         self.config = config
         self.formatter = PromptFormatter(
-            tokenizer, system_prompt=config.system_prompt, prompt_template=config.prompt_template,
+            tokenizer,
+            system_prompt=config.system_prompt,
+            prompt_template=config.prompt_template,
             apply_chat_template=config.apply_chat_template,
-        )  # fmt: skip
+        )
 
     def problem(self, index: int) -> ArithmeticProblem:
         return arithmetic_problem(
@@ -97,9 +99,11 @@ class ArithmeticTask:
 
     def fingerprint(self) -> dict[str, Any]:
         return {
-            "source": "arithmetic", "seed": self.config.seed, "digits": self.config.arithmetic_digits,
+            "source": "arithmetic",
+            "seed": self.config.seed,
+            "digits": self.config.arithmetic_digits,
             "ops": "".join(self.config.arithmetic_ops),
-        }  # fmt: skip
+        }
 
 
 _INTEGER = re.compile(r"-?\d+")

@@ -123,9 +123,13 @@ class MathVerifierPool:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPOSITORY_ROOT, env.get("PYTHONPATH")]))
         process = subprocess.Popen(
-            [sys.executable, "-m", _WORKER_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, encoding="utf-8", env=env,
-        )  # fmt: skip
+            [sys.executable, "-m", _WORKER_MODULE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            encoding="utf-8",
+            env=env,
+        )
         return _Worker(process, started=time.monotonic())
 
     @staticmethod

@@ -66,8 +66,13 @@ class BadSteps:
                 self.in_a_row.clear()
                 continue
             self.in_a_row.append(f"step {step}: {reason}")
-            log.warning("step %d: optimizer step refused (%d in a row, train.max_consecutive_skips=%d): %s",
-                        step, len(self.in_a_row), self.limit, reason)  # fmt: skip
+            log.warning(
+                "step %d: optimizer step refused (%d in a row, train.max_consecutive_skips=%d): %s",
+                step,
+                len(self.in_a_row),
+                self.limit,
+                reason,
+            )
         return sum(reason is not None for reason in skipped)
 
     @property
@@ -75,8 +80,9 @@ class BadSteps:
         """``train.max_consecutive_skips`` refusals in a row: the run must stop."""
         return len(self.in_a_row) >= self.limit
 
-    def stop(self, step: int, samples: list[Sample], advantages: torch.Tensor, run_dir: Path,
-             groups: ParallelGroups) -> BadStepsError:  # fmt: skip
+    def stop(
+        self, step: int, samples: list[Sample], advantages: torch.Tensor, run_dir: Path, groups: ParallelGroups
+    ) -> BadStepsError:
         """Save step ``step``'s samples in ``run_dir / bad_step_<step>``: each data-parallel
         replica's ``samples`` and their [B] float32 ``advantages`` in ``samples_dp<replica>.jsonl``
         (written by its first tensor-, pipeline- and context-parallel rank), and ``reason.json``
@@ -88,8 +94,12 @@ class BadSteps:
             (path / f"samples_dp{groups.dp_rank}.jsonl").write_text("".join(line + "\n" for line in lines))
         if not dist.is_initialized() or dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
-            reason = {"field": "train.max_consecutive_skips", "limit": self.limit, "step": step,
-                      "refused": list(self.in_a_row)}  # fmt: skip
+            reason = {
+                "field": "train.max_consecutive_skips",
+                "limit": self.limit,
+                "step": step,
+                "refused": list(self.in_a_row),
+            }
             (path / "reason.json").write_text(json.dumps(reason, indent=1) + "\n")
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
@@ -108,9 +118,16 @@ class BadSteps:
 def sample_record(sample: Sample, advantage: float) -> dict[str, Any]:
     """What a saved bad step holds of a sample: its tokens, reward, advantage and weight versions."""
     return {
-        "group": sample.group, "prompt_ids": sample.prompt_ids, "response_ids": sample.response_ids,
-        "response_mask": sample.response_mask, "finish_reason": sample.finish_reason,
-        "answer": getattr(sample.example, "answer", None), "reward": sample.reward, "correct": sample.correct,
-        "advantage": advantage, "trains": sample.trains, "version": sample.version,
+        "group": sample.group,
+        "prompt_ids": sample.prompt_ids,
+        "response_ids": sample.response_ids,
+        "response_mask": sample.response_mask,
+        "finish_reason": sample.finish_reason,
+        "answer": getattr(sample.example, "answer", None),
+        "reward": sample.reward,
+        "correct": sample.correct,
+        "advantage": advantage,
+        "trains": sample.trains,
+        "version": sample.version,
         "token_versions": sample.token_versions,
-    }  # fmt: skip
+    }

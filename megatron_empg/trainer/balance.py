@@ -83,7 +83,7 @@ def _refine(weights: Sequence[float], lists: list[list[int]], equal_count: bool)
                 break
             if wa and (not equal_count or len(wa) > len(wb)):  # moves: x nearest gap / 2
                 p = bisect_left(wa, gap / 2)
-                for x in wa[max(p - 1, 0):p + 1]:
+                for x in wa[max(p - 1, 0) : p + 1]:
                     key = (-min(x, gap - x), b, x, -1.0)
                     if key < best:
                         best = key
@@ -95,7 +95,7 @@ def _refine(weights: Sequence[float], lists: list[list[int]], equal_count: bool)
                     continue
                 prev = x
                 p = bisect_left(wb, x - gap / 2)
-                for y in wb[max(p - 1, 0):p + 1]:
+                for y in wb[max(p - 1, 0) : p + 1]:
                     gain = min(x - y, gap - x + y)
                     if -gain <= best[0] and (-gain, b, x, y) < best:
                         best = (-gain, b, x, y)
@@ -142,7 +142,7 @@ def partition(weights: Sequence[float], k: int, *, equal_count: bool = False) ->
     # Heaviest first, ties by index: fixes both the equal_count chunks and the heap's tie order.
     order = sorted(range(len(items)), key=lambda i: (-items[i], i))
     if equal_count:
-        states = [[(items[i], [i]) for i in order[c:c + k]] for c in range(0, len(order), k)]  # already descending
+        states = [[(items[i], [i]) for i in order[c : c + k]] for c in range(0, len(order), k)]  # already descending
     else:
         states = [[(items[i], [i])] + [(0.0, []) for _ in range(k - 1)] for i in order]
     # Max-heap on spread; the creation counter breaks ties (and keeps the states themselves uncompared).

@@ -80,9 +80,19 @@ class Sample:
         if trajectory.versions is not None:
             tokens = [version if label is None else version_step(label) for label in trajectory.versions]
             version = min(tokens, default=version)
-        return cls(example.prompt_ids, trajectory.token_ids, trajectory.logprobs, trajectory.finish_reason, group=group,
-                   example=example, response_mask=trajectory.response_mask, stats=dict(trajectory.stats),
-                   version=version, token_versions=tokens, routed_experts=trajectory.routed_experts)  # fmt: skip
+        return cls(
+            example.prompt_ids,
+            trajectory.token_ids,
+            trajectory.logprobs,
+            trajectory.finish_reason,
+            group=group,
+            example=example,
+            response_mask=trajectory.response_mask,
+            stats=dict(trajectory.stats),
+            version=version,
+            token_versions=tokens,
+            routed_experts=trajectory.routed_experts,
+        )
 
     @property
     def length(self) -> int:
@@ -222,9 +232,11 @@ class _Rows:
             routed = sample.routed_experts
             if routed is None or routed.shape != (n - 1, *self.routed.shape[2:]):
                 got = None if routed is None else list(routed.shape)
-                raise ValueError(f"algorithm.router_replay: a sample of {n} tokens has routed experts of shape {got}, "
-                                 f"expected {[n - 1, *self.routed.shape[2:]]} (the engine's routing of all but its "
-                                 "last token)")  # fmt: skip
+                raise ValueError(
+                    f"algorithm.router_replay: a sample of {n} tokens has routed experts of shape {got}, "
+                    f"expected {[n - 1, *self.routed.shape[2:]]} (the engine's routing of all but its "
+                    "last token)"
+                )
             self.routed[row, offset : offset + n - 1] = routed
         if not r:
             return
@@ -239,8 +251,15 @@ class _Rows:
         self.sampler[row, span] = masked_values(torch.tensor(sample.sampler_logprobs, dtype=torch.float32), generated)
 
     def micro_batch(self, **layout) -> MicroBatch:
-        return MicroBatch(self.input_ids, self.target_ids, self.loss_mask, self.advantages, self.sampler,
-                          routed_experts=self.routed, **layout)  # fmt: skip
+        return MicroBatch(
+            self.input_ids,
+            self.target_ids,
+            self.loss_mask,
+            self.advantages,
+            self.sampler,
+            routed_experts=self.routed,
+            **layout,
+        )
 
 
 def filler_routing(shape: tuple[int, ...], layers: int, top_k: int) -> torch.Tensor:
@@ -249,8 +268,14 @@ def filler_routing(shape: tuple[int, ...], layers: int, top_k: int) -> torch.Ten
     return torch.arange(top_k, dtype=ROUTED_EXPERT_DTYPE).expand(*shape, layers, top_k).clone()
 
 
-def _padded_rows(samples: Sequence[Sample], advantages: Sequence[float], width: int, rows: int, pad_id: int,
-                 routing: tuple[int, int] | None = None):  # fmt: skip
+def _padded_rows(
+    samples: Sequence[Sample],
+    advantages: Sequence[float],
+    width: int,
+    rows: int,
+    pad_id: int,
+    routing: tuple[int, int] | None = None,
+):
     """One right-padded row per sample (and padding-only rows up to ``rows``)."""
     out = _Rows(rows, width, pad_id, routing)
     for row, (sample, advantage) in enumerate(zip(samples, advantages)):
@@ -258,8 +283,14 @@ def _padded_rows(samples: Sequence[Sample], advantages: Sequence[float], width: 
     return out.micro_batch()
 
 
-def _packed_row(samples: Sequence[Sample], advantages: Sequence[float], width: int, pad_id: int,
-                segment_multiple: int = 1, routing: tuple[int, int] | None = None):  # fmt: skip
+def _packed_row(
+    samples: Sequence[Sample],
+    advantages: Sequence[float],
+    width: int,
+    pad_id: int,
+    segment_multiple: int = 1,
+    routing: tuple[int, int] | None = None,
+):
     """One row of the samples back to back (each in a segment padded to ``segment_multiple``),
     then padding (its own segment)."""
     out = _Rows(1, width, pad_id, routing)
@@ -273,8 +304,9 @@ def _packed_row(samples: Sequence[Sample], advantages: Sequence[float], width: i
     bounds = torch.tensor([0, *lengths]).cumsum(0)
     seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     positions = torch.arange(width) - bounds[seq_ids]
-    return out.micro_batch(position_ids=positions[None], seq_ids=seq_ids[None], cu_seqlens=bounds.to(torch.int32),
-                           max_seqlen=max(lengths))  # fmt: skip
+    return out.micro_batch(
+        position_ids=positions[None], seq_ids=seq_ids[None], cu_seqlens=bounds.to(torch.int32), max_seqlen=max(lengths)
+    )
 
 
 def replica_shares(

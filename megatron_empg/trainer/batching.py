@@ -88,14 +88,19 @@ class BatchStage:
         count_multiple = pp if parallel.virtual_pipeline_model_parallel_size else 1
         budget = train.max_tokens_per_microbatch  # per context-parallel rank: a full row holds CP x as many
         self.plan = MicroBatchPlan(
-            packing=train.packing, micro_batch_size=train.micro_batch_size,
-            max_tokens=None if budget is None else budget * self.cp_size, fixed_shape=pp > 1,
-            count_multiple=count_multiple, pad_multiple=row_multiple(parallel), pad_id=pad_id,
+            packing=train.packing,
+            micro_batch_size=train.micro_batch_size,
+            max_tokens=None if budget is None else budget * self.cp_size,
+            fixed_shape=pp > 1,
+            count_multiple=count_multiple,
+            pad_multiple=row_multiple(parallel),
+            pad_id=pad_id,
             segment_multiple=2 * self.cp_size if self.cp_size > 1 else 1,
             routing=(model.num_layers, model.moe_router_topk) if config.algorithm.router_replay == "rollout" else None,
-        )  # fmt: skip
-        self.forward_plan = ForwardPlan(max_tokens=train.max_tokens_per_forward_microbatch, fixed_shape=pp > 1,
-                                        count_multiple=count_multiple)  # fmt: skip
+        )
+        self.forward_plan = ForwardPlan(
+            max_tokens=train.max_tokens_per_forward_microbatch, fixed_shape=pp > 1, count_multiple=count_multiple
+        )
         quadratic = attention_quadratic(model.hidden_size, model.parameters_per_layer())
         balance = train.balance and self.replicas > 1
         self.cost = functools.partial(sequence_cost, quadratic=quadratic) if balance else None
@@ -111,11 +116,17 @@ class BatchStage:
             advantages_of = self._engine_advantages(advantages)
         else:
             advantages_of = {self.replica: advantages.tolist()}
-        shares = replica_shares([[s.length for s in r] for r in replicas], [[s.trains for s in r] for r in replicas],
-                                mini_batches=self.config.algorithm.mini_batches, cost=self.cost)  # fmt: skip
+        shares = replica_shares(
+            [[s.length for s in r] for r in replicas],
+            [[s.trains for s in r] for r in replicas],
+            mini_batches=self.config.algorithm.mini_batches,
+            cost=self.cost,
+        )
         minis = []
         for items in shares[self.replica]:
-            calls = micro_batches([replicas[r][i] for r, i in items], [advantages_of[r][i] for r, i in items], self.plan)
+            calls = micro_batches(
+                [replicas[r][i] for r, i in items], [advantages_of[r][i] for r, i in items], self.plan
+            )
             minis.append([split_microbatch(mb, self.cp_size, self.cp_rank).to(device) for mb in calls])
         tokens = [sum(replicas[r][i].length for mini in share for r, i in mini) for share in shares]
         slots = sum(mb.input_ids.numel() for mini in minis for mb in mini)
@@ -131,5 +142,7 @@ class BatchStage:
         dist.all_gather(rows, row, group=group)
         out = {int(r[0]): r[1:].tolist() for r in rows}
         if sorted(out) != list(range(self.replicas)):
-            raise RuntimeError(f"engine group advantages came from replicas {sorted(out)}, expected 0..{self.replicas - 1}")
+            raise RuntimeError(
+                f"engine group advantages came from replicas {sorted(out)}, expected 0..{self.replicas - 1}"
+            )
         return out

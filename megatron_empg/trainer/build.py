@@ -61,9 +61,13 @@ _POLICY_LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "validate")
 _KL_INPUTS = ("old_logprobs", "validate", "estimator")
 # The HF config.json fields that must equal the model config's (what a wrong init_from gets wrong).
 _HF_DIMENSIONS = {
-    "hidden_size": "hidden_size", "num_hidden_layers": "num_layers", "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_query_groups", "intermediate_size": "ffn_hidden_size", "vocab_size": "vocab_size",
-}  # fmt: skip
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_query_groups",
+    "intermediate_size": "ffn_hidden_size",
+    "vocab_size": "vocab_size",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +113,9 @@ class Components:
     attention: AttentionChoice
 
 
-def bind(config: RunConfig, world_size: int, *, check_paths: bool = True, device_bytes: int | None = None) -> Components:
+def bind(
+    config: RunConfig, world_size: int, *, check_paths: bool = True, device_bytes: int | None = None
+) -> Components:
     """Resolve and check every setting of ``config`` for a run on ``world_size`` ranks (module
     docstring). ``check_paths=False`` skips the files (a machine that cannot see them);
     ``device_bytes`` (the GPU's memory) also checks the memory plan (``trainer.memory_fixes``).
@@ -119,13 +125,18 @@ def bind(config: RunConfig, world_size: int, *, check_paths: bool = True, device
     attention = resolve_attention_backend(model.attention_backend)
     model = dataclasses.replace(model, attention_backend=attention.name)  # what every builder of the run uses
     if config.parallel.sequence_parallel and not attention.uses_te:
-        raise ConfigError("parallel.sequence_parallel", "needs model.attention_backend te (the local spec's torch "
-                          f"norms do not support it); it is {attention.describe()}")  # fmt: skip
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            "needs model.attention_backend te (the local spec's torch "
+            f"norms do not support it); it is {attention.describe()}",
+        )
     layout = check_layout(config, model, world_size)
     algorithm = config.algorithm
     advantage = _registered("algorithm.advantage", algorithm.advantage, ADVANTAGE_ESTIMATORS)
     if config.algorithm.loss.kl == "topk" and not config.algorithm.topk <= model.vocab_size:
-        raise ConfigError("algorithm.topk", f"must be <= model.vocab_size={model.vocab_size}, got {config.algorithm.topk}")
+        raise ConfigError(
+            "algorithm.topk", f"must be <= model.vocab_size={model.vocab_size}, got {config.algorithm.topk}"
+        )
     loss_fn, stats = bind_loss(config.algorithm.loss, vocab_size=model.vocab_size, topk=config.algorithm.topk)
     if stats.anchor and not stats.anchor_topk and algorithm.anchor_is_behaviour_policy:
         # a forward Top-k KL needs the anchor's own top-k, which the old pass does not compute
@@ -176,27 +187,41 @@ def bind_loss(loss: LossConfig, *, vocab_size: int, topk: int) -> tuple[Callable
             _bind_arguments(f"{field}.kl_args", topk_kl_from_logprobs, args, _KL_INPUTS, positional=5)
             direction = args.get("direction")
             if direction not in ("reverse", "forward"):
-                raise ConfigError(f"{field}.kl_args.direction", f"the Top-k KL needs reverse or forward, got {direction!r}")
+                raise ConfigError(
+                    f"{field}.kl_args.direction", f"the Top-k KL needs reverse or forward, got {direction!r}"
+                )
             reverse = direction == "reverse"
-            stats = StatsPlan(old_topk=k if reverse else 0, anchor_topk=0 if reverse else k,
-                              anchor_at_old_topk=reverse, anchor=True)  # fmt: skip
+            stats = StatsPlan(
+                old_topk=k if reverse else 0, anchor_topk=0 if reverse else k, anchor_at_old_topk=reverse, anchor=True
+            )
         elif loss.kl in RPG_KL_TERMS:
             if loss.kl_args.get("importance_weight"):
-                raise ConfigError(f"{field}.kl_args.importance_weight", f"does not apply to {loss.kl} (RPG's "
-                                  "penalties are exact under pi_old; grpo_corrected carries its own weight)")  # fmt: skip
+                raise ConfigError(
+                    f"{field}.kl_args.importance_weight",
+                    f"does not apply to {loss.kl} (RPG's "
+                    "penalties are exact under pi_old; grpo_corrected carries its own weight)",
+                )
             positional = 3 if loss.kl == "grpo_corrected" else 2
-            _bind_arguments(f"{field}.kl_args", RPG_KL_TERMS[loss.kl], args, (*_KL_INPUTS, "divergence"),
-                            positional=positional)  # fmt: skip
+            _bind_arguments(
+                f"{field}.kl_args", RPG_KL_TERMS[loss.kl], args, (*_KL_INPUTS, "divergence"), positional=positional
+            )
             stats = StatsPlan(anchor=True)
         else:
             _bind_arguments(f"{field}.kl_args", sampled_kl, args, _KL_INPUTS, positional=2)
             stats = StatsPlan(anchor=True)
     kwargs = dict(
-        vocab_size=vocab_size, policy_loss=loss.policy_loss, policy_loss_args=loss.policy_loss_args,
-        kl=loss.kl, kl_coef=loss.kl_coef, kl_args=loss.kl_args, entropy_coef=loss.entropy_coef,
-        log_entropy=loss.log_entropy, agg_mode=loss.agg_mode, inplace_backward=loss.inplace_backward,
+        vocab_size=vocab_size,
+        policy_loss=loss.policy_loss,
+        policy_loss_args=loss.policy_loss_args,
+        kl=loss.kl,
+        kl_coef=loss.kl_coef,
+        kl_args=loss.kl_args,
+        entropy_coef=loss.entropy_coef,
+        log_entropy=loss.log_entropy,
+        agg_mode=loss.agg_mode,
+        inplace_backward=loss.inplace_backward,
         **({"chunk_size": loss.chunk_size} if loss.chunk_size else {}),
-    )  # fmt: skip
+    )
     loss_fn = functools.partial(rl_loss, **kwargs)
     _dry_run(loss_fn, stats, k, field)
     return loss_fn, stats
@@ -228,12 +253,15 @@ def _dry_run(loss_fn: Callable, stats: StatsPlan, k: int, field: str) -> None:
     targets = torch.randint(0, vocab, (2, 3), generator=generator)
     topk = torch.arange(k).expand(2, 3, k) if stats.old_topk or stats.anchor_topk else None
     batch = MicroBatch(
-        input_ids=targets, target_ids=targets, loss_mask=torch.tensor([[True, True, False], [True, False, False]]),
+        input_ids=targets,
+        target_ids=targets,
+        loss_mask=torch.tensor([[True, True, False], [True, False, False]]),
         advantages=torch.tensor([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]]),
         old_logprobs=logprobs.gather(-1, targets[..., None])[..., 0],
         anchor_logprobs=logprobs.gather(-1, targets[..., None])[..., 0] - 0.1 if stats.anchor else None,
-        topk_ids=topk, topk_anchor_logprobs=logprobs.gather(-1, topk) if topk is not None else None,
-    )  # fmt: skip
+        topk_ids=topk,
+        topk_anchor_logprobs=logprobs.gather(-1, topk) if topk is not None else None,
+    )
     try:
         out = rl_loss(logits, batch, **{**loss_fn.keywords, "inplace_backward": False}, vocab_start=0, tp_group=None)
         out.loss.loss_sum.backward()
@@ -267,20 +295,29 @@ def _check_router_replay(config: RunConfig, model: ModelConfig, engine: EngineKi
         return
     field, name = "algorithm.router_replay", config.rollout.engine
     if not model.is_moe:
-        raise ConfigError(field, f"rollout replays the routing of a mixture of experts; model {model.family!r} "
-                                 "has no experts: set it to none")  # fmt: skip
+        raise ConfigError(
+            field,
+            f"rollout replays the routing of a mixture of experts; model {model.family!r} "
+            "has no experts: set it to none",
+        )
     if model.num_experts > ROUTED_EXPERT_LIMIT:
-        raise ConfigError(field, f"rollout stores expert ids as int16: model.num_experts={model.num_experts} "
-                                 f"exceeds {ROUTED_EXPERT_LIMIT}")  # fmt: skip
+        raise ConfigError(
+            field,
+            f"rollout stores expert ids as int16: model.num_experts={model.num_experts} exceeds {ROUTED_EXPERT_LIMIT}",
+        )
     if not engine.routes_on:
         able = sorted(n for n, kind in ENGINES.items() if kind.routes_on)
-        raise ConfigError(field, f"rollout needs an engine that returns its routed experts ({able}); "
-                                 f"rollout.engine {name!r} does not")  # fmt: skip
+        raise ConfigError(
+            field, f"rollout needs an engine that returns its routed experts ({able}); rollout.engine {name!r} does not"
+        )
     if config.rollout.search_agent is not None:
         raise ConfigError(field, "rollout is not built for the search agent's multi-turn episodes; set it to none")
     if config.rollout.partial:
-        raise ConfigError(field, "rollout cannot take rollout.partial (a response's routing would come from "
-                                 "several weight versions); set one of them off")  # fmt: skip
+        raise ConfigError(
+            field,
+            "rollout cannot take rollout.partial (a response's routing would come from "
+            "several weight versions); set one of them off",
+        )
 
 
 def _check_anchor(config: RunConfig) -> None:
@@ -303,7 +340,8 @@ def _check_lengths(config: RunConfig, model: ModelConfig) -> None:
         )
     if train.max_seq_len > model.max_position_embeddings:
         raise ConfigError(
-            "train.max_seq_len", f"{train.max_seq_len} exceeds the model's max_position_embeddings={model.max_position_embeddings}"
+            "train.max_seq_len",
+            f"{train.max_seq_len} exceeds the model's max_position_embeddings={model.max_position_embeddings}",
         )
     if sync.probe_length + sync.probe_continuation > max_model_len - 1:
         raise ConfigError(
@@ -338,8 +376,11 @@ def _check_paths(config: RunConfig, model: ModelConfig) -> None:
             except (DataError, ImportError) as error:
                 raise ConfigError(f"{field}[{i}]", str(error)) from None
     checkpoint = config.checkpoint
-    for field, path in (("checkpoint.init_from", checkpoint.init_from), ("checkpoint.continue_from", checkpoint.continue_from),
-                        ("tokenizer", config.tokenizer)):  # fmt: skip
+    for field, path in (
+        ("checkpoint.init_from", checkpoint.init_from),
+        ("checkpoint.continue_from", checkpoint.continue_from),
+        ("tokenizer", config.tokenizer),
+    ):
         if path is not None and not Path(path).is_dir():
             raise ConfigError(field, f"{path} is not a directory")
     if checkpoint.init_from is not None and (Path(checkpoint.init_from) / "config.json").is_file():

@@ -56,11 +56,15 @@ def init_distributed(timeout_minutes: float = 60.0, *, engine_ranks: int = 0, en
     if dist.is_initialized():
         return Role(is_engine=False, rank=dist.get_rank(), engine_ranks=0, link=None)
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun without torchrun
-        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))  # fmt: skip
+        os.environ.update(
+            RANK=os.environ["SLURM_PROCID"],
+            WORLD_SIZE=os.environ["SLURM_NTASKS"],
+            LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
+        )
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))  # fmt: skip
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     return start_worlds(engine_ranks, datetime.timedelta(minutes=timeout_minutes), engine_tp=engine_tp)
 
 
@@ -86,14 +90,22 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("config", help="YAML file (e.g. recipes/demo_cpu.yaml)")
         sub.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
     start = train.add_mutually_exclusive_group()
-    start.add_argument("--resume", action="store_true",
-                       help="continue from the newest intact checkpoint (none yet: start at step 0)")
-    start.add_argument("--overwrite", action="store_true",
-                       help="start a new run over an earlier run's checkpoints and metrics (deletes them)")
+    start.add_argument(
+        "--resume", action="store_true", help="continue from the newest intact checkpoint (none yet: start at step 0)"
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a new run over an earlier run's checkpoints and metrics (deletes them)",
+    )
     for sub in (check, plan):
         sub.add_argument("--world-size", type=int, default=1, help="the number of ranks the run will have (default 1)")
-        sub.add_argument("--gpu-memory-gib", type=float, default=None,
-                         help="each GPU's memory: check the memory plan against it (plan: default an H100 80GB)")
+        sub.add_argument(
+            "--gpu-memory-gib",
+            type=float,
+            default=None,
+            help="each GPU's memory: check the memory plan against it (plan: default an H100 80GB)",
+        )
     check.add_argument("--skip-paths", action="store_true", help="do not read data files or model directories")
     plan.add_argument("--json", action="store_true", help="the plan as JSON (bytes)")
     args = parser.parse_args(argv)
@@ -102,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("check", "plan"):
             device = None if args.gpu_memory_gib is None else _gib_bytes(args.gpu_memory_gib)
             check_paths = args.command == "check" and not args.skip_paths
-            components = _bind(config, args.world_size, check_paths=check_paths,
-                               device_bytes=device if args.command == "check" else None)  # fmt: skip
+            components = _bind(
+                config,
+                args.world_size,
+                check_paths=check_paths,
+                device_bytes=device if args.command == "check" else None,
+            )
     except (ConfigError, FileNotFoundError) as e:
         parser.exit(2, f"empg: error: {e}\n")
     if args.command == "print-config":
@@ -229,10 +245,14 @@ def _bind_and_run(config: RunConfig, world_size: int, held, *, resume: bool, ove
 def _run(config: RunConfig, components, *, resume: bool) -> int:
     from megatron_empg.trainer import watchdog
 
-    role = init_distributed(config.distributed.timeout_minutes, engine_ranks=components.layout.engine_ranks,
-                            engine_tp=config.rollout.tensor_parallel_size)  # fmt: skip
-    watchdog.install(config, _rank_from_environment(), world_size_from_environment(),
-                     role="engine" if role.is_engine else "training")  # fmt: skip
+    role = init_distributed(
+        config.distributed.timeout_minutes,
+        engine_ranks=components.layout.engine_ranks,
+        engine_tp=config.rollout.tensor_parallel_size,
+    )
+    watchdog.install(
+        config, _rank_from_environment(), world_size_from_environment(), role="engine" if role.is_engine else "training"
+    )
     try:
         return _serve_engines(components, role) if role.is_engine else _train_here(config, components, role, resume)
     finally:

@@ -74,8 +74,9 @@ class Scorer:
             result, error = score_guarded(self.reward_fn, texts, examples, timeout_s=data.reward_timeout_s)
         if error is not None and not self._error_logged:
             self._error_logged = True
-            log.warning("%s\n(scored 0 and counted in reward/errors; later bad samples of this step are counted only)",
-                        error)  # fmt: skip
+            log.warning(
+                "%s\n(scored 0 and counted in reward/errors; later bad samples of this step are counted only)", error
+            )
         for sample, score, correct in zip(samples, result.scores, result.correct):
             sample.reward, sample.correct = float(score), bool(correct)
         metrics = {f"reward/{k}": float(v) for k, v in result.metrics.items()}
@@ -83,9 +84,15 @@ class Scorer:
             metrics.setdefault("reward/unscored", 0.0)
         algorithm = self.config.algorithm
         if algorithm.overlong_buffer:
-            penalties = [overlong_penalty(len(s.response_ids), max_length=self.config.rollout.sampling.max_tokens,
-                                          buffer=algorithm.overlong_buffer, factor=algorithm.overlong_penalty)
-                         for s in samples]  # fmt: skip
+            penalties = [
+                overlong_penalty(
+                    len(s.response_ids),
+                    max_length=self.config.rollout.sampling.max_tokens,
+                    buffer=algorithm.overlong_buffer,
+                    factor=algorithm.overlong_penalty,
+                )
+                for s in samples
+            ]
             for sample, penalty in zip(samples, penalties):
                 sample.reward += penalty
             metrics["reward/overlong_penalty"] = sum(penalties)
@@ -99,14 +106,18 @@ class RolloutCollector:
     rank scores without dynamic sampling (None: all; the others' sums stay empty). Every rank of
     the stage's world calls ``collect`` together."""
 
-    def __init__(self, config: RunConfig, stage, batches, scorer: Scorer, *, dp_size: int,
-                 replica: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, config: RunConfig, stage, batches, scorer: Scorer, *, dp_size: int, replica: int | None = None
+    ) -> None:
         self.stage, self.batches, self.scorer, self.dp_size = stage, batches, scorer, dp_size
         self.replica = replica
         dynamic = config.algorithm.dynamic_sampling
         replicas = dp_size // stage.placement.num_engines
-        self.sampler = None if dynamic is None else DynamicSampler(
-            dynamic, quota=config.train.prompts_per_step // dp_size, replicas=replicas)  # fmt: skip
+        self.sampler = (
+            None
+            if dynamic is None
+            else DynamicSampler(dynamic, quota=config.train.prompts_per_step // dp_size, replicas=replicas)
+        )
 
     def collect(self, times: dict[str, float]) -> StepRollout:
         """This step's samples of each replica of this rank's engine, scored; scoring time goes
@@ -135,8 +146,10 @@ class RolloutCollector:
         version = self.stage.weights_version
         if self.sampler is None:
             replicas = draw(0)
-            sums = [sample_sums(samples, score(samples)) if self.replica in (None, r) else {}
-                    for r, samples in enumerate(replicas)]  # fmt: skip
+            sums = [
+                sample_sums(samples, score(samples)) if self.replica in (None, r) else {}
+                for r, samples in enumerate(replicas)
+            ]
             return StepRollout(replicas, sums, engine_metrics[0], version, self.batches.state_dict())
         collected = self.sampler.collect(draw, score)
         metrics = {**merge_engine_metrics(engine_metrics), "dynamic_sampling/gen_batches": float(collected.gen_batches)}

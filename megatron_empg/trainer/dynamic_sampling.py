@@ -102,16 +102,21 @@ class DynamicSampler:
             log.warning(
                 "dynamic sampling: %d generation batches left replica(s) %s short of %d informative groups; "
                 "filled with %s groups that all scored the same (no policy gradient)",
-                batches, [r for r, f in enumerate(filled) if f], self.quota, filled,
-            )  # fmt: skip
+                batches,
+                [r for r, f in enumerate(filled) if f],
+                self.quota,
+                filled,
+            )
         chosen = [kept[r][: self.quota] + dropped[r][: filled[r]] for r in range(self.replicas)]
         out = [[dataclasses.replace(s, group=g) for g, group in enumerate(groups) for s in group] for groups in chosen]
         for r in range(self.replicas):  # summed over replicas with the step's other metrics
-            sums[r].update({
-                "dynamic_sampling/informative_groups": float(len(kept[r])),
-                "dynamic_sampling/drawn_groups": float(len(kept[r]) + len(dropped[r])),
-                "dynamic_sampling/filled_groups": float(filled[r]),
-            })  # fmt: skip
+            sums[r].update(
+                {
+                    "dynamic_sampling/informative_groups": float(len(kept[r])),
+                    "dynamic_sampling/drawn_groups": float(len(kept[r]) + len(dropped[r])),
+                    "dynamic_sampling/filled_groups": float(filled[r]),
+                }
+            )
         return Collected(out, sums, batches)
 
     def _world_max(self, value: int) -> int:

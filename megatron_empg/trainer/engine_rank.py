@@ -67,8 +67,14 @@ class EngineRank:
         tokenizer = load_tokenizer(config)
         self.placement = engine_world_placement(layout.engines, config.rollout.tensor_parallel_size, layout.dp)
         machine.check_machine(config, components.model, engine_rank=self.placement.is_owner)  # shm_dir's room
-        self.stage = RolloutStage(config, components.model, tokenizer, components.engine, self.placement,
-                                  run_dir=Path(run_dir or config.logging.dir))  # fmt: skip
+        self.stage = RolloutStage(
+            config,
+            components.model,
+            tokenizer,
+            components.engine,
+            self.placement,
+            run_dir=Path(run_dir or config.logging.dir),
+        )
         engine = self.stage.engine
         self.transport = components.transport(engine, config.weight_sync) if engine is not None else None
         self.batches = prompt_batches(config, tokenizer)
@@ -76,8 +82,9 @@ class EngineRank:
         self.collector = RolloutCollector(config, self.stage, self.batches, self.scorer, dp_size=layout.dp)
         self.validation_sets = validation_sets(config, tokenizer)
         sync = config.weight_sync
-        self.probe = probe_batch(sync.probe_num_sequences, sync.probe_length, components.model.vocab_size,
-                                 sync.probe_seed)  # fmt: skip
+        self.probe = probe_batch(
+            sync.probe_num_sequences, sync.probe_length, components.model.vocab_size, sync.probe_seed
+        )
         self.signal = 0
         self.listener: TrainerListener | None = None  # rollout.max_staleness >= 1: on engine owners
         self.loaded_in_flight = False  # rollout.partial: an update was loaded inside the last draw
@@ -227,9 +234,12 @@ class EngineRank:
         first = owned[0]
         metrics = {**first.metrics, "time/engine_rollout": seconds, "time/engine_rewards": times.get("rewards", 0.0)}
         return StepRollout(
-            replicas=[r for p in owned for r in p.replicas], sums=[s for p in owned for s in p.sums],
-            metrics=metrics, version=first.version, data_state=first.data_state,
-        )  # fmt: skip
+            replicas=[r for p in owned for r in p.replicas],
+            sums=[s for p in owned for s in p.sums],
+            metrics=metrics,
+            version=first.version,
+            data_state=first.data_state,
+        )
 
     def receive_weights(self, version: int) -> None:
         """One weight update from training rank 0 into this rank's engine, then the gate's probe."""
@@ -258,13 +268,17 @@ class EngineRank:
             return
         mine = None
         if self.stage.engine is not None:
-            probe = engine_probe(self.stage.engine, self.probe, sync.probe_continuation, sync.probe_seed) if gate else None
+            probe = (
+                engine_probe(self.stage.engine, self.probe, sync.probe_continuation, sync.probe_seed) if gate else None
+            )
             check = engine_self_check(self.stage.engine, *probe, sync.probe_length) if gate and ahead else 0.0
             mine = (probe, check, self.stage.weights_version)
         owned = [p for p in self._gather_on_lead(mine) or [] if p is not None]  # engine order
         probes = [p for p, _, _ in owned] if gate else None
         if ahead:
-            self.send(FromEngines(probes=probes, versions=[v for _, _, v in owned], self_check=[c for _, c, _ in owned]))
+            self.send(
+                FromEngines(probes=probes, versions=[v for _, _, v in owned], self_check=[c for _, c, _ in owned])
+            )
         else:
             self.send(FromEngines(probes=probes))
 

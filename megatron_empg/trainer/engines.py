@@ -95,8 +95,14 @@ def training_placement(layout: Layout, groups, link: Link | None) -> EnginePlace
     remote = layout.engine_ranks > 0
     if remote and (dist.get_rank() == 0) != (link is not None):
         raise ValueError("disaggregated engines need the link on training rank 0, and only there")
-    return build_placement(1 if remote else layout.engines, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
-                           dp_rank=groups.dp_rank, dp_size=groups.dp_size, cp_rank=groups.cp_rank)  # fmt: skip
+    return build_placement(
+        1 if remote else layout.engines,
+        tp_rank=groups.tp_rank,
+        pp_rank=groups.pp_rank,
+        dp_rank=groups.dp_rank,
+        dp_size=groups.dp_size,
+        cp_rank=groups.cp_rank,
+    )
 
 
 def engine_on_this_rank(layout: Layout, placement: EnginePlacement) -> bool:
@@ -104,30 +110,64 @@ def engine_on_this_rank(layout: Layout, placement: EnginePlacement) -> bool:
     return layout.engine_ranks == 0 and placement.is_owner
 
 
-def build_engines(components: Components, placement: EnginePlacement, *, tokenizer, batches, scorer: Scorer,
-                  validation_sets: dict, probe: list[list[int]], dp_size: int, replica: int, run_dir: Path,
-                  link: Link | None) -> Engines:  # fmt: skip
+def build_engines(
+    components: Components,
+    placement: EnginePlacement,
+    *,
+    tokenizer,
+    batches,
+    scorer: Scorer,
+    validation_sets: dict,
+    probe: list[list[int]],
+    dp_size: int,
+    replica: int,
+    run_dir: Path,
+    link: Link | None,
+) -> Engines:
     """The engines of ``components.layout`` for this training rank: the engines start here (before
     the policy is built: vLLM checks the free GPU memory it is given). ``batches``: the data
     cursor (disaggregated engines send theirs with each rollout and the training ranks' copy
     follows it, for the checkpoints)."""
     config = components.config
     if components.layout.engine_ranks > 0:
-        return DisaggregatedEngines(config, components.model, link, batches, tokenizer=tokenizer, run_dir=run_dir,
-                                    placement=placement, probe=probe)  # fmt: skip
+        return DisaggregatedEngines(
+            config,
+            components.model,
+            link,
+            batches,
+            tokenizer=tokenizer,
+            run_dir=run_dir,
+            placement=placement,
+            probe=probe,
+        )
     stage = RolloutStage(config, components.model, tokenizer, components.engine, placement, run_dir=run_dir)
     collector = RolloutCollector(config, stage, batches, scorer, dp_size=dp_size, replica=replica)
-    return ColocatedEngines(config, components.model, stage, collector,
-                            lambda engine: components.transport(engine, config.weight_sync), scorer=scorer,
-                            validation_sets=validation_sets, probe=probe)  # fmt: skip
+    return ColocatedEngines(
+        config,
+        components.model,
+        stage,
+        collector,
+        lambda engine: components.transport(engine, config.weight_sync),
+        scorer=scorer,
+        validation_sets=validation_sets,
+        probe=probe,
+    )
 
 
-def _push(config: RunConfig, model: ModelConfig, shards, groups: SyncGroups, transport, step: int,
-          placement: EnginePlacement) -> SyncReport:  # fmt: skip
+def _push(
+    config: RunConfig, model: ModelConfig, shards, groups: SyncGroups, transport, step: int, placement: EnginePlacement
+) -> SyncReport:
     from megatron_empg.weight_sync import bridge
 
-    return bridge.sync_weights(shards, model, groups, transport, version_name(step),
-                               bucket_bytes=int(config.weight_sync.bucket_size_mb * 2**20), placement=placement)  # fmt: skip
+    return bridge.sync_weights(
+        shards,
+        model,
+        groups,
+        transport,
+        version_name(step),
+        bucket_bytes=int(config.weight_sync.bucket_size_mb * 2**20),
+        placement=placement,
+    )
 
 
 class ColocatedEngines:
@@ -137,9 +177,18 @@ class ColocatedEngines:
 
     signal = 0  # the training ranks' own signals are the loop's
 
-    def __init__(self, config: RunConfig, model: ModelConfig, stage: RolloutStage, collector: RolloutCollector,
-                 make_transport: Callable, *, scorer: Scorer, validation_sets: dict,
-                 probe: list[list[int]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        model: ModelConfig,
+        stage: RolloutStage,
+        collector: RolloutCollector,
+        make_transport: Callable,
+        *,
+        scorer: Scorer,
+        validation_sets: dict,
+        probe: list[list[int]],
+    ) -> None:
         self.config, self.model, self.stage, self.collector = config, model, stage, collector
         self.scorer, self.validation_sets, self.probe = scorer, validation_sets, probe
         self._make_transport = make_transport  # (engine) -> its weight transport: again for a restarted engine
@@ -178,9 +227,17 @@ class ColocatedEngines:
         from megatron_empg.weight_sync.gate import verify_sync
 
         sync = self.config.weight_sync
-        return verify_sync(self.stage.engine, self.probe, score, version_name(step), tolerance=sync.gate_tolerance,
-                           continuation=sync.probe_continuation, seed=sync.probe_seed, diagnose=diagnose,
-                           placement=self.stage.placement)  # fmt: skip
+        return verify_sync(
+            self.stage.engine,
+            self.probe,
+            score,
+            version_name(step),
+            tolerance=sync.gate_tolerance,
+            continuation=sync.probe_continuation,
+            seed=sync.probe_seed,
+            diagnose=diagnose,
+            placement=self.stage.placement,
+        )
 
     def validate(self, step: int) -> dict[str, float]:
         return self.stage.validate(self.validation_sets, self.scorer, step)
@@ -214,8 +271,18 @@ class DisaggregatedEngines:
     loaded the weights just pushed (every rollout drawn with older ones has then arrived) and keeps
     the rollouts in ``ready``; a resumed run trains them, and the engines draw on from there."""
 
-    def __init__(self, config: RunConfig, model: ModelConfig, link: Link | None, batches, *, tokenizer,
-                 run_dir: Path, placement: EnginePlacement, probe: list[list[int]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        model: ModelConfig,
+        link: Link | None,
+        batches,
+        *,
+        tokenizer,
+        run_dir: Path,
+        placement: EnginePlacement,
+        probe: list[list[int]],
+    ) -> None:
         from megatron_empg.weight_sync.transport import LinkTransport
 
         self.config, self.model, self.batches, self.tokenizer = config, model, batches, tokenizer
@@ -231,8 +298,9 @@ class DisaggregatedEngines:
         self.gate_value = 0.0
 
     def start(self, step: int, *, validate: bool) -> None:
-        self.remote.start(Start(step, self.batches.state_dict(), pending=len(self.ready),
-                                validate=validate and self.staleness == 0))  # fmt: skip
+        self.remote.start(
+            Start(step, self.batches.state_dict(), pending=len(self.ready), validate=validate and self.staleness == 0)
+        )
         self.remote.stopped = step >= self.config.train.steps  # no step left: the engines stop at once
 
     def rollout(self, step: int, times: dict[str, float], resync: Callable[[], object]) -> StepRollout:
@@ -246,8 +314,9 @@ class DisaggregatedEngines:
         rollout = self.ready.popleft()
         stale = max((step - s.version for replica in rollout.replicas for s in replica), default=0)
         if stale > self.staleness:
-            raise RuntimeError(f"step {step}'s rollout was drawn {stale} steps back, beyond "
-                               f"rollout.max_staleness={self.staleness}")  # fmt: skip
+            raise RuntimeError(
+                f"step {step}'s rollout was drawn {stale} steps back, beyond rollout.max_staleness={self.staleness}"
+            )
         return rollout
 
     def _receive_rollout(self) -> StepRollout:
@@ -279,7 +348,9 @@ class DisaggregatedEngines:
 
         tolerance = self.config.weight_sync.gate_tolerance
         if self.staleness == 0:
-            return verify_probes(self.remote.probes(), score, version_name(step), tolerance=tolerance, diagnose=diagnose)
+            return verify_probes(
+                self.remote.probes(), score, version_name(step), tolerance=tolerance, diagnose=diagnose
+            )
         self.trainer_logprobs[step] = score(self.probe).cpu()
         if self.loaded < 0:  # the run's first weights: the engines are idle, so wait for their probes
             self._wait_loaded(step)
@@ -300,10 +371,16 @@ class DisaggregatedEngines:
             for engine, version in enumerate(message.versions):
                 if version not in self.trainer_logprobs:
                     continue
-                checked.append(verify_staged_probes(
-                    [message.probes[engine]], [message.self_check[engine]], self.trainer_logprobs[version],
-                    version_name(version), tolerance=tolerance, diagnose=diagnose,
-                ))  # fmt: skip
+                checked.append(
+                    verify_staged_probes(
+                        [message.probes[engine]],
+                        [message.self_check[engine]],
+                        self.trainer_logprobs[version],
+                        version_name(version),
+                        tolerance=tolerance,
+                        diagnose=diagnose,
+                    )
+                )
         self.unchecked.clear()
         for version in [v for v in self.trainer_logprobs if v < self.loaded]:  # never loaded, or gated
             del self.trainer_logprobs[version]

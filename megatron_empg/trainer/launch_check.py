@@ -97,9 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.world_size < 1:
             raise ConfigError("world size", f"must be >= 1, got {args.world_size}")
         resolved = resolve_launch(
-            args.config, args.overrides, world_size=args.world_size, tasks_per_node=args.tasks_per_node,
-            gpus_per_node=args.gpus_per_node, cpu=args.cpu,
-        )  # fmt: skip
+            args.config,
+            args.overrides,
+            world_size=args.world_size,
+            tasks_per_node=args.tasks_per_node,
+            gpus_per_node=args.gpus_per_node,
+            cpu=args.cpu,
+        )
     except (ConfigError, FileNotFoundError) as error:
         where = f" (checked for {args.checked_for})" if args.checked_for else ""
         sys.stderr.write(f"{args.prog}: error: {error}{where}\n")

@@ -67,12 +67,16 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
     engine_ranks = rollout.engine_ranks if rollout.disaggregated else 0
     training = world_size - engine_ranks
     if training < 1:
-        raise ConfigError("rollout.engine_ranks", f"{engine_ranks} engine ranks leave no training rank in a world "
-                                                  f"of {world_size}")  # fmt: skip
+        raise ConfigError(
+            "rollout.engine_ranks", f"{engine_ranks} engine ranks leave no training rank in a world of {world_size}"
+        )
     grid = f"TP {tp} x PP {pp}" + (f" x CP {cp}" if cp > 1 else "")
     if training % (tp * pp * cp):
-        of = f"the {training} training ranks (world {world_size} - rollout.engine_ranks {engine_ranks})" if engine_ranks \
-            else f"the world of {world_size} processes"  # fmt: skip
+        of = (
+            f"the {training} training ranks (world {world_size} - rollout.engine_ranks {engine_ranks})"
+            if engine_ranks
+            else f"the world of {world_size} processes"
+        )
         raise ConfigError(
             "parallel.tensor_model_parallel_size",
             f"{of} is not divisible by parallel.tensor_model_parallel_size x "
@@ -98,12 +102,17 @@ def check_layout(config: RunConfig, model: ModelConfig, world_size: int) -> Layo
     if dynamic is not None and dynamic.prompts_per_gen_batch is not None:
         field = "algorithm.dynamic_sampling.prompts_per_gen_batch"
         if dynamic.prompts_per_gen_batch % dp:
-            raise ConfigError(field, f"must be divisible by the data-parallel size {dp} ({where}), "
-                                     f"got {dynamic.prompts_per_gen_batch}")  # fmt: skip
+            raise ConfigError(
+                field,
+                f"must be divisible by the data-parallel size {dp} ({where}), got {dynamic.prompts_per_gen_batch}",
+            )
         if dynamic.prompts_per_gen_batch * dynamic.max_num_gen_batches < train.prompts_per_step:
-            raise ConfigError(field, f"x max_num_gen_batches {dynamic.max_num_gen_batches} = "
-                                     f"{dynamic.prompts_per_gen_batch * dynamic.max_num_gen_batches} prompts cannot "
-                                     f"fill train.prompts_per_step={train.prompts_per_step}")  # fmt: skip
+            raise ConfigError(
+                field,
+                f"x max_num_gen_batches {dynamic.max_num_gen_batches} = "
+                f"{dynamic.prompts_per_gen_batch * dynamic.max_num_gen_batches} prompts cannot "
+                f"fill train.prompts_per_step={train.prompts_per_step}",
+            )
     prompts = train.prompts_per_step // dp
     samples = prompts * config.rollout.sampling.n
     if train.max_tokens_per_microbatch is not None:
@@ -159,21 +168,29 @@ def _check_context_parallel(config: RunConfig, model: ModelConfig) -> None:
     if cp == 1:
         budget = train.max_tokens_per_microbatch
         if budget is not None and budget < train.max_seq_len:
-            raise ConfigError("train.max_tokens_per_microbatch", f"{budget} cannot hold a sequence of "
-                              f"max_seq_len={train.max_seq_len} tokens; set it to at least that")  # fmt: skip
+            raise ConfigError(
+                "train.max_tokens_per_microbatch",
+                f"{budget} cannot hold a sequence of max_seq_len={train.max_seq_len} tokens; set it to at least that",
+            )
         return
     field = "parallel.context_parallel_size"
     if not train.packing:
         raise ConfigError(field, f"{cp} splits packed rows: it needs train.packing true")
     if model.attention_backend not in ("sdpa", "te"):
-        raise ConfigError(field, f"{cp} needs model.attention_backend sdpa or te (their context-parallel "
-                                 f"attention), got {model.attention_backend}")  # fmt: skip
+        raise ConfigError(
+            field,
+            f"{cp} needs model.attention_backend sdpa or te (their context-parallel "
+            f"attention), got {model.attention_backend}",
+        )
     longest = -(-train.max_seq_len // (2 * cp)) * 2 * cp
     budget = train.max_tokens_per_microbatch
     if budget is not None and budget * cp < longest:
-        raise ConfigError("train.max_tokens_per_microbatch", f"{budget} per context-parallel rank x {cp} ranks cannot "
-                          f"hold a sequence of max_seq_len={train.max_seq_len} padded to a multiple of 2 x CP "
-                          f"({longest}); set it to at least {-(-longest // cp)}")  # fmt: skip
+        raise ConfigError(
+            "train.max_tokens_per_microbatch",
+            f"{budget} per context-parallel rank x {cp} ranks cannot "
+            f"hold a sequence of max_seq_len={train.max_seq_len} padded to a multiple of 2 x CP "
+            f"({longest}); set it to at least {-(-longest // cp)}",
+        )
 
 
 def _count_micro_batches(config: RunConfig, samples: int, dp: int, where: str) -> int:
@@ -205,8 +222,9 @@ def widest_row(train: TrainConfig, parallel: ParallelConfig) -> int:
     """The most tokens (padding included) a packed row of the update can have on one rank: its
     token budget, or ``micro_batch_size`` sequences of ``max_seq_len`` without one (a CP rank's
     share of them), rounded up to ``row_multiple``."""
-    tokens = train.max_tokens_per_microbatch or -(-train.micro_batch_size * train.max_seq_len
-                                                  // parallel.context_parallel_size)  # fmt: skip
+    tokens = train.max_tokens_per_microbatch or -(
+        -train.micro_batch_size * train.max_seq_len // parallel.context_parallel_size
+    )
     return -(-tokens // row_multiple(parallel)) * row_multiple(parallel)
 
 
@@ -215,8 +233,11 @@ def _check_forward_budget(config: RunConfig) -> None:
     train = config.train
     budget, widest = train.max_tokens_per_forward_microbatch, widest_row(train, config.parallel)
     if budget is not None and budget < widest:
-        of = f"train.max_tokens_per_microbatch={train.max_tokens_per_microbatch}" if train.max_tokens_per_microbatch \
-            else f"train.micro_batch_size={train.micro_batch_size} x train.max_seq_len={train.max_seq_len}"  # fmt: skip
+        of = (
+            f"train.max_tokens_per_microbatch={train.max_tokens_per_microbatch}"
+            if train.max_tokens_per_microbatch
+            else f"train.micro_batch_size={train.micro_batch_size} x train.max_seq_len={train.max_seq_len}"
+        )
         raise ConfigError(
             "train.max_tokens_per_forward_microbatch",
             f"{budget} cannot hold the update's widest packed row, {of} rounded up to a multiple of "
@@ -278,8 +299,11 @@ def _check_engine_process(config: RunConfig, engine: EngineKind, world_size: int
     name = config.rollout.engine
     if config.weight_sync.transport == "cuda_ipc":
         if config.rollout.in_process:
-            raise ConfigError("rollout.in_process", "true cannot take weight_sync.transport=cuda_ipc (CUDA cannot open an "
-                              "IPC handle in the process that made it); set rollout.in_process=false")  # fmt: skip
+            raise ConfigError(
+                "rollout.in_process",
+                "true cannot take weight_sync.transport=cuda_ipc (CUDA cannot open an "
+                "IPC handle in the process that made it); set rollout.in_process=false",
+            )
         if config.rollout.tensor_parallel_size > 1:
             raise ConfigError(
                 "weight_sync.transport",
@@ -288,14 +312,21 @@ def _check_engine_process(config: RunConfig, engine: EngineKind, world_size: int
                 "use shm_file",
             )
     if config.rollout.disaggregated and config.rollout.in_process and not engine.in_process_beside_training:
-        raise ConfigError("rollout.in_process", f"true cannot run engine {name!r} on an engine rank (it would join "
-                          "the engine ranks' process group); set rollout.in_process=false")  # fmt: skip
+        raise ConfigError(
+            "rollout.in_process",
+            f"true cannot run engine {name!r} on an engine rank (it would join "
+            "the engine ranks' process group); set rollout.in_process=false",
+        )
     if config.rollout.partial and not engine.updates_mid_generation:
         able = sorted(n for n, kind in ENGINES.items() if kind.updates_mid_generation)
-        raise ConfigError("rollout.partial", f"true needs an engine that loads weights between decode steps ({able}); "
-                          f"{name!r} does not")  # fmt: skip
+        raise ConfigError(
+            "rollout.partial",
+            f"true needs an engine that loads weights between decode steps ({able}); {name!r} does not",
+        )
     if not config.rollout.in_process and not engine.own_process:
-        raise ConfigError("rollout.in_process", f"false needs an engine that runs in its own process; {name!r} does not")
+        raise ConfigError(
+            "rollout.in_process", f"false needs an engine that runs in its own process; {name!r} does not"
+        )
     if config.rollout.in_process and world_size > 1 and not engine.in_process_beside_training:
         raise ConfigError(
             "rollout.in_process",

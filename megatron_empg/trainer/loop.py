@@ -80,15 +80,22 @@ class Trainer:
         self.tokenizer = load_tokenizer(config)
         self.groups = groups = parallel_state.initialize_model_parallel(config.parallel, config.train.seed)
         self.placement = training_placement(layout, groups, link)
-        self.batching = BatchStage(config, self.model, self.placement, groups,
-                                   pad_id=self.tokenizer.pad_token_id or 0)  # fmt: skip
+        self.batching = BatchStage(config, self.model, self.placement, groups, pad_id=self.tokenizer.pad_token_id or 0)
         self._check_machine(engine_here=engine_on_this_rank(layout, self.placement))
         self._build_data()
         self.engines = build_engines(
-            components, self.placement, tokenizer=self.tokenizer, batches=self.batches, scorer=self.scorer,
-            validation_sets=self.validation_sets, probe=self._probe_batch(), dp_size=groups.dp_size,
-            replica=self.batching.replica, run_dir=self.run_dir, link=link,
-        )  # fmt: skip
+            components,
+            self.placement,
+            tokenizer=self.tokenizer,
+            batches=self.batches,
+            scorer=self.scorer,
+            validation_sets=self.validation_sets,
+            probe=self._probe_batch(),
+            dp_size=groups.dp_size,
+            replica=self.batching.replica,
+            run_dir=self.run_dir,
+            link=link,
+        )
         # Megatron's checkpoint writer (a spawned process): a pre-emption signal to the process group must
         # not kill it
         with ignored_in_children():
@@ -133,8 +140,14 @@ class Trainer:
             log.info("activation recompute: %s", ", ".join(f"{k}={v}" for k, v in recompute.items()))
         fusions = fusion_plan(self.components.attention, cuda=torch.cuda.is_available())
         log.info("attention %s; %s", self.components.attention.describe(), fusions.describe())
-        chunks = build_gpt_model(self.model, cfg.parallel, params_dtype=DTYPES[cfg.train.params_dtype],
-                                 fusions=fusions, **recompute, **self._routing_replay())  # fmt: skip
+        chunks = build_gpt_model(
+            self.model,
+            cfg.parallel,
+            params_dtype=DTYPES[cfg.train.params_dtype],
+            fusions=fusions,
+            **recompute,
+            **self._routing_replay(),
+        )
         if cfg.checkpoint.init_from is not None:
             load_initial_weights(chunks, cfg.checkpoint.init_from, self.model, cfg, self.groups)
         self.models = wrap_with_ddp(chunks, cfg.optimizer)
@@ -146,20 +159,39 @@ class Trainer:
 
         algorithm = self.config.algorithm
         if self.components.stats.anchor_is_old:
-            log.info("iterative reference: the KL's anchor is each step's behaviour policy (tau 0 every %d optimizer "
-                     "steps), so the old pass's log-probs serve it; no anchor model is kept", algorithm.mini_batches)
+            log.info(
+                "iterative reference: the KL's anchor is each step's behaviour policy (tau 0 every %d optimizer "
+                "steps), so the old pass's log-probs serve it; no anchor model is kept",
+                algorithm.mini_batches,
+            )
         if not self.components.stats.anchor:
             return None
         anchor = algorithm.anchor
         te_fp8 = machine.te_fp8(self.config)
-        log.info("EMA anchor: tau %g every %d optimizer steps, %s weights%s", anchor.tau, anchor.period,
-                 anchor.compute_dtype, " (Transformer Engine FP8)" if te_fp8 else
-                 " (emulated FP8)" if anchor.compute_dtype == "float8_e4m3fn" else "")  # fmt: skip
+        log.info(
+            "EMA anchor: tau %g every %d optimizer steps, %s weights%s",
+            anchor.tau,
+            anchor.period,
+            anchor.compute_dtype,
+            " (Transformer Engine FP8)"
+            if te_fp8
+            else " (emulated FP8)"
+            if anchor.compute_dtype == "float8_e4m3fn"
+            else "",
+        )
         return EmaAnchor.from_configs(
-            self.model, self.config.parallel, self.models, self.optimizer, tau=anchor.tau, period=anchor.period,
-            first_update=anchor.first_update, compute_dtype=DTYPES[anchor.compute_dtype],
-            master_on_cpu=anchor.master_on_cpu, te_fp8=te_fp8, **self._routing_replay(),
-        )  # fmt: skip
+            self.model,
+            self.config.parallel,
+            self.models,
+            self.optimizer,
+            tau=anchor.tau,
+            period=anchor.period,
+            first_update=anchor.first_update,
+            compute_dtype=DTYPES[anchor.compute_dtype],
+            master_on_cpu=anchor.master_on_cpu,
+            te_fp8=te_fp8,
+            **self._routing_replay(),
+        )
 
     def _routing_replay(self) -> dict[str, bool]:
         """The model builders' switch for ``algorithm.router_replay: rollout``: routers that replay
@@ -283,8 +315,12 @@ class Trainer:
         from megatron_empg.mcore.step import StatsRequest
 
         plan = self.components.stats
-        request = StatsRequest(vocab_size=self.model.vocab_size, k=plan.old_topk, with_entropy=False,
-                               chunk_size=self.config.algorithm.loss.chunk_size)  # fmt: skip
+        request = StatsRequest(
+            vocab_size=self.model.vocab_size,
+            k=plan.old_topk,
+            with_entropy=False,
+            chunk_size=self.config.algorithm.loss.chunk_size,
+        )
         for mb, out in zip(micro, self._forward_stats(self.models, micro, request)):
             mb.old_logprobs = out["logprobs"]
             if plan.old_topk:
@@ -302,10 +338,12 @@ class Trainer:
         if not plan.anchor:
             return
         request = StatsRequest(
-            vocab_size=self.model.vocab_size, k=plan.anchor_topk, with_entropy=False,
+            vocab_size=self.model.vocab_size,
+            k=plan.anchor_topk,
+            with_entropy=False,
             extra_ids_key="topk_ids" if plan.anchor_at_old_topk else None,
             chunk_size=self.config.algorithm.loss.chunk_size,
-        )  # fmt: skip
+        )
         for mb, out in zip(micro, self._forward_stats(self.anchor.models, micro, request)):
             mb.anchor_logprobs = out["logprobs"]
             if plan.anchor_at_old_topk:
@@ -331,13 +369,25 @@ class Trainer:
         units = functools.partial(loss_units, agg_mode=self.config.algorithm.loss.agg_mode)
         results = []
         for micro in minis:
-            results.append(train_step(self.models, self.optimizer, self.scheduler, micro, self.components.loss_fn,
-                                      groups=self.groups, fused_output=self.config.train.fused_output_loss,
-                                      guard=self.bad_steps.guard, loss_units=units))  # fmt: skip
+            results.append(
+                train_step(
+                    self.models,
+                    self.optimizer,
+                    self.scheduler,
+                    micro,
+                    self.components.loss_fn,
+                    groups=self.groups,
+                    fused_output=self.config.train.fused_output_loss,
+                    guard=self.bad_steps.guard,
+                    loss_units=units,
+                )
+            )
             self.optimizer_steps += results[-1].skipped is None
         # a mixture of experts' routing metrics keep their own moe/ names (mcore.moe)
-        merged = {k if k.startswith("moe/") else f"actor/{k}": statistics.fmean(r.metrics[k] for r in results)
-                  for k in results[0].metrics}  # fmt: skip
+        merged = {
+            k if k.startswith("moe/") else f"actor/{k}": statistics.fmean(r.metrics[k] for r in results)
+            for k in results[0].metrics
+        }
         merged["actor/grad_norm"] = statistics.fmean(r.grad_norm for r in results)
         merged["actor/lr"] = results[-1].lr
         merged["train/skipped_steps"] = float(self.bad_steps.record(self.step_index + 1, [r.skipped for r in results]))
@@ -356,8 +406,13 @@ class Trainer:
         from megatron_empg.mcore.step import score_sequences
         from megatron_empg.weight_sync import bridge
 
-        groups = bridge.SyncGroups(self.groups.tp_group, self.groups.pp_group, self.placement.feeds_engine,
-                                   ep_group=self.groups.ep_group, etp_group=self.groups.etp_group)  # fmt: skip
+        groups = bridge.SyncGroups(
+            self.groups.tp_group,
+            self.groups.pp_group,
+            self.placement.feeds_engine,
+            ep_group=self.groups.ep_group,
+            etp_group=self.groups.etp_group,
+        )
         shards = named_weight_shards(self.models)
         report = self.engines.push(shards, groups, self.step_index)
         metrics = {"sync/seconds": report.seconds, "sync/gbytes": report.num_bytes / 1e9}
@@ -370,21 +425,40 @@ class Trainer:
             metrics["sync/gate_max_logprob_diff"] = self.engines.gate(self.step_index, score, diagnose)
         return metrics
 
-    def metrics(self, rollout: StepRollout, samples: list[Sample], batch: StepBatch, update_metrics, sync_metrics,
-                times, behavior: dict[str, float]) -> dict[str, float]:  # fmt: skip
+    def metrics(
+        self,
+        rollout: StepRollout,
+        samples: list[Sample],
+        batch: StepBatch,
+        update_metrics,
+        sync_metrics,
+        times,
+        behavior: dict[str, float],
+    ) -> dict[str, float]:
         """Per-step metrics: ``sample_means`` of what this replica sampled (``rollout.sums``, all
         generation batches) over data-parallel replicas (one all-reduce), the loss tokens per
         trained sample (``samples``), dynamic sampling's group counts, the micro-batches' padding,
         the mean gap between the old pass's and the engine's log-probs and their importance ratios
         (``behavior``: ``core.behavior_is.behavior_stats``' sums), throughput, and this rank's
         timings."""
-        local = {**rollout.sums[self.batching.replica], "loss_tokens": sum(s.loss_tokens for s in samples),
-                 "trained": len(samples), "no_loss": sum(s.loss_tokens == 0 for s in samples), "batch_tokens": batch.tokens,
-                 "batch_slots": batch.slots, "micro_batches": sum(len(mini) for mini in batch.minis),
-                 "forward_micro_batches": batch.forward_micro_batches, "imbalance": batch.imbalance}  # fmt: skip
+        local = {
+            **rollout.sums[self.batching.replica],
+            "loss_tokens": sum(s.loss_tokens for s in samples),
+            "trained": len(samples),
+            "no_loss": sum(s.loss_tokens == 0 for s in samples),
+            "batch_tokens": batch.tokens,
+            "batch_slots": batch.slots,
+            "micro_batches": sum(len(mini) for mini in batch.minis),
+            "forward_micro_batches": batch.forward_micro_batches,
+            "imbalance": batch.imbalance,
+        }
         local["sampler_gap"], local["sampler_gap_tokens"] = batch.sampler_gap()
-        from_rows = {"batch_slots": local["batch_slots"], "sampler_gap": local["sampler_gap"],
-                     "sampler_gap_tokens": local["sampler_gap_tokens"], **behavior}  # fmt: skip
+        from_rows = {
+            "batch_slots": local["batch_slots"],
+            "sampler_gap": local["sampler_gap"],
+            "sampler_gap_tokens": local["sampler_gap_tokens"],
+            **behavior,
+        }
         if self.groups.cp_size > 1:  # each context-parallel rank holds its share of every row
             from_rows = all_reduce_sums(from_rows, self.groups.cp_group)
         totals = all_reduce_sums({**local, **from_rows}, self.groups.dp_group)
@@ -400,8 +474,11 @@ class Trainer:
             "batch/sampler_logprob_gap": totals["sampler_gap"] / max(totals["sampler_gap_tokens"], 1),
             **behavior_metrics(totals),
             "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
-            **{f"time/{k}": v for k, v in times.items()}, **rollout.metrics, **update_metrics, **sync_metrics,
-        }  # fmt: skip
+            **{f"time/{k}": v for k, v in times.items()},
+            **rollout.metrics,
+            **update_metrics,
+            **sync_metrics,
+        }
         if self.config.algorithm.dynamic_sampling is not None:
             drawn = max(totals["dynamic_sampling/drawn_groups"], 1)
             metrics["dynamic_sampling/informative_fraction"] = totals["dynamic_sampling/informative_groups"] / drawn
@@ -428,12 +505,21 @@ class Trainer:
             "engines": engines,  # e.g. rollouts drawn ahead: trained on resume, not drawn again
         }
         return save_checkpoint(
-            cfg.dir, self.step_index, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler,
-            anchor=self.anchor, extra_state=extra, groups=self.groups, keep_last=cfg.keep_last,
+            cfg.dir,
+            self.step_index,
+            models=self.models,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            anchor=self.anchor,
+            extra_state=extra,
+            groups=self.groups,
+            keep_last=cfg.keep_last,
             checksums=cfg.verify == "checksum",
-            model_name=self.model.name, optimizer_format=cfg.optimizer_format, model_config=self.model,
+            model_name=self.model.name,
+            optimizer_format=cfg.optimizer_format,
+            model_config=self.model,
             hf_assets=self.engines.hf_assets(),  # the tokenizer
-        )  # fmt: skip
+        )
 
     def resume(self) -> bool:
         """Load the newest intact checkpoint of ``checkpoint.dir`` (a damaged one is named and skipped:
@@ -469,9 +555,14 @@ class Trainer:
         from megatron_empg.mcore.checkpoint import load_checkpoint
 
         extra = load_checkpoint(
-            directory, models=self.models, optimizer=self.optimizer, scheduler=self.scheduler, anchor=self.anchor,
-            groups=self.groups, model_name=self.model.name,
-        )  # fmt: skip
+            directory,
+            models=self.models,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            anchor=self.anchor,
+            groups=self.groups,
+            model_name=self.model.name,
+        )
         self.step_index = extra["step"]
         self.optimizer_steps = extra["optimizer_steps"]
         self.bad_steps.load_state_dict(extra.get("bad_steps"))  # absent from older checkpoints

@@ -24,15 +24,23 @@ def check_machine(config: RunConfig, model: ModelConfig, *, engine_rank: bool) -
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ENGINES[config.rollout.engine].routes_on:
             able = sorted(n for n, kind in ENGINES.items() if device in kind.routes_on)
-            raise ConfigError("algorithm.router_replay", f"rollout needs an engine that returns its routed experts "
-                              f"on {device} ({able}); rollout.engine {config.rollout.engine!r} returns them on "
-                              f"{list(ENGINES[config.rollout.engine].routes_on)} only")  # fmt: skip
+            raise ConfigError(
+                "algorithm.router_replay",
+                f"rollout needs an engine that returns its routed experts "
+                f"on {device} ({able}); rollout.engine {config.rollout.engine!r} returns them on "
+                f"{list(ENGINES[config.rollout.engine].routes_on)} only",
+            )
     if config.algorithm.anchor.fp8 == "te" and not te_fp8_possible():
-        raise ConfigError("algorithm.anchor.fp8", "te needs a GPU and Transformer Engine (the NGC container); "
-                          "use fp8: emulated or auto elsewhere")  # fmt: skip
+        raise ConfigError(
+            "algorithm.anchor.fp8",
+            "te needs a GPU and Transformer Engine (the NGC container); use fp8: emulated or auto elsewhere",
+        )
     if engine_rank and config.weight_sync.transport == "cuda_ipc" and not torch.cuda.is_available():
-        raise ConfigError("weight_sync.transport", "cuda_ipc hands the engine CUDA IPC handles and needs a GPU on "
-                          "every engine's owner; use shm_file without GPUs")  # fmt: skip
+        raise ConfigError(
+            "weight_sync.transport",
+            "cuda_ipc hands the engine CUDA IPC handles and needs a GPU on "
+            "every engine's owner; use shm_file without GPUs",
+        )
     if engine_rank and config.weight_sync.transport == "shm_file":
         from megatron_empg.weight_sync.transport import check_free_space
 

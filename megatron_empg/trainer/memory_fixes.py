@@ -91,8 +91,15 @@ def _candidates(components, plan: MemoryPlan) -> list[tuple[str, tuple[str, ...]
     return out
 
 
-def cheapest_fixes(components, world_size: int, device_bytes: int, *, options: PlanOptions = PlanOptions(),
-                   bind: Callable, limit: int = 5) -> list[Fix]:  # fmt: skip
+def cheapest_fixes(
+    components,
+    world_size: int,
+    device_bytes: int,
+    *,
+    options: PlanOptions = PlanOptions(),
+    bind: Callable,
+    limit: int = 5,
+) -> list[Fix]:
     """Up to ``limit`` single changes that make ``components``' plan fit ``device_bytes`` (one per
     kind: the largest token budget, the least tensor parallelism), cheapest first; if none does,
     the candidates added up in order until one fits (one combined ``Fix``), or []."""
@@ -153,8 +160,9 @@ def _plan(config: RunConfig, overrides, world_size, device_bytes, options, bind)
     return plan_memory(components, device_bytes=device_bytes, options=options)
 
 
-def check_memory(components, world_size: int, device_bytes: int, *, bind: Callable,
-                 options: PlanOptions = PlanOptions()) -> MemoryPlan:  # fmt: skip
+def check_memory(
+    components, world_size: int, device_bytes: int, *, bind: Callable, options: PlanOptions = PlanOptions()
+) -> MemoryPlan:
     """The plan on ``device_bytes``; when it does not fit, a ``ConfigError`` naming
     ``train.memory_check`` with the largest terms and the fixes (a warning with
     ``train.memory_check: warn``)."""

@@ -107,24 +107,38 @@ class MemoryPlan:
     def to_json(self) -> dict[str, Any]:
         ranks = []
         for r in self.ranks:
-            ranks.append({
-                "kind": r.kind, "peak_bytes": r.peak_bytes, "peak_phase": r.peak_phase,
-                "weights_and_optimizer_bytes": r.group("weights", "gradients", "main_parameters", "adam"),
-                "anchor_bytes": r.group("anchor_weights", "anchor_master"),
-                "activation_bytes": r.phases.get("update", {}).get("activations", 0),
-                "resident": r.resident, "phases": r.phases, "device": r.device,
-                "phase_totals": {p: r.total(p) for p in r.phases},
-            })  # fmt: skip
-        return {"summary": self.summary, "device_bytes": self.device_bytes, "device_assumed": self.device_assumed,
-                "fits": self.fits, "ranks": ranks, "host": self.host}  # fmt: skip
+            ranks.append(
+                {
+                    "kind": r.kind,
+                    "peak_bytes": r.peak_bytes,
+                    "peak_phase": r.peak_phase,
+                    "weights_and_optimizer_bytes": r.group("weights", "gradients", "main_parameters", "adam"),
+                    "anchor_bytes": r.group("anchor_weights", "anchor_master"),
+                    "activation_bytes": r.phases.get("update", {}).get("activations", 0),
+                    "resident": r.resident,
+                    "phases": r.phases,
+                    "device": r.device,
+                    "phase_totals": {p: r.total(p) for p in r.phases},
+                }
+            )
+        return {
+            "summary": self.summary,
+            "device_bytes": self.device_bytes,
+            "device_assumed": self.device_assumed,
+            "fits": self.fits,
+            "ranks": ranks,
+            "host": self.host,
+        }
 
     def describe(self) -> str:
         lines = [self.summary]
         for r in self.ranks:
             free = self.device_bytes - r.peak_bytes
             verdict = f"fits ({_gib(free)} free)" if free >= 0 else f"DOES NOT FIT ({_gib(-free)} over)"
-            lines.append(f"{r.kind}: peak {_gib(r.peak_bytes)} of {_gib(self.device_bytes)} in the {r.peak_phase} "
-                         f"phase: {verdict}")  # fmt: skip
+            lines.append(
+                f"{r.kind}: peak {_gib(r.peak_bytes)} of {_gib(self.device_bytes)} in the {r.peak_phase} "
+                f"phase: {verdict}"
+            )
             held = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in r.resident.items() if v)
             lines.append(f"  held always: {held}")
             for phase in r.phases:
@@ -145,8 +159,9 @@ def _gib(n: int) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def plan_memory(components, *, device_bytes: int | None = None, options: PlanOptions = PlanOptions(),
-                ranks_per_node: int = 8) -> MemoryPlan:  # fmt: skip
+def plan_memory(
+    components, *, device_bytes: int | None = None, options: PlanOptions = PlanOptions(), ranks_per_node: int = 8
+) -> MemoryPlan:
     """The ``MemoryPlan`` of ``components`` (``trainer.build.bind``'s) on GPUs of ``device_bytes``
     (None: an H100 80GB's, marked as assumed)."""
     config, model, layout = components.config, components.model, components.layout
@@ -155,12 +170,14 @@ def plan_memory(components, *, device_bytes: int | None = None, options: PlanOpt
     ranks = [max(stages, key=lambda r: r.peak_bytes)]
     if layout.engine_ranks:
         ranks.append(_engine_rank(config, device, options.calibration))
-    summary = (f"plan: {model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp}"
-               f"{f' x CP {layout.cp}' if layout.cp > 1 else ''} x DP {layout.dp}"
-               f"{f'; experts EP {config.parallel.expert_model_parallel_size} x ETP {config.parallel.expert_tp_size}' if model.is_moe else ''}"
-               f"{f', {layout.engine_ranks} engine ranks' if layout.engine_ranks else ''}), attention "
-               f"{model.attention_backend}, {config.train.params_dtype}; device {_gib(device)}"
-               f"{' (assumed: an H100 80GB; --gpu-memory-gib to set it)' if device_bytes is None else ''}")  # fmt: skip
+    summary = (
+        f"plan: {model.name} on {layout.world_size} ranks (TP {layout.tp} x PP {layout.pp}"
+        f"{f' x CP {layout.cp}' if layout.cp > 1 else ''} x DP {layout.dp}"
+        f"{f'; experts EP {config.parallel.expert_model_parallel_size} x ETP {config.parallel.expert_tp_size}' if model.is_moe else ''}"
+        f"{f', {layout.engine_ranks} engine ranks' if layout.engine_ranks else ''}), attention "
+        f"{model.attention_backend}, {config.train.params_dtype}; device {_gib(device)}"
+        f"{' (assumed: an H100 80GB; --gpu-memory-gib to set it)' if device_bytes is None else ''}"
+    )
     return MemoryPlan(summary, device, device_bytes is None, ranks, _host(components, ranks_per_node), stages)
 
 
@@ -208,16 +225,25 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
         "anchor_weights": 0,
         "anchor_master": 0,
         "score_buffer": BF16 * heads * min(train.max_seq_len, max(tokens, forward_tokens)) ** 2
-        if attention == "unfused" else 0,
+        if attention == "unfused"
+        else 0,
         "micro_batches": terms.microbatch_tensor_bytes(  # this rank's share of the step's rows, on the device
-            config, layout.samples_per_replica * train.max_seq_len // layout.cp, stats.old_topk or stats.anchor_topk),
-    }  # fmt: skip
+            config, layout.samples_per_replica * train.max_seq_len // layout.cp, stats.old_topk or stats.anchor_topk
+        ),
+    }
     if stats.anchor:
         anchor_bytes = {"bfloat16": BF16, "float32": FP32, "float8_e4m3fn": 1 + BF16}[anchor.compute_dtype]
         resident["anchor_weights"] = shape.params * anchor_bytes
         resident["anchor_master"] = 0 if anchor.master_on_cpu else sharded * FP32
-    linear, quadratic = terms.layer_activations(model, layout.tp, attention, fused_swiglu=options.fused_swiglu,
-                                                cp=layout.cp, cal=cal, etp=parallel.expert_tp_size)  # fmt: skip
+    linear, quadratic = terms.layer_activations(
+        model,
+        layout.tp,
+        attention,
+        fused_swiglu=options.fused_swiglu,
+        cp=layout.cp,
+        cal=cal,
+        etp=parallel.expert_tp_size,
+    )
     in_flight = _in_flight_layers(shape.layers, layout.pp, parallel.virtual_pipeline_model_parallel_size, pp_rank)
     squares = terms.sequence_terms(tokens, train.max_seq_len)
     per_layer = linear * tokens + quadratic * squares
@@ -233,8 +259,9 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
     if train.fused_output_loss:
         update_logits = BF16 * cal.fused_output_chunk * vocab
     else:
-        update_logits = terms.logits_bytes(tokens, vocab, inplace_backward=config.algorithm.loss.inplace_backward,
-                                           padded_rows=rows)  # fmt: skip
+        update_logits = terms.logits_bytes(
+            tokens, vocab, inplace_backward=config.algorithm.loss.inplace_backward, padded_rows=rows
+        )
     h, f = model.hidden_size, model.ffn_hidden_size // layout.tp
     if model.is_moe:
         mlp = terms.moe_forward_bytes(model, parallel.expert_tp_size, fused_swiglu=options.fused_swiglu)
@@ -250,13 +277,21 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
         "weight_sync": {"bucket": int(config.weight_sync.bucket_size_mb * 2**20)},
         "old_pass": dict(forward),
         "anchor_pass": dict(forward) if stats.anchor else {},
-        "update": {"activations": int(activations), "logits": update_logits, "vocab_scratch": 2 * scratch,
-                   "weight_gradient": BF16 * shape.largest_weight, "moe_dispatch": terms.moe_dispatch_bytes(model, tokens)},  # fmt: skip
+        "update": {
+            "activations": int(activations),
+            "logits": update_logits,
+            "vocab_scratch": 2 * scratch,
+            "weight_gradient": BF16 * shape.largest_weight,
+            "moe_dispatch": terms.moe_dispatch_bytes(model, tokens),
+        },
         "optimizer": {"adam_temporaries": sharded * FP32},
         # the save gathers a sharded anchor master whole (EmaAnchor.full_master_state); the rest
         # goes to the host one tensor at a time (mcore.checkpoint_stream)
-        "checkpoint": {"anchor_master_gathered": shape.params * FP32
-                       if stats.anchor and (dp_shard > 1 or expert_dp > 1) and not anchor.master_on_cpu else 0},
+        "checkpoint": {
+            "anchor_master_gathered": shape.params * FP32
+            if stats.anchor and (dp_shard > 1 or expert_dp > 1) and not anchor.master_on_cpu
+            else 0
+        },
     }
     asleep = {"cuda_context": cal.cuda_context, **engine["asleep"]}
     device_terms = {phase: dict(asleep) for phase in PHASES}
@@ -274,24 +309,36 @@ def _colocated_engine(config: RunConfig, model, layout, device: int, cal: Calibr
     weights = terms.params_bytes(model, rollout.dtype, rollout.tensor_parallel_size)
     context = cal.cuda_context if not rollout.in_process else 0
     if rollout.engine == "hf":
-        tokens = layout.samples_per_replica * (layout.dp // layout.engines) * (rollout.max_model_len or model.max_position_embeddings)
+        tokens = (
+            layout.samples_per_replica
+            * (layout.dp // layout.engines)
+            * (rollout.max_model_len or model.max_position_embeddings)
+        )
         kv = terms.kv_cache_bytes_per_token(model, rollout.dtype) * tokens
         asleep = {} if rollout.sleep_while_training else {"engine_weights": weights}
-        return {"asleep": asleep, "awake": {"engine_weights": weights, "engine_kv_cache": kv},
-                "weights": {"engine_weights": weights}}  # fmt: skip
+        return {
+            "asleep": asleep,
+            "awake": {"engine_weights": weights, "engine_kv_cache": kv},
+            "weights": {"engine_weights": weights},
+        }
     awake = int(rollout.gpu_memory_utilization * device)
     if not rollout.sleep_while_training:
         asleep = {"engine_awake": awake, "engine_context": context}
     else:
         asleep = {"engine_asleep": cal.engine_asleep}
-    return {"asleep": asleep, "awake": {"engine_awake": awake, "engine_context": context},
-            "weights": {"engine_asleep": cal.engine_asleep, "engine_weights": weights}}  # fmt: skip
+    return {
+        "asleep": asleep,
+        "awake": {"engine_awake": awake, "engine_context": context},
+        "weights": {"engine_asleep": cal.engine_asleep, "engine_weights": weights},
+    }
 
 
 def _engine_rank(config: RunConfig, device: int, cal: Calibration) -> RankPlan:
     awake = int(config.rollout.gpu_memory_utilization * device)
     phases = {"rollout": {}}
-    return RankPlan("engine rank", {}, phases, {"rollout": {"cuda_context": cal.cuda_context, "engine_awake": awake}}, 0.0)
+    return RankPlan(
+        "engine rank", {}, phases, {"rollout": {"cuda_context": cal.cuda_context, "engine_awake": awake}}, 0.0
+    )
 
 
 def _host(components, ranks_per_node: int) -> dict[str, int]:
@@ -311,12 +358,13 @@ def _host(components, ranks_per_node: int) -> dict[str, int]:
     owners = max(1, min(ranks_per_node, layout.engine_ranks) // rollout.tensor_parallel_size)
     host = {
         "shm_buckets": engines * bucket_file_bytes(config, model) if config.weight_sync.transport == "shm_file" else 0,
-        "anchor_master_pinned": per_node * sharded * FP32
-        if components.stats.anchor and anchor.master_on_cpu else 0,
+        "anchor_master_pinned": per_node * sharded * FP32 if components.stats.anchor and anchor.master_on_cpu else 0,
         "engine_weights_offloaded": engines * terms.params_bytes(model, rollout.dtype, rollout.tensor_parallel_size)
-        if rollout.sleep_while_training and rollout.sleep_level == 1 else 0,
+        if rollout.sleep_while_training and rollout.sleep_level == 1
+        else 0,
         "checkpoint_staging": per_node * shape.largest_weight * FP32,  # one tensor per rank at a time
         "staged_weight_updates": owners * 3 * terms.params_bytes(model, rollout.dtype)
-        if layout.engine_ranks and rollout.max_staleness else 0,  # on an engine node
-    }  # fmt: skip
+        if layout.engine_ranks and rollout.max_staleness
+        else 0,  # on an engine node
+    }
     return host

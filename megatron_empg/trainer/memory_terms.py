@@ -86,8 +86,14 @@ def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> Ra
     if last and model.tie_word_embeddings and pp > 1:
         tensors.append(vocab_rows * model.hidden_size)
     layers = model.num_layers // pp
-    return RankShape(params=sum(tensors), layers=layers, vocab_rows=vocab_rows, last_stage=last,
-                     largest_weight=max(tensors), expert_params=layers * sum(local_experts(model, parallel)))  # fmt: skip
+    return RankShape(
+        params=sum(tensors),
+        layers=layers,
+        vocab_rows=vocab_rows,
+        last_stage=last,
+        largest_weight=max(tensors),
+        expert_params=layers * sum(local_experts(model, parallel)),
+    )
 
 
 def moe_activations(model: ModelConfig, etp: int, *, fused_swiglu: bool) -> float:
@@ -108,8 +114,16 @@ def moe_dispatch_bytes(model: ModelConfig, tokens: int) -> int:
     return 2 * BF16 * model.hidden_size * model.moe_router_topk * tokens if model.is_moe else 0
 
 
-def layer_activations(model: ModelConfig, tp: int, attention: str, *, fused_swiglu: bool, cp: int = 1,
-                      cal: Calibration = CUDA, etp: int | None = None) -> tuple[float, float]:  # fmt: skip
+def layer_activations(
+    model: ModelConfig,
+    tp: int,
+    attention: str,
+    *,
+    fused_swiglu: bool,
+    cp: int = 1,
+    cal: Calibration = CUDA,
+    etp: int | None = None,
+) -> tuple[float, float]:
     """(bytes per token, bytes per token x sequence length) one layer keeps for backward (module
     docstring); the second is the unfused attention's scores, 0 for the fused backends. Under
     context parallelism (``cp`` > 1) per token of this rank's share, plus the K and V gathered from

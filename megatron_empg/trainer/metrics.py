@@ -30,11 +30,13 @@ def sample_sums(samples: list[Sample], reward_metrics: dict[str, float]) -> dict
     agent's per-episode counts (``rollout/*``) and the reward function's counts and sums
     (``reward_metrics``, ``reward/*``)."""
     sums = {
-        "reward_sum": sum(s.reward for s in samples), "reward_sq_sum": sum(s.reward * s.reward for s in samples),
-        "correct": sum(s.correct for s in samples), "samples": len(samples),
+        "reward_sum": sum(s.reward for s in samples),
+        "reward_sq_sum": sum(s.reward * s.reward for s in samples),
+        "correct": sum(s.correct for s in samples),
+        "samples": len(samples),
         "response_tokens": sum(len(s.response_ids) for s in samples),
         "truncated": sum(s.finish_reason == "length" for s in samples),
-    }  # fmt: skip
+    }
     for sample in samples:
         add_sums(sums, {f"rollout/{key}": value for key, value in sample.stats.items()})
     return {**sums, **reward_metrics}
@@ -90,12 +92,14 @@ def rollout_metrics(rollout: StepRollout, step: int) -> dict[str, float]:
     digest = 0
     for s in samples:
         digest = zlib.crc32(array.array("q", [s.group, *s.response_ids]).tobytes(), digest)
-    return {"rollout/staleness_mean": statistics.fmean(lags) if lags else 0.0,
-            "rollout/staleness_max": float(max(lags, default=0)),
-            "rollout/staleness_token_mean": statistics.fmean(token_lags) if token_lags else 0.0,
-            "rollout/partial_fraction": sum(n > 1 for n in spans) / len(spans) if spans else 0.0,
-            "rollout/versions_per_sample_max": float(max(spans, default=0)),
-            "rollout/digest": float(digest)}  # fmt: skip
+    return {
+        "rollout/staleness_mean": statistics.fmean(lags) if lags else 0.0,
+        "rollout/staleness_max": float(max(lags, default=0)),
+        "rollout/staleness_token_mean": statistics.fmean(token_lags) if token_lags else 0.0,
+        "rollout/partial_fraction": sum(n > 1 for n in spans) / len(spans) if spans else 0.0,
+        "rollout/versions_per_sample_max": float(max(spans, default=0)),
+        "rollout/digest": float(digest),
+    }
 
 
 @contextlib.contextmanager

@@ -32,14 +32,21 @@ from typing import Any
 from megatron_empg.config import LoggingConfig, RunConfig, to_dict
 
 # (label, metric) of a step line's metrics, and of its validation part
-STEP_METRICS = (("reward", "reward/mean"), ("acc", "reward/accuracy"), ("kl", "actor/kl"),
-                ("entropy", "actor/entropy"), ("len", "response/length_mean"))  # fmt: skip
+STEP_METRICS = (
+    ("reward", "reward/mean"),
+    ("acc", "reward/accuracy"),
+    ("kl", "actor/kl"),
+    ("entropy", "actor/entropy"),
+    ("len", "response/length_mean"),
+)
 VALIDATION_METRICS = (("reward", "val/reward/mean"), ("acc", "val/reward/accuracy"))
 # (label, the timings it adds up) of a line's time split: every time/ key of a step and a validation pass
 TIME_PARTS = (
     ("rollout", ("time/rollout", "time/rollout_wait")),
-    ("train", ("time/rewards", "time/advantages", "time/old_pass", "time/anchor_pass", "time/update",
-               "time/ema_update")),
+    (
+        "train",
+        ("time/rewards", "time/advantages", "time/old_pass", "time/anchor_pass", "time/update", "time/ema_update"),
+    ),
     ("sync", ("time/weight_sync",)),
     ("val", ("time/validation",)),
 )
@@ -56,8 +63,8 @@ class MetricsLogger:
         self.jsonl_path = Path(self.settings.dir) / "metrics.jsonl"
         self.checkpoint_dir = config.checkpoint.dir
         # "off", "bar" (a terminal) or "lines" (a log file, a pipe)
-        self.console = "off" if not enabled or self.settings.progress == "none" else (
-            "bar" if sys.stdout.isatty() else "lines"
+        self.console = (
+            "off" if not enabled or self.settings.progress == "none" else ("bar" if sys.stdout.isatty() else "lines")
         )
         self._progress = None
         self._wandb_run = None
@@ -76,8 +83,13 @@ class MetricsLogger:
         elif self.console == "bar":
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._progress = Progress(TextColumn("RL step"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                      TextColumn("{task.description}"))  # fmt: skip
+            self._progress = Progress(
+                TextColumn("RL step"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+            )
             self._progress.start()
             self._task = self._progress.add_task("", total=total_steps)
         if self.settings.wandb:
@@ -85,8 +97,12 @@ class MetricsLogger:
 
             if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
                 os.environ["WANDB_MODE"] = "offline"
-            self._wandb_run = wandb.init(project=self.settings.wandb_project, name=self.settings.wandb_run_name,
-                                         dir=self.settings.dir, config=to_dict(config))  # fmt: skip
+            self._wandb_run = wandb.init(
+                project=self.settings.wandb_project,
+                name=self.settings.wandb_run_name,
+                dir=self.settings.dir,
+                config=to_dict(config),
+            )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled or step % self.settings.interval:
@@ -145,8 +161,10 @@ class MetricsLogger:
         else:
             lines = [f"run summary: no step logged, {elapsed}"]
         if self._best is not None and self._last is not None:
-            lines.append(f"  reward/mean: best {format_number(self._best[1])} (step {self._best[0]}), "
-                         f"last {format_number(self._last[1])} (step {self._last[0]})")  # fmt: skip
+            lines.append(
+                f"  reward/mean: best {format_number(self._best[1])} (step {self._best[0]}), "
+                f"last {format_number(self._last[1])} (step {self._last[0]})"
+            )
         if self.settings.jsonl:
             plots = Path(self.settings.dir) / "plots"
             lines.append(f"  metrics:     {self.jsonl_path}")
@@ -171,8 +189,11 @@ def format_number(value: float) -> str:
 
 def console_line(step: int, total_steps: int, metrics: dict[str, float]) -> str:
     """The console line of a record (see the module docstring)."""
-    seconds = {label: sum(metrics[k] for k in keys if k in metrics)
-               for label, keys in TIME_PARTS if any(k in metrics for k in keys)}  # fmt: skip
+    seconds = {
+        label: sum(metrics[k] for k in keys if k in metrics)
+        for label, keys in TIME_PARTS
+        if any(k in metrics for k in keys)
+    }
     total = f"{format_number(sum(seconds.values()))} s" if seconds else ""
     if _validation_only(metrics):
         parts = [f"validation step {step}/{total_steps}", _labelled(metrics, VALIDATION_METRICS), total]
@@ -236,8 +257,9 @@ def _read_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 raise ValueError("not a record with an integer step")
         except ValueError as error:
             if number == len(lines):
-                log.warning("%s: dropping its last line %d, torn by a crash while it was written: %.80r",
-                            path, number, line)  # fmt: skip
+                log.warning(
+                    "%s: dropping its last line %d, torn by a crash while it was written: %.80r", path, number, line
+                )
                 break
             raise MetricsFileError(f"{path}: line {number} is not a metrics record ({error}): {line[:80]!r}") from None
         records.append((line, record))

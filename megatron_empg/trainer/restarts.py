@@ -40,8 +40,16 @@ class Decision:
     cause: str
 
 
-def decide(run_dir: Path, *, status: int, started: float, signalled: bool, max_restarts: int,
-           window_s: float, now: float | None = None) -> Decision:  # fmt: skip
+def decide(
+    run_dir: Path,
+    *,
+    status: int,
+    started: float,
+    signalled: bool,
+    max_restarts: int,
+    window_s: float,
+    now: float | None = None,
+) -> Decision:
     """What follows an attempt that began at ``started`` (epoch seconds) and ended with ``status``
     (the launcher's child: 128 + N for a signal N); ``signalled``: the launcher itself got a stop
     signal. Reads the restart request, the heartbeats and the history of ``run_dir``."""
@@ -51,8 +59,11 @@ def decide(run_dir: Path, *, status: int, started: float, signalled: bool, max_r
         return Decision(False, cause or "clean end")
     recent = [r for r in read_history(run_dir) if r.get("restart") and now - r["time"] <= window_s]
     if len(recent) >= max_restarts:
-        return Decision(False, f"{cause}; not restarted: {len(recent)} restarts within the last {window_s:.0f} s "
-                               f"(supervisor.max_restarts={max_restarts})")  # fmt: skip
+        return Decision(
+            False,
+            f"{cause}; not restarted: {len(recent)} restarts within the last {window_s:.0f} s "
+            f"(supervisor.max_restarts={max_restarts})",
+        )
     return Decision(True, cause)
 
 
@@ -121,8 +132,9 @@ def begin(run_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron_empg.trainer.restarts", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="megatron_empg.trainer.restarts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--begin", action="store_true", help="before an attempt: clear the last one's request")
@@ -143,13 +155,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.started is None or args.status is None:
         p.error("--started and --status are needed (or --begin)")
     supervisor = config.supervisor
-    decision = decide(run_dir, status=args.status, started=args.started, signalled=args.signalled,
-                      max_restarts=supervisor.max_restarts, window_s=supervisor.restart_window_s)  # fmt: skip
+    decision = decide(
+        run_dir,
+        status=args.status,
+        started=args.started,
+        signalled=args.signalled,
+        max_restarts=supervisor.max_restarts,
+        window_s=supervisor.restart_window_s,
+    )
     now = time.time()
-    record(run_dir, {"time": now, "attempt": args.attempt, "started": args.started, "seconds": now - args.started,
-                     "status": args.status, "cause": decision.cause, "restart": decision.restart})  # fmt: skip
-    print(f"{'restarting' if decision.restart else 'not restarting'} after attempt {args.attempt} "
-          f"(exit {args.status}): {decision.cause}")  # fmt: skip
+    record(
+        run_dir,
+        {
+            "time": now,
+            "attempt": args.attempt,
+            "started": args.started,
+            "seconds": now - args.started,
+            "status": args.status,
+            "cause": decision.cause,
+            "restart": decision.restart,
+        },
+    )
+    print(
+        f"{'restarting' if decision.restart else 'not restarting'} after attempt {args.attempt} "
+        f"(exit {args.status}): {decision.cause}"
+    )
     return 0 if decision.restart else 1
 
 

@@ -51,8 +51,6 @@ class EngineLost(RestartableError):
         self.engines = engines
 
 
-
-
 class RolloutStage:
     """The engines and their work. The owner of each engine (``placement.is_owner``) holds it in
     ``engine`` (None elsewhere), with the search agent of ``rollout.search_agent``; every rank
@@ -87,10 +85,18 @@ class RolloutStage:
         write_hf_config(model, self.model_dir)
         tokenizer.save_pretrained(self.model_dir)
         rollout = self.config.rollout
-        environment = {} if rollout.in_process else engine_environment(
-            self.placement, rollout.tensor_parallel_size, shares_node=rollout.disaggregated)  # fmt: skip
-        log.info("engine %d of %d on rank %d%s", self.placement.engine, self.placement.num_engines, self.placement.rank,
-                 "".join(f", {k}={v}" for k, v in environment.items()))  # fmt: skip
+        environment = (
+            {}
+            if rollout.in_process
+            else engine_environment(self.placement, rollout.tensor_parallel_size, shares_node=rollout.disaggregated)
+        )
+        log.info(
+            "engine %d of %d on rank %d%s",
+            self.placement.engine,
+            self.placement.num_engines,
+            self.placement.rank,
+            "".join(f", {k}={v}" for k, v in environment.items()),
+        )
         # The engine's processes (rollout.in_process=false) keep SIGTERM and SIGUSR1 blocked: torchrun
         # and Slurm signal whole process groups, and the trainer, which takes both as "checkpoint after
         # this step", still needs the engine for the step in flight. It ends the engine itself, with
@@ -148,10 +154,13 @@ class RolloutStage:
         payload = placement.broadcast_from_owner(payload)
         per_replica = len(examples) // dp_size
         replicas = [
-            [Sample.from_trajectory(examples[p], p, t, version=version)
-             for p in range(first, first + per_replica) for t in payload[p - prompts.start]]
+            [
+                Sample.from_trajectory(examples[p], p, t, version=version)
+                for p in range(first, first + per_replica)
+                for t in payload[p - prompts.start]
+            ]
             for first in range(prompts.start, prompts.stop, per_replica)
-        ]  # fmt: skip
+        ]
         return replicas, self._engine_metrics(table)
 
     def restart_engines(self, lost: EngineLost) -> None:
@@ -163,15 +172,20 @@ class RolloutStage:
             raise RestartableError(f"{lost} (rollout.engine_restarts={limit} spent)") from lost
         self.restarts += 1
         if self.engine is not None and self.placement.engine in lost.engines:
-            log.warning("engine %d: starting it again (%d of rollout.engine_restarts=%d)", self.placement.engine,
-                        self.restarts, limit)  # fmt: skip
+            log.warning(
+                "engine %d: starting it again (%d of rollout.engine_restarts=%d)",
+                self.placement.engine,
+                self.restarts,
+                limit,
+            )
             with contextlib.suppress(Exception):  # what is left of it: its processes are gone or killed
                 self.engine.shutdown()
             self.engine = self._start(*self._engine_args)
             self.asleep = False
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                 between_steps: Callable[[], None] | None = None) -> list[list[Trajectory]]:  # fmt: skip
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, between_steps: Callable[[], None] | None = None
+    ) -> list[list[Trajectory]]:
         """``[P][n]`` trajectories from this owner's engine: one response per sample, or the search
         agent's episodes (their masks exclude observations). ``between_steps``: the engine's
         (``rollout.partial``; never with the agent)."""
@@ -217,8 +231,13 @@ class RolloutStage:
                 share = self.placement.split(len(examples))
                 for first in range(share.start, share.stop, settings.batch_size):
                     chunk = examples[first : min(first + settings.batch_size, share.stop)]
-                    chunk_sampling = sampling if sampling.seed is None else dataclasses.replace(
-                        sampling, seed=sampling.seed + first * sampling.n * self.seeds_per_sample)  # fmt: skip
+                    chunk_sampling = (
+                        sampling
+                        if sampling.seed is None
+                        else dataclasses.replace(
+                            sampling, seed=sampling.seed + first * sampling.n * self.seeds_per_sample
+                        )
+                    )
                     payload = self.generate([e.prompt_ids for e in chunk], chunk_sampling)
                     samples = [Sample.from_trajectory(e, i, t) for i, e in enumerate(chunk) for t in payload[i]]
                     add_sums(sums[source], sample_sums(samples, score_rewards(samples)))
@@ -237,8 +256,12 @@ class RolloutStage:
             add_sums(totals, values)
         metrics.update({f"val/{k}": v for k, v in sample_means(totals).items()})
         metrics["time/validation"] = time.perf_counter() - start
-        log.info("validation at step %d: reward/mean %.4g over %d samples", step, metrics["val/reward/mean"],
-                 totals["samples"])  # fmt: skip
+        log.info(
+            "validation at step %d: reward/mean %.4g over %d samples",
+            step,
+            metrics["val/reward/mean"],
+            totals["samples"],
+        )
         return metrics
 
     # ------------------------------------------------------------------ memory

@@ -100,11 +100,13 @@ def hold_run_directories(config: RunConfig) -> HeldDirectories:
     """Lock ``logging.dir`` and ``checkpoint.dir`` (created if missing) for this process, or raise
     ``RunDirectoryError`` naming the directory and the run that holds it. Never waits."""
     me = {
-        "host": socket.gethostname(), "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "checkpoint_dir": str(Path(config.checkpoint.dir).resolve()),
-        "logging_dir": str(Path(config.logging.dir).resolve()), "command": " ".join(sys.argv),
-    }  # fmt: skip
+        "logging_dir": str(Path(config.logging.dir).resolve()),
+        "command": " ".join(sys.argv),
+    }
     held = HeldDirectories()
     logging_dir = Path(config.logging.dir).resolve()
     try:
@@ -155,22 +157,32 @@ def check_start(config: RunConfig, *, resume: bool, overwrite: bool, previous: d
             return
         same_run = previous is not None and previous.get("checkpoint_dir") == str(checkpoint_dir.resolve())
         if steps and not same_run:
-            where = f"its checkpoints in {previous['checkpoint_dir']}" if previous and previous.get("checkpoint_dir") \
-                else "its checkpoints elsewhere"  # fmt: skip
+            where = (
+                f"its checkpoints in {previous['checkpoint_dir']}"
+                if previous and previous.get("checkpoint_dir")
+                else "its checkpoints elsewhere"
+            )
             raise RunDirectoryError(
                 f"--resume: checkpoint.dir={checkpoint_dir} holds no checkpoint, but logging.dir={config.logging.dir} "
                 f"holds the metrics of an earlier run ({earlier}; {where}). Is checkpoint.dir mistyped? "
                 "Pass --overwrite (without --resume) to start a new run over them"
             )
-        log.warning("--resume: no checkpoint in %s yet: starting at step 0%s", checkpoint_dir,
-                    f" (the run there stopped before its first checkpoint: {earlier} are redone)" if steps else "")
+        log.warning(
+            "--resume: no checkpoint in %s yet: starting at step 0%s",
+            checkpoint_dir,
+            f" (the run there stopped before its first checkpoint: {earlier} are redone)" if steps else "",
+        )
         return
     if found is None and not steps:
         return
-    what = " and ".join(part for part in (
-        f"checkpoints (newest: {found.path.name}) in checkpoint.dir={checkpoint_dir}" if found else "",
-        f"metrics ({earlier}) in logging.dir={config.logging.dir}" if steps else "",
-    ) if part)  # fmt: skip
+    what = " and ".join(
+        part
+        for part in (
+            f"checkpoints (newest: {found.path.name}) in checkpoint.dir={checkpoint_dir}" if found else "",
+            f"metrics ({earlier}) in logging.dir={config.logging.dir}" if steps else "",
+        )
+        if part
+    )
     if not overwrite:
         raise RunDirectoryError(
             f"an earlier run left {what}: pass --resume to continue it, --overwrite to replace it, or give "

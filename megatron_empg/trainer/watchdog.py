@@ -51,6 +51,8 @@ RESTARTABLE_EXIT = 3  # the launchers restart a run that exits with it (trainer.
 class RestartableError(RuntimeError):
     """A failure that a restart from the last checkpoint may not meet again (an engine lost past
     ``rollout.engine_restarts``): the process exits ``RESTARTABLE_EXIT`` (``failed``)."""
+
+
 REQUEST = "restart-request.json"
 HEARTBEATS = "heartbeats"
 STALE_BEATS = 3  # a heartbeat older than this many intervals: the process is stopped or dead
@@ -106,8 +108,15 @@ class Watchdog:
     ``run_dir``: ``logging.dir``; ``rank`` / ``world_size``: in the job (engine ranks included);
     ``timeouts``: seconds per phase name (``phase_timeouts``); ``interval_s``: between beats."""
 
-    def __init__(self, run_dir: Path, rank: int, world_size: int, timeouts: Mapping[str, float],
-                 interval_s: float, role: str = "training") -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        world_size: int,
+        timeouts: Mapping[str, float],
+        interval_s: float,
+        role: str = "training",
+    ) -> None:
         self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
         self.timeouts, self.interval_s, self.role = dict(timeouts), interval_s, role
         self.started = time.time()
@@ -176,20 +185,37 @@ class Watchdog:
 
     def _declare_hang(self, phase: str, step: int, began: float) -> None:
         limit = self.timeouts[phase]
-        request = claim_request(self.run_dir, self.started, cause="hang", rank=self.rank, phase=phase, step=step,
-                                detail=f"phase {phase} of step {step} outlasted {limit:.0f} s")  # fmt: skip
+        request = claim_request(
+            self.run_dir,
+            self.started,
+            cause="hang",
+            rank=self.rank,
+            phase=phase,
+            step=step,
+            detail=f"phase {phase} of step {step} outlasted {limit:.0f} s",
+        )
         lines = diagnose(self.run_dir, self.world_size, self.rank, self.interval_s)
         lines += _kill_stopped_peers(self.run_dir, self.world_size, self.rank, self.interval_s)
         behind = [line for line in lines if "did not arrive" in line]
-        log.error("hang: rank %d spent %.0f s in phase %s of step %d (limit %.0f s, supervisor.phase_timeout_s.%s); "
-                  "%s; last step logged %s; stacks in %s", self.rank, time.time() - began, phase, step, limit, phase,
-                  "; ".join(behind) or "every rank arrived (a collective or an engine stopped answering)",
-                  self._last_step, self.run_dir / request["dir"])  # fmt: skip
+        log.error(
+            "hang: rank %d spent %.0f s in phase %s of step %d (limit %.0f s, supervisor.phase_timeout_s.%s); "
+            "%s; last step logged %s; stacks in %s",
+            self.rank,
+            time.time() - began,
+            phase,
+            step,
+            limit,
+            phase,
+            "; ".join(behind) or "every rank arrived (a collective or an engine stopped answering)",
+            self._last_step,
+            self.run_dir / request["dir"],
+        )
         directory = self.run_dir / request["dir"]
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"summary-rank{self.rank}.txt").write_text(
             f"{request['detail']} (detected by rank {self.rank} at {_stamp(time.time())})\n"
-            f"last step logged: {self._last_step}\n" + "".join(f"{line}\n" for line in lines))
+            f"last step logged: {self._last_step}\n" + "".join(f"{line}\n" for line in lines)
+        )
         self._dump_and_exit(request)
 
     def _dump_and_exit(self, request: dict) -> None:
@@ -198,16 +224,28 @@ class Watchdog:
         with self._lock:
             where = f"phase {self._phase} of step {self._step}" if self._phase else "between phases"
         with open(directory / f"rank{self.rank}.txt", "w") as out:
-            out.write(f"rank {self.rank} ({self.role}) on {socket.gethostname()} pid {os.getpid()}, {where}, "
-                      f"at {_stamp(time.time())}; restart requested by rank {request['rank']}: {request['detail']}\n\n")
+            out.write(
+                f"rank {self.rank} ({self.role}) on {socket.gethostname()} pid {os.getpid()}, {where}, "
+                f"at {_stamp(time.time())}; restart requested by rank {request['rank']}: {request['detail']}\n\n"
+            )
             out.flush()
             faulthandler.dump_traceback(out, all_threads=True)
         _flush_and_exit()
 
     def _beat(self, state: str = "running", error: str | None = None) -> None:
         with self._lock:
-            beat = Beat(self.rank, self.role, socket.gethostname(), os.getpid(), self._phase, self._step,
-                        self._phase_started, time.time(), state, error)  # fmt: skip
+            beat = Beat(
+                self.rank,
+                self.role,
+                socket.gethostname(),
+                os.getpid(),
+                self._phase,
+                self._step,
+                self._phase_started,
+                time.time(),
+                state,
+                error,
+            )
         path = self.run_dir / HEARTBEATS / f"rank{self.rank}.json"
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         try:
@@ -233,12 +271,20 @@ def fresh_request(run_dir: Path, since: float) -> dict | None:
     return request if request.get("time", 0) >= since else None
 
 
-def claim_request(run_dir: Path, since: float, *, cause: str, rank: int, phase: str | None, step: int | None,
-                  detail: str) -> dict:  # fmt: skip
+def claim_request(
+    run_dir: Path, since: float, *, cause: str, rank: int, phase: str | None, step: int | None, detail: str
+) -> dict:
     """Write this attempt's restart request unless another rank did first; the request in force."""
     now = time.time()
-    request = {"cause": cause, "rank": rank, "phase": phase, "step": step, "detail": detail, "time": now,
-               "dir": f"hang-{_stamp(now)}" if cause == "hang" else f"restart-{_stamp(now)}"}  # fmt: skip
+    request = {
+        "cause": cause,
+        "rank": rank,
+        "phase": phase,
+        "step": step,
+        "detail": detail,
+        "time": now,
+        "dir": f"hang-{_stamp(now)}" if cause == "hang" else f"restart-{_stamp(now)}",
+    }
     path = Path(run_dir) / REQUEST
     for _ in range(2):
         try:
@@ -284,8 +330,10 @@ def diagnose(run_dir: Path, world_size: int, me: int, interval_s: float) -> list
         if beat.state != "running":
             lines.append(f"rank {rank}: did not arrive ({beat.state}{f': {beat.error}' if beat.error else ''})")
         elif age > STALE_BEATS * interval_s:
-            lines.append(f"rank {rank} on {beat.host} pid {beat.pid}: did not arrive (no heartbeat for {age:.0f} s: "
-                         f"stopped or dead, last in {where})")  # fmt: skip
+            lines.append(
+                f"rank {rank} on {beat.host} pid {beat.pid}: did not arrive (no heartbeat for {age:.0f} s: "
+                f"stopped or dead, last in {where})"
+            )
         elif mine is not None and (beat.phase, beat.step) != (mine.phase, mine.step):
             lines.append(f"rank {rank}: did not arrive (still in {where})")
         else:
@@ -313,7 +361,9 @@ def peer_lost(run_dir: Path, world_size: int, me: int, interval_s: float) -> lis
     while True:
         beats, now = read_beats(run_dir, world_size), time.time()
         crashed = [r for r, b in beats.items() if r != me and b.state == "crashed"]
-        lost = [r for r, b in beats.items() if r != me and b.state == "running" and now - b.time > STALE_BEATS * interval_s]
+        lost = [
+            r for r, b in beats.items() if r != me and b.state == "running" and now - b.time > STALE_BEATS * interval_s
+        ]
         if crashed or lost or now > deadline:
             return [] if crashed else lost  # a crash explains the failure: not a lost rank
         time.sleep(interval_s / 2)
@@ -330,8 +380,9 @@ def install(config: RunConfig, rank: int, world_size: int, role: str = "training
     if _INSTALLED is not None:
         raise RuntimeError("watchdog: already installed in this process")
     supervisor = config.supervisor
-    _INSTALLED = Watchdog(Path(config.logging.dir), rank, world_size, phase_timeouts(config),
-                          supervisor.heartbeat_interval_s, role)  # fmt: skip
+    _INSTALLED = Watchdog(
+        Path(config.logging.dir), rank, world_size, phase_timeouts(config), supervisor.heartbeat_interval_s, role
+    )
     return _INSTALLED
 
 
@@ -364,8 +415,10 @@ def failed(error: BaseException) -> None:
         lost = peer_lost(w.run_dir, w.world_size, w.rank, w.interval_s)
         if lost:
             phase, step = w.failed_in or (None, None)
-            detail = (f"rank(s) {lost} stopped beating (a killed process or a lost node) while rank {w.rank} was in "
-                      f"phase {phase} of step {step}: {type(error).__name__}: {str(error)[:300]}")  # fmt: skip
+            detail = (
+                f"rank(s) {lost} stopped beating (a killed process or a lost node) while rank {w.rank} was in "
+                f"phase {phase} of step {step}: {type(error).__name__}: {str(error)[:300]}"
+            )
             claim_request(w.run_dir, w.started, cause="lost", rank=w.rank, phase=phase, step=step, detail=detail)
             log.error("restartable: %s", detail)
             _flush_and_exit()

@@ -175,7 +175,7 @@ def _gather_experts(
         raise KeyError(f"{shard.name}: an expert tensor without a local_experts.<e> index")
     local = int(match.group(2)) - groups.ep_rank * per_rank
     return [
-        (f"{shard.name[: match.start(2)]}{r * per_rank + local}{shard.name[match.end(2):]}", piece)
+        (f"{shard.name[: match.start(2)]}{r * per_rank + local}{shard.name[match.end(2) :]}", piece)
         for r, piece in enumerate(pieces)
     ]
 
@@ -227,7 +227,10 @@ def _fingerprint_into(out: Fingerprints, megatron_name: str, full: Tensor, model
 
 
 def stage_hf_tensors(
-    shards: Iterable[WeightShard], model: ModelConfig, groups: SyncGroups, errors: dict[str, float] | None = None,
+    shards: Iterable[WeightShard],
+    model: ModelConfig,
+    groups: SyncGroups,
+    errors: dict[str, float] | None = None,
     own: Fingerprints | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """This stage's tensors in HF names and layouts, yielded on the stage leader only; every rank

@@ -199,8 +199,12 @@ def verify_probes(
     return _worst_engine(results, version, tolerance, diagnose)
 
 
-def _worst_engine(results: Sequence[tuple[float, int, int]], version: str, tolerance: float,
-                  diagnose: Callable[[], dict[str, float]] | None) -> float:  # fmt: skip
+def _worst_engine(
+    results: Sequence[tuple[float, int, int]],
+    version: str,
+    tolerance: float,
+    diagnose: Callable[[], dict[str, float]] | None,
+) -> float:
     """The largest of the engines' ``max_difference`` results; above ``tolerance``, ``diagnose()``
     and a ``ConsistencyError`` naming the worst engine."""
     worst = max(range(len(results)), key=lambda e: results[e][0])
@@ -210,7 +214,9 @@ def _worst_engine(results: Sequence[tuple[float, int, int]], version: str, toler
     return results[worst][0]
 
 
-def engine_self_check(engine: ProbeEngine, sequences: Sequence[Sequence[int]], logprobs: Tensor, probe_length: int) -> float:
+def engine_self_check(
+    engine: ProbeEngine, sequences: Sequence[Sequence[int]], logprobs: Tensor, probe_length: int
+) -> float:
     """Largest |sampler - scoring| log-prob gap of the engine on the continuation it sampled after
     the probe (``engine_probe``'s ``sequences`` and ``logprobs``, whose tokens from
     ``probe_length`` on were sampled): generation reads the prefix cache, scoring recomputes, so
@@ -239,8 +245,9 @@ def verify_staged_probes(
     rank runs ``diagnose()`` (on the trainer's current weights: a layout fault shows on any) and
     raises the same ``ConsistencyError`` naming the worst engine. Returns the max difference."""
     width = trainer_logprobs.size(1)
-    difference = _worst_engine([max_difference(trainer_logprobs, logprobs[:, :width]) for _, logprobs in probes],
-                               version, tolerance, diagnose)  # fmt: skip
+    difference = _worst_engine(
+        [max_difference(trainer_logprobs, logprobs[:, :width]) for _, logprobs in probes], version, tolerance, diagnose
+    )
     stale = max(range(len(self_checks)), key=lambda e: self_checks[e], default=None)
     if stale is not None and not self_checks[stale] <= tolerance:
         raise ConsistencyError(
@@ -248,5 +255,5 @@ def verify_staged_probes(
             f"{self_checks[stale]:.3g} (tolerance {tolerance:g}) on the continuation it sampled after the probe, "
             f"while its scoring matches the trainer: KV computed with older weights is the suspect (a prefix "
             f"cache not reset by the update)"
-        )  # fmt: skip
+        )
     return max(difference, max(self_checks, default=0.0))

@@ -65,12 +65,19 @@ DENSE_RULES = (
     TensorRule(_L + "input_layernorm.weight", (_HL + "input_layernorm.weight",), "copy", "norm"),
     TensorRule(
         _L + "self_attention.linear_qkv.weight",
-        tuple(_HL + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", "attention.qkv",
-    ),  # fmt: skip
-    TensorRule(_L + "self_attention.linear_proj.weight", (_HL + "self_attn.o_proj.weight",), "copy", "attention.o_proj"),
+        tuple(_HL + f"self_attn.{p}_proj.weight" for p in "qkv"),
+        "qkv",
+        "attention.qkv",
+    ),
+    TensorRule(
+        _L + "self_attention.linear_proj.weight", (_HL + "self_attn.o_proj.weight",), "copy", "attention.o_proj"
+    ),
     TensorRule(_L + "pre_mlp_layernorm.weight", (_HL + "post_attention_layernorm.weight",), "copy", "norm"),
     TensorRule(
-        _L + "mlp.linear_fc1.weight", (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"), "gate_up", "mlp.gate_up"
+        _L + "mlp.linear_fc1.weight",
+        (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"),
+        "gate_up",
+        "mlp.gate_up",
     ),
     TensorRule(_L + "mlp.linear_fc2.weight", (_HL + "mlp.down_proj.weight",), "copy", "mlp.down"),
     TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", "norm"),
@@ -78,13 +85,19 @@ DENSE_RULES = (
 )
 QKV_BIAS_RULES = (
     TensorRule(
-        _L + "self_attention.linear_qkv.bias", tuple(_HL + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv",
+        _L + "self_attention.linear_qkv.bias",
+        tuple(_HL + f"self_attn.{p}_proj.bias" for p in "qkv"),
+        "qkv",
         "attention.qkv",
-    ),  # fmt: skip
+    ),
 )
 QK_NORM_RULES = (
-    TensorRule(_L + "self_attention.q_layernorm.weight", (_HL + "self_attn.q_norm.weight",), "copy", "attention.qk_norm"),
-    TensorRule(_L + "self_attention.k_layernorm.weight", (_HL + "self_attn.k_norm.weight",), "copy", "attention.qk_norm"),
+    TensorRule(
+        _L + "self_attention.q_layernorm.weight", (_HL + "self_attn.q_norm.weight",), "copy", "attention.qk_norm"
+    ),
+    TensorRule(
+        _L + "self_attention.k_layernorm.weight", (_HL + "self_attn.k_norm.weight",), "copy", "attention.qk_norm"
+    ),
 )
 
 _E = _L + "mlp.experts.local_experts.{e}."
@@ -237,9 +250,13 @@ def merge_qkv(q: Tensor, k: Tensor, v: Tensor, model: ModelConfig) -> Tensor:
             raise ValueError(f"{label}_proj has {tensor.size(0)} rows; the model's heads need {expected[label]}")
     rest = q.shape[1:]
     return torch.cat(
-        [q.reshape(groups, per_group, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
-         v.reshape(groups, 1, head_dim, *rest)], dim=1,
-    ).reshape(-1, *rest)  # fmt: skip
+        [
+            q.reshape(groups, per_group, head_dim, *rest),
+            k.reshape(groups, 1, head_dim, *rest),
+            v.reshape(groups, 1, head_dim, *rest),
+        ],
+        dim=1,
+    ).reshape(-1, *rest)
 
 
 def _ffn_size(rule: TensorRule, model: ModelConfig) -> tuple[str, int]:
@@ -252,7 +269,9 @@ def _ffn_size(rule: TensorRule, model: ModelConfig) -> tuple[str, int]:
 def split_gate_up(fc1: Tensor, model: ModelConfig, *, expert: bool = False) -> tuple[Tensor, Tensor]:
     """Megatron ``linear_fc1`` ``[2*F, H]`` -> HF gate ``[F, H]``, up ``[F, H]`` (F: an expert's
     ``moe_ffn_hidden_size`` when ``expert``, else ``ffn_hidden_size``)."""
-    field, size = ("moe_ffn_hidden_size", model.moe_ffn_hidden_size) if expert else ("ffn_hidden_size", model.ffn_hidden_size)
+    field, size = (
+        ("moe_ffn_hidden_size", model.moe_ffn_hidden_size) if expert else ("ffn_hidden_size", model.ffn_hidden_size)
+    )
     if fc1.size(0) != 2 * size:
         raise ValueError(f"linear_fc1 has {fc1.size(0)} rows; expected 2 x {field} = {2 * size}")
     gate, up = fc1.chunk(2, dim=0)
@@ -339,8 +358,9 @@ def to_megatron_state_dict(
     """The full (TP1/PP1) Megatron state dict of a complete HF state dict (``to_megatron`` of every
     ``megatron_tensor_names``; what ``mcore.model.load_full_state_dict`` takes)."""
     return {
-        name: to_megatron(name, {n: hf_tensors[n] for n in hf_names_of(name, model) if n in hf_tensors}, model,
-                          padded_vocab_size)  # fmt: skip
+        name: to_megatron(
+            name, {n: hf_tensors[n] for n in hf_names_of(name, model) if n in hf_tensors}, model, padded_vocab_size
+        )
         for name in megatron_tensor_names(model)
     }
 
@@ -371,6 +391,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict | None]:
 def model_config_from_hf(hf_config: Mapping[str, Any], name: str | None = None) -> ModelConfig:
     """A ``ModelConfig`` from a HF ``config.json`` dict; ``ConfigError`` for an unknown
     architecture or a feature the Megatron build does not have (sliding windows, MLP bias, ...)."""
+
     def required(key: str) -> Any:
         if hf_config.get(key) is None:
             raise ConfigError(key, "missing from the HF config")
@@ -430,8 +451,10 @@ def _moe_from_hf(hf_config: Mapping[str, Any], required) -> dict[str, Any]:
     """The MoE fields of a Qwen3-MoE config.json (transformers >= 5 writes ``num_local_experts``,
     the published checkpoints ``num_experts``); dense layers among sparse ones are refused."""
     if hf_config.get("decoder_sparse_step", 1) != 1 or hf_config.get("mlp_only_layers"):
-        raise ConfigError("mlp_only_layers", "dense layers among the sparse ones (decoder_sparse_step != 1 or "
-                          "mlp_only_layers) are not supported")  # fmt: skip
+        raise ConfigError(
+            "mlp_only_layers",
+            "dense layers among the sparse ones (decoder_sparse_step != 1 or mlp_only_layers) are not supported",
+        )
     experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
     if experts is None:
         raise ConfigError("num_experts", "missing from the HF config (nor num_local_experts)")

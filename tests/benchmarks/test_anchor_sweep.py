@@ -15,9 +15,25 @@ from benchmarks.anchor_sweep import main
 @pytest.mark.megatron
 @pytest.mark.timeout(600)
 def test_two_short_runs_then_resume(tmp_path, warm_start):
-    args = ["--anchors", "fixed_topk", "reset_topk", "--kl-coefs", "0.2", "--seeds", "0", "--steps", "2",
-            "--window", "1", "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "sweep.json"),
-            "--warm-start", str(warm_start)]  # fmt: skip
+    args = [
+        "--anchors",
+        "fixed_topk",
+        "reset_topk",
+        "--kl-coefs",
+        "0.2",
+        "--seeds",
+        "0",
+        "--steps",
+        "2",
+        "--window",
+        "1",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--out",
+        str(tmp_path / "sweep.json"),
+        "--warm-start",
+        str(warm_start),
+    ]
     assert main(args) == 0
     record = json.loads((tmp_path / "sweep.json").read_text())
     assert (tmp_path / "sweep.png").stat().st_size > 0

@@ -17,10 +17,17 @@ SCRIPT = REPO / "benchmarks" / "weight_sync.py"
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 SUMMARY_KEYS = {"bytes", "repeats", "seconds_all", "seconds_best", "seconds_median", "gbps_best", "gbps_median"}
 SYNC_KEYS = SUMMARY_KEYS | {
-    "bucket_mb", "num_tensors", "num_buckets", "transport_seconds_best", "transport_seconds_median",
-    "rest_seconds_best", "rest_seconds_median", "ratio_to_memcpy_best", "ratio_to_memcpy_median",
+    "bucket_mb",
+    "num_tensors",
+    "num_buckets",
+    "transport_seconds_best",
+    "transport_seconds_median",
+    "rest_seconds_best",
+    "rest_seconds_median",
+    "ratio_to_memcpy_best",
+    "ratio_to_memcpy_median",
     "rest_ratio_to_memcpy_best",
-}  # fmt: skip
+}
 
 
 def _run(tmp_path: Path, *args: str) -> dict:
@@ -28,8 +35,12 @@ def _run(tmp_path: Path, *args: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), *args],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=280,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

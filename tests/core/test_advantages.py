@@ -256,7 +256,13 @@ def test_bf16_rewards_are_computed_in_float32():
 
 def test_registry_lookup_and_duplicate_registration():
     assert set(ADVANTAGE_ESTIMATORS) == {
-        "grpo", "dr_grpo", "rpg", "rloo", "reinforce_pp", "reinforce_pp_baseline", "rpg_batchmean"
+        "grpo",
+        "dr_grpo",
+        "rpg",
+        "rloo",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "rpg_batchmean",
     }
     assert advantage_estimator("grpo") is grpo
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'.*'dr_grpo'"):

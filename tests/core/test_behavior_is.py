@@ -88,8 +88,11 @@ def test_on_policy_samples_get_weight_one_and_zero_k3():
 
 def test_metrics_of_no_tokens_are_zero():
     zeros = {"behavior/ratio": 0.0, "behavior/clipped": 0.0, "behavior/k3": 0.0, "behavior/tokens": 0.0}
-    assert behavior_metrics(zeros) == {"rollout/is_ratio_mean": 0.0, "rollout/is_clipped_fraction": 0.0,
-                                       "rollout/sampler_k3": 0.0}  # fmt: skip
+    assert behavior_metrics(zeros) == {
+        "rollout/is_ratio_mean": 0.0,
+        "rollout/is_clipped_fraction": 0.0,
+        "rollout/sampler_k3": 0.0,
+    }
 
 
 def test_bad_arguments_raise_naming_the_argument():

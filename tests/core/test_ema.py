@@ -206,7 +206,7 @@ def test_schedule_statistics_match_ema_pg_numbers():
     assert s09.mean_lag == pytest.approx(90.0)
     assert s095.mean_lag == pytest.approx(190.0)
     # half-life: a policy's weight halves after half_life steps of the per-step factor
-    assert s09.per_step_factor ** s09.half_life == pytest.approx(0.5)
+    assert s09.per_step_factor**s09.half_life == pytest.approx(0.5)
     assert EmaSchedule(tau=1.0, period=10).half_life == math.inf
     assert EmaSchedule(tau=1.0, period=10).mean_lag == math.inf
     assert EmaSchedule(tau=0.0, period=1).half_life == 0.0

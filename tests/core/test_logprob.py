@@ -216,10 +216,14 @@ def test_logsoftmax_backward_matches_float64_autograd(dtype, block_rows, with_en
     objective = (log_p.gather(-1, ids) * grad_ids.double()).sum() + (entropy * grad_entropy.double()).sum()
     (expected,) = torch.autograd.grad(objective, leaf)
     actual = logsoftmax_backward_(
-        _scratch(logits), torch.logsumexp(leaf.detach(), dim=-1).float(), ids, grad_ids, grad_ids.sum(-1),
+        _scratch(logits),
+        torch.logsumexp(leaf.detach(), dim=-1).float(),
+        ids,
+        grad_ids,
+        grad_ids.sum(-1),
         entropy=entropy.detach().float() if with_entropy else None,
         grad_entropy=grad_entropy if with_entropy else None,
-    )  # fmt: skip
+    )
     assert torch.equal(actual[:, N_VALID:], torch.zeros(7, WIDTH - N_VALID))
     # float32 rounding of terms p (g + g_H (log p + H)) with |gradient| <= 3
     torch.testing.assert_close(actual[:, :N_VALID].double(), expected, rtol=0, atol=2e-6)
@@ -243,9 +247,14 @@ def test_entropy_passes_allocate_one_block_not_a_chunk(monkeypatch):
     forward_scratch, backward_scratch = z.clone(), z.clone()
     ids, grad_entropy = torch.zeros(64, 1, dtype=torch.int64), torch.ones(64)
     assert _largest_allocation(lambda: logsumexp_(forward_scratch, with_mean=True)) == block_bytes
-    assert _largest_allocation(
-        lambda: logsoftmax_backward_(backward_scratch, lse, ids, None, None, entropy=entropy, grad_entropy=grad_entropy)
-    ) == block_bytes
+    assert (
+        _largest_allocation(
+            lambda: logsoftmax_backward_(
+                backward_scratch, lse, ids, None, None, entropy=entropy, grad_entropy=grad_entropy
+            )
+        )
+        == block_bytes
+    )
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])  # rounding of O(1) numbers

@@ -51,9 +51,7 @@ def test_worked_example_dapo_dual_clip():
     #   -1  4.0    4.0    1.28         4.0    min(4, 3) = 3         3.0    0   (dual_clipped)
     #   -2  0.9    1.8    1.8          1.8    min(1.8, 6) = 1.8     1.8    1.8
     #    0  2.0    0      0            0      -                    0      0
-    tokens = tokens_with_ratios(
-        [1.1, 1.5, 0.5, 0.5, 1.5, 4.0, 0.9, 2.0], [1, 1, 1, -1, -1, -1, -2, 0]
-    )
+    tokens = tokens_with_ratios([1.1, 1.5, 0.5, 0.5, 1.5, 4.0, 0.9, 2.0], [1, 1, 1, -1, -1, -1, -2, 0])
     actual, actual_dl = values_and_dl(**tokens, clip_eps_low=0.2, clip_eps_high=0.28, clip_c=3.0)
     expected_values = torch.tensor([-1.1, -1.28, -0.5, 0.8, 1.5, 3.0, 1.8, 0.0], dtype=DTYPE)
     expected_dl = torch.tensor([-1.1, 0.0, -0.5, 0.0, 1.5, 0.0, 1.8, 0.0], dtype=DTYPE)
@@ -100,14 +98,17 @@ REGION_BANDS = ((0.5, 0.78), (0.82, 1.26), (1.3, 2.9), (3.1, 6.0))
 def test_gradient_matches_closed_form_per_region(clip_c):
     g = torch.Generator().manual_seed(0)
     per_region = 64
-    ratio = torch.cat([lo + (hi - lo) * torch.rand(per_region, generator=g, dtype=DTYPE)
-                       for lo, hi in REGION_BANDS])  # fmt: skip
+    ratio = torch.cat([lo + (hi - lo) * torch.rand(per_region, generator=g, dtype=DTYPE) for lo, hi in REGION_BANDS])
     advantages = torch.randn(ratio.shape, generator=g, dtype=DTYPE)
     old_logprobs = -0.1 - 3 * torch.rand(ratio.shape, generator=g, dtype=DTYPE)
     actual, actual_dl = values_and_dl(
-        logprobs=old_logprobs + ratio.log(), old_logprobs=old_logprobs, advantages=advantages,
-        clip_eps_low=0.2, clip_eps_high=0.28, clip_c=clip_c,
-    )  # fmt: skip
+        logprobs=old_logprobs + ratio.log(),
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        clip_c=clip_c,
+    )
     c = math.inf if clip_c is None else clip_c
     flows = ((advantages > 0) & (ratio < 1.28)) | ((advantages < 0) & (ratio > 0.8) & (ratio < c))
     expected_dl = torch.where(flows, -advantages * ratio, torch.zeros_like(ratio))

@@ -91,9 +91,7 @@ def grad_of(fn, theta: Tensor) -> Tensor:
     return grad
 
 
-def objective_grad(
-    case: dict[str, Tensor], divergence: str, z_old: float = 1.0, beta: float = BETA
-) -> Tensor:
+def objective_grad(case: dict[str, Tensor], divergence: str, z_old: float = 1.0, beta: float = BETA) -> Tensor:
     """grad_theta J_D = grad [sum pi_theta R - beta D(pi_theta, z_old pi_old)], summed over P."""
     pi_old = z_old * case["theta_old"].softmax(-1)
 
@@ -297,9 +295,7 @@ def test_p07_grpo_correction():
     weights = old_logprobs.exp()
     pi_ref = ref_logprobs.exp()
     expected_grad = grad_of(lambda t: ukl(t.softmax(-1), pi_ref).sum(), case["theta"])
-    unclamped = corrected_grpo_kl(
-        case["theta"].log_softmax(-1), old_logprobs, ref_logprobs, max_abs_value=None
-    )
+    unclamped = corrected_grpo_kl(case["theta"].log_softmax(-1), old_logprobs, ref_logprobs, max_abs_value=None)
     assert unclamped.abs().max() < KL_VALUE_CLAMP  # the clamp (tested in p10) is inactive here
 
     def corrected(theta):
@@ -346,9 +342,13 @@ def test_p08_normalized_vs_unnormalized():
     per_sample = {}
     for divergence in ("fkl", "ufkl"):
         _, per_sample[divergence] = grad_wrt_logprobs(
-            rpg_loss, tokens["logprobs"], tokens["old_logprobs"], zero_advantages,
-            divergence=divergence, kl_coef=BETA,
-        )  # fmt: skip
+            rpg_loss,
+            tokens["logprobs"],
+            tokens["old_logprobs"],
+            zero_advantages,
+            divergence=divergence,
+            kl_coef=BETA,
+        )
     assert_close(per_sample["fkl"], torch.full_like(w, -BETA), **EXACT)
     assert_close(per_sample["ufkl"], BETA * (w - 1), **EXACT)
     assert (per_sample["fkl"] - per_sample["ufkl"]).abs().min() > 0
@@ -410,9 +410,7 @@ def test_p10_clamp_zeroes_gradient(term):
 
 def test_p10_rpg_fkl_is_unclamped():
     tokens = random_tokens(seed=10, n=256, log_w_range=(-15.0, 15.0))
-    values, dl = grad_wrt_logprobs(
-        rpg_kl_penalty, tokens["logprobs"], tokens["old_logprobs"], divergence="fkl"
-    )
+    values, dl = grad_wrt_logprobs(rpg_kl_penalty, tokens["logprobs"], tokens["old_logprobs"], divergence="fkl")
     expected_values = tokens["old_logprobs"] - tokens["logprobs"]  # -log w, up to +-15
     assert expected_values.abs().max() > 2 * KL_VALUE_CLAMP - 6
     assert_close(values, expected_values, atol=1e-12, rtol=0.0)
@@ -436,9 +434,7 @@ def test_p11_kl_term_derivative_table():
         "low_var_kl": 1 - 1 / w,  # 1 - pi_ref / pi_theta
         "kl": torch.ones_like(w),
     }
-    terms = {
-        f"rpg_{d}": lambda l, a, d=d: rpg_kl_penalty(l, a, divergence=d) for d in DIVERGENCES
-    }
+    terms = {f"rpg_{d}": lambda l, a, d=d: rpg_kl_penalty(l, a, divergence=d) for d in DIVERGENCES}
     terms["low_var_kl"] = lambda l, a: sampled_kl(l, a, estimator="k3")
     terms["kl"] = lambda l, a: sampled_kl(l, a, estimator="k1")
     assert set(terms) == set(expected_dl)
@@ -464,9 +460,7 @@ def test_p12_no_clip_equivalence(divergence):
         return pg + BETA * token_mean(rpg_kl_penalty(logprobs, lo, divergence=divergence))
 
     def style_clip_loss(logprobs):
-        values = rpg_reinforce_clip_loss(
-            logprobs, lo, a, divergence=divergence, kl_coef=BETA, **no_clip
-        ).values
+        values = rpg_reinforce_clip_loss(logprobs, lo, a, divergence=divergence, kl_coef=BETA, **no_clip).values
         return token_mean(values)
 
     assert_close(grad_of(style_clip_loss, l), grad_of(scripts_loss, l), **EXACT)
@@ -478,9 +472,7 @@ def test_p13_beta_zero_style_clip_is_dual_clip_ppo(divergence):
     l, lo, a = tokens["logprobs"], tokens["old_logprobs"], tokens["advantages"]
     _, expected_dl = grad_wrt_logprobs(ppo_clip_loss, l, lo, a, **CLIP)
     style = rpg_reinforce_clip_loss(l, lo, a, divergence=divergence, kl_coef=0.0, **CLIP)
-    _, actual_dl = grad_wrt_logprobs(
-        rpg_reinforce_clip_loss, l, lo, a, divergence=divergence, kl_coef=0.0, **CLIP
-    )
+    _, actual_dl = grad_wrt_logprobs(rpg_reinforce_clip_loss, l, lo, a, divergence=divergence, kl_coef=0.0, **CLIP)
     assert_close(actual_dl, expected_dl, **EXACT)
     ppo_metrics = ppo_clip_loss(l, lo, a, **CLIP).metrics
     nonzero = a != 0  # A = 0 tokens take the style clip's negative branch; PPO counts A < 0 only
@@ -511,9 +503,15 @@ def test_p14_style_clip_mask_formula(divergence, branch_on):
     mask = style_clip_mask(w, positive).to(DTYPE)
     expected_dl = -(a * w + kappa) * mask / w.numel()
     actual_dl = token_mean_grad(
-        rpg_reinforce_clip_loss, l, lo, a,
-        divergence=divergence, kl_coef=BETA, branch_on=branch_on, **CLIP,
-    )  # fmt: skip
+        rpg_reinforce_clip_loss,
+        l,
+        lo,
+        a,
+        divergence=divergence,
+        kl_coef=BETA,
+        branch_on=branch_on,
+        **CLIP,
+    )
     assert_close(actual_dl, expected_dl, **EXACT)
 
 
@@ -527,9 +525,7 @@ def test_p14_style_clip_mask_next_to_region_boundaries():
     w = (l - lo).exp()
     w_bar = w.clamp(1 - CLIP["clip_eps_low"], 1 + CLIP["clip_eps_high"])
     expected_dl = -(a * w + expected_kappa("urkl", w_bar)) * style_clip_mask(w, a > 0).to(DTYPE)
-    _, actual_dl = grad_wrt_logprobs(
-        rpg_reinforce_clip_loss, l, lo, a, divergence="urkl", kl_coef=BETA, **CLIP
-    )
+    _, actual_dl = grad_wrt_logprobs(rpg_reinforce_clip_loss, l, lo, a, divergence="urkl", kl_coef=BETA, **CLIP)
     assert_close(actual_dl, expected_dl, **EXACT)
 
 
@@ -555,9 +551,7 @@ def test_p16_zero_advantage_tokens(divergence):
     w_bar = w.clamp(1 - CLIP["clip_eps_low"], 1 + CLIP["clip_eps_high"])
     inside = (w >= 1 - CLIP["clip_eps_low"]) & (w < CLIP["clip_c"])
     expected_dl = torch.where(inside, -expected_kappa(divergence, w_bar), torch.zeros_like(w))
-    _, actual_dl = grad_wrt_logprobs(
-        rpg_reinforce_clip_loss, l, lo, a, divergence=divergence, kl_coef=BETA, **CLIP
-    )
+    _, actual_dl = grad_wrt_logprobs(rpg_reinforce_clip_loss, l, lo, a, divergence=divergence, kl_coef=BETA, **CLIP)
     assert_close(actual_dl, expected_dl, **EXACT)
     assert 0.2 < inside.double().mean() < 0.8
 
@@ -571,9 +565,7 @@ def test_p17_advantage():
     group_ids = torch.tensor([7, 7, 7, 2, 2, 2, 9])  # groups of 3, 3 and a singleton
     actual = advantage_estimator("rpg")(rewards, group_ids)
     # A_i = R_i - mean_group(R), no std scaling. Group 7: mean -1/3; group 2: mean 5/12.
-    expected = torch.tensor(
-        [4 / 3, -2 / 3, -2 / 3, 7 / 12, 1 / 12, -2 / 3, 3.0], dtype=DTYPE
-    )
+    expected = torch.tensor([4 / 3, -2 / 3, -2 / 3, 7 / 12, 1 / 12, -2 / 3, 3.0], dtype=DTYPE)
     # The singleton (id 9) has baseline 0, so A = R (RPG code and docs/design/rpg.md property 17).
     assert_close(actual, expected, **EXACT)
     for gid in (7, 2):
@@ -588,9 +580,7 @@ def test_p17_advantage():
 def test_p18_aggregation_and_padding():
     tokens = random_tokens(seed=18, n=4 * 6)
     l, lo, a = (tokens[k].reshape(4, 6) for k in ("logprobs", "old_logprobs", "advantages"))
-    loss_mask = torch.tensor(
-        [[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
-    ).bool()
+    loss_mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]).bool()
     l = torch.where(loss_mask, l, 50.0)  # garbage log-probs on padding must not matter
     values = rpg_reinforce_clip_loss(l, lo, a, divergence="urkl", kl_coef=BETA, **CLIP).values
     m = loss_mask.to(DTYPE)
@@ -743,9 +733,7 @@ def single_position_objective_grad(case, divergence, beta=BETA):
 def test_p22_monte_carlo_reinforce(divergence, baseline):
     case, samples = mc_case(seed=22, spread=0.5)
     expected_grad = -single_position_objective_grad(case, divergence)
-    mean, stderr = mc_gradient(
-        case, rpg_reinforce_loss, samples, baseline, divergence=divergence, kl_coef=BETA
-    )
+    mean, stderr = mc_gradient(case, rpg_reinforce_loss, samples, baseline, divergence=divergence, kl_coef=BETA)
     assert (stderr > 0).all()
     assert ((mean - expected_grad).abs() <= MC_SIGMAS * stderr).all(), (mean, expected_grad, stderr)
 
@@ -759,9 +747,7 @@ def test_p22_monte_carlo_style_clip_inside_trust_region(divergence):
     w = (case["theta"][0].log_softmax(-1) - case["theta_old"][0].log_softmax(-1)).exp()
     assert ((w > 1 - CLIP["clip_eps_low"]) & (w < 1 + CLIP["clip_eps_high"])).all()
     expected_grad = -single_position_objective_grad(case, divergence, beta=beta)
-    mean, stderr = mc_gradient(
-        case, rpg_reinforce_clip_loss, samples, 0.3, divergence=divergence, kl_coef=beta, **CLIP
-    )
+    mean, stderr = mc_gradient(case, rpg_reinforce_clip_loss, samples, 0.3, divergence=divergence, kl_coef=beta, **CLIP)
     assert ((mean - expected_grad).abs() <= MC_SIGMAS * stderr).all(), (mean, expected_grad, stderr)
 
 
@@ -789,8 +775,7 @@ def test_algorithm1_dual_clip_gradient(divergence):
     _, actual_clipped_dl = grad_wrt_logprobs(rpg_dual_clip_loss, l, lo, a, **kw, **CLIP)
     assert_close(actual_clipped_dl, expected_clipped_dl, **EXACT)
     _, ppo_dl = grad_wrt_logprobs(ppo_clip_loss, l, lo, a, **CLIP)
-    _, beta0_dl = grad_wrt_logprobs(rpg_dual_clip_loss, l, lo, a, divergence=divergence,
-                                    kl_coef=0.0, **CLIP)  # fmt: skip
+    _, beta0_dl = grad_wrt_logprobs(rpg_dual_clip_loss, l, lo, a, divergence=divergence, kl_coef=0.0, **CLIP)
     assert_close(beta0_dl, ppo_dl, **EXACT)
 
 

@@ -470,9 +470,7 @@ def test_topk_kl_from_logprobs_bad_input_raises_naming_the_argument():
     with pytest.raises(ValueError, match="^in_head must be a bool"):
         topk_kl_from_logprobs(head, head, per_token, per_token, in_head.to(torch.int64), direction="reverse")
     with pytest.raises(ValueError, match="^head_logprobs has leading shape"):
-        topk_kl_from_logprobs(
-            torch.zeros(5, 3), torch.zeros(5, 3), per_token, per_token, in_head, direction="reverse"
-        )
+        topk_kl_from_logprobs(torch.zeros(5, 3), torch.zeros(5, 3), per_token, per_token, in_head, direction="reverse")
     with pytest.raises(ValueError, match="^head_anchor_logprobs has shape"):
         topk_kl_from_logprobs(head, torch.zeros(4, 2), per_token, per_token, in_head, direction="reverse")
     with pytest.raises(ValueError, match="^in_head has shape"):
@@ -495,7 +493,11 @@ def test_unbiased_and_reference_tails_have_bitwise_equal_values(direction):
     head_anchor = torch.log_softmax(torch.randn(64, 3, generator=gen), -1)
     in_head = torch.rand(64, generator=gen) < 0.3
     common = dict(direction=direction, old_logprobs=logprobs - 0.1)
-    expected = topk_kl_from_logprobs(head, head_anchor, logprobs, anchor_logprobs, in_head, tail_grad="reference", **common)
-    actual = topk_kl_from_logprobs(head, head_anchor, logprobs, anchor_logprobs, in_head, tail_grad="unbiased", **common)
+    expected = topk_kl_from_logprobs(
+        head, head_anchor, logprobs, anchor_logprobs, in_head, tail_grad="reference", **common
+    )
+    actual = topk_kl_from_logprobs(
+        head, head_anchor, logprobs, anchor_logprobs, in_head, tail_grad="unbiased", **common
+    )
     assert torch.equal(actual.values, expected.values)
     assert torch.equal(actual.tail, expected.tail)

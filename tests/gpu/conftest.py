@@ -16,8 +16,12 @@ def megatron_world():
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from tests.dist import free_port
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)  # fmt: skip
+    dist.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+    )
     initialize_model_parallel(ParallelConfig(), seed=0)
     yield
     destroy_model_parallel()

@@ -41,13 +41,24 @@ def _core_attentions(dtype: torch.dtype):
 
     from megatron_empg.mcore.attention import SdpaAttention, UnfusedAttention
 
-    config = TransformerConfig(num_layers=1, hidden_size=1536, num_attention_heads=HEADS, num_query_groups=GROUPS,
-                               kv_channels=DIM, ffn_hidden_size=8960, gated_linear_unit=True, activation_func=F.silu,
-                               attention_dropout=0.0, hidden_dropout=0.0, bf16=dtype == torch.bfloat16,
-                               params_dtype=dtype)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=1536,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        kv_channels=DIM,
+        ffn_hidden_size=8960,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+    )
     tp = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1, rank=lambda: 0))
-    args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
-                pg_collection=tp)  # fmt: skip
+    args = dict(
+        config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", pg_collection=tp
+    )
     return UnfusedAttention(**args).cuda(), SdpaAttention(**args).cuda()
 
 
@@ -68,8 +79,14 @@ def _layout():
 
     cu = torch.tensor([0, *SEGMENTS], device="cuda").cumsum(0).to(torch.int32)
     positions = torch.cat([torch.arange(n, device="cuda") for n in SEGMENTS])
-    return ThdLayout(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(SEGMENTS),
-                     max_seqlen_kv=max(SEGMENTS), positions=positions)  # fmt: skip
+    return ThdLayout(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max(SEGMENTS),
+        max_seqlen_kv=max(SEGMENTS),
+        positions=positions,
+    )
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -98,8 +115,10 @@ def test_sdpa_is_as_close_to_fp32_as_unfused(packed):
 
             RESULTS["varlen_native_gqa"] = varlen.takes_gqa or attention._varlen_native_gqa()
             # the bucketed SDPA path on the same row: what the varlen path replaces
-            bucketed = _errors(_run(lambda *a, packed_seq_params: sdpa._buckets(*a[:3], packed_seq_params), *bf16, w,
-                                    **kwargs), reference)  # fmt: skip
+            bucketed = _errors(
+                _run(lambda *a, packed_seq_params: sdpa._buckets(*a[:3], packed_seq_params), *bf16, w, **kwargs),
+                reference,
+            )
             RESULTS[name]["relative_errors_out_dq_dk_dv"]["bucketed_sdpa_bf16"] = bucketed
     _write()
     for ours, theirs in zip(sdpa_errors, unfused_errors, strict=True):
@@ -124,8 +143,10 @@ def test_fusions_without_te_on_cuda():
     xf = x.detach().float().requires_grad_()
     ref = F.silu(xf.chunk(2, -1)[0]) * xf.chunk(2, -1)[1]
     (ref_grad,) = torch.autograd.grad((ref * upstream.float()).sum(), xf)
-    swiglu = {"out": float((fused.float() - ref).norm() / ref.norm()),
-              "grad": float((fused_grad.float() - ref_grad).norm() / ref_grad.norm())}  # fmt: skip
+    swiglu = {
+        "out": float((fused.float() - ref).norm() / ref.norm()),
+        "grad": float((fused_grad.float() - ref_grad).norm() / ref_grad.norm()),
+    }
 
     inputs = torch.randn(8192, 1536, device="cuda", dtype=torch.bfloat16, generator=g)
     grad_out = torch.randn(8192, 8960, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -134,8 +155,10 @@ def test_fusions_without_te_on_cuda():
     fused_acc = start.clone()
     WgradAccumulation.wgrad_gemm_accum_fp32(inputs, grad_out, fused_acc)
     unfused_acc = start + (grad_out.t() @ inputs).float()
-    wgrad = {"fused": float((fused_acc.double() - exact).norm() / exact.norm()),
-             "unfused": float((unfused_acc.double() - exact).norm() / exact.norm())}  # fmt: skip
+    wgrad = {
+        "fused": float((fused_acc.double() - exact).norm() / exact.norm()),
+        "unfused": float((unfused_acc.double() - exact).norm() / exact.norm()),
+    }
     RESULTS["fusions"] = {"swiglu_relative_error_vs_fp32": swiglu, "wgrad_relative_error_vs_fp64": wgrad}
     _write()
     assert swiglu["out"] < 1e-2 and swiglu["grad"] < 1e-2, swiglu

@@ -41,8 +41,14 @@ def _layout():
 
     cu = torch.tensor([0, *SEGMENTS], device="cuda").cumsum(0).to(torch.int32)
     positions = torch.cat([torch.arange(n, device="cuda") for n in SEGMENTS])
-    return ThdLayout(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(SEGMENTS),
-                     max_seqlen_kv=max(SEGMENTS), positions=positions)  # fmt: skip
+    return ThdLayout(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max(SEGMENTS),
+        max_seqlen_kv=max(SEGMENTS),
+        positions=positions,
+    )
 
 
 def _simulated_cp(q, k, v, w, cp: int, varlen, scale: float) -> list[torch.Tensor]:

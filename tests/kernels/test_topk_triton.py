@@ -258,8 +258,11 @@ def test_two_shards_reduce_to_the_full_vocabulary_topk(monkeypatch, dtype):
             for start in (0, width):
                 shard = VocabShard(start, vocab_size, None)
                 none = torch.empty(T, 0, dtype=torch.int64, device=DEVICE)
-                packed.append(_local_pass(full[:, start : start + width], none, none.bool(), shard, k=k,
-                                          with_entropy=False, chunk_size=4))  # fmt: skip
+                packed.append(
+                    _local_pass(
+                        full[:, start : start + width], none, none.bool(), shard, k=k, with_entropy=False, chunk_size=4
+                    )
+                )
             stats = _reduce_pass(torch.stack(packed), num_ids=0, k=k, with_entropy=False)
         assert torch.equal(stats.topk_ids, expected_ids), mode
         torch.testing.assert_close(stats.topk_logprobs, expected_values, **FP32_TOL, msg=mode)
@@ -300,9 +303,13 @@ def test_topk_kernel_compiles_for_sm90_with_vector_loads():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, timeout=240, env=env,
+        [sys.executable, "-c", _COMPILE_SM90],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
         cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     vector_loads = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(n >= 1 for n in vector_loads.values()), vector_loads

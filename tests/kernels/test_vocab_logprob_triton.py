@@ -195,9 +195,13 @@ def test_kernels_compile_for_sm90_with_vector_loads():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, timeout=240, env=env,
+        [sys.executable, "-c", _COMPILE_SM90],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
         cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     vector_loads = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(n >= 1 for n in vector_loads.values()), vector_loads
@@ -260,9 +264,10 @@ def _logprobs_and_grad(logits, ids, kw, grad_kind, inplace, seed):
 )
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize(
-    ("width", "n_valid", "vocab_start", "many_blocks"), GRAD_SHARDS,
+    ("width", "n_valid", "vocab_start", "many_blocks"),
+    GRAD_SHARDS,
     ids=[f"{i}-{'many-blocks' if s[-1] else 'one-block'}" for i, s in zip(SHARD_IDS, GRAD_SHARDS)],
-)  # fmt: skip
+)
 def test_logprobs_entropy_and_gradient(
     monkeypatch, width, n_valid, vocab_start, many_blocks, dtype, grad_kind, inplace
 ):
@@ -297,24 +302,37 @@ RL_CASES = {
     "k1_entropy": dict(kl="k1", kl_coef=0.1, entropy_coef=0.01),
     "k2": dict(kl="k2", kl_coef=0.1),
     "k3_iw_seqmean": dict(
-        kl="k3", kl_coef=0.1, kl_args={"importance_weight": True}, agg_mode="seq-mean-token-mean",
+        kl="k3",
+        kl_coef=0.1,
+        kl_args={"importance_weight": True},
+        agg_mode="seq-mean-token-mean",
     ),
     "topk_reverse_tail_iw": dict(
-        kl="topk", kl_coef=0.2, kl_args={"direction": "reverse", "tail_grad": "unbiased", "importance_weight": True},
+        kl="topk",
+        kl_coef=0.2,
+        kl_args={"direction": "reverse", "tail_grad": "unbiased", "importance_weight": True},
     ),
     "topk_forward_no_tail_entropy": dict(
-        kl="topk", kl_coef=0.2, kl_args={"direction": "forward", "tail": False}, entropy_coef=0.02,
+        kl="topk",
+        kl_coef=0.2,
+        kl_args={"direction": "forward", "tail": False},
+        entropy_coef=0.02,
     ),
     "topk_forward_reference_tail": dict(
-        kl="topk", kl_coef=0.2, kl_args={"direction": "forward", "tail_grad": "reference"}, log_entropy=False,
+        kl="topk",
+        kl_coef=0.2,
+        kl_args={"direction": "forward", "tail_grad": "reference"},
+        log_entropy=False,
     ),
     "rpg_urkl": dict(kl="rpg_urkl", kl_coef=0.1, agg_mode="seq-mean-token-sum"),
     "grpo_corrected": dict(kl="grpo_corrected", kl_coef=0.2),
     "rpg_reinforce_clip": dict(
-        policy_loss="rpg_reinforce_clip", policy_loss_args={"divergence": "ufkl", "kl_coef": 0.1}, log_entropy=False,
+        policy_loss="rpg_reinforce_clip",
+        policy_loss_args={"divergence": "ufkl", "kl_coef": 0.1},
+        log_entropy=False,
     ),
     "rpg_entropy": dict(policy_loss="rpg", policy_loss_args={"divergence": "rkl", "kl_coef": 0.1}, entropy_coef=0.01),
-}  # fmt: skip
+}
 
 
 def _rl_inputs(seed: int = 0) -> tuple[torch.Tensor, MicroBatch]:
@@ -345,9 +363,15 @@ def _rl_loss_run(logits, batch, case, *, start, width, group, inplace):
     """rl_loss on the columns [start, start + width): (sum, metrics, gradient of the shard)."""
     leaf = logits[..., start : start + width].clone().requires_grad_(True)
     out = rl_loss(
-        leaf, batch, vocab_start=start, vocab_size=V, tp_group=group, chunk_size=4, inplace_backward=inplace,
+        leaf,
+        batch,
+        vocab_start=start,
+        vocab_size=V,
+        tp_group=group,
+        chunk_size=4,
+        inplace_backward=inplace,
         **{"policy_loss": "ppo_clip", "agg_mode": "token-mean", **case},
-    )  # fmt: skip
+    )
     (grad,) = torch.autograd.grad(out.loss.loss_sum, leaf)
     metrics = {name: m.loss_sum.detach() for name, m in out.metrics.items()}
     return out.loss.loss_sum.detach(), metrics, grad
@@ -397,9 +421,14 @@ def _tp2_worker(rank: int, world_size: int, logits, batch, ids, upstream) -> dic
                 for inplace in (False, True):
                     leaf = shard.to(dtype, copy=True).requires_grad_(True)
                     lp, ent = vocab_parallel_logprobs(
-                        leaf, ids, vocab_start=start, vocab_size=V, tp_group=group, chunk_size=4,
+                        leaf,
+                        ids,
+                        vocab_start=start,
+                        vocab_size=V,
+                        tp_group=group,
+                        chunk_size=4,
                         inplace_backward=inplace,
-                    )  # fmt: skip
+                    )
                     (grad,) = torch.autograd.grad((lp, ent), leaf, upstream)
                     out[mode, "logprobs", dtype, inplace] = (lp.detach(), ent.detach(), grad)
             full = logits.reshape(B, S, -1)
@@ -436,5 +465,9 @@ def test_tp2_gloo_triton_equals_torch():
         for name in TP_RL_CASES:
             _compare_rl(out["triton", "rl_loss", name], out["torch", "rl_loss", name], f"rank {rank} {name}")
     # both ranks hold the same replicated values
-    _close(results[0]["triton", "logprobs", torch.float32, False][0],
-           results[1]["triton", "logprobs", torch.float32, False][0], FP32_TOL, "logprobs across ranks")  # fmt: skip
+    _close(
+        results[0]["triton", "logprobs", torch.float32, False][0],
+        results[1]["triton", "logprobs", torch.float32, False][0],
+        FP32_TOL,
+        "logprobs across ranks",
+    )

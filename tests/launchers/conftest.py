@@ -36,8 +36,10 @@ def hadolint() -> str:
 def nemo_run_python() -> str:
     """An interpreter that imports nemo_run (launchers/nemo_run_launch.py runs under it)."""
     python = os.environ.get("EMPG_NEMO_RUN_PYTHON", str(REPO / ".venv-launch" / "bin" / "python"))
-    found = Path(python).exists() and subprocess.run([python, "-c", "import nemo_run"], capture_output=True,
-                                                     timeout=120).returncode == 0  # fmt: skip
+    found = (
+        Path(python).exists()
+        and subprocess.run([python, "-c", "import nemo_run"], capture_output=True, timeout=120).returncode == 0
+    )
     if not found:
         unavailable(f"no nemo-run interpreter at {python} (make launch-venv builds one)")
     return python

@@ -62,9 +62,18 @@ class SlurmCluster:
         for name in ("state", "spool", "log"):
             (self.root / name).mkdir()
         self.conf.write_text(self._slurm_conf(socket_path))
-        self._spawn("munged", ["munged", "--foreground", f"--socket={socket_path}", f"--key-file={key}",
-                               f"--log-file={self.root / 'log' / 'munged.log'}",
-                               f"--pid-file={self.root / 'munged.pid'}", f"--seed-file={key.parent / 'munged.seed'}"])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                f"--socket={socket_path}",
+                f"--key-file={key}",
+                f"--log-file={self.root / 'log' / 'munged.log'}",
+                f"--pid-file={self.root / 'munged.pid'}",
+                f"--seed-file={key.parent / 'munged.seed'}",
+            ],
+        )
         self._wait(socket_path.exists, timeout, "munged's socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
         self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
@@ -73,8 +82,9 @@ class SlurmCluster:
     def stop(self) -> None:
         """Cancel every job, then stop the daemons (SIGTERM, SIGKILL after 30 s), each by its PID."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-            subprocess.run(["scancel", "--full", "--user", str(os.getuid())], env=self.env, capture_output=True,
-                           timeout=30)  # fmt: skip
+            subprocess.run(
+                ["scancel", "--full", "--user", str(os.getuid())], env=self.env, capture_output=True, timeout=30
+            )
             deadline = time.monotonic() + 60
             while self.squeue() and time.monotonic() < deadline:
                 time.sleep(0.5)
@@ -101,12 +111,12 @@ SlurmdPort={free_port()}
 AuthType=auth/munge
 AuthInfo=socket={munge_socket},cred_expire={CRED_EXPIRE_S}
 CredType=cred/munge
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}
-SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'slurmd.pid'}
-SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
-SlurmdLogFile={r / 'log' / 'slurmd.log'}
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}
+SlurmctldPidFile={r / "slurmctld.pid"}
+SlurmdPidFile={r / "slurmd.pid"}
+SlurmctldLogFile={r / "log" / "slurmctld.log"}
+SlurmdLogFile={r / "log" / "slurmd.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -128,8 +138,9 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     def _spawn(self, name: str, command: list[str]) -> None:
         log = (self.root / "log" / f"{name}.out").open("w")
-        self.procs[name] = subprocess.Popen([_find(command[0]), *command[1:]], env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT, cwd=self.root)  # fmt: skip
+        self.procs[name] = subprocess.Popen(
+            [_find(command[0]), *command[1:]], env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.root
+        )
 
     def _wait(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -146,8 +157,9 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.root / "log").glob("*")))
 
     def _run(self, command: list[str], **kwargs) -> subprocess.CompletedProcess:
-        done = subprocess.run([_find(command[0]), *command[1:]], env=self.env, capture_output=True, text=True,
-                              timeout=60, **kwargs)  # fmt: skip
+        done = subprocess.run(
+            [_find(command[0]), *command[1:]], env=self.env, capture_output=True, text=True, timeout=60, **kwargs
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr}")
         return done

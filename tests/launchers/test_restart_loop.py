@@ -19,13 +19,13 @@ from tests.trainer.demo_runs import (
     processes_with,
     run_train,
     small_demo_config,
-)  # fmt: skip
+)
 
 STEPS = 6
 HF = ("rollout.engine=hf", "rollout.in_process=true", "weight_sync.transport=in_process")
 WATCHED = ("supervisor.phase_timeout_s.update=10", "supervisor.heartbeat_interval_s=1")
 
-STOP_RANK_1 = '''
+STOP_RANK_1 = """
 import os
 import signal
 from pathlib import Path
@@ -43,7 +43,7 @@ if os.environ.get("RANK") == "1":  # once: stopped in step 4's update (rank 0 wa
         return _update(self, minis)
 
     loop.Trainer.update = update
-'''
+"""
 
 
 def _config(tmp_path, warm_start, name: str) -> dict:
@@ -57,17 +57,25 @@ def _config(tmp_path, warm_start, name: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
 def test_a_stopped_rank_is_found_and_the_run_restarts_itself(tmp_path, warm_start):
-    reference = run_train(_config(tmp_path, warm_start, "full"), tmp_path, "full", *HF, nproc=2,
-                          timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    reference = run_train(
+        _config(tmp_path, warm_start, "full"), tmp_path, "full", *HF, nproc=2, timeout=LAUNCH_TIMEOUT_S
+    )
     assert reference.returncode == 0, reference.stderr[-4000:]
 
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(STOP_RANK_1)
-    env = {"PYTHONPATH": f"{hook}:{REPO}", "EMPG_TEST_MARK": str(tmp_path / "stopped"),
-           "EMPG_TEST_RUN": tmp_path.name}  # fmt: skip
-    done = run_train(_config(tmp_path, warm_start, "hung"), tmp_path, "hung", *HF, *WATCHED, nproc=2,
-                     timeout=2 * LAUNCH_TIMEOUT_S, env=env)  # fmt: skip
+    env = {"PYTHONPATH": f"{hook}:{REPO}", "EMPG_TEST_MARK": str(tmp_path / "stopped"), "EMPG_TEST_RUN": tmp_path.name}
+    done = run_train(
+        _config(tmp_path, warm_start, "hung"),
+        tmp_path,
+        "hung",
+        *HF,
+        *WATCHED,
+        nproc=2,
+        timeout=2 * LAUNCH_TIMEOUT_S,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert (tmp_path / "stopped").exists()  # the fault happened
     assert processes_with(f"EMPG_TEST_RUN={tmp_path.name}") == []

@@ -33,6 +33,7 @@ def test_sbatch_defaults_one_task_per_gpu_requeue_and_the_preemption_warning():
 
 def test_outside_a_job_it_exits_2():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    done = subprocess.run(["bash", str(SBATCH), "recipes/demo_cpu.yaml"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(SBATCH), "recipes/demo_cpu.yaml"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and "train.sbatch: error: not inside a Slurm job: submit with sbatch" in done.stderr

@@ -40,8 +40,14 @@ from tests.trainer.demo_runs import (
 )
 
 # timeout: the pre-emption test runs a job twice (its own waits are bounded by JOB_TIMEOUT_S each).
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.dist, pytest.mark.vllm, pytest.mark.megatron,
-              pytest.mark.timeout(900)]  # fmt: skip
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.dist,
+    pytest.mark.vllm,
+    pytest.mark.megatron,
+    pytest.mark.timeout(900),
+]
 
 SBATCH = REPO / "launchers" / "slurm" / "train.sbatch"
 NEMO_RUN_LAUNCH = REPO / "launchers" / "nemo_run_launch.py"
@@ -62,8 +68,14 @@ def _write_config(tmp_path: Path, warm_start: Path, steps: int, interval: int = 
 def _sbatch(slurm: SlurmCluster, log: Path, *args: str, env: dict[str, str] | None = None) -> str:
     """Submit train.sbatch in CPU mode (``env`` on top) from the repository root; the job id."""
     env = {**slurm.env, "EMPG_CPU": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(env or {})}
-    done = subprocess.run(["sbatch", "--parsable", *CPU_JOB, f"--output={log}", str(SBATCH), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["sbatch", "--parsable", *CPU_JOB, f"--output={log}", str(SBATCH), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]
 
@@ -79,16 +91,23 @@ def _checkpoints(run_dir: Path) -> list[str]:
 @pytest.mark.parametrize(
     "extra_env, overrides, message",
     [
-        ({}, ["parallel.tensor_model_parallel_size=4"],
-         "train.sbatch: error: parallel.tensor_model_parallel_size: the world of 2 processes is not divisible by "
-         "parallel.tensor_model_parallel_size x parallel.pipeline_model_parallel_size = 4 x 1 "
-         "(checked for 1 nodes x 2 tasks per node, 0 GPUs per node)"),
-        ({"EMPG_CPU": "0"}, [],
-         "train.sbatch: error: no GPUs requested (--gpus-per-node=0): request GPUs, or set EMPG_CPU=1 for gloo ranks"),
+        (
+            {},
+            ["parallel.tensor_model_parallel_size=4"],
+            "train.sbatch: error: parallel.tensor_model_parallel_size: the world of 2 processes is not divisible by "
+            "parallel.tensor_model_parallel_size x parallel.pipeline_model_parallel_size = 4 x 1 "
+            "(checked for 1 nodes x 2 tasks per node, 0 GPUs per node)",
+        ),
+        (
+            {"EMPG_CPU": "0"},
+            [],
+            "train.sbatch: error: no GPUs requested (--gpus-per-node=0): request GPUs, or set EMPG_CPU=1 for gloo ranks",
+        ),
     ],
-)  # fmt: skip
-def test_sbatch_bad_layout_ends_the_job_before_the_ranks_start(slurm, warm_start, tmp_path, extra_env, overrides,
-                                                               message):  # fmt: skip
+)
+def test_sbatch_bad_layout_ends_the_job_before_the_ranks_start(
+    slurm, warm_start, tmp_path, extra_env, overrides, message
+):
     config, _ = _write_config(tmp_path, warm_start, steps=3)
     log = tmp_path / "job.out"
     fields = slurm.wait_done(_sbatch(slurm, log, str(config), *overrides, env=extra_env), 60, log)
@@ -101,9 +120,26 @@ def test_nemo_run_slurm_executor_over_a_local_tunnel(slurm, nemo_run_python, war
     config, _ = _write_config(tmp_path, warm_start, steps=3)
     home = tmp_path / "nemorun-home"
     env = {**slurm.env, "NEMORUN_HOME": str(home), "OMP_NUM_THREADS": "1"}
-    command = [nemo_run_python, str(NEMO_RUN_LAUNCH), "slurm", "--account", "test", "--gpus-per-node", "0",
-               "--ntasks-per-node", "2", "--cpus-per-task", "1", "--packager", "none", "--python", sys.executable,
-               "--name", "empg-slurm-test", str(config)]  # fmt: skip
+    command = [
+        nemo_run_python,
+        str(NEMO_RUN_LAUNCH),
+        "slurm",
+        "--account",
+        "test",
+        "--gpus-per-node",
+        "0",
+        "--ntasks-per-node",
+        "2",
+        "--cpus-per-task",
+        "1",
+        "--packager",
+        "none",
+        "--python",
+        sys.executable,
+        "--name",
+        "empg-slurm-test",
+        str(config),
+    ]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     job = re.search(r"submitted Slurm job (\d+) \(experiment (\S+)\)", done.stdout)
@@ -136,8 +172,9 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, small
     run = tmp_path / "run"
     job = _sbatch(slurm, log, str(config))
     metrics = run / "metrics.jsonl"  # two whole records: two newlines
-    slurm.wait_job(job, lambda f: metrics.exists() and metrics.read_text().count("\n") >= 2, JOB_TIMEOUT_S,
-                   "2 steps in", log)  # fmt: skip
+    slurm.wait_job(
+        job, lambda f: metrics.exists() and metrics.read_text().count("\n") >= 2, JOB_TIMEOUT_S, "2 steps in", log
+    )
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True, timeout=60)
     stop = r"\[rank (\d)\] WARNING megatron_empg\.trainer\.loop: signal 10: checkpointed at step (\d+)"
     slurm.wait_job(job, lambda f: len(re.findall(stop, log.read_text())) == 2, JOB_TIMEOUT_S, "checkpointed", log)
@@ -150,7 +187,9 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, small
 
     fields = slurm.wait_done(job, CRED_EXPIRE_S + JOB_TIMEOUT_S, log)
     text = log.read_text()
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), slurm.report(job, log)
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), slurm.report(
+        job, log
+    )
     launch = f"train.sbatch: job {job} (restart 0): 1 nodes x 2 tasks, master {slurm.node}:{20000 + int(job) % 20000},"
     assert launch in text and f"train {config} {CPU_DEFAULTS}\n" in text
     assert f"train.sbatch: pre-empted: requeueing job {job}" in text

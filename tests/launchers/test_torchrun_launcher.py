@@ -70,17 +70,23 @@ def test_gpus_set_the_process_count_and_no_cpu_defaults(tmp_path):
 @pytest.mark.parametrize(
     "args, nproc, message",
     [
-        (["parallel.tensor_model_parallel_size=2"], 3,
-         "parallel.tensor_model_parallel_size: the world of 3 processes is not divisible by "
-         "parallel.tensor_model_parallel_size x parallel.pipeline_model_parallel_size = 2 x 1"),
+        (
+            ["parallel.tensor_model_parallel_size=2"],
+            3,
+            "parallel.tensor_model_parallel_size: the world of 3 processes is not divisible by "
+            "parallel.tensor_model_parallel_size x parallel.pipeline_model_parallel_size = 2 x 1",
+        ),
         (["parallel.pipeline_model_parallel_size=2", "parallel.tensor_model_parallel_size=2"], 2, "= 2 x 2"),
         ([], 4, "train.micro_batch_size: must divide each data-parallel replica's samples"),  # 64 > 16 / 4 x 8
-        (["train.prompts_per_step=3", "train.micro_batch_size=4"], 2,
-         "train.prompts_per_step: must be divisible by the data-parallel size 2"),
+        (
+            ["train.prompts_per_step=3", "train.micro_batch_size=4"],
+            2,
+            "train.prompts_per_step: must be divisible by the data-parallel size 2",
+        ),
         (["train.stepz=3"], 2, "train.stepz"),
         (["--steps=3"], 2, "unknown option --steps=3"),
     ],
-)  # fmt: skip
+)
 def test_bad_layouts_and_arguments_exit_2_naming_the_field(tmp_path, args, nproc, message):
     done = _launch(tmp_path, RECIPE, *args, nproc=nproc)
     assert done.returncode == 2 and done.stdout == "", done

@@ -55,18 +55,52 @@ LAYOUTS = [
     ("dp2_distopt_bf16", 1, 1, True, BF16),
 ]
 COLLECTIVES = (
-    "all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
-    "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_to_all", "all_to_all_single",
-    "all_gather_object", "broadcast_object_list", "barrier", "send", "recv", "isend", "irecv",
-    "batch_isend_irecv", "reduce", "gather", "scatter",
-)  # fmt: skip
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "all_gather_object",
+    "broadcast_object_list",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "reduce",
+    "gather",
+    "scatter",
+)
 PG_METHODS = (  # what the backend is asked to run (a coalesced group of all-gathers is one call)
-    "allgather", "_allgather_base", "all_gather_single", "allgather_coalesced", "allgather_into_tensor_coalesced",
-    "all_gather_single_coalesced", "allreduce", "allreduce_coalesced", "broadcast", "reduce_scatter",
-    "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_tensor_coalesced",
-    "reduce_scatter_single_coalesced", "alltoall", "alltoall_base", "barrier", "send", "recv", "reduce",
-    "gather", "scatter",
-)  # fmt: skip
+    "allgather",
+    "_allgather_base",
+    "all_gather_single",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "all_gather_single_coalesced",
+    "allreduce",
+    "allreduce_coalesced",
+    "broadcast",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_single_coalesced",
+    "alltoall",
+    "alltoall_base",
+    "barrier",
+    "send",
+    "recv",
+    "reduce",
+    "gather",
+    "scatter",
+)
 GATHER_NAMES = {"all_gather_single", "all_gather_into_tensor"}  # torch >= 2.13 / older
 
 
@@ -253,6 +287,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
         if name == "dp2":  # construction errors
             errors = []
             for kwargs in ({"compute_dtype": BF16}, {"compute_dtype": torch.int8}, {"tau": 1.5}):
+
                 def build():
                     return mcore_model.build_gpt_model(model_cfg, parallel, params_dtype=FP32)
 
@@ -275,8 +310,11 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
         fp8_scales = [_compute_vs_master(anchors["fp8"])["scales"]]
 
         ema64 = {k: {key: ref.clone() for key, (ref, _) in initial.items()} for k in ("ema_p1", "ema_p2")}
-        loss = bind_loss(LossConfig(policy_loss="ppo_clip", kl="k3", kl_coef=0.1, entropy_coef=0.01),
-                         vocab_size=model_cfg.vocab_size, topk=1)[0]  # fmt: skip
+        loss = bind_loss(
+            LossConfig(policy_loss="ppo_clip", kl="k3", kl_coef=0.1, entropy_coef=0.01),
+            vocab_size=model_cfg.vocab_size,
+            topk=1,
+        )[0]
         request = StatsRequest(vocab_size=model_cfg.vocab_size)
         batches = _batches(model_cfg.vocab_size)
         rows = N // groups.dp_size

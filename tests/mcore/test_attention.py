@@ -43,8 +43,9 @@ def _padded_and_packed(vocab_size: int):
     cu = torch.tensor([0, *segments]).cumsum(0).to(torch.int32)
     positions = torch.cat([torch.arange(n) for n in segments])[None]
     padded_mb = MicroBatch(padded, torch.zeros_like(padded))
-    packed_mb = MicroBatch(packed_ids, torch.zeros_like(packed_ids), position_ids=positions, cu_seqlens=cu,
-                           max_seqlen=max(segments))  # fmt: skip
+    packed_mb = MicroBatch(
+        packed_ids, torch.zeros_like(packed_ids), position_ids=positions, cu_seqlens=cu, max_seqlen=max(segments)
+    )
     return padded_mb, packed_mb
 
 
@@ -72,7 +73,10 @@ def _core_attention_checks(unfused, sdpa, packed_mb) -> dict:
     heads, groups, dim = ours.heads, ours.groups, ref.hidden_size_per_attention_head
     g = torch.Generator().manual_seed(11)
     out = {}
-    for name, lead, extra in (("padded", (13, 3), {}), ("packed", (ROW,), {"packed_seq_params": thd_layout(packed_mb)})):
+    for name, lead, extra in (
+        ("padded", (13, 3), {}),
+        ("packed", (ROW,), {"packed_seq_params": thd_layout(packed_mb)}),
+    ):
         q = torch.randn(*lead, heads, dim, generator=g, requires_grad=True)
         k, v = (torch.randn(*lead, groups, dim, generator=g, requires_grad=True) for _ in range(2))
         w = torch.randn(*lead, heads * dim, generator=g)
@@ -157,26 +161,59 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal: bool, scale=
     assert torch.equal(cu_q, cu_k) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
     assert enable_gqa or k.size(1) == q.size(1), "fewer K/V heads than query heads without enable_gqa"
     cu = cu_q.tolist()
-    parts = [F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True,
-                                            scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
-             for a, b in zip(cu[:-1], cu[1:])]  # fmt: skip
+    parts = [
+        F.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale, enable_gqa=enable_gqa
+        ).transpose(0, 1)
+        for a, b in zip(cu[:-1], cu[1:])
+    ]
     return torch.cat(parts)
 
 
 def _fake(signature: str):
     """A function with the keyword arguments of varlen_attn in a torch release."""
     if signature == "2.9":
+
         def fn(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, return_aux=None):
             return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=is_causal)
     elif signature == "2.10":
+
         def fn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
-            return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=tuple(window_size) == (-1, 0),
-                                     scale=scale)  # fmt: skip
+            return _reference_varlen(
+                q, k, v, cu_q, cu_k, max_q, max_k, causal=tuple(window_size) == (-1, 0), scale=scale
+            )
     else:
-        def fn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
-               enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):  # fmt: skip
-            return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=tuple(window_size) == (-1, 0),
-                                     scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+
+        def fn(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            *,
+            return_aux=None,
+            scale=None,
+            window_size=(-1, -1),
+            enable_gqa=False,
+            seqused_k=None,
+            block_table=None,
+            num_splits=None,
+        ):
+            return _reference_varlen(
+                q,
+                k,
+                v,
+                cu_q,
+                cu_k,
+                max_q,
+                max_k,
+                causal=tuple(window_size) == (-1, 0),
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+
     return fn
 
 
@@ -204,8 +241,9 @@ def test_varlen_glue_equals_bucketed_sdpa(signature, native_gqa, scale, monkeypa
     varlen = attention._Varlen(fn, inspect.signature(fn).parameters)
     segments = [*LENGTHS, 4]
     cu = torch.tensor([0, *segments]).cumsum(0).to(torch.int32)
-    layout = ThdLayout(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(segments),
-                       max_seqlen_kv=max(segments))  # fmt: skip
+    layout = ThdLayout(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(segments), max_seqlen_kv=max(segments)
+    )
     g = torch.Generator().manual_seed(2)
     q = torch.randn(ROW, 4, 16, generator=g)
     k, v = (torch.randn(ROW, 2, 16, generator=g) for _ in range(2))

@@ -72,9 +72,14 @@ class _Run:
     """One layout's policy, optimizer, scheduler and anchor in this process."""
 
     def __init__(
-        self, tp: int, distopt: bool, pp: int = 1, dtype: torch.dtype = torch.float32, model: str = MODEL,
+        self,
+        tp: int,
+        distopt: bool,
+        pp: int = 1,
+        dtype: torch.dtype = torch.float32,
+        model: str = MODEL,
         **parallel_fields,
-    ) -> None:  # fmt: skip
+    ) -> None:
         from megatron_empg.mcore import model as mcore_model
         from megatron_empg.mcore.anchor import EmaAnchor
         from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
@@ -109,18 +114,26 @@ class _Run:
             mb.anchor_logprobs = stats["logprobs"] + part["anchor_noise"]
             mb.topk_anchor_logprobs = stats["topk_logprobs"] + part["topk_anchor_noise"]
         vocab = self.cfg.vocab_size
-        result = train_step(self.ddp, self.optimizer, self.scheduler, mbs, loss_fn(vocab), groups=g,
-                            loss_units=loss_units)  # fmt: skip
+        result = train_step(
+            self.ddp, self.optimizer, self.scheduler, mbs, loss_fn(vocab), groups=g, loss_units=loss_units
+        )
         self.anchor.update()
         self.losses.append(result.metrics["loss"])
         self.cursor += 1
 
     def save(self, root: str, **kwargs) -> Path:  # kwargs: keep_last, optimizer_format
         return ckpt.save_checkpoint(
-            root, self.cursor, models=self.ddp, optimizer=self.optimizer, scheduler=self.scheduler,
-            anchor=self.anchor, extra_state={"data_cursor": self.cursor}, groups=self.groups,
-            model_name=self.model_name, **kwargs,
-        )  # fmt: skip
+            root,
+            self.cursor,
+            models=self.ddp,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            anchor=self.anchor,
+            extra_state={"data_cursor": self.cursor},
+            groups=self.groups,
+            model_name=self.model_name,
+            **kwargs,
+        )
 
     def load(self, path, **kwargs) -> dict:
         kwargs = {"model_name": self.model_name, "anchor": self.anchor, **kwargs}
@@ -142,7 +155,9 @@ class _Run:
         optim = []  # the torch optimizers' states in parameter order (same build, same order)
         for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             state = sub.optimizer.state_dict()["state"]
-            optim.append({i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for i, st in state.items()})
+            optim.append(
+                {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for i, st in state.items()}
+            )
         groups = []  # hyperparameters of each torch param group
         for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             groups.append([{k: v for k, v in g.items() if k != "params"} for g in sub.optimizer.param_groups])
@@ -307,7 +322,12 @@ def _phase1_world2(rank: int, world_size: int, root: str) -> dict:
     return {
         "dp2_straight": _straight(1, True, STEPS),
         "dp2_first": _train_and_save(  # saved again after one more step, in the dp_reshardable format
-            1, True, os.path.join(root, "dp2"), STEPS // 2, after=1, resave=(os.path.join(root, "dp2_dpr"), "dp_reshardable")
+            1,
+            True,
+            os.path.join(root, "dp2"),
+            STEPS // 2,
+            after=1,
+            resave=(os.path.join(root, "dp2_dpr"), "dp_reshardable"),
         ),
         "tp2_first": _train_and_save(2, False, os.path.join(root, "tp2"), STEPS // 2, after=1),
         "pp2_first": _train_and_save(1, False, os.path.join(root, "pp2"), STEPS // 2, after=1, pp=2),
@@ -360,9 +380,11 @@ def _assert_same_state(actual: dict, expected: dict, what: str, tol: dict = EXAC
             assert e_state.keys() == a_sub[idx].keys() and {"exp_avg", "exp_avg_sq"} <= e_state.keys()
             for key, value in e_state.items():
                 torch.testing.assert_close(
-                    torch.as_tensor(a_sub[idx][key]), torch.as_tensor(value), **tol,
+                    torch.as_tensor(a_sub[idx][key]),
+                    torch.as_tensor(value),
+                    **tol,
                     msg=lambda m: f"{what} optimizer state {idx}.{key}: {m}",
-                )  # fmt: skip
+                )
     for a_groups, e_groups in zip(actual["param_groups"], expected["param_groups"], strict=True):
         for i, (a_group, e_group) in enumerate(zip(a_groups, e_groups, strict=True)):
             keys = (a_group.keys() | e_group.keys()) - {"step"}  # the distributed optimizer's copy of the Adam step

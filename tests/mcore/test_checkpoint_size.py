@@ -50,7 +50,11 @@ def _save(root: str, *, dtype: torch.dtype, distopt: bool, anchor: bool, optimiz
         settings = OptimizerConfig(lr=1e-3, use_distributed_optimizer=distopt)
         ddp = wrap_with_ddp(build_gpt_model(cfg, parallel, params_dtype=dtype), settings)
         optimizer = build_optimizer(ddp, settings)
-        ema = EmaAnchor.from_configs(cfg, parallel, ddp, optimizer, tau=0.5, period=1, compute_dtype=dtype) if anchor else None
+        ema = (
+            EmaAnchor.from_configs(cfg, parallel, ddp, optimizer, tau=0.5, period=1, compute_dtype=dtype)
+            if anchor
+            else None
+        )
         for module in ddp:
             for param in module.parameters():
                 param.main_grad.normal_()
@@ -58,9 +62,15 @@ def _save(root: str, *, dtype: torch.dtype, distopt: bool, anchor: bool, optimiz
         if ema is not None:
             ema.update()
         path = ckpt.save_checkpoint(
-            root, 1, models=ddp, optimizer=optimizer, scheduler=build_scheduler(optimizer, settings), anchor=ema,
-            groups=groups, optimizer_format=optimizer_format,
-        )  # fmt: skip
+            root,
+            1,
+            models=ddp,
+            optimizer=optimizer,
+            scheduler=build_scheduler(optimizer, settings),
+            anchor=ema,
+            groups=groups,
+            optimizer_format=optimizer_format,
+        )
         return {"path": str(path), "files": ckpt.list_files(path)}
     finally:
         destroy_model_parallel()
@@ -68,11 +78,13 @@ def _save(root: str, *, dtype: torch.dtype, distopt: bool, anchor: bool, optimiz
 
 def _world1(rank: int, world_size: int, root: str) -> dict:
     return {
-        "bf16_anchor": _save(f"{root}/bf16", dtype=torch.bfloat16, distopt=False, anchor=True,
-                             optimizer_format="fully_reshardable"),
-        "fp32_no_anchor": _save(f"{root}/fp32", dtype=torch.float32, distopt=False, anchor=False,
-                                optimizer_format="fully_reshardable"),
-    }  # fmt: skip
+        "bf16_anchor": _save(
+            f"{root}/bf16", dtype=torch.bfloat16, distopt=False, anchor=True, optimizer_format="fully_reshardable"
+        ),
+        "fp32_no_anchor": _save(
+            f"{root}/fp32", dtype=torch.float32, distopt=False, anchor=False, optimizer_format="fully_reshardable"
+        ),
+    }
 
 
 def _world2(rank: int, world_size: int, root: str) -> dict:
@@ -105,9 +117,14 @@ def test_predicted_bytes_match_the_files_written(saved, case):
     world, key, dtype, distopt, anchor, fmt = CASES[case]
     files = saved[world][key]["files"]
     predicted = checkpoint_bytes(
-        load_model_config(MODEL, OVERRIDES), ParallelConfig(), OptimizerConfig(use_distributed_optimizer=distopt),
-        anchor=anchor, params_dtype=dtype, world_size=world, optimizer_format=fmt,
-    )  # fmt: skip
+        load_model_config(MODEL, OVERRIDES),
+        ParallelConfig(),
+        OptimizerConfig(use_distributed_optimizer=distopt),
+        anchor=anchor,
+        params_dtype=dtype,
+        world_size=world,
+        optimizer_format=fmt,
+    )
     total = sum(files.values())
     assert _within(predicted.total, total), (predicted.total, total, files)
     shards = [files[f"__{rank}_0.distcp"] for rank in range(world)]  # one file per rank (thread_count 1)
@@ -120,7 +137,12 @@ def test_fp32_params_save_no_main_params_and_no_anchor_saves_no_master():
     plain = checkpoint_bytes(cfg, parallel, OptimizerConfig(), anchor=False, params_dtype="float32", world_size=1)
     assert dict(plain.parts) == {"model": 4 * n, "main_params": 0, "adam": 8 * n, "anchor": 0}
     distributed = checkpoint_bytes(
-        cfg, parallel, OptimizerConfig(use_distributed_optimizer=True), anchor=True, params_dtype="bfloat16", world_size=8
+        cfg,
+        parallel,
+        OptimizerConfig(use_distributed_optimizer=True),
+        anchor=True,
+        params_dtype="bfloat16",
+        world_size=8,
     )
     assert dict(distributed.parts) == {"model": 2 * n, "main_params": 4 * n, "adam": 8 * n, "anchor": 4 * n}
     assert sum(distributed.per_rank) == distributed.total and distributed.max_per_rank < distributed.total / 7
@@ -137,10 +159,23 @@ def test_tp_and_pp_split_the_parameters_without_loss():
     assert len(four.per_rank) == 4 and sum(four.per_rank) == four.total
 
 
-@pytest.mark.parametrize("layout,world", [({}, 1), ({"expert_model_parallel_size": 2}, 2),
-                                          ({"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2}, 4),
-                                          ({"expert_model_parallel_size": 4, "expert_tensor_parallel_size": 1,
-                                            "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, 8)])
+@pytest.mark.parametrize(
+    "layout,world",
+    [
+        ({}, 1),
+        ({"expert_model_parallel_size": 2}, 2),
+        ({"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2}, 4),
+        (
+            {
+                "expert_model_parallel_size": 4,
+                "expert_tensor_parallel_size": 1,
+                "tensor_model_parallel_size": 2,
+                "pipeline_model_parallel_size": 2,
+            },
+            8,
+        ),
+    ],
+)
 def test_experts_are_saved_once_at_any_expert_layout(layout, world):
     cfg = load_model_config("qwen3-30b-a3b")
     parallel = ParallelConfig(**layout)

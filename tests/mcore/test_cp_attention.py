@@ -43,8 +43,13 @@ def _batch(lengths: list[int], vocab_size: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab_size, (1, sum(lengths)), generator=g)
-    return MicroBatch(ids, torch.zeros_like(ids), position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
-                      cu_seqlens=torch.tensor([0, *lengths]).cumsum(0).to(torch.int32), max_seqlen=max(lengths))  # fmt: skip
+    return MicroBatch(
+        ids,
+        torch.zeros_like(ids),
+        position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+        cu_seqlens=torch.tensor([0, *lengths]).cumsum(0).to(torch.int32),
+        max_seqlen=max(lengths),
+    )
 
 
 def _core_checks(ours, ref, full, local) -> dict:
@@ -112,8 +117,10 @@ def _cp_worker(rank: int, world_size: int, rows: list[list[int]]) -> dict:
         for i, lengths in enumerate(rows):
             full = _batch(lengths, cfg.vocab_size, seed=i)
             local = split_microbatch(full, world_size, rank)
-            results[i] = {"core": _core_checks(ours, ref, full, local),
-                          "model": _model_checks(cp_model, ref_model, full, local)}  # fmt: skip
+            results[i] = {
+                "core": _core_checks(ours, ref, full, local),
+                "model": _model_checks(cp_model, ref_model, full, local),
+            }
         q = torch.zeros(8, 1, ours.heads, 16)
         try:  # padded rows are not split under CP
             ours(q, q[..., : ours.groups, :], q[..., : ours.groups, :], None)
@@ -145,8 +152,23 @@ def _fake_varlen(bottom_right: bool, calls: list):
     """``varlen_attn`` (2.12 signature) on CPU: segment i of the queries attends to segment i of the
     keys under a causal mask aligned to the bottom right (flash attention) or the top left."""
 
-    def fn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
-           enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):  # fmt: skip
+    def fn(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        *,
+        return_aux=None,
+        scale=None,
+        window_size=(-1, -1),
+        enable_gqa=False,
+        seqused_k=None,
+        block_table=None,
+        num_splits=None,
+    ):
         assert tuple(window_size) == (-1, 0), "the glue must ask for causal attention"
         calls.append(len(cu_q) - 1)
         cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
@@ -156,9 +178,16 @@ def _fake_varlen(bottom_right: bool, calls: list):
         for (a, b), (c, d) in zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:]), strict=True):
             offset = (d - c) - (b - a) if bottom_right else 0
             mask = torch.arange(d - c)[None, :] <= torch.arange(b - a)[:, None] + offset
-            parts.append(F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[c:d].transpose(0, 1),
-                                                        v[c:d].transpose(0, 1), attn_mask=mask, scale=scale,
-                                                        enable_gqa=enable_gqa).transpose(0, 1))  # fmt: skip
+            parts.append(
+                F.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1),
+                    k[c:d].transpose(0, 1),
+                    v[c:d].transpose(0, 1),
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=enable_gqa,
+                ).transpose(0, 1)
+            )
         return torch.cat(parts)
 
     return fn

@@ -36,10 +36,12 @@ class _Run:
         self.ddp = wrap_with_ddp(self.chunks, settings)
         self.optimizer = build_optimizer(self.ddp, settings)
         self.scheduler = build_scheduler(self.optimizer, settings)
-        self.anchor = EmaAnchor.from_configs(self.cfg, self.parallel, self.ddp, self.optimizer, tau=0.5, period=1,
-                                             compute_dtype=torch.float32)  # fmt: skip
-        self.loss, _ = bind_loss(LossConfig(kl="k3", kl_coef=0.1, agg_mode="seq-mean-token-mean"),
-                                 vocab_size=self.cfg.vocab_size, topk=1)  # fmt: skip
+        self.anchor = EmaAnchor.from_configs(
+            self.cfg, self.parallel, self.ddp, self.optimizer, tau=0.5, period=1, compute_dtype=torch.float32
+        )
+        self.loss, _ = bind_loss(
+            LossConfig(kl="k3", kl_coef=0.1, agg_mode="seq-mean-token-mean"), vocab_size=self.cfg.vocab_size, topk=1
+        )
         self.cursor = 0
 
     def step(self) -> float:
@@ -50,8 +52,9 @@ class _Run:
         plan = MicroBatchPlan(packing=True, max_tokens=BUDGET * CP, segment_multiple=2 * CP)
         full = micro_batches(samples, torch.linspace(-1, 1, len(samples)).tolist(), plan)
         micro = [split_microbatch(mb, self.groups.cp_size, self.groups.cp_rank) for mb in full]
-        stats = forward_stats(self.ddp, micro, StatsRequest(vocab_size=self.cfg.vocab_size, with_entropy=False),
-                              self.groups)  # fmt: skip
+        stats = forward_stats(
+            self.ddp, micro, StatsRequest(vocab_size=self.cfg.vocab_size, with_entropy=False), self.groups
+        )
         for mb, out in zip(micro, stats):
             mb.old_logprobs = out["logprobs"] + 0.05 * mb.advantages
             mb.anchor_logprobs = out["logprobs"] - 0.1 * mb.loss_mask
@@ -61,18 +64,37 @@ class _Run:
         return result.metrics["loss"]
 
     def save(self, root: str) -> str:
-        return str(ckpt.save_checkpoint(root, self.cursor, models=self.ddp, optimizer=self.optimizer,
-                                        scheduler=self.scheduler, anchor=self.anchor, groups=self.groups,
-                                        extra_state={"cursor": self.cursor}, model_name=MODEL))  # fmt: skip
+        return str(
+            ckpt.save_checkpoint(
+                root,
+                self.cursor,
+                models=self.ddp,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                anchor=self.anchor,
+                groups=self.groups,
+                extra_state={"cursor": self.cursor},
+                model_name=MODEL,
+            )
+        )
 
     def load(self, path: str) -> None:
-        extra = ckpt.load_checkpoint(path, models=self.ddp, optimizer=self.optimizer, scheduler=self.scheduler,
-                                     anchor=self.anchor, groups=self.groups, model_name=MODEL)  # fmt: skip
+        extra = ckpt.load_checkpoint(
+            path,
+            models=self.ddp,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            anchor=self.anchor,
+            groups=self.groups,
+            model_name=MODEL,
+        )
         self.cursor = extra["cursor"]
 
     def snapshot(self) -> dict:
-        return {"params": {n: p.detach().clone() for n, p in self.chunks[0].named_parameters()},
-                "anchor": self.anchor.full_master_state()}  # fmt: skip
+        return {
+            "params": {n: p.detach().clone() for n, p in self.chunks[0].named_parameters()},
+            "anchor": self.anchor.full_master_state(),
+        }
 
     def close(self) -> None:
         from megatron_empg.mcore.parallel_state import destroy_model_parallel

@@ -51,9 +51,7 @@ EXPECTED_FAILURES = {
     "device_kwarg": Failure(
         "AssertionError", CUDA_MISSING, "pipeline_parallel/schedules.py:forward_backward_no_pipelining"
     ),
-    "current_stream": Failure(
-        "AssertionError", CUDA_MISSING, "distributed/param_and_grad_buffer.py:start_grad_sync"
-    ),
+    "current_stream": Failure("AssertionError", CUDA_MISSING, "distributed/param_and_grad_buffer.py:start_grad_sync"),
     "tensor_type": Failure(
         "TypeError",
         "Wrapped parameters must be one of torch.cuda.FloatTensor",
@@ -114,20 +112,44 @@ def _tiny_gpt(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, expert_model_parallel_size=ep_size,
-               moe_token_dispatcher_type="alltoall") if ep_size else {}  # fmt: skip
+    moe = (
+        dict(
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=16,
+            expert_model_parallel_size=ep_size,
+            moe_token_dispatcher_type="alltoall",
+        )
+        if ep_size
+        else {}
+    )
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, normalization="RMSNorm",
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True, pipeline_dtype=torch.float32,
-        pipeline_model_parallel_size=pp_size, **moe,
-    )  # fmt: skip
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp_size,
+        **moe,
+    )
     spec = get_gpt_layer_local_spec(num_experts=4 if ep_size else None, normalization="RMSNorm")
     return GPTModel(
-        config=config, transformer_layer_spec=spec,
-        vocab_size=64, max_sequence_length=8, position_embedding_type="rope", pre_process=pre_process,
-        post_process=post_process, share_embeddings_and_output_weights=tied,
-    )  # fmt: skip
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=64,
+        max_sequence_length=8,
+        position_embedding_type="rope",
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=tied,
+    )
 
 
 def _batch():
@@ -151,9 +173,14 @@ def _run_schedule(model, num_microbatches: int = 2):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iter([_batch()] * num_microbatches), model=[model],
-        num_microbatches=num_microbatches, seq_length=8, micro_batch_size=2, forward_only=False,
-    )  # fmt: skip
+        forward_step_func=_forward_step,
+        data_iterator=iter([_batch()] * num_microbatches),
+        model=[model],
+        num_microbatches=num_microbatches,
+        seq_length=8,
+        micro_batch_size=2,
+        forward_only=False,
+    )
 
 
 def _single_rank_checks(rank: int, world_size: int) -> dict:
@@ -198,7 +225,9 @@ def _uneven_gather(rank: int) -> None:
     splits = [3, 5]
     rows = torch.arange(8 * 2, dtype=torch.float32).reshape(8, 2)
     mine = rows[sum(splits[:rank]) : sum(splits[: rank + 1])].clone().requires_grad_()
-    gathered = gather_from_sequence_parallel_region(mine, group=torch.distributed.group.WORLD, output_split_sizes=splits)
+    gathered = gather_from_sequence_parallel_region(
+        mine, group=torch.distributed.group.WORLD, output_split_sizes=splits
+    )
     assert torch.equal(gathered, rows)
     (gathered * (rank + 1)).sum().backward()  # the ranks' output gradients 1 and 2 sum to 3
     assert torch.equal(mine.grad, torch.full_like(mine, 3.0))
@@ -217,8 +246,9 @@ def _pipeline_checks(rank: int, world_size: int) -> dict:
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-    _check(outcomes, "tensor_cuda", lambda: _tiny_gpt(2, first, last, tied=True),
-           not_yet={"synchronize", *EXPERT_CHECKS})
+    _check(
+        outcomes, "tensor_cuda", lambda: _tiny_gpt(2, first, last, tied=True), not_yet={"synchronize", *EXPERT_CHECKS}
+    )
     model = _tiny_gpt(2, first, last, tied=True)
     _check(outcomes, "synchronize", lambda: _run_schedule(model), not_yet=EXPERT_CHECKS)
     parallel_state.destroy_model_parallel()

@@ -53,10 +53,15 @@ def _microbatches(vocab_size: int, packed: bool) -> list[MicroBatch]:
             lengths = (9, 14, 9)
             seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
             mb = MicroBatch(
-                mb.input_ids.reshape(1, 32), mb.target_ids.reshape(1, 32), mb.loss_mask.reshape(1, 32) & (seq_ids < 2),
-                mb.advantages.reshape(1, 32), position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
-                seq_ids=seq_ids, cu_seqlens=torch.tensor([0, 9, 23, 32], dtype=torch.int32), max_seqlen=14,
-            )  # fmt: skip
+                mb.input_ids.reshape(1, 32),
+                mb.target_ids.reshape(1, 32),
+                mb.loss_mask.reshape(1, 32) & (seq_ids < 2),
+                mb.advantages.reshape(1, 32),
+                position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+                seq_ids=seq_ids,
+                cu_seqlens=torch.tensor([0, 9, 23, 32], dtype=torch.int32),
+                max_seqlen=14,
+            )
         out.append(mb)
     return out
 

@@ -66,7 +66,12 @@ def _step(model_name: str, dtype: torch.dtype, overrides: dict, state: dict | No
     (logits.float() * torch.randn(logits.shape, generator=g)).sum().backward()
     grads = {name: p.main_grad.clone() for name, p in chunk.named_parameters()}
     fused_wgrad = {name for name, p in chunk.named_parameters() if getattr(p, "grad_added_to_main_grad", False)}
-    return logits.detach().float(), grads, fused_wgrad, {k: v for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
+    return (
+        logits.detach().float(),
+        grads,
+        fused_wgrad,
+        {k: v for k, v in chunk.state_dict().items() if torch.is_tensor(v)},
+    )
 
 
 def _rank(rank: int, world_size: int) -> dict:
@@ -104,12 +109,17 @@ def test_fusions_equal_the_unfused_model():
         logits, grads, fused = out[name]
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
         for param, grad in ref_grads.items():  # fp32, other orders of the same sums: 1e-5 of the scale
-            torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-5 * grad_scale(grad),
-                                       msg=lambda m, p=param: f"{name} {p}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                grads[param], grad, rtol=1e-4, atol=1e-5 * grad_scale(grad), msg=lambda m, p=param: f"{name} {p}: {m}"
+            )
     # every linear's weight (QKV, projection, fc1, fc2, output layer) went through the fused path
-    assert out["fp32_wgrad"][2] == {p for p in ref_grads if p.endswith(("linear_qkv.weight", "linear_proj.weight",
-                                                                         "linear_fc1.weight", "linear_fc2.weight",
-                                                                         "output_layer.weight"))}  # fmt: skip
+    assert out["fp32_wgrad"][2] == {
+        p
+        for p in ref_grads
+        if p.endswith(
+            ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight", "output_layer.weight")
+        )
+    }
     # bf16: the fused path sums the exact products in fp32 (no bf16 gradient rounded before the
     # add), so it is at least as close to the fp32 model's gradient as the unfused bf16 path
     _, bf16_grads, _ = out["bf16_reference"]
@@ -118,7 +128,9 @@ def test_fusions_equal_the_unfused_model():
         unfused_error = (bf16_grads[param] - ref_grads[param]).norm()
         fused_error = (fused_grads[param] - ref_grads[param]).norm()
         assert fused_error <= 1.05 * unfused_error, (param, fused_error, unfused_error)
-        torch.testing.assert_close(fused_grads[param], bf16_grads[param], rtol=0.05, atol=0.05 * grad_scale(ref_grads[param]))
+        torch.testing.assert_close(
+            fused_grads[param], bf16_grads[param], rtol=0.05, atol=0.05 * grad_scale(ref_grads[param])
+        )
 
 
 def grad_scale(grad: torch.Tensor) -> float:

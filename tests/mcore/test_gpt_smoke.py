@@ -50,18 +50,35 @@ def _build_model(tp: int, pp: int):
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-        add_qkv_bias=True, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-    )  # fmt: skip
+        num_layers=NUM_LAYERS,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        add_qkv_bias=True,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+    )
     return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope", rotary_base=1_000_000,
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+        rotary_base=1_000_000,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-    )  # fmt: skip
+    )
 
 
 def _forward_step(data_iterator, model):
@@ -88,9 +105,14 @@ def _forward_backward(model, batches: list[dict]) -> tuple[list[dict], dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     outputs = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
-    )  # fmt: skip
+        forward_step_func=_forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=False,
+    )
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     return outputs, grads
 
@@ -140,10 +162,12 @@ def _run_layouts(rank: int, world_size: int, full_state_dict: dict, batches: lis
 def batches() -> list[dict]:
     g = torch.Generator().manual_seed(2)
     return [
-        {"tokens": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
-         "labels": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)}
+        {
+            "tokens": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
+            "labels": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
+        }
         for _ in range(NUM_MICROBATCHES)
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,19 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 def _llama31_rope_probe() -> ModelConfig:
     """A one-layer model with Llama-3.1-8B's RoPE (theta, llama3 scaling, head_dim 128), small elsewhere."""
     real = load_model_config("llama3.1-8b")
-    return dataclasses.replace(real, name="llama3.1-8b-rope", num_layers=1, hidden_size=256, num_attention_heads=2,
-                               num_query_groups=1, head_dim=128, ffn_hidden_size=64, vocab_size=100,
-                               bos_token_id=None, eos_token_id=None)  # fmt: skip
+    return dataclasses.replace(
+        real,
+        name="llama3.1-8b-rope",
+        num_layers=1,
+        hidden_size=256,
+        num_attention_heads=2,
+        num_query_groups=1,
+        head_dim=128,
+        ffn_hidden_size=64,
+        vocab_size=100,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,16 +80,31 @@ def _forward(chunks: list, batches: list[dict], vocab_size: int) -> list[torch.T
 
     with torch.no_grad():
         outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-            num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=True,
-        )  # fmt: skip
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=len(batches),
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=True,
+        )
     return [o["logits"] for o in outputs] if outputs else None
 
 
 def _plain_groups(groups) -> dict:
     """The picklable part of a ParallelGroups (process groups do not cross processes)."""
-    names = ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "vpp_size", "is_first_stage",
-             "is_last_stage", "num_model_chunks")  # fmt: skip
+    names = (
+        "tp_rank",
+        "tp_size",
+        "pp_rank",
+        "pp_size",
+        "dp_rank",
+        "dp_size",
+        "vpp_size",
+        "is_first_stage",
+        "is_last_stage",
+        "num_model_chunks",
+    )
     return {n: getattr(groups, n) for n in names}
 
 
@@ -136,8 +161,12 @@ def _reference(rank: int, world_size: int, batches: list[dict]) -> dict:
         "te": _error_of(lambda: build_gpt_model(cfg, parallel, attention_backend="te")),
         "unknown_backend": _error_of(lambda: build_gpt_model(cfg, parallel, attention_backend="flash")),
         "sequence_parallel": _error_of(
-            lambda: transformer_config(cfg, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
-                                       params_dtype=torch.float32, use_cpu_initialization=True)  # fmt: skip
+            lambda: transformer_config(
+                cfg,
+                ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+                params_dtype=torch.float32,
+                use_cpu_initialization=True,
+            )
         ),
         "world_size": _error_of(lambda: build_gpt_model(cfg, ParallelConfig(tensor_model_parallel_size=2))),
         "reinitialize": _error_of(lambda: parallel_state.initialize_model_parallel(parallel, SEED)),
@@ -182,9 +211,7 @@ def _run_layouts(rank: int, world_size: int, reference: dict, batches: dict) -> 
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=2), SEED)
     cfg = load_model_config("tiny-qwen2")
-    results["state_mismatch"] = _error_of(
-        lambda: build_gpt_model(cfg, ParallelConfig(pipeline_model_parallel_size=2))
-    )
+    results["state_mismatch"] = _error_of(lambda: build_gpt_model(cfg, ParallelConfig(pipeline_model_parallel_size=2)))
     parallel_state.destroy_model_parallel()
     return results
 
@@ -197,10 +224,12 @@ def _run_layouts(rank: int, world_size: int, reference: dict, batches: dict) -> 
 def batches() -> dict:
     g = torch.Generator().manual_seed(2)
     return {
-        name: [{"tokens": torch.randint(0, load_model_config(name).vocab_size, (MICRO_BATCH, SEQ), generator=g)}
-               for _ in range(NUM_MICROBATCHES)]
+        name: [
+            {"tokens": torch.randint(0, load_model_config(name).vocab_size, (MICRO_BATCH, SEQ), generator=g)}
+            for _ in range(NUM_MICROBATCHES)
+        ]
         for name in TINY
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture(scope="module")
@@ -247,16 +276,23 @@ def test_llama31_rope_scaling_matches_transformers(reference, transformers):
     torch.testing.assert_close(reference[probe.name]["inv_freq"], hf_rope.inv_freq.float(), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("name", ["deepseek-r1-distill-qwen-1.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b",
-                                  "qwen3-8b", "llama3.1-8b"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["deepseek-r1-distill-qwen-1.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "llama3.1-8b"]
+)
 def test_transformers_accepts_the_real_models_hf_configs(transformers, name):
     cfg = load_model_config(name)
     hf = transformers.AutoConfig.for_model(**cfg.to_hf_config())  # a config only: no weights
     assert type(hf).__name__ == {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}[cfg.family]
     assert (hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers) == (
-        cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers)  # fmt: skip
+        cfg.hidden_size,
+        cfg.ffn_hidden_size,
+        cfg.num_layers,
+    )
     assert (hf.num_attention_heads, hf.num_key_value_heads, hf.vocab_size) == (
-        cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size)  # fmt: skip
+        cfg.num_attention_heads,
+        cfg.num_query_groups,
+        cfg.vocab_size,
+    )
     assert getattr(hf, "head_dim", cfg.hidden_size // cfg.num_attention_heads) == cfg.kv_channels
     assert hf.rope_parameters["rope_theta"] == cfg.rope_theta and hf.rms_norm_eps == cfg.norm_epsilon
     assert hf.tie_word_embeddings == cfg.tie_word_embeddings and hf.dtype == torch.bfloat16
@@ -277,13 +313,18 @@ def test_bf16_build_has_bf16_parameters_and_close_logits(reference):
 
 def test_build_errors_are_clear(reference):
     errors = reference["errors"]
-    assert errors["te"].startswith("ConfigError: model.attention_backend: te needs Transformer Engine, which does "
-                                   "not import here (ModuleNotFoundError"), errors["te"]
+    assert errors["te"].startswith(
+        "ConfigError: model.attention_backend: te needs Transformer Engine, which does "
+        "not import here (ModuleNotFoundError"
+    ), errors["te"]
     assert "NGC PyTorch container" in errors["te"] and "use sdpa" in errors["te"]
-    assert errors["unknown_backend"].startswith("ConfigError: model.attention_backend: unknown name 'flash'; "
-                                                "expected 'auto' or one of ['sdpa', 'te', 'unfused']")
-    assert errors["sequence_parallel"].startswith("ConfigError: parallel.sequence_parallel: needs "
-                                                  "model.attention_backend te"), errors["sequence_parallel"]
+    assert errors["unknown_backend"].startswith(
+        "ConfigError: model.attention_backend: unknown name 'flash'; "
+        "expected 'auto' or one of ['sdpa', 'te', 'unfused']"
+    )
+    assert errors["sequence_parallel"].startswith(
+        "ConfigError: parallel.sequence_parallel: needs model.attention_backend te"
+    ), errors["sequence_parallel"]
     assert errors["world_size"].startswith("ConfigError: tensor_model_parallel_size: world size 1 is not divisible")
     assert errors["reinitialize"].startswith("RuntimeError: model parallelism is already initialized")
 
@@ -319,7 +360,10 @@ def test_layout_chunks_cover_every_layer_and_weight_once(reference, layouts, lay
         r = result[layout_id]
         groups = r["groups"]
         assert (groups["tp_size"], groups["pp_size"], groups["vpp_size"]) == (
-            tp, parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size)  # fmt: skip
+            tp,
+            parallel.pipeline_model_parallel_size,
+            parallel.virtual_pipeline_model_parallel_size,
+        )
         assert groups["dp_size"] == WORLD_SIZE // parallel.model_parallel_size
         assert len(r["chunks"]) == groups["num_model_chunks"]
         for i, chunk in enumerate(r["chunks"]):

@@ -52,7 +52,9 @@ def _loss_fn(vocab_size: int):
     from megatron_empg.parallel.rl_loss import RLLoss
 
     def loss_fn(logits, batch, *, vocab_start, tp_group):
-        logprobs = torch.log_softmax(logits.float()[..., :vocab_size], -1).gather(-1, batch.target_ids[..., None])[..., 0]
+        logprobs = torch.log_softmax(logits.float()[..., :vocab_size], -1).gather(-1, batch.target_ids[..., None])[
+            ..., 0
+        ]
         total = LossSum(-(logprobs * batch.loss_mask).sum(), batch.loss_mask.sum())
         return RLLoss(total, {"loss": LossSum(total.loss_sum.detach(), total.count)})
 
@@ -73,8 +75,15 @@ def _step_grads(model_cfg, full: dict, microbatches) -> tuple[dict, dict]:
     settings = OptimizerConfig(lr=1e-3, clip_grad=1e9)  # no clipping: the gradients stay as finalized
     ddp = wrap_with_ddp(chunks, settings)
     optimizer = build_optimizer(ddp, settings)
-    result = train_step(ddp, optimizer, build_scheduler(optimizer, settings), microbatches,
-                        _loss_fn(model_cfg.vocab_size), groups=current_groups(), loss_units=loss_units)  # fmt: skip
+    result = train_step(
+        ddp,
+        optimizer,
+        build_scheduler(optimizer, settings),
+        microbatches,
+        _loss_fn(model_cfg.vocab_size),
+        groups=current_groups(),
+        loss_units=loss_units,
+    )
     return {n: p.main_grad.clone() for n, p in chunks[0].named_parameters()}, result.metrics
 
 
@@ -129,8 +138,11 @@ def _worker(rank: int, world_size: int) -> dict:
     capped = dataclasses.replace(base, moe_expert_capacity_factor=1.0)
     initialize_model_parallel(ParallelConfig(), seed=3)
     try:
-        full = {k: v.clone() for k, v in mcore_model.build_gpt_model(off, ParallelConfig())[0].state_dict().items()
-                if torch.is_tensor(v)}  # fmt: skip
+        full = {
+            k: v.clone()
+            for k, v in mcore_model.build_gpt_model(off, ParallelConfig())[0].state_dict().items()
+            if torch.is_tensor(v)
+        }
         microbatches = _microbatches(base.vocab_size)
         grads_off, metrics_off = _step_grads(off, full, microbatches)
         grads_on, metrics_on = _step_grads(on, full, microbatches)
@@ -138,9 +150,15 @@ def _worker(rank: int, world_size: int) -> dict:
         reference = _reference(off, full, microbatches)
     finally:
         destroy_model_parallel()
-    return {"diff": {n: grads_on[n] - grads_off[n] for n in grads_on}, "grads_off": grads_off,
-            "metrics_off": metrics_off, "metrics_on": metrics_on, "metrics_capped": metrics_capped,
-            "reference": reference, "T": [mb.input_ids.numel() for mb in microbatches]}  # fmt: skip
+    return {
+        "diff": {n: grads_on[n] - grads_off[n] for n in grads_on},
+        "grads_off": grads_off,
+        "metrics_off": metrics_off,
+        "metrics_on": metrics_on,
+        "metrics_capped": metrics_capped,
+        "reference": reference,
+        "T": [mb.input_ids.numel() for mb in microbatches],
+    }
 
 
 @pytest.fixture(scope="module")

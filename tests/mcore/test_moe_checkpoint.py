@@ -123,20 +123,31 @@ def test_ep2_checkpoint_loads_at_ep1(results, distopt):
             experts.add(name) if ".mlp.experts." in name else None
             torch.testing.assert_close(loaded["params"][name][0], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
             anchor = saved["anchor"][f"0.{saved['local_names'][name]}"]  # the anchor keeps local names
-            torch.testing.assert_close(loaded["anchor"][f"0.{name}"], anchor, rtol=0, atol=0,
-                                       msg=lambda m: f"anchor {name}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                loaded["anchor"][f"0.{name}"], anchor, rtol=0, atol=0, msg=lambda m: f"anchor {name}: {m}"
+            )
             if not distopt:
                 for key, state in saved["named_optim"][name].items():
-                    torch.testing.assert_close(loaded["named_optim"][name][key], state, rtol=0, atol=0,
-                                               msg=lambda m: f"optimizer {name}.{key}: {m}")  # fmt: skip
+                    torch.testing.assert_close(
+                        loaded["named_optim"][name][key],
+                        state,
+                        rtol=0,
+                        atol=0,
+                        msg=lambda m: f"optimizer {name}.{key}: {m}",
+                    )
             else:  # the saved ranks' ranges, each equal to that range of the whole loaded state
                 [(start, end, whole)] = loaded["named_optim"][name]
                 assert (start, end) == (0, value.numel())
                 for lo, hi, state in saved["named_optim"].get(name, []):
                     optim_pieces[name] = optim_pieces.get(name, 0) + hi - lo
                     for key, piece in state.items():
-                        torch.testing.assert_close(whole[key][lo:hi], piece, rtol=0, atol=0,
-                                                   msg=lambda m: f"optimizer {name}.{key}[{lo}:{hi}]: {m}")  # fmt: skip
+                        torch.testing.assert_close(
+                            whole[key][lo:hi],
+                            piece,
+                            rtol=0,
+                            atol=0,
+                            msg=lambda m: f"optimizer {name}.{key}[{lo}:{hi}]: {m}",
+                        )
         assert loaded["lr"] == pytest.approx(saved["lr"], rel=1e-12) and loaded["sched_steps"] == saved["sched_steps"]
     assert covered == loaded["params"].keys()
     if distopt:  # the saved ranges cover every parameter once (dense ones split over DP 2)

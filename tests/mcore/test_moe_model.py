@@ -46,9 +46,13 @@ LAYOUTS_2 = [
 LAYOUTS_4 = [
     ("ep2_dp2_distopt", 1, True, dict(expert_model_parallel_size=2)),
     ("ep2_etp2", 1, False, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2)),
-    ("ep2_etp2_allgather", 1, False, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
-                                          moe_token_dispatcher_type="allgather")),
-]  # fmt: skip
+    (
+        "ep2_etp2_allgather",
+        1,
+        False,
+        dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2, moe_token_dispatcher_type="allgather"),
+    ),
+]
 
 
 def _hf_logits_and_state(model_cfg, out_dir: str) -> tuple[torch.Tensor, dict, torch.Tensor]:
@@ -89,8 +93,7 @@ def _reference_worker(rank: int, world_size: int, out_dir: str) -> dict:
     finally:
         destroy_model_parallel()
     trained = _train(1, 1, False, full, num_microbatches=4, model=MODEL)
-    return {"hf_logits": hf_logits, "logits": logits, "hf_names": sorted(hf_tensors), "full": full,
-            "trained": trained}  # fmt: skip
+    return {"hf_logits": hf_logits, "logits": logits, "hf_names": sorted(hf_tensors), "full": full, "trained": trained}
 
 
 def _expert_grid(*, ddp, optimizer, groups, model_cfg, parallel) -> dict:
@@ -103,8 +106,7 @@ def _expert_grid(*, ddp, optimizer, groups, model_cfg, parallel) -> dict:
 
     module = ddp[0]
     flags = {name: getattr(p, "allreduce", True) for name, p in module.module.named_parameters()}
-    anchor = EmaAnchor.from_configs(model_cfg, parallel, ddp, optimizer, tau=0.5, period=1,
-                                    compute_dtype=torch.float32)  # fmt: skip
+    anchor = EmaAnchor.from_configs(model_cfg, parallel, ddp, optimizer, tau=0.5, period=1, compute_dtype=torch.float32)
     policy = {f"0.{n}": p.detach() for n, p in module.module.named_parameters()}
     anchor.load_full_master_state({k: v + 1 for k, v in policy.items()})
     anchor.update()
@@ -117,7 +119,9 @@ def _expert_grid(*, ddp, optimizer, groups, model_cfg, parallel) -> dict:
         "ep": groups.ep_size,
         "anchor_sharded": anchor.sharded,
         "anchor_weight_error": max((weights[k[2:]] - v - 0.5).abs().max().item() for k, v in policy.items()),
-        "anchor_master_error": max((m - policy[k] - 0.5).abs().max().item() for k, m in anchor.full_master_state().items()),
+        "anchor_master_error": max(
+            (m - policy[k] - 0.5).abs().max().item() for k, m in anchor.full_master_state().items()
+        ),
     }
 
 

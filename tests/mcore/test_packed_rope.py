@@ -27,12 +27,12 @@ def test_vectorized_thd_rope_equals_megatron_loop(interleaved, whole_row_freqs):
     total = int(cu_seqlens[-1])
     t = torch.randn(total, 4, 16, generator=g, dtype=torch.float64)
     freqs = torch.randn(total if whole_row_freqs else max(lengths) + 3, 1, 1, 12, generator=g, dtype=torch.float64)
-    ours = thd.vectorized_thd_rope(t, cu_seqlens, freqs, rotary_interleaved=interleaved,
-                                                cp_group=ONE_RANK)  # fmt: skip
+    ours = thd.vectorized_thd_rope(t, cu_seqlens, freqs, rotary_interleaved=interleaved, cp_group=ONE_RANK)
     loop = thd._LOOPED_THD_ROPE(t, cu_seqlens, freqs, rotary_interleaved=interleaved, cp_group=ONE_RANK)
     torch.testing.assert_close(ours, loop, rtol=0, atol=0)
     # a sequence after the first is rotated from position 0 (not as a continuation)
     if not whole_row_freqs:
-        first = thd.vectorized_thd_rope(t[5:6], torch.tensor([0, 1], dtype=torch.int32), freqs,
-                                                     rotary_interleaved=interleaved, cp_group=ONE_RANK)  # fmt: skip
+        first = thd.vectorized_thd_rope(
+            t[5:6], torch.tensor([0, 1], dtype=torch.int32), freqs, rotary_interleaved=interleaved, cp_group=ONE_RANK
+        )
         torch.testing.assert_close(ours[5:6], first, rtol=0, atol=0)

@@ -31,7 +31,8 @@ def _forward_backward(rank: int, world_size: int, modes: list) -> dict:
         for layer in chunk.decoder.layers:
             layer.register_forward_hook(lambda *_: calls.__setitem__("layer", calls["layer"] + 1))
             layer.self_attention.core_attention.register_forward_hook(
-                lambda *_: calls.__setitem__("core_attention", calls["core_attention"] + 1))  # fmt: skip
+                lambda *_: calls.__setitem__("core_attention", calls["core_attention"] + 1)
+            )
         ids = torch.randint(0, model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
         logits = chunk(ids, torch.arange(24).expand_as(ids), causal_mask(24))
         forward_calls = dict(calls)

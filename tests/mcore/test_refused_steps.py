@@ -124,14 +124,21 @@ def _one_rank(rank: int, world_size: int) -> dict:
         before = run.snapshot()
         nan = run.step(batches[1], factor=float("nan"), guard=guard)
         after_nan = run.snapshot()
-        out["nan"] = {"skipped": nan.skipped, "lr": (first.lr, nan.lr), "history": list(guard.history),
-                      "unchanged": [_identical(before[k], after_nan[k]) for k in ("params", "adam")],
-                      "scheduler": (before["scheduler"], after_nan["scheduler"])}  # fmt: skip
+        out["nan"] = {
+            "skipped": nan.skipped,
+            "lr": (first.lr, nan.lr),
+            "history": list(guard.history),
+            "unchanged": [_identical(before[k], after_nan[k]) for k in ("params", "adam")],
+            "scheduler": (before["scheduler"], after_nan["scheduler"]),
+        }
         went_on = run.step(batches[1], guard=guard)
         went_on_state, second, end = run.snapshot(), reference["second"], reference["end"]
-        out["next"] = {"lr": (went_on.lr, second.lr), "grad_norm": (went_on.grad_norm, second.grad_norm),
-                       "loss": (went_on.metrics["loss"], second.metrics["loss"]),
-                       "same": [_identical(went_on_state[k], end[k]) for k in ("params", "adam")]}  # fmt: skip
+        out["next"] = {
+            "lr": (went_on.lr, second.lr),
+            "grad_norm": (went_on.grad_norm, second.grad_norm),
+            "loss": (went_on.metrics["loss"], second.metrics["loss"]),
+            "same": [_identical(went_on_state[k], end[k]) for k in ("params", "adam")],
+        }
 
         for batch in batches[2:MIN_HISTORY]:  # MIN_HISTORY applied steps in all: the spike check is on
             run.step(batch, guard=guard)
@@ -140,10 +147,15 @@ def _one_rank(rank: int, world_size: int) -> dict:
         spike = run.step(batches[MIN_HISTORY], factor=1e6, guard=guard)
         after = run.snapshot()
         normal = run.step(batches[MIN_HISTORY], guard=guard)
-        out["spike"] = {"skipped": spike.skipped, "grad_norm": spike.grad_norm, "norms": norms,
-                        "unchanged": [_identical(before[k], after[k]) for k in ("params", "adam")],
-                        "scheduler": (before["scheduler"], after["scheduler"]), "history_after": list(guard.history),
-                        "normal": (normal.skipped, normal.grad_norm)}  # fmt: skip
+        out["spike"] = {
+            "skipped": spike.skipped,
+            "grad_norm": spike.grad_norm,
+            "norms": norms,
+            "unchanged": [_identical(before[k], after[k]) for k in ("params", "adam")],
+            "scheduler": (before["scheduler"], after["scheduler"]),
+            "history_after": list(guard.history),
+            "normal": (normal.skipped, normal.grad_norm),
+        }
         return out
     finally:
         destroy_model_parallel()
@@ -173,8 +185,10 @@ def test_a_grad_norm_spike_is_refused_and_changes_nothing(one_rank):
     spike = one_rank["spike"]
     median = sorted(spike["norms"])[len(spike["norms"]) // 2]
     assert len(spike["norms"]) == MIN_HISTORY and spike["grad_norm"] > 1e4 * median
-    assert spike["skipped"] == (f"gradient norm {spike['grad_norm']:.4g} > {10 * median:.4g} "
-                                "(train.skip_grad_norm_factor=10 x the median of the last applied steps' norms)")
+    assert spike["skipped"] == (
+        f"gradient norm {spike['grad_norm']:.4g} > {10 * median:.4g} "
+        "(train.skip_grad_norm_factor=10 x the median of the last applied steps' norms)"
+    )
     assert spike["unchanged"] == [True, True] and spike["scheduler"] == (MIN_HISTORY, MIN_HISTORY)
     normal_skipped, normal_norm = spike["normal"]
     assert normal_skipped is None and normal_norm < 10 * median  # the same batch, unscaled: applied
@@ -198,11 +212,16 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         spike = run.step(batches[1], guard=spiky)
         after_spike = run.snapshot()
         applied = run.step(batches[1], guard=guard)
-        return {"nan": nan.skipped, "spike": spike.skipped, "applied": applied.skipped,
-                "unchanged": [_identical(before["params"], s["params"]) for s in (after_nan, after_spike)],
-                "schedule": [s["scheduler"] for s in (before, after_nan, after_spike)],
-                "histories": (list(guard.history), list(spiky.history)),
-                "params": run.snapshot()["params"], "params_before": before["params"]}  # fmt: skip
+        return {
+            "nan": nan.skipped,
+            "spike": spike.skipped,
+            "applied": applied.skipped,
+            "unchanged": [_identical(before["params"], s["params"]) for s in (after_nan, after_spike)],
+            "schedule": [s["scheduler"] for s in (before, after_nan, after_spike)],
+            "histories": (list(guard.history), list(spiky.history)),
+            "params": run.snapshot()["params"],
+            "params_before": before["params"],
+        }
     finally:
         destroy_model_parallel()
 

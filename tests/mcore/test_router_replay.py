@@ -44,8 +44,11 @@ def model_dir(tmp_path_factory) -> str:
 
 def _samples(prompts, completions) -> list[Sample]:
     example = [SimpleNamespace(prompt_ids=p) for p in prompts]
-    return [Sample.from_trajectory(example[i], i, Trajectory.from_completion(c))
-            for i, group in enumerate(completions) for c in group]  # fmt: skip
+    return [
+        Sample.from_trajectory(example[i], i, Trajectory.from_completion(c))
+        for i, group in enumerate(completions)
+        for c in group
+    ]
 
 
 class RecordingLlm:
@@ -68,12 +71,25 @@ class RecordingLlm:
             sampling = SamplingConfig(n=p.n, max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed)
             (group,) = self.engine.generate([request["prompt_token_ids"]], sampling)
             prompt = len(request["prompt_token_ids"])
-            outputs.append(SimpleNamespace(outputs=[CompletionOutput(
-                index=j, text="", token_ids=c.token_ids, cumulative_logprob=sum(c.logprobs),
-                logprobs=[{t: Logprob(lp)} for t, lp in zip(c.token_ids, c.logprobs)],
-                routed_experts=c.routed_experts[prompt if self.drop_prompt else 0 :].numpy().astype("uint8"),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            ) for j, c in enumerate(group)]))  # fmt: skip
+            outputs.append(
+                SimpleNamespace(
+                    outputs=[
+                        CompletionOutput(
+                            index=j,
+                            text="",
+                            token_ids=c.token_ids,
+                            cumulative_logprob=sum(c.logprobs),
+                            logprobs=[{t: Logprob(lp)} for t, lp in zip(c.token_ids, c.logprobs)],
+                            routed_experts=c.routed_experts[prompt if self.drop_prompt else 0 :]
+                            .numpy()
+                            .astype("uint8"),
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                        for j, c in enumerate(group)
+                    ]
+                )
+            )
         return outputs
 
 
@@ -99,8 +115,9 @@ def _rank(rank: int, world_size: int, model_dir: str, batches: dict) -> dict:
     model = load_model_config(MODEL)
     parallel = ParallelConfig(moe_token_dispatcher_type="allgather")
     groups = parallel_state.initialize_model_parallel(parallel, 5)
-    full = mapping.to_megatron_state_dict(load_file(f"{model_dir}/model.safetensors"), model,
-                                          parallel.padded_vocab_size(model.vocab_size))  # fmt: skip
+    full = mapping.to_megatron_state_dict(
+        load_file(f"{model_dir}/model.safetensors"), model, parallel.padded_vocab_size(model.vocab_size)
+    )
     seen: list[tuple[int, torch.Tensor]] = []  # (layer, routing_map [tokens, experts]) per router call
 
     def build(**overrides):
@@ -167,8 +184,12 @@ def _rank_split(rank: int, world_size: int, model_dir: str, micro: list) -> dict
     ]:
         groups = parallel_state.initialize_model_parallel(parallel, 5)
         (chunk,) = build_gpt_model(model, parallel, routing_replay=True)
-        load_full_state_dict([chunk], mapping.to_megatron_state_dict(
-            load_file(f"{model_dir}/model.safetensors"), model, parallel.padded_vocab_size(model.vocab_size)))  # fmt: skip
+        load_full_state_dict(
+            [chunk],
+            mapping.to_megatron_state_dict(
+                load_file(f"{model_dir}/model.safetensors"), model, parallel.padded_vocab_size(model.vocab_size)
+            ),
+        )
         seen = []
         for router in (m for m in chunk.modules() if isinstance(m, TopKRouter)):
             router.register_forward_hook(lambda m, i, o: seen.append((m.layer_number - 1, o[1].clone())))
@@ -201,7 +222,11 @@ def test_replay_routes_as_the_engine_did_and_a_mutation_shows(model_dir):
     hf_samples = _samples(PROMPTS, engine.generate(PROMPTS, SAMPLING))
     llm = RecordingLlm(engine)
     vllm_samples = _samples(PROMPTS, _vllm_engine(llm).generate(PROMPTS, SAMPLING))
-    assert [r[0] for r in llm.requests] == PROMPTS and {r[1:] for r in llm.requests} == {(2, 11, 7), (2, 13, 7), (2, 15, 7)}
+    assert [r[0] for r in llm.requests] == PROMPTS and {r[1:] for r in llm.requests} == {
+        (2, 11, 7),
+        (2, 13, 7),
+        (2, 15, 7),
+    }
     with pytest.raises(RuntimeError, match=r"routed experts of shape \[\d+, 2, 2\]; expected \[\d+, layers, top_k\]"):
         _vllm_engine(RecordingLlm(engine, drop_prompt=True)).generate(PROMPTS, SAMPLING)
 
@@ -216,8 +241,13 @@ def test_replay_routes_as_the_engine_did_and_a_mutation_shows(model_dir):
     mutated_samples[sample].routed_experts = chosen
     mutated_micro = micro_batches(mutated_samples, advantages, plan)
     padded = micro_batches(hf_samples, advantages, dataclasses.replace(plan, packing=False))  # [3, s] rows
-    out = run_distributed(_rank, 1, model_dir, {"hf": hf_micro, "vllm": vllm_micro, "mutated": mutated_micro,
-                                                "padded": padded}, timeout=240)[0]  # fmt: skip
+    out = run_distributed(
+        _rank,
+        1,
+        model_dir,
+        {"hf": hf_micro, "vllm": vllm_micro, "mutated": mutated_micro, "padded": padded},
+        timeout=240,
+    )[0]
     split = run_distributed(_rank_split, 2, model_dir, mutated_micro, timeout=240)
 
     for name, micro, samples in (("hf", hf_micro, hf_samples), ("vllm", vllm_micro, vllm_samples)):
@@ -239,8 +269,10 @@ def test_replay_routes_as_the_engine_did_and_a_mutation_shows(model_dir):
     assert (ours - torch.cat([mb.sampler_logprobs[mb.loss_mask] for mb in padded])).abs().max() < TOLERANCE
 
     # The mutation: one token of one layer; the log-probs from that position on in its sequence.
-    changed = [sum(int((a != b).any(-1).sum()) for a, b in zip(m, h))
-               for m, h in zip(out["mutated"]["routing"], out["hf"]["routing"])]  # fmt: skip
+    changed = [
+        sum(int((a != b).any(-1).sum()) for a, b in zip(m, h))
+        for m, h in zip(out["mutated"]["routing"], out["hf"]["routing"])
+    ]
     assert changed == [1 if i == layer else 0 for i in range(model.num_layers)]
     for i, (mb, mutated) in enumerate(zip(hf_micro, mutated_micro)):
         diff = (out["mutated"]["logprobs"][i] - out["hf"]["logprobs"][i]).abs()[0]
@@ -272,4 +304,8 @@ def test_replay_routes_as_the_engine_did_and_a_mutation_shows(model_dir):
     for i in range(model.num_layers):
         calls = out["calls_full"][i]
         assert len(calls) == 2 * n  # the forwards, then the recomputes in the same order
-        assert _equal(calls[:n], expected[i]) and _equal(calls[n:], expected[i]) and _equal(out["calls_none"][i], expected[i])
+        assert (
+            _equal(calls[:n], expected[i])
+            and _equal(calls[n:], expected[i])
+            and _equal(out["calls_none"][i], expected[i])
+        )

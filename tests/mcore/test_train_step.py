@@ -87,9 +87,16 @@ def _split(batch: dict, dp_rank: int, dp_size: int, num_microbatches: int) -> li
 
 
 def _train(
-    tp: int, pp: int, distopt: bool, full_state_dict: dict | None, num_microbatches: int, *,
-    model: str = MODEL, inspect=None, **parallel_fields,
-) -> dict:  # fmt: skip
+    tp: int,
+    pp: int,
+    distopt: bool,
+    full_state_dict: dict | None,
+    num_microbatches: int,
+    *,
+    model: str = MODEL,
+    inspect=None,
+    **parallel_fields,
+) -> dict:
     """Build the layout, load the weights, run STEPS RL steps; returns metrics and parameter shards.
 
     ``parallel_fields``: more ``ParallelConfig`` fields (the expert grid); ``inspect(ddp=,
@@ -126,8 +133,15 @@ def _train(
                     mb.topk_ids = stats["topk_ids"]
                     mb.anchor_logprobs = stats["logprobs"] + part["anchor_noise"]
                     mb.topk_anchor_logprobs = stats["topk_logprobs"] + part["topk_anchor_noise"]
-            result = train_step(ddp, optimizer, scheduler, mbs, loss_fn(model_cfg.vocab_size), groups=groups,
-                                loss_units=partial(loss_units, agg_mode=SETTINGS.agg_mode))  # fmt: skip
+            result = train_step(
+                ddp,
+                optimizer,
+                scheduler,
+                mbs,
+                loss_fn(model_cfg.vocab_size),
+                groups=groups,
+                loss_units=partial(loss_units, agg_mode=SETTINGS.agg_mode),
+            )
             history.append({"metrics": result.metrics, "grad_norm": result.grad_norm, "lr": result.lr})
         params = {}
         for chunk in chunks:
@@ -137,8 +151,16 @@ def _train(
         inspected = None
         if inspect is not None:
             inspected = inspect(ddp=ddp, optimizer=optimizer, groups=groups, model_cfg=model_cfg, parallel=parallel)
-        return {"initial": initial, "history": history, "params": params, "tp_rank": groups.tp_rank, "tp": tp,
-                "etp_rank": groups.etp_rank, "etp": groups.etp_size, "inspected": inspected}  # fmt: skip
+        return {
+            "initial": initial,
+            "history": history,
+            "params": params,
+            "tp_rank": groups.tp_rank,
+            "tp": tp,
+            "etp_rank": groups.etp_rank,
+            "etp": groups.etp_size,
+            "inspected": inspected,
+        }
     finally:
         destroy_model_parallel()
 
@@ -177,7 +199,9 @@ def layouts(reference) -> dict:
 
 def _assert_same_history(actual: list, expected: list, what: str) -> None:
     for step, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        torch.testing.assert_close(a["grad_norm"], e["grad_norm"], **TOL, msg=lambda m: f"{what} step {step} grad norm: {m}")
+        torch.testing.assert_close(
+            a["grad_norm"], e["grad_norm"], **TOL, msg=lambda m: f"{what} step {step} grad norm: {m}"
+        )
         assert a["lr"] == pytest.approx(e["lr"], rel=1e-12)
         assert a["metrics"].keys() == e["metrics"].keys()
         for key, value in e["metrics"].items():
@@ -201,7 +225,9 @@ def test_reference_trains_and_reports(reference):
     assert [h["lr"] for h in history][:2] == pytest.approx([5e-4, 1e-3])
     # every step's norm exceeds clip_grad: the layouts below also agree on the clipped update
     assert all(h["grad_norm"] > OPTIM["clip_grad"] for h in history)
-    assert {"loss", "policy_loss", "kl", "entropy", "ratio", "clipped_high", "clipped_low"} <= history[0]["metrics"].keys()
+    assert {"loss", "policy_loss", "kl", "entropy", "ratio", "clipped_high", "clipped_low"} <= history[0][
+        "metrics"
+    ].keys()
     initial = reference["main"]["initial"]
     moved = [n for n, (p, _) in reference["main"]["params"].items() if not torch.equal(p, initial[n])]
     assert moved, "three optimizer steps changed no parameter"
@@ -239,7 +265,10 @@ def _update_logits_vs_forward(rank: int, world_size: int, num_microbatches: int)
         optimizer = build_optimizer(ddp, OptimizerConfig(**OPTIM))
         scheduler = build_scheduler(optimizer, OptimizerConfig(**OPTIM))
         g = torch.Generator().manual_seed(0)
-        micro = [MicroBatch(ids, ids) for ids in (torch.randint(2, 200, (2, 16), generator=g) for _ in range(num_microbatches))]
+        micro = [
+            MicroBatch(ids, ids)
+            for ids in (torch.randint(2, 200, (2, 16), generator=g) for _ in range(num_microbatches))
+        ]
         request = StatsRequest(vocab_size=model_cfg.vocab_size, with_entropy=False)
         forward = share_stats(forward_stats(ddp, micro, request, groups), micro, request, groups)
         seen = {}

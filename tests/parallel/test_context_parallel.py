@@ -122,18 +122,37 @@ def _packed_batch(lengths: list[int], k: int = 3, seed: int = 0) -> MicroBatch:
         return torch.randn(1, s, *shape, generator=g)
 
     return MicroBatch(
-        input_ids=torch.randint(0, 1000, (1, s), generator=g), target_ids=torch.randint(0, 1000, (1, s), generator=g),
-        loss_mask=torch.rand(1, s, generator=g) > 0.5, advantages=floats(), sampler_logprobs=floats(),
+        input_ids=torch.randint(0, 1000, (1, s), generator=g),
+        target_ids=torch.randint(0, 1000, (1, s), generator=g),
+        loss_mask=torch.rand(1, s, generator=g) > 0.5,
+        advantages=floats(),
+        sampler_logprobs=floats(),
         position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
         seq_ids=torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None],
-        cu_seqlens=torch.tensor([0, *lengths]).cumsum(0).to(torch.int32), max_seqlen=max(lengths),
-        old_logprobs=floats(), behavior_weights=floats(), anchor_logprobs=floats(),
-        topk_ids=torch.randint(0, 1000, (1, s, k), generator=g), topk_anchor_logprobs=floats(k),
-    )  # fmt: skip
+        cu_seqlens=torch.tensor([0, *lengths]).cumsum(0).to(torch.int32),
+        max_seqlen=max(lengths),
+        old_logprobs=floats(),
+        behavior_weights=floats(),
+        anchor_logprobs=floats(),
+        topk_ids=torch.randint(0, 1000, (1, s, k), generator=g),
+        topk_anchor_logprobs=floats(k),
+    )
 
 
-PER_TOKEN = ["input_ids", "target_ids", "loss_mask", "advantages", "sampler_logprobs", "position_ids", "seq_ids",
-             "old_logprobs", "behavior_weights", "anchor_logprobs", "topk_ids", "topk_anchor_logprobs"]  # fmt: skip
+PER_TOKEN = [
+    "input_ids",
+    "target_ids",
+    "loss_mask",
+    "advantages",
+    "sampler_logprobs",
+    "position_ids",
+    "seq_ids",
+    "old_logprobs",
+    "behavior_weights",
+    "anchor_logprobs",
+    "topk_ids",
+    "topk_anchor_logprobs",
+]
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -28,26 +28,40 @@ CASES = {
     # the Top-k KL recipe (tests/mcore/test_train_step.py): PPO clip, reverse Top-k KL with its
     # sampled tail, importance-weighted; the entropy as a metric only
     "ppo_topk_tail_entropy_metric": dict(
-        policy_loss="ppo_clip", policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28}, kl="topk",
-        kl_coef=0.1, kl_args={"direction": "reverse", "tail_grad": "unbiased", "importance_weight": True},
+        policy_loss="ppo_clip",
+        policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28},
+        kl="topk",
+        kl_coef=0.1,
+        kl_args={"direction": "reverse", "tail_grad": "unbiased", "importance_weight": True},
         agg_mode="token-mean",
     ),
     # a gradient through the entropy too (the second [chunk, V] temporary of the backward)
     "topk_forward_entropy_bonus": dict(
-        policy_loss="ppo_clip", kl="topk", kl_coef=0.2, kl_args={"direction": "forward", "tail_grad": "reference"},
-        entropy_coef=0.02, agg_mode="seq-mean-token-sum",
+        policy_loss="ppo_clip",
+        kl="topk",
+        kl_coef=0.2,
+        kl_args={"direction": "forward", "tail_grad": "reference"},
+        entropy_coef=0.02,
+        agg_mode="seq-mean-token-sum",
     ),
     # R1-Distill's recipe: dual-clip PPO, the sampled K3 KL, seq-mean-token-mean
     "r1_dualclip_k3_seqmean": dict(
-        policy_loss="ppo_clip", policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28, "clip_c": 3.0},
-        kl="k3", kl_coef=0.1, agg_mode="seq-mean-token-mean",
+        policy_loss="ppo_clip",
+        policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28, "clip_c": 3.0},
+        kl="k3",
+        kl_coef=0.1,
+        agg_mode="seq-mean-token-mean",
     ),
     # no entropy at all: the forward's single-statistic path
     "k1_iw_no_entropy": dict(
-        policy_loss="ppo_clip", kl="k1", kl_coef=0.05, kl_args={"importance_weight": True}, log_entropy=False,
+        policy_loss="ppo_clip",
+        kl="k1",
+        kl_coef=0.05,
+        kl_args={"importance_weight": True},
+        log_entropy=False,
         agg_mode="token-mean",
     ),
-}  # fmt: skip
+}
 
 # fp32: the same products summed in another order (chunks of 4, per-chunk weight-gradient GEMMs).
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -74,10 +88,15 @@ def _inputs(seed: int = 0) -> dict:
     anchor_log_p = torch.log_softmax(hidden @ weight[:V].T + 0.5 * torch.randn(B, S, V, generator=g), -1)
     topk_ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(B * S)]).reshape(B, S, K)
     batch = MicroBatch(
-        input_ids=target, target_ids=target, loss_mask=mask, advantages=torch.randn(B, S, generator=g),
-        old_logprobs=old, anchor_logprobs=anchor_log_p.gather(-1, target[..., None])[..., 0],
-        topk_ids=topk_ids, topk_anchor_logprobs=anchor_log_p.gather(-1, topk_ids),
-    )  # fmt: skip
+        input_ids=target,
+        target_ids=target,
+        loss_mask=mask,
+        advantages=torch.randn(B, S, generator=g),
+        old_logprobs=old,
+        anchor_logprobs=anchor_log_p.gather(-1, target[..., None])[..., 0],
+        topk_ids=topk_ids,
+        topk_anchor_logprobs=anchor_log_p.gather(-1, topk_ids),
+    )
     return {"hidden": hidden, "weight": weight, "batch": batch}
 
 
@@ -178,8 +197,15 @@ def test_weight_gradient_lands_in_main_grad(inputs, dtype):
     for zero_out_wgrad in (False, True):
         hidden = inputs["hidden"].to(dtype).clone().requires_grad_(True)
         weight = _megatron_like_weight(inputs["weight"].to(dtype), zero_out_wgrad=zero_out_wgrad)
-        out = rl_loss(OutputLayerInput(hidden, weight), inputs["batch"], vocab_start=0, vocab_size=V, tp_group=None,
-                      chunk_size=CHUNK, **case)  # fmt: skip
+        out = rl_loss(
+            OutputLayerInput(hidden, weight),
+            inputs["batch"],
+            vocab_start=0,
+            vocab_size=V,
+            tp_group=None,
+            chunk_size=CHUNK,
+            **case,
+        )
         out.loss.loss_sum.backward()
         assert weight.grad_added_to_main_grad  # DDP's hook will not add weight.grad again
         if zero_out_wgrad:  # shared with the embedding: only the embedding's gradient will run the hook

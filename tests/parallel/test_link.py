@@ -48,11 +48,16 @@ def _worker(rank: int, port: int, out: str) -> None:
     from megatron_empg.parallel.link import LEAD, TRAINER, start_worlds
     from megatron_empg.weight_sync.transport import LinkTransport, receive_weights
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     role = start_worlds(1, datetime.timedelta(seconds=TIMEOUT_S))
-    result = {"is_engine": role.is_engine, "rank": role.rank, "world": dist.get_world_size(),
-              "on_link": role.link is not None}  # fmt: skip
+    result = {
+        "is_engine": role.is_engine,
+        "rank": role.rank,
+        "world": dist.get_world_size(),
+        "on_link": role.link is not None,
+    }
     # each world's own collective: 1 + 2 on the training ranks, 10 on the engine rank alone
     value = torch.tensor([10.0 if role.is_engine else rank + 1.0])
     dist.all_reduce(value)

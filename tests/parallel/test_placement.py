@@ -29,8 +29,17 @@ def _place(rank: int, world_size: int, cases: dict) -> dict:
         placement = build_placement(engines, dp_size=dp, **coords)
         token = placement.broadcast_from_owner(f"from {rank}")  # only the owner's value counts
         table = placement.engine_table([rank + 1.0, 2.0] if placement.is_owner else None, 2).tolist()
-        out[name] = (placement.owners, placement.members, placement.feeds_engine, placement.owner, token,
-                     placement.engine, placement.node_slot, placement.node_slots, table)  # fmt: skip
+        out[name] = (
+            placement.owners,
+            placement.members,
+            placement.feeds_engine,
+            placement.owner,
+            token,
+            placement.engine,
+            placement.node_slot,
+            placement.node_slots,
+            table,
+        )
     return out
 
 
@@ -49,9 +58,18 @@ def test_owners_groups_and_feeding_replicas_on_four_ranks():
 
 
 def _placement(num_engines: int, engine: int, node_slot: int = 0, node_slots: int = 1) -> EnginePlacement:
-    return EnginePlacement(num_engines=num_engines, engine=engine, owners=tuple(range(num_engines)),
-                           members=tuple((e,) for e in range(num_engines)), group=None, feeds_engine=True, rank=engine,
-                           node_slot=node_slot, node_slots=node_slots, local_rank=engine)  # fmt: skip
+    return EnginePlacement(
+        num_engines=num_engines,
+        engine=engine,
+        owners=tuple(range(num_engines)),
+        members=tuple((e,) for e in range(num_engines)),
+        group=None,
+        feeds_engine=True,
+        rank=engine,
+        node_slot=node_slot,
+        node_slots=node_slots,
+        local_rank=engine,
+    )
 
 
 def test_prompt_blocks_and_uneven_splits():

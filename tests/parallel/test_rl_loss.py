@@ -30,38 +30,64 @@ TP, WIDTH = 2, 19  # V_pad = 38
 
 CASES = {
     "grpo_k3_entropy": dict(
-        policy_loss="ppo_clip", policy_loss_args={"clip_eps_low": 0.2}, kl="k3", kl_coef=0.1, entropy_coef=0.01,
+        policy_loss="ppo_clip",
+        policy_loss_args={"clip_eps_low": 0.2},
+        kl="k3",
+        kl_coef=0.1,
+        entropy_coef=0.01,
         agg_mode="token-mean",
     ),
     "dapo_dualclip_k1_iw_seqmean": dict(
-        policy_loss="ppo_clip", policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28, "clip_c": 3.0},
-        kl="k1", kl_coef=0.05, kl_args={"importance_weight": True}, agg_mode="seq-mean-token-mean",
+        policy_loss="ppo_clip",
+        policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28, "clip_c": 3.0},
+        kl="k1",
+        kl_coef=0.05,
+        kl_args={"importance_weight": True},
+        agg_mode="seq-mean-token-mean",
     ),
     "topk_reverse_iw": dict(
-        policy_loss="ppo_clip", kl="topk", kl_coef=0.2,
+        policy_loss="ppo_clip",
+        kl="topk",
+        kl_coef=0.2,
         kl_args={"direction": "reverse", "tail_grad": "unbiased", "importance_weight": True},
         agg_mode="token-mean",
     ),
     "topk_forward_reference_seqsum": dict(
-        policy_loss="ppo_clip", kl="topk", kl_coef=0.2, kl_args={"direction": "forward", "tail_grad": "reference"},
-        entropy_coef=0.02, agg_mode="seq-mean-token-sum",
+        policy_loss="ppo_clip",
+        kl="topk",
+        kl_coef=0.2,
+        kl_args={"direction": "forward", "tail_grad": "reference"},
+        entropy_coef=0.02,
+        agg_mode="seq-mean-token-sum",
     ),
     "dualclip_rpg_urkl_seqmean": dict(
-        policy_loss="ppo_clip", policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28, "clip_c": 10.0},
-        kl="rpg_urkl", kl_coef=0.1, agg_mode="seq-mean-token-mean",
+        policy_loss="ppo_clip",
+        policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28, "clip_c": 10.0},
+        kl="rpg_urkl",
+        kl_coef=0.1,
+        agg_mode="seq-mean-token-mean",
     ),
     "rpg_fkl_unclamped_entropy": dict(
-        policy_loss="ppo_clip", kl="rpg_fkl", kl_coef=0.3, kl_args={"max_abs_value": None}, entropy_coef=0.01,
+        policy_loss="ppo_clip",
+        kl="rpg_fkl",
+        kl_coef=0.3,
+        kl_args={"max_abs_value": None},
+        entropy_coef=0.01,
         agg_mode="token-mean",
     ),
     "grpo_corrected_seqsum": dict(
-        policy_loss="ppo_clip", kl="grpo_corrected", kl_coef=0.2, agg_mode="seq-mean-token-sum",
+        policy_loss="ppo_clip",
+        kl="grpo_corrected",
+        kl_coef=0.2,
+        agg_mode="seq-mean-token-sum",
     ),
     "rpg_clip_no_kl": dict(
-        policy_loss="rpg_reinforce_clip", policy_loss_args={"divergence": "ufkl", "kl_coef": 0.1},
-        log_entropy=False, agg_mode="token-mean",
+        policy_loss="rpg_reinforce_clip",
+        policy_loss_args={"divergence": "ufkl", "kl_coef": 0.1},
+        log_entropy=False,
+        agg_mode="token-mean",
     ),
-}  # fmt: skip
+}
 
 
 def _inputs(seed: int = 0) -> dict:

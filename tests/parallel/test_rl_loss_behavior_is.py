@@ -27,30 +27,50 @@ B, S, V, K = 3, 6, 29, 4
 
 CASES = {
     "ppo_k3_entropy": dict(
-        policy_loss="ppo_clip", policy_loss_args={"clip_eps_low": 0.2}, kl="k3", kl_coef=0.1, entropy_coef=0.01,
+        policy_loss="ppo_clip",
+        policy_loss_args={"clip_eps_low": 0.2},
+        kl="k3",
+        kl_coef=0.1,
+        entropy_coef=0.01,
         agg_mode="token-mean",
     ),
     "dualclip_k1_iw_seqmean": dict(
-        policy_loss="ppo_clip", policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28, "clip_c": 3.0},
-        kl="k1", kl_coef=0.05, kl_args={"importance_weight": True}, agg_mode="seq-mean-token-mean",
+        policy_loss="ppo_clip",
+        policy_loss_args={"clip_eps_low": 0.2, "clip_eps_high": 0.28, "clip_c": 3.0},
+        kl="k1",
+        kl_coef=0.05,
+        kl_args={"importance_weight": True},
+        agg_mode="seq-mean-token-mean",
     ),
     "topk_reverse_iw_entropy": dict(
-        policy_loss="ppo_clip", kl="topk", kl_coef=0.2, entropy_coef=0.02,
-        kl_args={"direction": "reverse", "tail_grad": "unbiased", "importance_weight": True}, agg_mode="token-mean",
+        policy_loss="ppo_clip",
+        kl="topk",
+        kl_coef=0.2,
+        entropy_coef=0.02,
+        kl_args={"direction": "reverse", "tail_grad": "unbiased", "importance_weight": True},
+        agg_mode="token-mean",
     ),
     "topk_forward_reference_seqsum": dict(
-        policy_loss="ppo_clip", kl="topk", kl_coef=0.2, kl_args={"direction": "forward", "tail_grad": "reference"},
+        policy_loss="ppo_clip",
+        kl="topk",
+        kl_coef=0.2,
+        kl_args={"direction": "forward", "tail_grad": "reference"},
         agg_mode="seq-mean-token-sum",
     ),
     "rpg_urkl": dict(policy_loss="ppo_clip", kl="rpg_urkl", kl_coef=0.1, agg_mode="token-mean"),
     "grpo_corrected_seqsum": dict(
-        policy_loss="ppo_clip", kl="grpo_corrected", kl_coef=0.2, agg_mode="seq-mean-token-sum",
+        policy_loss="ppo_clip",
+        kl="grpo_corrected",
+        kl_coef=0.2,
+        agg_mode="seq-mean-token-sum",
     ),
     "rpg_reinforce_clip_no_kl": dict(
-        policy_loss="rpg_reinforce_clip", policy_loss_args={"divergence": "ufkl", "kl_coef": 0.1},
-        log_entropy=False, agg_mode="token-mean",
+        policy_loss="rpg_reinforce_clip",
+        policy_loss_args={"divergence": "ufkl", "kl_coef": 0.1},
+        log_entropy=False,
+        agg_mode="token-mean",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +88,16 @@ def inputs() -> tuple[torch.Tensor, MicroBatch]:
     topk_ids[0, :3, 0] = target[0, :3]  # some sampled tokens inside the index set: no tail there
     sampler = old + 0.6 * torch.randn(B, S, generator=g)
     batch = MicroBatch(
-        input_ids=target, target_ids=target, loss_mask=mask, advantages=torch.randn(B, S, generator=g),
-        sampler_logprobs=torch.where(mask, sampler, 0.0), old_logprobs=old,
+        input_ids=target,
+        target_ids=target,
+        loss_mask=mask,
+        advantages=torch.randn(B, S, generator=g),
+        sampler_logprobs=torch.where(mask, sampler, 0.0),
+        old_logprobs=old,
         anchor_logprobs=anchor_log_p.gather(-1, target[..., None])[..., 0],
-        topk_ids=topk_ids, topk_anchor_logprobs=anchor_log_p.gather(-1, topk_ids),
-    )  # fmt: skip
+        topk_ids=topk_ids,
+        topk_anchor_logprobs=anchor_log_p.gather(-1, topk_ids),
+    )
     return logits, batch
 
 
@@ -176,9 +201,14 @@ def test_topk_head_and_entropy_are_not_weighted(inputs):
     logprobs = log_p.gather(-1, batch.target_ids[..., None])[..., 0]
     in_head = (batch.topk_ids == batch.target_ids[..., None]).any(-1)
     pieces = topk_kl_from_logprobs(
-        log_p.gather(-1, batch.topk_ids), batch.topk_anchor_logprobs, logprobs, batch.anchor_logprobs, in_head,
-        direction="reverse", old_logprobs=batch.old_logprobs,
-    )  # fmt: skip
+        log_p.gather(-1, batch.topk_ids),
+        batch.topk_anchor_logprobs,
+        logprobs,
+        batch.anchor_logprobs,
+        in_head,
+        direction="reverse",
+        old_logprobs=batch.old_logprobs,
+    )
     s = importance_weight(logprobs, batch.old_logprobs)
     tail_only = aggregate(pieces.head + weights * s * pieces.tail, batch.loss_mask).loss_sum
     whole = aggregate(weights * pieces.values, batch.loss_mask).loss_sum
@@ -195,17 +225,24 @@ def test_topk_tail_weights_multiply_the_tail_only():
     weights = torch.tensor([0.5, 0.0, 2.0, 3.0, 1.5])
     for direction in ("reverse", "forward"):
         plain = topk_kl_from_logprobs(head, head_anchor, logprobs, anchor, in_head, direction=direction)
-        out = topk_kl_from_logprobs(head, head_anchor, logprobs, anchor, in_head, direction=direction,
-                                    tail_weights=weights)  # fmt: skip
+        out = topk_kl_from_logprobs(
+            head, head_anchor, logprobs, anchor, in_head, direction=direction, tail_weights=weights
+        )
         assert torch.equal(out.head, plain.head) and torch.equal(out.tail, plain.tail)
         assert torch.equal(out.values, plain.head + plain.tail * weights)
     with pytest.raises(ValueError, match="tail_weights has shape"):
-        topk_kl_from_logprobs(head, head_anchor, logprobs, anchor, in_head, direction="reverse",
-                              tail_weights=weights[:4])  # fmt: skip
+        topk_kl_from_logprobs(
+            head, head_anchor, logprobs, anchor, in_head, direction="reverse", tail_weights=weights[:4]
+        )
 
 
 def test_weights_of_another_shape_raise(inputs):
     logits, batch = inputs
     with pytest.raises(ValueError, match="behavior_weights has shape"):
-        rl_loss(logits, dataclasses.replace(batch, behavior_weights=torch.ones(B, 1)), vocab_start=0, vocab_size=V,
-                tp_group=None)  # fmt: skip
+        rl_loss(
+            logits,
+            dataclasses.replace(batch, behavior_weights=torch.ones(B, 1)),
+            vocab_start=0,
+            vocab_size=V,
+            tp_group=None,
+        )

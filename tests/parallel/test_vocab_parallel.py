@@ -205,9 +205,7 @@ def _topk_data(layout, logits) -> dict:
         top = torch.topk(real.float(), k, dim=-1)
         kth = top.values[:, -1:]
         no_boundary_tie = (real.float() == kth).sum(-1) == (top.values == kth).sum(-1)  # [T]
-        entries.append(
-            {"k": k, "values": values, "ids": ids, "torch_ids": top.indices, "clean": no_boundary_tie}
-        )
+        entries.append({"k": k, "values": values, "ids": ids, "torch_ids": top.indices, "clean": no_boundary_tie})
     return {"topk": entries}
 
 
@@ -362,7 +360,9 @@ def _check_logprobs(out: dict, d: dict, layout: Layout, tp_rank: int) -> None:
     assert w_entropy is None
     _close(w_logprobs, d["oracle_logprobs"], "with_entropy=False logprobs", tol["values"])
     _close(w_grad, _columns(d["oracle_grad_logprobs_only"], layout, tp_rank), "with_entropy=False grad", tol["grad"])
-    _close(out["entropy_only"], _columns(d["oracle_grad_entropy_only"], layout, tp_rank), "entropy-only grad", tol["grad"])
+    _close(
+        out["entropy_only"], _columns(d["oracle_grad_entropy_only"], layout, tp_rank), "entropy-only grad", tol["grad"]
+    )
     i_logprobs, i_entropy, i_grad, shares_storage = out["inplace"]
     assert shares_storage, "inplace_backward=True: the gradient is not written into the logits buffer"
     assert torch.equal(i_logprobs, logprobs) and torch.equal(i_entropy, entropy)
@@ -631,10 +631,24 @@ def test_single_device_tp_group_none(case_id):
 
 
 OTHER_COLLECTIVES = (
-    "all_reduce", "all_gather_into_tensor", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
-    "broadcast", "all_to_all", "all_to_all_single", "barrier", "reduce", "gather", "scatter",
-    "send", "recv", "isend", "irecv", "get_rank",
-)  # fmt: skip
+    "all_reduce",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "get_rank",
+)
 
 
 class _FakeGroup:
@@ -712,6 +726,13 @@ def test_bad_ids_and_shapes_raise_naming_the_argument():
         vocab_parallel_logprobs(logits, torch.tensor([[1], [-1], [0], [2]]), vocab_start=0, vocab_size=8, tp_group=None)
     with pytest.raises(ValueError, match="token_ids"):
         vocab_parallel_topk_kl(
-            logits, torch.zeros(3, dtype=torch.int64), torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2),
-            torch.zeros(4), vocab_start=0, vocab_size=8, tp_group=None, direction="reverse",
+            logits,
+            torch.zeros(3, dtype=torch.int64),
+            torch.zeros(4, 2, dtype=torch.int64),
+            torch.zeros(4, 2),
+            torch.zeros(4),
+            vocab_start=0,
+            vocab_size=8,
+            tp_group=None,
+            direction="reverse",
         )

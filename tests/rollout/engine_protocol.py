@@ -33,8 +33,11 @@ def assert_update_protocol_enforced(
         engine.update_weights(named_tensors=[("lm_head.weight", [0.0])])
     with pytest.raises(FileNotFoundError, match="path '/nonexistent' is not a file"):
         engine.update_weights(path="/nonexistent")
-    for method, call in [("generate", lambda: engine.generate(prompts, sampling)),
-                         ("score", lambda: engine.score(probes)), ("sleep", engine.sleep)]:  # fmt: skip
+    for method, call in [
+        ("generate", lambda: engine.generate(prompts, sampling)),
+        ("score", lambda: engine.score(probes)),
+        ("sleep", engine.sleep),
+    ]:
         with pytest.raises(RuntimeError, match=f"{method}: a weight update is in progress; call finish_weight_update"):
             call()
     with pytest.raises(ValueError, match="version must be a non-empty string"):

@@ -29,8 +29,10 @@ def serve_retriever(work_dir: Path, *serve_args: str, corpus: Path = CORPUS) -> 
     port = free_port()
     proc = subprocess.Popen(
         [*CLI, "serve", "--corpus", str(corpus), "--port", str(port), "--pid-file", str(pid_file), *serve_args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     client = RetrieverClient(url, timeout_s=2.0, retries=0)
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -80,12 +80,15 @@ def answers(examples: list[PromptExample]) -> list[str]:
 
 def test_jsonl_records_become_examples_in_file_order(tmp_path):
     tokenizer = plain_tokenizer()
-    path = write_jsonl(tmp_path / "train.jsonl", [
-        {"prompt": "1+1=", "answer": "2", "source": "toy"},
-        "",  # a blank line is skipped but counts for the row numbers (JSONL rows are lines)
-        {"prompt": "What is 6*7?", "answer": 42},
-        {"prompt": "Name a prime.", "answer": ["2", "3", "5"]},
-    ])  # fmt: skip
+    path = write_jsonl(
+        tmp_path / "train.jsonl",
+        [
+            {"prompt": "1+1=", "answer": "2", "source": "toy"},
+            "",  # a blank line is skipped but counts for the row numbers (JSONL rows are lines)
+            {"prompt": "What is 6*7?", "answer": 42},
+            {"prompt": "Name a prime.", "answer": ["2", "3", "5"]},
+        ],
+    )
     dataset = load_prompt_dataset(files_config(path), tokenizer)
     assert len(dataset) == 3 and dataset.num_dropped_long == 0
     first, second, third = dataset.examples
@@ -101,9 +104,12 @@ def test_parquet_chat_messages_and_nested_answer_keys_with_a_chat_template(tmp_p
     tokenizer = chat_tokenizer()
     rows = [
         {"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}, "idx": 7},
-        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3?"}],
-         "reward_model": {"ground_truth": "6"}, "idx": 8},
-    ]  # fmt: skip
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3?"}],
+            "reward_model": {"ground_truth": "6"},
+            "idx": 8,
+        },
+    ]
     path = write_parquet(tmp_path / "train.parquet", rows)
     dataset = load_prompt_dataset(files_config(path, answer_key="reward_model.ground_truth"), tokenizer)
     first, second = dataset.examples
@@ -139,11 +145,20 @@ def test_without_a_chat_template_prompts_are_plain_text(tmp_path):
 
 def test_a_prompt_template_rewrites_string_prompts_and_the_last_user_message(tmp_path):
     template = "{prompt} Put the answer in \\boxed{{}}."
-    path = write_jsonl(tmp_path / "t.jsonl", [
-        {"prompt": "1+2?", "answer": "3"},
-        {"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                    {"role": "user", "content": "2+2?"}], "answer": "4"},
-    ])  # fmt: skip
+    path = write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"prompt": "1+2?", "answer": "3"},
+            {
+                "prompt": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "2+2?"},
+                ],
+                "answer": "4",
+            },
+        ],
+    )
     tokenizer = chat_tokenizer()
     first, second = load_prompt_dataset(files_config(path, prompt_template=template), tokenizer).examples
     assert first.prompt_ids == tokenizer.encode("<|user|>1+2? Put the answer in \\boxed{}.\n<|assistant|>")
@@ -174,21 +189,28 @@ def test_a_row_the_prompt_template_cannot_take_is_named_by_the_check_before_the_
 
 def test_a_row_the_chat_template_refuses_is_named_with_the_templates_words(tmp_path):
     tokenizer = chat_tokenizer()
-    tokenizer.chat_template = ("{% if messages[0]['role'] == 'assistant' %}"
-                               "{{ raise_exception('the first message must not be the assistant') }}{% endif %}"
-                               + CHAT_TEMPLATE)  # fmt: skip
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'assistant' %}"
+        "{{ raise_exception('the first message must not be the assistant') }}{% endif %}" + CHAT_TEMPLATE
+    )
     assistant_first = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "q"}]
     path = write_jsonl(tmp_path / "t.jsonl", [GOOD, GOOD, {"prompt": assistant_first, "answer": "1"}])
-    with pytest.raises(DataError, match=rf"^{tmp_path}/t\.jsonl: row 3: 'prompt': the tokenizer's chat template failed "
-                                        r"on it: TemplateError: the first message must not be the assistant$") as error:
+    with pytest.raises(
+        DataError,
+        match=rf"^{tmp_path}/t\.jsonl: row 3: 'prompt': the tokenizer's chat template failed "
+        r"on it: TemplateError: the first message must not be the assistant$",
+    ) as error:
         load_prompt_dataset(files_config(path), tokenizer)
     assert (error.value.file, error.value.row) == (path, 3)
 
 
 def test_an_own_system_message_and_a_system_prompt_conflict(tmp_path):
-    path = write_jsonl(tmp_path / "t.jsonl", [
-        {"prompt": [{"role": "system", "content": "A"}, {"role": "user", "content": "q"}], "answer": "1"},
-    ])  # fmt: skip
+    path = write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"prompt": [{"role": "system", "content": "A"}, {"role": "user", "content": "q"}], "answer": "1"},
+        ],
+    )
     with pytest.raises(DataError, match=r"row 1: 'prompt': the prompt has its own system message"):
         load_prompt_dataset(files_config(path, system_prompt="B"), chat_tokenizer())
 
@@ -241,7 +263,9 @@ def test_the_check_streams_parquet_batches_and_counts_the_records(tmp_path, monk
     path = tmp_path / "t.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3)
     assert check_records(path, files_config(str(path))) == 7
-    assert [(row, record["answer"]) for row, record in data.read_records(path)] == [(i + 1, str(i + 1)) for i in range(7)]
+    assert [(row, record["answer"]) for row, record in data.read_records(path)] == [
+        (i + 1, str(i + 1)) for i in range(7)
+    ]
     rows[5] = {"prompt": "6+1=", "answer": ""}
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3)
     with pytest.raises(DataError, match=rf"^{path}: row 6: 'answer': empty answer$"):
@@ -310,12 +334,15 @@ def test_several_files_are_concatenated_in_order(tmp_path):
 
 
 def test_long_prompts_are_an_error_naming_the_row_or_dropped_and_counted(tmp_path, caplog):
-    path = write_jsonl(tmp_path / "t.jsonl", [
-        {"prompt": "12345", "answer": "1"},
-        {"prompt": "123456", "answer": "2"},  # 6 characters = 6 tokens
-        {"prompt": "1234", "answer": "3"},
-        {"prompt": "1234567", "answer": "4"},
-    ])  # fmt: skip
+    path = write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"prompt": "12345", "answer": "1"},
+            {"prompt": "123456", "answer": "2"},  # 6 characters = 6 tokens
+            {"prompt": "1234", "answer": "3"},
+            {"prompt": "1234567", "answer": "4"},
+        ],
+    )
     message = r"t\.jsonl: row 2: the prompt has 6 tokens, more than data\.max_prompt_tokens=5"
     with pytest.raises(DataError, match=message):
         load_prompt_dataset(files_config(path, max_prompt_tokens=5), plain_tokenizer())
@@ -337,38 +364,46 @@ def test_data_config_defaults_to_the_arithmetic_task_and_round_trips():
     cfg = DataConfig()
     assert (cfg.source, cfg.reward, cfg.train_files) == ("arithmetic", "arithmetic", [])
     assert (cfg.reward_workers, cfg.reward_timeout_s, cfg.reward_budget_s) == (2, 5.0, None)
-    data = {"source": "files", "reward": "qa_em", "train_files": ["a.parquet", "b.jsonl"],
-            "answer_key": "reward_model.ground_truth.target", "system_prompt": "Answer.",
-            "max_prompt_tokens": 64}  # fmt: skip
+    data = {
+        "source": "files",
+        "reward": "qa_em",
+        "train_files": ["a.parquet", "b.jsonl"],
+        "answer_key": "reward_model.ground_truth.target",
+        "system_prompt": "Answer.",
+        "max_prompt_tokens": 64,
+    }
     cfg = from_dict(DataConfig, data)
     assert from_dict(DataConfig, to_dict(cfg)) == cfg and cfg.train_files == ["a.parquet", "b.jsonl"]
 
 
-@pytest.mark.parametrize(("data", "field", "words"), [
-    ({"source": "files"}, "train_files", "needs at least one .parquet or .jsonl file"),
-    ({"source": "files", "train_files": ["a.csv"]}, "train_files[0]", "expected a .parquet or .jsonl file"),
-    ({"train_files": ["a.jsonl"]}, "train_files", "source 'arithmetic' generates its prompts"),
-    ({"reward": "math"}, "reward", "source 'arithmetic' needs reward 'arithmetic'"),
-    ({"source": "hub"}, "source", "expected one of 'files', 'arithmetic'"),
-    ({"prompt_key": ""}, "prompt_key", "must be a non-empty key"),
-    ({"system_prompt": "  "}, "system_prompt", "must be null or non-empty text"),
-    ({"prompt_template": "no field"}, "prompt_template", "must contain the field {prompt}"),
-    ({"prompt_template": "{question}"}, "prompt_template", "whose only field is {prompt}"),
-    ({"prompt_template": "{prompt} \\boxed{}"}, "prompt_template", "whose only field is {prompt}"),
-    ({"max_prompt_tokens": 0}, "max_prompt_tokens", "must be >= 1"),
-    ({"seed": -1}, "seed", "must be >= 0"),
-    ({"arithmetic_digits": 0}, "arithmetic_digits", "must be in [1, 9]"),
-    ({"arithmetic_ops": []}, "arithmetic_ops", "expected distinct operators"),
-    ({"arithmetic_ops": ["+", "+"]}, "arithmetic_ops", "expected distinct operators"),
-    ({"arithmetic_ops": ["/"]}, "arithmetic_ops[0]", "expected one of '+', '-', '*'"),
-    ({"shuffle": "yes"}, "shuffle", "expected bool"),
-    ({"reward_workers": 0}, "reward_workers", "expected a number of processes >= 1, got 0"),
-    ({"reward_workers": 1.5}, "reward_workers", "expected int"),
-    ({"reward_timeout_s": 0}, "reward_timeout_s", "expected finite seconds > 0, got 0.0"),
-    ({"reward_timeout_s": float("inf")}, "reward_timeout_s", "expected finite seconds > 0, got inf"),
-    ({"reward_budget_s": -1}, "reward_budget_s", "expected finite seconds > 0, or null for no budget, got -1.0"),
-    ({"train_file": ["a.jsonl"]}, "train_file", "unknown key"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("data", "field", "words"),
+    [
+        ({"source": "files"}, "train_files", "needs at least one .parquet or .jsonl file"),
+        ({"source": "files", "train_files": ["a.csv"]}, "train_files[0]", "expected a .parquet or .jsonl file"),
+        ({"train_files": ["a.jsonl"]}, "train_files", "source 'arithmetic' generates its prompts"),
+        ({"reward": "math"}, "reward", "source 'arithmetic' needs reward 'arithmetic'"),
+        ({"source": "hub"}, "source", "expected one of 'files', 'arithmetic'"),
+        ({"prompt_key": ""}, "prompt_key", "must be a non-empty key"),
+        ({"system_prompt": "  "}, "system_prompt", "must be null or non-empty text"),
+        ({"prompt_template": "no field"}, "prompt_template", "must contain the field {prompt}"),
+        ({"prompt_template": "{question}"}, "prompt_template", "whose only field is {prompt}"),
+        ({"prompt_template": "{prompt} \\boxed{}"}, "prompt_template", "whose only field is {prompt}"),
+        ({"max_prompt_tokens": 0}, "max_prompt_tokens", "must be >= 1"),
+        ({"seed": -1}, "seed", "must be >= 0"),
+        ({"arithmetic_digits": 0}, "arithmetic_digits", "must be in [1, 9]"),
+        ({"arithmetic_ops": []}, "arithmetic_ops", "expected distinct operators"),
+        ({"arithmetic_ops": ["+", "+"]}, "arithmetic_ops", "expected distinct operators"),
+        ({"arithmetic_ops": ["/"]}, "arithmetic_ops[0]", "expected one of '+', '-', '*'"),
+        ({"shuffle": "yes"}, "shuffle", "expected bool"),
+        ({"reward_workers": 0}, "reward_workers", "expected a number of processes >= 1, got 0"),
+        ({"reward_workers": 1.5}, "reward_workers", "expected int"),
+        ({"reward_timeout_s": 0}, "reward_timeout_s", "expected finite seconds > 0, got 0.0"),
+        ({"reward_timeout_s": float("inf")}, "reward_timeout_s", "expected finite seconds > 0, got inf"),
+        ({"reward_budget_s": -1}, "reward_budget_s", "expected finite seconds > 0, or null for no budget, got -1.0"),
+        ({"train_file": ["a.jsonl"]}, "train_file", "unknown key"),
+    ],
+)
 def test_data_config_errors_name_the_field(data, field, words):
     with pytest.raises(ConfigError) as error:
         from_dict(DataConfig, data)
@@ -411,8 +446,10 @@ def test_resuming_from_a_state_continues_like_an_uninterrupted_iterator():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_data_parallel_ranks_get_disjoint_blocks_that_make_up_the_global_batch(world_size):
     single = PromptBatches(numbered_dataset(20, seed=1), batch_size=8)
-    ranks = [PromptBatches(numbered_dataset(20, seed=1), batch_size=8, rank=r, world_size=world_size)
-             for r in range(world_size)]  # fmt: skip
+    ranks = [
+        PromptBatches(numbered_dataset(20, seed=1), batch_size=8, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
     for _ in range(5):
         global_batch = answers(next(single))
         shards = [answers(next(r)) for r in ranks]

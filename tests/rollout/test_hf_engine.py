@@ -132,8 +132,14 @@ def rig(request, tmp_path_factory):
     engine = HfEngine(model_dir, ROLLOUT)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = engine.vocab_size
-    yield Rig(name, model_dir, engine, reference, random_sequences(vocab, [1, 5, 12], seed=1),
-              random_sequences(vocab, [1, 2, 7, 40], seed=2))  # fmt: skip
+    yield Rig(
+        name,
+        model_dir,
+        engine,
+        reference,
+        random_sequences(vocab, [1, 5, 12], seed=1),
+        random_sequences(vocab, [1, 2, 7, 40], seed=2),
+    )
     engine.shutdown()
 
 
@@ -178,8 +184,10 @@ def test_greedy_equals_transformers_generate_with_log_softmax_logprobs(rig):
         assert max_abs_diff(completion.logprobs, reference) < TOLERANCE
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, 1.0), (0.7, 20, 0.9), (0.7, None, 0.5),
-                                                             (1.5, 5, 1.0), (1.0, None, 0.01)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, None, 1.0), (0.7, 20, 0.9), (0.7, None, 0.5), (1.5, 5, 1.0), (1.0, None, 0.01)],
+)
 def test_sampled_logprobs_are_those_of_the_processed_distribution(rig, temperature, top_k, top_p):
     out = rig.engine.generate(rig.prompts, sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=3))
     assert [len(group) for group in out] == [4, 4, 4]
@@ -294,7 +302,10 @@ def test_the_text_of_the_first_min_tokens_tokens_cannot_complete_a_stop_string(r
     end = next(k for k in range(m + 1, 61) if stop in texts[k][len(early) :])
     ((completion,),) = rig.engine.generate([rig.prompts[2]], dataclasses.replace(config, stop=[stop]))
     assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == (
-        unstopped.token_ids[:end], "stop", stop)  # fmt: skip
+        unstopped.token_ids[:end],
+        "stop",
+        stop,
+    )
 
 
 def test_min_tokens_masks_the_stop_tokens(rig):
@@ -331,8 +342,10 @@ def test_max_tokens_and_max_model_len_end_a_response_with_length(rig):
     assert engine.max_model_len == 16
     prompts = random_sequences(engine.vocab_size, [10, 15], seed=4)
     out = engine.generate(prompts, sampling(n=2, max_tokens=50))
-    assert [[(len(c.token_ids), c.finish_reason) for c in group] for group in out] == [[(6, "length")] * 2,
-                                                                                       [(1, "length")] * 2]  # fmt: skip
+    assert [[(len(c.token_ids), c.finish_reason) for c in group] for group in out] == [
+        [(6, "length")] * 2,
+        [(1, "length")] * 2,
+    ]
     for call in (lambda: engine.generate([[1] * 16], sampling()), lambda: engine.score([[1] * 16])):
         with pytest.raises(ValueError, match=r"16 tokens, more than the engine allows \(15\)"):
             call()
@@ -340,9 +353,13 @@ def test_max_tokens_and_max_model_len_end_a_response_with_length(rig):
 
 @pytest.mark.parametrize(
     ("sequences", "error", "message"),
-    [([], ValueError, ": expected at least one sequence"), ([[1], []], ValueError, r"\[1\]: expected at least one"),
-     ([[1, 10_000]], ValueError, r"\[0\]\[1\]: token id 10000 is outside"), ("ab", TypeError, ": expected a list")],
-)  # fmt: skip
+    [
+        ([], ValueError, ": expected at least one sequence"),
+        ([[1], []], ValueError, r"\[1\]: expected at least one"),
+        ([[1, 10_000]], ValueError, r"\[0\]\[1\]: token id 10000 is outside"),
+        ("ab", TypeError, ": expected a list"),
+    ],
+)
 def test_bad_arguments_raise(rig, sequences, error, message):
     with pytest.raises(error, match="prompts" + message):
         rig.engine.generate(sequences, sampling())
@@ -386,10 +403,12 @@ def test_weight_updates_by_tensors_and_by_file(rig, tmp_path):
 
 @pytest.mark.parametrize(
     ("named_tensors", "error", "message"),
-    [([("model.nope.weight", torch.zeros(2))], ValueError, "'model.nope.weight' is not a parameter of the model"),
-     ([("model.norm.weight", torch.zeros(3))], ValueError, r"'model.norm.weight' has shape \[3\], the model's"),
-     ([("model.norm.weight", torch.zeros(64, dtype=torch.long))], TypeError, "'model.norm.weight' has dtype")],
-)  # fmt: skip
+    [
+        ([("model.nope.weight", torch.zeros(2))], ValueError, "'model.nope.weight' is not a parameter of the model"),
+        ([("model.norm.weight", torch.zeros(3))], ValueError, r"'model.norm.weight' has shape \[3\], the model's"),
+        ([("model.norm.weight", torch.zeros(64, dtype=torch.long))], TypeError, "'model.norm.weight' has dtype"),
+    ],
+)
 def test_a_bad_tensor_fails_the_update_and_disables_the_engine(rig, named_tensors, error, message):
     engine = HfEngine(rig.model_dir, ROLLOUT)
     engine.begin_weight_update()
@@ -491,9 +510,12 @@ def test_sleep_and_wake_up_track_the_state_on_cpu(rig):
     with pytest.raises(ValueError, match="sleep: level must be 1 or 2"):
         engine.sleep(level=3)
     engine.sleep()
-    for method, call in [("generate", lambda: engine.generate(rig.prompts, sampling())),
-                         ("score", lambda: engine.score(rig.probes)), ("sleep", engine.sleep),
-                         ("begin_weight_update", engine.begin_weight_update)]:  # fmt: skip
+    for method, call in [
+        ("generate", lambda: engine.generate(rig.prompts, sampling())),
+        ("score", lambda: engine.score(rig.probes)),
+        ("sleep", engine.sleep),
+        ("begin_weight_update", engine.begin_weight_update),
+    ]:
         with pytest.raises(RuntimeError, match=f"{method}: the engine is asleep"):
             call()
     with pytest.raises(ValueError, match=r"wake_up: unknown tags \['kv'\]"):
@@ -513,11 +535,14 @@ def test_shutdown_ends_the_engine(rig):
     engine.shutdown()
     engine.shutdown()  # idempotent
     calls = {
-        "generate": lambda: engine.generate(rig.prompts, sampling()), "score": lambda: engine.score(rig.probes),
-        "begin_weight_update": engine.begin_weight_update, "update_weights": lambda: engine.update_weights(path="x"),
-        "finish_weight_update": lambda: engine.finish_weight_update("v"), "sleep": engine.sleep,
+        "generate": lambda: engine.generate(rig.prompts, sampling()),
+        "score": lambda: engine.score(rig.probes),
+        "begin_weight_update": engine.begin_weight_update,
+        "update_weights": lambda: engine.update_weights(path="x"),
+        "finish_weight_update": lambda: engine.finish_weight_update("v"),
+        "sleep": engine.sleep,
         "wake_up": engine.wake_up,
-    }  # fmt: skip
+    }
     for method, call in calls.items():
         with pytest.raises(RuntimeError, match=f"{method}: the engine was shut down"):
             call()

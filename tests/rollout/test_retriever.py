@@ -66,7 +66,9 @@ def test_batch_topk_and_descending_scores(server):
 
 
 def test_wire_format_is_search_r1s(server):
-    status, answer = _post(server, json.dumps({"queries": ["capital of France", "Nile"], "topk": 2, "return_scores": True}).encode())
+    status, answer = _post(
+        server, json.dumps({"queries": ["capital of France", "Nile"], "topk": 2, "return_scores": True}).encode()
+    )
     assert status == 200 and list(answer) == ["result"]
     assert len(answer["result"]) == 2
     for row in answer["result"]:
@@ -198,7 +200,12 @@ def test_building_an_index_leaves_llvmlite_unimported_and_numba_importable():
         "import numba\n"
         "print('numba', bool(numba.njit))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["a False False", "numba True"]

@@ -44,15 +44,28 @@ def model_dir(tmp_path_factory) -> str:
     tokenizer.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=1000, special_tokens=specials))
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
     PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_max_length=512,
-    ).save_pretrained(out)  # fmt: skip
+        tokenizer_object=tokenizer,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=512,
+    ).save_pretrained(out)
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=HIDDEN, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=512)  # fmt: skip
+    config = BertConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+    )
     BertModel(config).save_pretrained(out)
     return str(out)
 
@@ -140,7 +153,12 @@ def test_an_index_of_the_wrong_size_or_dimension_is_a_clear_error(index, model_d
     rng = np.random.default_rng(0)
     for name, dim, rows, message in [
         ("short.index", HIDDEN, 39, r"--index .*short.index: 39 vectors, but the corpus has 40 documents"),
-        ("narrow.index", 16, 40, r"--index .*narrow.index: vectors of dimension 16, but the --model's hidden size is 32"),
+        (
+            "narrow.index",
+            16,
+            40,
+            r"--index .*narrow.index: vectors of dimension 16, but the --model's hidden size is 32",
+        ),
     ]:
         flat = faiss.IndexFlatIP(dim)
         flat.add(rng.standard_normal((rows, dim)).astype(np.float32))
@@ -156,8 +174,7 @@ def test_an_index_of_the_wrong_size_or_dimension_is_a_clear_error(index, model_d
 def test_serve_dense_answers_in_search_r1s_format_with_the_in_process_hits(index, model_dir, documents, tmp_path):
     ranking = ids_scores(index.search(QUERIES, 40))  # in-process, every document
     saved = tmp_path / "e5_Flat.index"
-    argv = ["--backend", "dense", "--model", model_dir, "--batch-size", "16",
-            "--save-index", str(saved)]  # fmt: skip
+    argv = ["--backend", "dense", "--model", model_dir, "--batch-size", "16", "--save-index", str(saved)]
     with serve_retriever(tmp_path, *argv) as url:
         client = RetrieverClient(url)
         assert client.health() == {"status": "ok", "backend": "dense", "num_documents": 40}
@@ -166,8 +183,11 @@ def test_serve_dense_answers_in_search_r1s_format_with_the_in_process_hits(index
         by_id = {d["id"]: d["contents"] for d in documents}
         assert all(p.contents == by_id[p.id] for row in passages for p in row)
         top3 = client.search(QUERIES[:2], topk=3)
-        request = urllib.request.Request(url + "/retrieve", data=json.dumps({"queries": QUERIES[:2]}).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            url + "/retrieve",
+            data=json.dumps({"queries": QUERIES[:2]}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=10) as response:
             answer = json.loads(response.read())
     # No topk: the default 3; no return_scores: each entry is the document {"id", "contents"} itself.
@@ -183,7 +203,10 @@ def test_serve_dense_answers_in_search_r1s_format_with_the_in_process_hits(index
         (["--backend", "dense", "--model", str(CORPUS)], "--model " + str(CORPUS) + ": not a directory"),
         (["--model", str(REPO)], "--model is for --backend dense only"),
         (["--index", str(CORPUS)], "--index is for --backend dense only"),
-        (["--backend", "dense", "--model", str(REPO), "--index", "missing.index"], "--index missing.index: no such file"),
+        (
+            ["--backend", "dense", "--model", str(REPO), "--index", "missing.index"],
+            "--index missing.index: no such file",
+        ),
         (["--backend", "dense", "--model", str(REPO), "--index", str(CORPUS), "--save-index", "x"], "--save-index"),
         (["--backend", "dense", "--model", str(REPO), "--batch-size", "0"], "--batch-size must be >= 1"),
     ],

@@ -52,8 +52,12 @@ def test_a_sample_whose_reward_raises_scores_0_and_the_others_are_unchanged():
 def test_a_good_batch_is_scored_once_and_counts_no_error():
     examples = [PromptExample(prompt_ids=[2], answer="1", meta={})] * 2
     result, error = score_guarded(_length_reward, ["ab", "abc"], examples)
-    assert (result.scores, result.correct, result.metrics, error) == ([0.2, 0.3], [True, False],
-                                                                      {"calls": 1.0, "errors": 0.0}, None)  # fmt: skip
+    assert (result.scores, result.correct, result.metrics, error) == (
+        [0.2, 0.3],
+        [True, False],
+        {"calls": 1.0, "errors": 0.0},
+        None,
+    )
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), None])

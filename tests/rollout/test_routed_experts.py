@@ -34,7 +34,9 @@ def test_hf_engine_returns_the_routing_of_a_teacher_forced_forward(tmp_path):
             assert c.routed_experts.shape == (len(ids) - 1, model.num_layers, model.moe_router_topk)
             with torch.no_grad():
                 logits = reference(torch.tensor([ids[:-1]]), output_router_logits=True).router_logits
-            expected = torch.stack([layer.float().softmax(-1).topk(model.moe_router_topk).indices for layer in logits], 1)
+            expected = torch.stack(
+                [layer.float().softmax(-1).topk(model.moe_router_topk).indices for layer in logits], 1
+            )
             assert torch.equal(c.routed_experts.long(), expected)
             checked += len(ids) - 1
     assert checked > 30
@@ -49,7 +51,10 @@ def test_routing_is_refused_without_experts_or_in_a_wrong_layout(tmp_path):
         HfEngine(save_tiny_hf_model(load_model_config("tiny-qwen3"), tmp_path), RolloutConfig(), routed_experts=True)
     ok = torch.zeros(4, 2, 2, dtype=torch.int16)
     assert Completion([1, 2, 3], [0.0] * 3, "stop", None, routed_experts=ok).routed_experts is ok
-    for routed, words in [(ok.int(), "int16 .* got torch.int32"), (ok[0], r"shape \[2, 2\]"),
-                          (ok[:2], "covers 2 tokens, fewer than")]:  # fmt: skip
+    for routed, words in [
+        (ok.int(), "int16 .* got torch.int32"),
+        (ok[0], r"shape \[2, 2\]"),
+        (ok[:2], "covers 2 tokens, fewer than"),
+    ]:
         with pytest.raises(ValueError, match=words):
             Completion([1, 2, 3], [0.0] * 3, "stop", None, routed_experts=routed)

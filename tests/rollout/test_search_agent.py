@@ -108,8 +108,10 @@ def test_search_then_answer_exact_episode(tokenizer, retriever_url):
 
     hits = RetrieverClient(retriever_url).search(["capital of France"], 3)[0]
     assert hits[0].id == "0"  # the Paris passage
-    docs = "".join(f"Doc {i}(Title: {h.contents.split(chr(10))[0]}) {h.contents.split(chr(10), 1)[1]}\n"
-                   for i, h in enumerate(hits, start=1))  # fmt: skip
+    docs = "".join(
+        f"Doc {i}(Title: {h.contents.split(chr(10))[0]}) {h.contents.split(chr(10), 1)[1]}\n"
+        for i, h in enumerate(hits, start=1)
+    )
     assert docs.startswith(PARIS_DOC)
     first_turn = SEARCH_THEN_ANSWER[: SEARCH_THEN_ANSWER.index("</search>") + len("</search>")]
     assert decode_parts(tokenizer, episode) == [
@@ -126,8 +128,13 @@ def test_search_then_answer_exact_episode(tokenizer, retriever_url):
     assert all(episode.sampler_logprobs[i] == 0.0 for i, m in enumerate(episode.response_mask) if not m)
     assert (episode.turns, episode.searches, episode.answered, episode.finish_reason) == (2, 1, True, "stop")
     assert episode.queries == ["capital of France"]
-    assert episode.stats() == {"turns": 2.0, "searches": 1.0, "answered": 1.0, "invalid_actions": 0.0,
-                               "observation_tokens": float(len(episode.response_mask) - sum(episode.response_mask))}
+    assert episode.stats() == {
+        "turns": 2.0,
+        "searches": 1.0,
+        "answered": 1.0,
+        "invalid_actions": 0.0,
+        "observation_tokens": float(len(episode.response_mask) - sum(episode.response_mask)),
+    }
     assert second.response_ids == episode.response_ids  # the scripted policy is deterministic
 
     # Two turns, each one generate call over both live episodes; episode j's turn t: seed s + j * T + t.
@@ -143,11 +150,16 @@ def test_reward_reads_only_the_generated_text(tokenizer, retriever_url):
     agent = make_agent(tokenizer, retriever_url)
     right = agent.rollout(ScriptedEngine(tokenizer, searches_then_answers), [prompt], SamplingConfig(n=1))[0][0]
     wrong = agent.rollout(
-        ScriptedEngine(tokenizer, lambda c: "<answer>the Lyon city</answer>" if "</information>" in c else SEARCH_THEN_ANSWER),
-        [prompt], SamplingConfig(n=1),
-    )[0][0]  # fmt: skip
-    samples = [Sample(prompt, e.response_ids, e.sampler_logprobs, e.finish_reason, group=0,
-                      response_mask=e.response_mask) for e in (right, wrong)]  # fmt: skip
+        ScriptedEngine(
+            tokenizer, lambda c: "<answer>the Lyon city</answer>" if "</information>" in c else SEARCH_THEN_ANSWER
+        ),
+        [prompt],
+        SamplingConfig(n=1),
+    )[0][0]
+    samples = [
+        Sample(prompt, e.response_ids, e.sampler_logprobs, e.finish_reason, group=0, response_mask=e.response_mask)
+        for e in (right, wrong)
+    ]
     texts = [tokenizer.decode(s.generated_ids) for s in samples]
     assert "<information>" not in texts[0] and texts[0].endswith("<answer>Paris</answer>")
     examples = [PromptExample(prompt, ["Paris", "City of Light"], {})] * 2
@@ -187,11 +199,14 @@ def test_episodes_do_not_depend_on_the_other_prompts(tokenizer, retriever_url):
     engines split a step's prompts."""
     engine = ScriptedEngine(tokenizer, lambda c: ANSWER if c.startswith("A") else SEARCH_THEN_ANSWER)
     agent = make_agent(tokenizer, retriever_url)
-    both = agent.rollout(engine, [encode(tokenizer, "A: q\n"), encode(tokenizer, "B: q\n")], SamplingConfig(n=2, seed=5))
+    both = agent.rollout(
+        engine, [encode(tokenizer, "A: q\n"), encode(tokenizer, "B: q\n")], SamplingConfig(n=2, seed=5)
+    )
     together = [seed for call in engine.seeds for seed in call if seed >= 5 + 2 * agent.turns_per_episode]
     engine.seeds.clear()
-    alone = agent.rollout(engine, [encode(tokenizer, "B: q\n")],
-                          SamplingConfig(n=2, seed=5 + 2 * agent.turns_per_episode))  # fmt: skip
+    alone = agent.rollout(
+        engine, [encode(tokenizer, "B: q\n")], SamplingConfig(n=2, seed=5 + 2 * agent.turns_per_episode)
+    )
     assert [seed for call in engine.seeds for seed in call] == together
     assert [e.trajectory() for e in alone[0]] == [e.trajectory() for e in both[1]]
 
@@ -202,7 +217,10 @@ def test_the_final_turn_cannot_search(tokenizer, retriever_url):
         engine, [encode(tokenizer, "Q\n")], SamplingConfig(n=1)
     )
     assert (episode.turns, episode.searches, episode.answered) == (3, 2, False)
-    assert decode_parts(tokenizer, episode)[-1] == (True, SEARCH_THEN_ANSWER[: SEARCH_THEN_ANSWER.index("</search>") + 9])
+    assert decode_parts(tokenizer, episode)[-1] == (
+        True,
+        SEARCH_THEN_ANSWER[: SEARCH_THEN_ANSWER.index("</search>") + 9],
+    )
     assert episode.finish_reason == "stop"
 
 
@@ -226,8 +244,10 @@ def test_invalid_action_gets_search_r1s_message_then_continues(tokenizer, retrie
         engine, [encode(tokenizer, "Q\n")], SamplingConfig(n=1, max_tokens=24)
     )
     assert decode_parts(tokenizer, episode) == [
-        (True, "I will think about this "), (False, INVALID_ACTION), (True, "<answer>Paris</answer>"),
-    ]  # fmt: skip
+        (True, "I will think about this "),
+        (False, INVALID_ACTION),
+        (True, "<answer>Paris</answer>"),
+    ]
     assert (episode.invalid_actions, episode.turns, episode.answered) == (1, 2, True)
 
 
@@ -274,8 +294,14 @@ def test_pack_puts_the_loss_mask_on_generated_tokens_only(tokenizer, retriever_u
     [[episode]] = make_agent(tokenizer, retriever_url).rollout(
         ScriptedEngine(tokenizer, searches_then_answers), [prompt], SamplingConfig(n=1)
     )
-    sample = Sample(prompt, episode.response_ids, episode.sampler_logprobs, episode.finish_reason, group=0,
-                    response_mask=episode.response_mask)  # fmt: skip
+    sample = Sample(
+        prompt,
+        episode.response_ids,
+        episode.sampler_logprobs,
+        episode.finish_reason,
+        group=0,
+        response_mask=episode.response_mask,
+    )
     (batch,) = micro_batches([sample], [1.0], MicroBatchPlan(packing=False))
     p = len(prompt)
     # position p - 1 + j predicts response token j

@@ -389,8 +389,12 @@ def test_sleep_and_wake_up_track_the_state_on_cpu(rig):
     with pytest.raises(ValueError, match="sleep: level must be 1 or 2"):
         engine.sleep(level=3)
     engine.sleep(level=2)
-    for call in (lambda: engine.generate(PROMPTS, sampling()), lambda: engine.score(PROBES), engine.sleep,
-                 engine.begin_weight_update):  # fmt: skip
+    for call in (
+        lambda: engine.generate(PROMPTS, sampling()),
+        lambda: engine.score(PROBES),
+        engine.sleep,
+        engine.begin_weight_update,
+    ):
         with pytest.raises(RuntimeError, match="asleep"):
             call()
     with pytest.raises(ValueError, match="unknown tags"):
@@ -458,8 +462,9 @@ def test_environment_keeps_the_values_the_user_set_that_agree(monkeypatch):
 
 
 @pytest.mark.slow
-def test_engine_in_another_process_takes_weights_from_a_file_and_exits(require_vllm, tiny_model, tiny_model_dir,
-                                                                      tmp_path):  # fmt: skip
+def test_engine_in_another_process_takes_weights_from_a_file_and_exits(
+    require_vllm, tiny_model, tiny_model_dir, tmp_path
+):
     """The "empg" backend is registered inside the spawned engine process (the update works), and
     shutdown() leaves none of the engine's processes behind."""
     import multiprocessing.resource_tracker

@@ -32,7 +32,9 @@ def test_a_core_that_dies_or_stops_mid_generate_fails_the_call(require_vllm, tin
         engine.generate(prompts, sampling(n=1, max_tokens=2))  # answers while healthy
         threading.Timer(0.5, lambda: os.kill(core.pid, fault)).start()
         start = time.monotonic()
-        with pytest.raises(EngineFailure, match=re.escape(f"generate: the vLLM engine core process {core.pid} {words}")):
+        with pytest.raises(
+            EngineFailure, match=re.escape(f"generate: the vLLM engine core process {core.pid} {words}")
+        ):
             engine.generate(prompts, settings)
         assert time.monotonic() - start < 30
         core.join(timeout=10)

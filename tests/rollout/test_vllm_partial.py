@@ -18,7 +18,7 @@ from tests.rollout.test_vllm_engine import (
     hf_model,
     max_abs_diff,
     random_sequences,
-    reference_logprobs,  # fmt: skip
+    reference_logprobs,
     sampling,
 )
 
@@ -101,8 +101,9 @@ def test_an_update_to_the_same_weights_changes_no_log_prob(rig):
 def test_responses_finished_before_the_update_keep_one_version(rig):
     engine, _, b = rig
     settings = sampling(n=1, max_tokens=2)  # done after engine step 2, before the update's call
-    ((completion,),) = engine.generate(random_sequences([5], seed=5), settings,
-                                       between_steps=update_at(engine, 2, b, "step-1"))  # fmt: skip
+    ((completion,),) = engine.generate(
+        random_sequences([5], seed=5), settings, between_steps=update_at(engine, 2, b, "step-1")
+    )
     assert completion.versions == ["step-0", "step-0"] and engine.weight_version == "step-0"
 
 

@@ -70,8 +70,9 @@ def test_the_stream_resumes_and_shards_like_a_file_dataset():
     assert head + [[e.meta["problem"] for e in next(resumed)] for _ in range(3)] == [
         [e.meta["problem"] for e in next(again)] for _ in range(5)
     ]
-    ranks = [PromptBatches(ArithmeticTask(config, plain_tokenizer()), batch_size=4, rank=r, world_size=2)
-             for r in range(2)]  # fmt: skip
+    ranks = [
+        PromptBatches(ArithmeticTask(config, plain_tokenizer()), batch_size=4, rank=r, world_size=2) for r in range(2)
+    ]
     for step in range(3):
         assert sum(([e.meta["index"] for e in next(r)] for r in ranks), []) == expected[step]
     other = PromptBatches(ArithmeticTask(DataConfig(seed=12, arithmetic_digits=3), plain_tokenizer()), batch_size=4)
@@ -81,8 +82,11 @@ def test_the_stream_resumes_and_shards_like_a_file_dataset():
 
 def test_a_prompt_over_max_prompt_tokens_is_an_error():
     task = ArithmeticTask(DataConfig(max_prompt_tokens=3), plain_tokenizer())
-    with pytest.raises(ValueError, match=r"arithmetic problem 0 \('\d+[+-]\d+='\) has \d prompt tokens, more than "
-                                         r"data\.max_prompt_tokens=3"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"arithmetic problem 0 \('\d+[+-]\d+='\) has \d prompt tokens, more than "
+        r"data\.max_prompt_tokens=3",
+    ):
         task.example(0)
     with pytest.raises(ValueError, match=r"index must be an int >= 0, got -1"):
         task.example(-1)
@@ -114,7 +118,9 @@ def test_arithmetic_reward_is_an_exact_integer_match_of_the_first_line():
 def test_an_answer_of_5000_digits_scores_0_instead_of_raising():
     """Past Python's 4,300-digit limit of int(str): compared as canonical decimal text."""
     huge = "9" * 5000
-    result = arithmetic_reward([huge, huge, "-0", "-" + "0" * 5000 + "7"], [_example(a) for a in ("19", huge, "0", "-7")])
+    result = arithmetic_reward(
+        [huge, huge, "-0", "-" + "0" * 5000 + "7"], [_example(a) for a in ("19", huge, "0", "-7")]
+    )
     assert result.scores == [0.0, 1.0, 1.0, 1.0] and result.metrics == {"malformed": 0.0}
     assert parse_integer_response("0" * 5000 + "x") is None
 

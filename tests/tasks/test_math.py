@@ -33,36 +33,42 @@ def examples(*answers: str | list[str]) -> list[PromptExample]:
 # Math: extraction.
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("so \\boxed{\\frac{1}{\\sqrt{2}}}.", "\\frac{1}{\\sqrt{2}}"),
-    ("first \\boxed{1}, then \\boxed{{2}+{3}}", "{2}+{3}"),  # the last one, nested braces
-    ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),  # escaped braces do not count
-    ("\\fbox{4}", "4"),
-    ("$\\boxed 5$ done", "5"),
-    ("\\boxed{\\frac{1}{2}", None),  # not closed (a truncated response)
-    ("\\boxed{ }", None),
-    ("\\boxedx", None),
-    ("no box", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so \\boxed{\\frac{1}{\\sqrt{2}}}.", "\\frac{1}{\\sqrt{2}}"),
+        ("first \\boxed{1}, then \\boxed{{2}+{3}}", "{2}+{3}"),  # the last one, nested braces
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),  # escaped braces do not count
+        ("\\fbox{4}", "4"),
+        ("$\\boxed 5$ done", "5"),
+        ("\\boxed{\\frac{1}{2}", None),  # not closed (a truncated response)
+        ("\\boxed{ }", None),
+        ("\\boxedx", None),
+        ("no box", None),
+    ],
+)
 def test_last_boxed(text, expected):
     assert last_boxed(text) == expected
 
 
-@pytest.mark.parametrize(("response", "expected"), [
-    ("\\boxed{4} #### 5", "4"),  # a box wins
-    ("so #### 1,234", "1,234"),
-    ("The final answer is: $\\frac{1}{2}$.", "\\frac{1}{2}"),
-    ("the answer is 7\nand then 9", "7"),  # "the answer is" before the last number
-    # DAPO's format: the last "Answer:" line, whole (the last number would be 2)
-    ("Answer: 3\nso...\nAnswer: $\\frac{1}{2}$", "\\frac{1}{2}"),
-    ("the answer is 5, so\nAnswer: 6", "6"),
-    ("I got 3, then -2.5 in the end", "-2.5"),
-    ("1/2 of 10 is 5", "5"),
-    ("1,000,000 stars", "1000000"),
-    ("<think>\\boxed{1}</think>The answer is 2", "2"),  # only what follows </think>
-    ("<think>it is 3</think>", None),
-    ("nothing here", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("\\boxed{4} #### 5", "4"),  # a box wins
+        ("so #### 1,234", "1,234"),
+        ("The final answer is: $\\frac{1}{2}$.", "\\frac{1}{2}"),
+        ("the answer is 7\nand then 9", "7"),  # "the answer is" before the last number
+        # DAPO's format: the last "Answer:" line, whole (the last number would be 2)
+        ("Answer: 3\nso...\nAnswer: $\\frac{1}{2}$", "\\frac{1}{2}"),
+        ("the answer is 5, so\nAnswer: 6", "6"),
+        ("I got 3, then -2.5 in the end", "-2.5"),
+        ("1/2 of 10 is 5", "5"),
+        ("1,000,000 stars", "1000000"),
+        ("<think>\\boxed{1}</think>The answer is 2", "2"),  # only what follows </think>
+        ("<think>it is 3</think>", None),
+        ("nothing here", None),
+    ],
+)
 def test_extract_math_answer(response, expected):
     assert extract_math_answer(response) == expected
 
@@ -141,12 +147,19 @@ def test_missing_math_verify_is_named(monkeypatch):
     with pytest.raises(ImportError, match=r"needs the math-verify package: pip install math-verify"):
         MathVerifierPool().check([(["1"], "1")])
     # the worker says so too, as its first line, where math_verify cannot be imported
-    code = ("import sys, runpy; sys.modules['math_verify'] = None; "
-            "runpy.run_module('megatron_empg.tasks.math_verifier', run_name='__main__')")  # fmt: skip
+    code = (
+        "import sys, runpy; sys.modules['math_verify'] = None; "
+        "runpy.run_module('megatron_empg.tasks.math_verifier', run_name='__main__')"
+    )
     worker = subprocess.run(
-        [sys.executable, "-c", code], input="", capture_output=True, text=True, timeout=60, cwd=REPOSITORY,
+        [sys.executable, "-c", code],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPOSITORY,
         env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
-    )  # fmt: skip
+    )
     assert "needs the math-verify package (pip install math-verify)" in worker.stdout.splitlines()[0]
 
 
@@ -174,8 +187,9 @@ class _Tokenizer:
 
 
 def _run_config(*overrides: str) -> RunConfig:
-    return load_config(RunConfig, DEMO_RECIPE, ["data.source=files", "data.reward=math", "data.train_files=[m.jsonl]",
-                                                 *overrides])  # fmt: skip
+    return load_config(
+        RunConfig, DEMO_RECIPE, ["data.source=files", "data.reward=math", "data.train_files=[m.jsonl]", *overrides]
+    )
 
 
 def _samples(first: int, golds: list[str]) -> list[Sample]:
@@ -192,8 +206,12 @@ def test_the_runs_worker_count_and_timeout_reach_the_pool():
         metrics = scorer(samples)
         assert (reward.pool.num_workers, reward.pool.timeout_s, len(reward.pool._workers)) == (3, 1.0, 3)
         assert [s.reward for s in samples] == [0.0, 1.0]
-        assert metrics == {"reward/no_answer": 0.0, "reward/timeouts": 1.0, "reward/verify_errors": 0.0,
-                           "reward/errors": 0.0}  # no budget
+        assert metrics == {
+            "reward/no_answer": 0.0,
+            "reward/timeouts": 1.0,
+            "reward/verify_errors": 0.0,
+            "reward/errors": 0.0,
+        }  # no budget
     finally:
         reward.close()
 
@@ -206,8 +224,11 @@ def test_a_budget_leaves_the_answers_not_checked_by_then_unscored_at_0():
     try:
         assert reward(["\\boxed{1}", "\\boxed{0.5}"], examples("1", "1/2"), limits).correct == [True, True]  # started
         start = time.monotonic()
-        result = reward(["\\boxed{0.5}", "\\boxed{3}", *[ADVERSARIAL] * 16], examples("1/2", "2", *["1"] * 16),
-                        RewardLimits(workers=2, timeout_s=5.0, deadline=time.monotonic() + 2.0))  # fmt: skip
+        result = reward(
+            ["\\boxed{0.5}", "\\boxed{3}", *[ADVERSARIAL] * 16],
+            examples("1/2", "2", *["1"] * 16),
+            RewardLimits(workers=2, timeout_s=5.0, deadline=time.monotonic() + 2.0),
+        )
         elapsed = time.monotonic() - start
         assert result.scores == [1.0, -1.0, *[0.0] * 16] and result.correct == [True, False, *[False] * 16]
         assert result.metrics == {"no_answer": 0.0, "timeouts": 0.0, "verify_errors": 0.0, "unscored": 16.0}

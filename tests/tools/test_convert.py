@@ -114,8 +114,9 @@ def _convert_all(rank: int, world_size: int, work: str, hf_dirs: dict) -> dict:
             return torch.zeros(shapes[name])
 
         progress: list[str] = []
-        write_model_checkpoint(work / "mg-zeros", cfg, ParallelConfig(), zeros, dtype=torch.float32,
-                               progress=progress.append)  # fmt: skip
+        write_model_checkpoint(
+            work / "mg-zeros", cfg, ParallelConfig(), zeros, dtype=torch.float32, progress=progress.append
+        )
         results["progress"] = progress
         results["calls"], results["names"] = list(calls), list(shapes)
 
@@ -164,9 +165,17 @@ def _load_all(rank: int, world_size: int, work: str, batches: dict, qwen2_hf_dir
     try:
         run.step()
         ckpt.save_checkpoint(
-            work / "train", 1, models=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, anchor=run.anchor,
-            extra_state={"data_cursor": 1}, groups=run.groups, model_config=run.cfg, hf_assets=qwen2_hf_dir,
-        )  # fmt: skip
+            work / "train",
+            1,
+            models=run.ddp,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            anchor=run.anchor,
+            extra_state={"data_cursor": 1},
+            groups=run.groups,
+            model_config=run.cfg,
+            hf_assets=qwen2_hf_dir,
+        )
         results["train_params"] = {name: p for name, (p, _) in run.snapshot()["params"].items()}
     finally:
         run.close()
@@ -180,10 +189,19 @@ def _back_all(rank: int, world_size: int, work: str, hf_dirs: dict) -> dict:
     results = {}
     for case, *_ in CASES:
         extra = ["--max-shard-size", "100KB"] if case == SHARDED_CASE else []
-        results[case] = _run_tool("convert_megatron_to_hf", [str(work / f"mg-{case}"), str(work / f"back-{case}"), *extra, *QUIET])
+        results[case] = _run_tool(
+            "convert_megatron_to_hf", [str(work / f"mg-{case}"), str(work / f"back-{case}"), *extra, *QUIET]
+        )
     results["train"] = _run_tool("convert_megatron_to_hf", [str(work / "train"), str(work / "back-train"), *QUIET])
-    argv = [str(work / "mg-qwen2-tp2"), str(work / "back-misfit"), "--model-config", str(work / "misfit.yaml"),
-            "--hf-assets", str(work / "no-assets"), *QUIET]  # fmt: skip
+    argv = [
+        str(work / "mg-qwen2-tp2"),
+        str(work / "back-misfit"),
+        "--model-config",
+        str(work / "misfit.yaml"),
+        "--hf-assets",
+        str(work / "no-assets"),
+        *QUIET,
+    ]
     results["misfit"] = _run_tool("convert_megatron_to_hf", argv)
     return results
 
@@ -216,10 +234,12 @@ def hf_dirs(work) -> dict[str, Path]:
 def batches() -> dict:
     g = torch.Generator().manual_seed(11)
     return {
-        name: [{"tokens": torch.randint(0, load_model_config(name).vocab_size, (MICRO_BATCH, SEQ), generator=g)}
-               for _ in range(NUM_MICROBATCHES)]
+        name: [
+            {"tokens": torch.randint(0, load_model_config(name).vocab_size, (MICRO_BATCH, SEQ), generator=g)}
+            for _ in range(NUM_MICROBATCHES)
+        ]
         for name in FAMILIES
-    }  # fmt: skip
+    }
 
 
 def _hf_logits(model_dir: Path, batches: list[dict]) -> list[torch.Tensor]:
@@ -266,8 +286,16 @@ def test_conversion_to_megatron_succeeds_and_keeps_what_the_reverse_needs(conver
     path = work / f"mg-{case}"
     info = json.loads((path / "empg_checkpoint.json").read_text())
     assert info["complete"] and info["step"] == 0
-    assert info["parts"] == {"model": True, "optimizer": None, "optimizer_format": None, "scheduler": False,
-                             "anchor": False, "rng": False, "model_config": True, "hf_assets": True}  # fmt: skip
+    assert info["parts"] == {
+        "model": True,
+        "optimizer": None,
+        "optimizer_format": None,
+        "scheduler": False,
+        "anchor": False,
+        "rng": False,
+        "model_config": True,
+        "hf_assets": True,
+    }
     _, name, tp, pp, _ = next(c for c in CASES if c[0] == case)
     assert (info["layout"]["tp"], info["layout"]["pp"]) == (tp, pp)
     cfg = load_model_config(path / "model_config.yaml")
@@ -294,10 +322,11 @@ def test_streamed_checkpoint_has_the_storage_layout_of_dist_checkpointing_save(c
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         return {
             key: (tuple(m.size), m.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks))
-            if hasattr(m, "chunks") else "bytes"
+            if hasattr(m, "chunks")
+            else "bytes"
             for key, m in metadata.items()
             if not key.startswith("rng_state")  # save_checkpoint adds the RNG states
-        }  # fmt: skip
+        }
 
     ours, megatrons = layout(work / "mg-zeros"), layout(work / "ref-save" / "step_00000000")
     assert ours == megatrons
@@ -313,7 +342,10 @@ def test_failed_write_leaves_no_output_and_no_temp_dir(converted):
 def test_hf_tensors_of_the_wrong_shape_are_refused_by_name(converted, work):
     result = converted["wrong_shape"]
     assert result["code"] == 2
-    assert "HF_DIR: 12 tensors have the wrong shape: model.layers.0.mlp.gate_proj.weight (128, 64) (config.json implies (96, 64))" in result["stderr"]
+    assert (
+        "HF_DIR: 12 tensors have the wrong shape: model.layers.0.mlp.gate_proj.weight (128, 64) (config.json implies (96, 64))"
+        in result["stderr"]
+    )
     assert not (work / "mg-wrong-shape").exists()
 
 
@@ -351,7 +383,10 @@ def test_round_trip_gives_bit_identical_hf_tensors_that_transformers_loads(hf_di
     for actual, want in zip(_hf_logits(out, batches[name]), _hf_logits(hf_dirs[name], batches[name]), strict=True):
         assert torch.equal(actual, want)
     text = "Hello, world!\n"
-    assert AutoTokenizer.from_pretrained(out)(text).input_ids == AutoTokenizer.from_pretrained(hf_dirs[name])(text).input_ids
+    assert (
+        AutoTokenizer.from_pretrained(out)(text).input_ids
+        == AutoTokenizer.from_pretrained(hf_dirs[name])(text).input_ids
+    )
     assert json.loads((out / "config.json").read_text()) == json.loads((hf_dirs[name] / "config.json").read_text())
     assert (out / "generation_config.json").is_file()
 
@@ -401,11 +436,14 @@ def test_checkpoint_that_does_not_fit_the_model_config_is_refused_by_name(back, 
     assert result["code"] == 2
     assert "CKPT: checkpoint" in result["stderr"] and "does not fit its model config (misfit)" in result["stderr"]
     assert "tensors missing: decoder.layers.0.self_attention.q_layernorm.weight (key " in result["stderr"]
-    assert ("shapes differ: embedding.word_embeddings.weight: the checkpoint's embedding.word_embeddings.weight is "
-            "(256, 64), the model config implies (256, 64)") not in result["stderr"]  # equal shapes are not listed
-    assert ("decoder.layers.0.self_attention.linear_qkv.weight: the checkpoint's "
-            "decoder.layers.self_attention.linear_qkv.weight is (4, 128, 64), the model config implies (2, 256, 64)"
-            ) in result["stderr"]  # fmt: skip
+    assert (
+        "shapes differ: embedding.word_embeddings.weight: the checkpoint's embedding.word_embeddings.weight is "
+        "(256, 64), the model config implies (256, 64)"
+    ) not in result["stderr"]  # equal shapes are not listed
+    assert (
+        "decoder.layers.0.self_attention.linear_qkv.weight: the checkpoint's "
+        "decoder.layers.self_attention.linear_qkv.weight is (4, 128, 64), the model config implies (2, 256, 64)"
+    ) in result["stderr"]
     assert not (work / "back-misfit").exists()
 
 
@@ -423,17 +461,24 @@ def test_refusals_of_convert_hf_to_megatron(hf_dirs, tmp_path):
     nonempty.mkdir()
     (nonempty / "x").write_text("x")
     assert "OUT: refusing to write: " + f"{nonempty} exists and is not empty" in _tool_error(
-        tool, _to_megatron(hf, nonempty, "--tp", "1", "--pp", "1"))  # fmt: skip
+        tool, _to_megatron(hf, nonempty, "--tp", "1", "--pp", "1")
+    )
     assert "HF_DIR: " + f"{tmp_path} has no config.json" in _tool_error(
-        tool, _to_megatron(tmp_path, out, "--tp", "1", "--pp", "1"))  # fmt: skip
+        tool, _to_megatron(tmp_path, out, "--tp", "1", "--pp", "1")
+    )
     assert "--pp: pipeline_model_parallel_size=3 does not divide model.num_layers=4" in _tool_error(
-        tool, _to_megatron(hf, out, "--tp", "1", "--pp", "3"))  # fmt: skip
+        tool, _to_megatron(hf, out, "--tp", "1", "--pp", "3")
+    )
     assert "--tp: tensor_model_parallel_size=3 does not divide model.num_attention_heads=4" in _tool_error(
-        tool, _to_megatron(hf, out, "--tp", "3", "--pp", "1"))  # fmt: skip
-    assert "--tp: expected a positive integer, got 0" in _tool_error(tool, _to_megatron(hf, out, "--tp", "0", "--pp", "1"))
+        tool, _to_megatron(hf, out, "--tp", "3", "--pp", "1")
+    )
+    assert "--tp: expected a positive integer, got 0" in _tool_error(
+        tool, _to_megatron(hf, out, "--tp", "0", "--pp", "1")
+    )
 
-    def variant(label: str, config: dict | None = None, drop: str | None = None, bf16: str | None = None,
-                cut: int = 0) -> Path:  # fmt: skip
+    def variant(
+        label: str, config: dict | None = None, drop: str | None = None, bf16: str | None = None, cut: int = 0
+    ) -> Path:
         """A copy of the tiny-qwen2 HF dir with a changed config.json or safetensors."""
         d = shutil.copytree(hf, tmp_path / label)
         if config is not None:
@@ -450,16 +495,20 @@ def test_refusals_of_convert_hf_to_megatron(hf_dirs, tmp_path):
         return d
 
     unknown = variant("unknown", config={"architectures": ["GPT2LMHeadModel"]})
-    assert "config.json: architectures: expected exactly one of ['LlamaForCausalLM', 'Qwen2ForCausalLM', " in _tool_error(
-        tool, _to_megatron(unknown, out, "--tp", "1", "--pp", "1"))  # fmt: skip
+    assert (
+        "config.json: architectures: expected exactly one of ['LlamaForCausalLM', 'Qwen2ForCausalLM', "
+        in _tool_error(tool, _to_megatron(unknown, out, "--tp", "1", "--pp", "1"))
+    )
     missing = variant("missing", drop="model.layers.1.mlp.up_proj.weight")
     assert "HF_DIR: tensors missing from the safetensors (1 of 51): model.layers.1.mlp.up_proj.weight" in _tool_error(
-        tool, _to_megatron(missing, out, "--tp", "1", "--pp", "1"))  # fmt: skip
+        tool, _to_megatron(missing, out, "--tp", "1", "--pp", "1")
+    )
     truncated = variant("truncated", cut=10)
     assert "is truncated: " in _tool_error(tool, _to_megatron(truncated, out, "--tp", "1", "--pp", "1"))
     mixed = variant("mixed", bf16="model.norm.weight")
     assert "--dtype: auto needs a single dtype, but" in _tool_error(
-        tool, _to_megatron(mixed, out, "--tp", "1", "--pp", "1"))  # fmt: skip
+        tool, _to_megatron(mixed, out, "--tp", "1", "--pp", "1")
+    )
     assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
@@ -470,7 +519,10 @@ def test_refusals_of_convert_megatron_to_hf(converted, hf_dirs, work, tmp_path):
     incomplete = shutil.copytree(source, tmp_path / "incomplete")
     (incomplete / "empg_checkpoint.json").unlink()
     message = _tool_error(tool, [str(incomplete), str(out), *QUIET])
-    assert "CKPT: not a complete checkpoint: " in message and "(the completion marker written last by save_checkpoint): incomplete" in message
+    assert (
+        "CKPT: not a complete checkpoint: " in message
+        and "(the completion marker written last by save_checkpoint): incomplete" in message
+    )
     no_config = shutil.copytree(source, tmp_path / "no-config")
     (no_config / "model_config.yaml").unlink()
     info = json.loads((no_config / "empg_checkpoint.json").read_text())  # saved without it: not in the manifest
@@ -479,12 +531,17 @@ def test_refusals_of_convert_megatron_to_hf(converted, hf_dirs, work, tmp_path):
     message = _tool_error(tool, [str(no_config), str(out), *QUIET])
     assert "CKPT: " in message and "has no model_config.yaml" in message and "(pass --model-config)" in message
     message = _tool_error(tool, [str(source), str(out), "--hf-assets", str(hf_dirs["tiny-llama"]), *QUIET])
-    assert "--hf-assets: " in message and "describes another model than the checkpoint's model config: family: 'llama' != 'qwen2'" in message
+    assert (
+        "--hf-assets: " in message
+        and "describes another model than the checkpoint's model config: family: 'llama' != 'qwen2'" in message
+    )
     assert "argument --max-shard-size: expected a size such as 500MB, 5GB or 2GiB, got 'big'" in _tool_error(
-        tool, [str(source), str(out), "--max-shard-size", "big"])  # fmt: skip
+        tool, [str(source), str(out), "--max-shard-size", "big"]
+    )
     nonempty = work / "mg-qwen2-pp2"
     assert f"OUT: refusing to write: {nonempty} exists and is not empty" in _tool_error(
-        tool, [str(source), str(nonempty), *QUIET])  # fmt: skip
+        tool, [str(source), str(nonempty), *QUIET]
+    )
     assert not out.exists()
 
 
@@ -492,8 +549,11 @@ def test_cli_refusal_is_a_usage_message_with_exit_code_2(hf_dirs, tmp_path):
     script = REPO / "tools" / "convert_hf_to_megatron.py"
     proc = subprocess.run(
         [sys.executable, str(script), str(hf_dirs["tiny-qwen2"]), str(tmp_path / "out"), "--tp", "2", "--pp", "3"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("usage: convert_hf_to_megatron.py")
     assert "error: --pp: pipeline_model_parallel_size=3 does not divide model.num_layers=4" in proc.stderr

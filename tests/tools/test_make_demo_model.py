@@ -37,7 +37,10 @@ from tools.make_demo_model import (
 from tools.make_tiny_model import char_tokenizer
 
 SHORT = dict(
-    steps=40, batch_size=16, eval_problems=32, stop_accuracy=0.0,
+    steps=40,
+    batch_size=16,
+    eval_problems=32,
+    stop_accuracy=0.0,
     model_overrides=["num_layers=1", "ffn_hidden_size=256"],
 )
 HF_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
@@ -57,11 +60,24 @@ def test_short_run_writes_complete_files(short_run):
     written = json.loads((out / "demo_model.json").read_text())
     assert written == json.loads(json.dumps(summary))
     assert written["settings"] == {
-        "steps": 40, "stop_accuracy": 0.0, "check_every": 50, "seed": 3, "digits": 2, "ops": ["+", "-"],
-        "answer_noise": 0.3, "restate_fraction": 0.4, "batch_size": 16, "lr": 3e-3,
-        "warmup_steps": 4, "min_lr_ratio": 0.1, "weight_decay": 0.01, "grad_clip": 1.0, "init_std": 0.02,
-        "model_overrides": ["num_layers=1", "ffn_hidden_size=256"], "torch_threads": torch.get_num_threads(),
-    }  # fmt: skip
+        "steps": 40,
+        "stop_accuracy": 0.0,
+        "check_every": 50,
+        "seed": 3,
+        "digits": 2,
+        "ops": ["+", "-"],
+        "answer_noise": 0.3,
+        "restate_fraction": 0.4,
+        "batch_size": 16,
+        "lr": 3e-3,
+        "warmup_steps": 4,
+        "min_lr_ratio": 0.1,
+        "weight_decay": 0.01,
+        "grad_clip": 1.0,
+        "init_std": 0.02,
+        "model_overrides": ["num_layers=1", "ffn_hidden_size=256"],
+        "torch_threads": torch.get_num_threads(),
+    }
     training, evaluation = written["training"], written["evaluation"]
     assert training["steps_run"] == 40 and not training["stopped_early"] and training["problems_seen"] == 40 * 16
     assert training["validation"]["greedy_accuracy_at_step"] == []  # stop_accuracy 0: no checks
@@ -125,8 +141,17 @@ def test_training_stops_at_the_first_check_that_reaches_stop_accuracy():
 
     model = tiny_hf_model(config, seed=0, std=0.02)
     stream = TrainingStream(task, tokenizer, excluded={task.problem(0).text})
-    losses, checks = train(model, stream, steps=100, batch_size=4, lr=1e-3, validate=validate, stop_accuracy=0.5,
-                           check_every=5, log=lambda _: None)  # fmt: skip
+    losses, checks = train(
+        model,
+        stream,
+        steps=100,
+        batch_size=4,
+        lr=1e-3,
+        validate=validate,
+        stop_accuracy=0.5,
+        check_every=5,
+        log=lambda _: None,
+    )
     assert checks == [(5, 0.1), (10, 0.3), (15, 0.6)] and len(losses) == 15
     assert modes == [False, False, False] and not model.training
     assert stream.next_index == 15 * 4 + 1  # problem 0 was skipped
@@ -179,11 +204,14 @@ def test_restate_fraction_prefixes_that_fraction_of_training_responses_with_the_
     example = task.example(0)
     texts = [f"{example.meta['problem']}{example.answer}\n", f"{example.answer}\n"]
     assert arithmetic_reward(texts, [example, example]).correct == [False, True]
-    assert restated(tokenizer, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts],
-                    [example, example]) == [True, False]  # fmt: skip
+    assert restated(
+        tokenizer, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], [example, example]
+    ) == [True, False]
     # with answer noise too, deterministic per problem index
     both = TrainingStream(task, tokenizer, set(), answer_noise=0.3, restate_fraction=0.4, noise_seed=7).batch(500)
-    assert both == TrainingStream(task, tokenizer, set(), answer_noise=0.3, restate_fraction=0.4, noise_seed=7).batch(500)
+    assert both == TrainingStream(task, tokenizer, set(), answer_noise=0.3, restate_fraction=0.4, noise_seed=7).batch(
+        500
+    )
 
 
 def test_refuses_non_empty_out_dir(tmp_path, capsys):
@@ -259,6 +287,9 @@ def test_short_run_loads_in_vllm(short_run):
     finally:
         engine.shutdown()
     got = [c[0].token_ids for c in outputs]
-    differ = [(tokenizer.decode(p), tokenizer.decode(a), tokenizer.decode(b))
-              for p, a, b in zip(prompts, got, expected) if a != b]  # fmt: skip
+    differ = [
+        (tokenizer.decode(p), tokenizer.decode(a), tokenizer.decode(b))
+        for p, a, b in zip(prompts, got, expected)
+        if a != b
+    ]
     assert len(differ) <= 1, differ  # fp32 on both sides: a near-tie may flip one argmax, not more

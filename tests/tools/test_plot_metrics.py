@@ -24,15 +24,18 @@ def write_lines(path: Path, lines: list[object | str]) -> Path:
 
 @pytest.fixture
 def metrics_file(tmp_path) -> Path:
-    return write_lines(tmp_path / "metrics.jsonl", [
-        {"step": 0, "loss": 1.0, "reward": {"mean": 0.1, "max": 1}, "note": "start"},
-        {"step": 1, "loss": 0.8, "reward": {"mean": 0.2}, "gate_ok": True},
-        "",
-        {"step": 2, "loss": "nan?", "reward": {"mean": 0.3}},  # a string: no point
-        {"step": 3, "loss": None, "kl": float("nan")},  # null and NaN: no point
-        {"step": 2, "loss": 0.5},  # a resumed run repeats step 2: the later line wins
-        {"step": 4.0, "loss": 0.4, "kl": float("inf")},
-    ])  # fmt: skip
+    return write_lines(
+        tmp_path / "metrics.jsonl",
+        [
+            {"step": 0, "loss": 1.0, "reward": {"mean": 0.1, "max": 1}, "note": "start"},
+            {"step": 1, "loss": 0.8, "reward": {"mean": 0.2}, "gate_ok": True},
+            "",
+            {"step": 2, "loss": "nan?", "reward": {"mean": 0.3}},  # a string: no point
+            {"step": 3, "loss": None, "kl": float("nan")},  # null and NaN: no point
+            {"step": 2, "loss": 0.5},  # a resumed run repeats step 2: the later line wins
+            {"step": 4.0, "loss": 0.4, "kl": float("inf")},
+        ],
+    )
 
 
 def test_read_metrics_keeps_finite_numbers_by_step(metrics_file):
@@ -63,12 +66,15 @@ def test_keys_select_metrics_and_a_missing_key_is_reported(metrics_file, tmp_pat
     assert "nothing to plot" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("bad", "message"), [
-    ('{"step": 3, "loss": ', "invalid JSON: Expecting value"),
-    ("[1, 2]", "expected a JSON object, got list"),
-    ({"loss": 1.0}, "expected a finite number under 'step', got None"),
-    ({"step": "3"}, "expected a finite number under 'step', got '3'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ('{"step": 3, "loss": ', "invalid JSON: Expecting value"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ({"loss": 1.0}, "expected a finite number under 'step', got None"),
+        ({"step": "3"}, "expected a finite number under 'step', got '3'"),
+    ],
+)
 def test_a_malformed_line_names_the_file_and_line(tmp_path, capsys, bad, message):
     path = write_lines(tmp_path / "m.jsonl", [{"step": 0, "loss": 1}, "", bad])
     assert main([str(path), str(tmp_path / "plots")]) == 1
@@ -85,7 +91,9 @@ def test_a_missing_file_is_a_usage_error(tmp_path):
 def test_it_runs_as_a_script(metrics_file, tmp_path):
     result = subprocess.run(
         [sys.executable, str(TOOL), str(metrics_file), str(tmp_path / "plots"), "--keys", "loss"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "plots" / "loss.png").read_bytes().startswith(PNG_SIGNATURE)

@@ -22,16 +22,35 @@ from tools.prepare_search_data import main, normalize_question
 REPO = Path(__file__).resolve().parents[2]
 
 NQ = [
-    {"id": "train_0", "question": "  who got the first nobel prize in physics ", "golden_answers": ["Wilhelm Conrad Röntgen"]},
-    {"id": "train_1", "question": "when is the next deadpool movie being released?",
-     "golden_answers": ["May 18, 2018", "2018"], "metadata": {"x": 1}},
-    {"id": "train_2", "question": "where is the tv show the curse of oak island filmed", "golden_answers": ["Oak Island"]},
-]  # fmt: skip
+    {
+        "id": "train_0",
+        "question": "  who got the first nobel prize in physics ",
+        "golden_answers": ["Wilhelm Conrad Röntgen"],
+    },
+    {
+        "id": "train_1",
+        "question": "when is the next deadpool movie being released?",
+        "golden_answers": ["May 18, 2018", "2018"],
+        "metadata": {"x": 1},
+    },
+    {
+        "id": "train_2",
+        "question": "where is the tv show the curse of oak island filmed",
+        "golden_answers": ["Oak Island"],
+    },
+]
 HOTPOT = [  # the same row ids as NQ's: Search-R1's merged index collides here, ours must not
-    {"id": "train_0", "question": "Which magazine was started first, Arthur's Magazine or First for Women?",
-     "golden_answers": ["Arthur's Magazine"]},
-    {"id": "train_1", "question": "Were Scott Derrickson and Ed Wood of the same nationality", "golden_answers": ["yes"]},
-]  # fmt: skip
+    {
+        "id": "train_0",
+        "question": "Which magazine was started first, Arthur's Magazine or First for Women?",
+        "golden_answers": ["Arthur's Magazine"],
+    },
+    {
+        "id": "train_1",
+        "question": "Were Scott Derrickson and Ed Wood of the same nationality",
+        "golden_answers": ["yes"],
+    },
+]
 
 
 def write_jsonl(path: Path, rows: list, *, raw_lines: dict[int, str] | None = None) -> Path:
@@ -50,7 +69,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture
 def flashrag(tmp_path):
-    return (write_jsonl(tmp_path / "nq" / "train.jsonl", NQ), write_jsonl(tmp_path / "hotpotqa" / "train.jsonl", HOTPOT))
+    return (
+        write_jsonl(tmp_path / "nq" / "train.jsonl", NQ),
+        write_jsonl(tmp_path / "hotpotqa" / "train.jsonl", HOTPOT),
+    )
 
 
 def test_rows_are_normalized_and_ids_are_unique_across_datasets(tmp_path, flashrag, capsys):
@@ -58,17 +80,37 @@ def test_rows_are_normalized_and_ids_are_unique_across_datasets(tmp_path, flashr
     out = tmp_path / "data" / "search" / "train.jsonl"
     assert main(["--out", str(out), f"nq={nq}", f"hotpotqa={hotpot}"]) == 0
     assert read_jsonl(out) == [
-        {"question": "who got the first nobel prize in physics?", "golden_answers": ["Wilhelm Conrad Röntgen"],
-         "data_source": "nq", "id": "nq/train/train_0"},
-        {"question": "when is the next deadpool movie being released?", "golden_answers": ["May 18, 2018", "2018"],
-         "data_source": "nq", "id": "nq/train/train_1"},
-        {"question": "where is the tv show the curse of oak island filmed?", "golden_answers": ["Oak Island"],
-         "data_source": "nq", "id": "nq/train/train_2"},
-        {"question": "Which magazine was started first, Arthur's Magazine or First for Women?",
-         "golden_answers": ["Arthur's Magazine"], "data_source": "hotpotqa", "id": "hotpotqa/train/train_0"},
-        {"question": "Were Scott Derrickson and Ed Wood of the same nationality?", "golden_answers": ["yes"],
-         "data_source": "hotpotqa", "id": "hotpotqa/train/train_1"},
-    ]  # fmt: skip
+        {
+            "question": "who got the first nobel prize in physics?",
+            "golden_answers": ["Wilhelm Conrad Röntgen"],
+            "data_source": "nq",
+            "id": "nq/train/train_0",
+        },
+        {
+            "question": "when is the next deadpool movie being released?",
+            "golden_answers": ["May 18, 2018", "2018"],
+            "data_source": "nq",
+            "id": "nq/train/train_1",
+        },
+        {
+            "question": "where is the tv show the curse of oak island filmed?",
+            "golden_answers": ["Oak Island"],
+            "data_source": "nq",
+            "id": "nq/train/train_2",
+        },
+        {
+            "question": "Which magazine was started first, Arthur's Magazine or First for Women?",
+            "golden_answers": ["Arthur's Magazine"],
+            "data_source": "hotpotqa",
+            "id": "hotpotqa/train/train_0",
+        },
+        {
+            "question": "Were Scott Derrickson and Ed Wood of the same nationality?",
+            "golden_answers": ["yes"],
+            "data_source": "hotpotqa",
+            "id": "hotpotqa/train/train_1",
+        },
+    ]
     assert "Röntgen" in out.read_text(encoding="utf-8")  # UTF-8, not \u escapes
     assert capsys.readouterr().out == f"wrote 5 rows to {out} (nq 3, hotpotqa 2)\n"
     assert [p.name for p in out.parent.iterdir()] == ["train.jsonl"]  # no temp file left
@@ -81,15 +123,23 @@ def test_question_normalisation_is_search_r1s():
 
 
 def test_test_splits_take_the_file_name_and_int_ids(tmp_path):
-    bamboogle = write_jsonl(tmp_path / "bamboogle" / "test.jsonl", [
-        {"id": 7, "question": "Who was president when the first Star Wars was released?", "golden_answers": ["Jimmy Carter"]},
-    ])  # fmt: skip
+    bamboogle = write_jsonl(
+        tmp_path / "bamboogle" / "test.jsonl",
+        [
+            {
+                "id": 7,
+                "question": "Who was president when the first Star Wars was released?",
+                "golden_answers": ["Jimmy Carter"],
+            },
+        ],
+    )
     hotpot_dev = write_jsonl(tmp_path / "hotpotqa" / "dev.jsonl", [HOTPOT[1]])
     out = tmp_path / "test.jsonl"
     assert main(["--out", str(out), f"bamboogle={bamboogle}", f"hotpotqa={hotpot_dev}"]) == 0
     assert [(r["id"], r["data_source"]) for r in read_jsonl(out)] == [
-        ("bamboogle/test/7", "bamboogle"), ("hotpotqa/dev/train_1", "hotpotqa"),
-    ]  # fmt: skip
+        ("bamboogle/test/7", "bamboogle"),
+        ("hotpotqa/dev/train_1", "hotpotqa"),
+    ]
 
 
 def test_limit_draws_per_file_with_the_seed_in_file_order(tmp_path):
@@ -105,20 +155,38 @@ def test_limit_draws_per_file_with_the_seed_in_file_order(tmp_path):
     assert [r["id"] for r in read_jsonl(out)] == ["nq/train/r1", "nq/train/r2", "nq/train/r4"]  # sample: [2, 1, 4]
 
 
-@pytest.mark.parametrize(("row", "message"), [
-    ({"id": "x", "golden_answers": ["a"]}, "field 'question' is missing (the row has ['golden_answers', 'id'])"),
-    ({"id": "x", "question": "   ", "golden_answers": ["a"]}, "field 'question': expected a non-empty string, got '   '"),
-    ({"id": "x", "question": 3, "golden_answers": ["a"]}, "field 'question': expected a non-empty string, got 3"),
-    ({"id": "x", "question": "q?", "golden_answers": "Paris"},
-     "field 'golden_answers': expected a non-empty list of non-empty strings, got 'Paris'"),
-    ({"id": "x", "question": "q?", "golden_answers": []},
-     "field 'golden_answers': expected a non-empty list of non-empty strings, got []"),
-    ({"id": "x", "question": "q?", "golden_answers": ["a", 2]},
-     "field 'golden_answers': expected a non-empty list of non-empty strings, got ['a', 2]"),
-    ({"question": "q?", "golden_answers": ["a"]}, "field 'id' is missing (the row has ['golden_answers', 'question'])"),
-    ({"id": None, "question": "q?", "golden_answers": ["a"]}, "field 'id': expected a non-empty string or an int, got None"),
-    (["not", "an", "object"], "expected a JSON object, got list"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"id": "x", "golden_answers": ["a"]}, "field 'question' is missing (the row has ['golden_answers', 'id'])"),
+        (
+            {"id": "x", "question": "   ", "golden_answers": ["a"]},
+            "field 'question': expected a non-empty string, got '   '",
+        ),
+        ({"id": "x", "question": 3, "golden_answers": ["a"]}, "field 'question': expected a non-empty string, got 3"),
+        (
+            {"id": "x", "question": "q?", "golden_answers": "Paris"},
+            "field 'golden_answers': expected a non-empty list of non-empty strings, got 'Paris'",
+        ),
+        (
+            {"id": "x", "question": "q?", "golden_answers": []},
+            "field 'golden_answers': expected a non-empty list of non-empty strings, got []",
+        ),
+        (
+            {"id": "x", "question": "q?", "golden_answers": ["a", 2]},
+            "field 'golden_answers': expected a non-empty list of non-empty strings, got ['a', 2]",
+        ),
+        (
+            {"question": "q?", "golden_answers": ["a"]},
+            "field 'id' is missing (the row has ['golden_answers', 'question'])",
+        ),
+        (
+            {"id": None, "question": "q?", "golden_answers": ["a"]},
+            "field 'id': expected a non-empty string or an int, got None",
+        ),
+        (["not", "an", "object"], "expected a JSON object, got list"),
+    ],
+)
 def test_a_bad_row_names_the_file_the_line_and_the_field(tmp_path, capsys, row, message):
     # line 1 good, line 2 blank (skipped, still counted), line 3 the bad row
     path = write_jsonl(tmp_path / "nq" / "train.jsonl", [NQ[0], row], raw_lines={1: ""})
@@ -154,15 +222,18 @@ def test_invalid_json_and_empty_files_and_repeated_ids_are_errors(tmp_path, caps
     assert not out.exists()
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["nq"], "expected NAME=PATH (e.g. nq=nq/train.jsonl), got 'nq'"),
-    (["nq="], "expected NAME=PATH (e.g. nq=nq/train.jsonl), got 'nq='"),
-    (["n/q={nq}"], "NAME must be letters, digits, '_', '.' or '-' (it goes into the ids), got 'n/q'"),
-    (["nq={missing}"], "no such file: {missing}"),
-    (["--limit", "0", "nq={nq}"], "argument --limit: expected a positive integer, got 0"),
-    (["--out", "{tmp}", "nq={nq}"], "--out {tmp} is a directory"),
-    (["--out", "{nq}", "nq={nq}"], "--out {nq} is one of the inputs"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nq"], "expected NAME=PATH (e.g. nq=nq/train.jsonl), got 'nq'"),
+        (["nq="], "expected NAME=PATH (e.g. nq=nq/train.jsonl), got 'nq='"),
+        (["n/q={nq}"], "NAME must be letters, digits, '_', '.' or '-' (it goes into the ids), got 'n/q'"),
+        (["nq={missing}"], "no such file: {missing}"),
+        (["--limit", "0", "nq={nq}"], "argument --limit: expected a positive integer, got 0"),
+        (["--out", "{tmp}", "nq={nq}"], "--out {tmp} is a directory"),
+        (["--out", "{nq}", "nq={nq}"], "--out {nq} is one of the inputs"),
+    ],
+)
 def test_usage_errors_exit_2(tmp_path, flashrag, capsys, args, message):
     nq, _ = flashrag
     values = {"nq": nq, "missing": tmp_path / "missing.jsonl", "tmp": tmp_path}
@@ -180,9 +251,18 @@ def test_runs_as_a_script(tmp_path, flashrag):
     nq, hotpot = flashrag
     out = tmp_path / "train.jsonl"
     done = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "prepare_search_data.py"), "--out", str(out), f"nq={nq}", f"hotpotqa={hotpot}"],
-        capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "tools" / "prepare_search_data.py"),
+            "--out",
+            str(out),
+            f"nq={nq}",
+            f"hotpotqa={hotpot}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"wrote 5 rows to {out} (nq 3, hotpotqa 2)\n"
     assert len(read_jsonl(out)) == 5

@@ -28,8 +28,17 @@ LAUNCH_TIMEOUT_S = 240  # one run of a few steps, on 2 ranks: ~40 s of start-up 
 # by percents or more.
 CLOSE_REL, CLOSE_ABS = 1e-5, 1e-6
 # Per-step metrics that are functions of the rollouts and the schedule only: equal when the samples are.
-EXACT = ("reward/mean", "reward/std", "reward/accuracy", "reward/malformed", "response/length_mean",
-         "response/truncated_fraction", "actor/lr", "anchor/updates", "sync/gbytes")  # fmt: skip
+EXACT = (
+    "reward/mean",
+    "reward/std",
+    "reward/accuracy",
+    "reward/malformed",
+    "response/length_mean",
+    "response/truncated_fraction",
+    "actor/lr",
+    "anchor/updates",
+    "sync/gbytes",
+)
 # Sums over tokens of fp32 log-prob arithmetic: to CLOSE_REL, CLOSE_ABS.
 CLOSE = ("actor/loss", "actor/policy_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/ratio")
 REFERENCE_STEPS = 20  # of the one-process reference run (conftest.py small_demo_reference): a signalled
@@ -42,8 +51,12 @@ def demo_config(tmp: Path, name: str, warm_start: Path | None, steps: int = 3) -
     config = read_yaml(DEMO_RECIPE)
     config["train"]["steps"] = steps
     config["logging"] = {"dir": str(tmp / name), "progress": "none"}
-    config["checkpoint"].update(dir=str(tmp / name / "checkpoints"), interval=1, keep_last=5,
-                                init_from=None if warm_start is None else str(warm_start))  # fmt: skip
+    config["checkpoint"].update(
+        dir=str(tmp / name / "checkpoints"),
+        interval=1,
+        keep_last=5,
+        init_from=None if warm_start is None else str(warm_start),
+    )
     return config
 
 
@@ -73,9 +86,14 @@ def train_command(
 
 
 def run_train(
-    config: dict, tmp: Path, name: str, *extra: str, nproc: int | None = None, timeout: float = 300,
+    config: dict,
+    tmp: Path,
+    name: str,
+    *extra: str,
+    nproc: int | None = None,
+    timeout: float = 300,
     env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess:  # fmt: skip
+) -> subprocess.CompletedProcess:
     """``train_command`` run to its end (output captured as text); after ``timeout`` seconds it is
     interrupted (``interrupt``) and ``subprocess.TimeoutExpired`` raised."""
     command, env = train_command(config, tmp, name, *extra, nproc=nproc, env=env)
@@ -108,8 +126,11 @@ def unexpected_errors(text: str, *, torchrun: bool = False) -> list[str]:
     and vLLM's spawned engine core, may be told twice that a shared-memory segment is gone
     (``KeyError: '/psm_...'``: CPython 3.11's tracker registers both ends). A rank's error is none."""
     raised = [line for line in text.splitlines() if re.match(r"(\[rank\d+\]: )?[\w.]+(Error|Exception)\b", line)]
-    return [line for line in raised if not re.search(r"KeyError: '/psm_", line)
-            and not (torchrun and "SignalException: Process" in line)]  # fmt: skip
+    return [
+        line
+        for line in raised
+        if not re.search(r"KeyError: '/psm_", line) and not (torchrun and "SignalException: Process" in line)
+    ]
 
 
 def assert_same_steps(ours: list[dict], reference: list[dict], *, same_tokens: bool) -> None:

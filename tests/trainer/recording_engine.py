@@ -58,6 +58,10 @@ class RecordingEngine(HfEngine):
 if __name__ == "__main__":
     from megatron_empg.trainer.cli import main
 
-    ENGINES["recording"] = EngineKind("tests.trainer.recording_engine:RecordingEngine", own_process=False,
-                                      in_process_beside_training=True, updates_mid_generation=False)  # fmt: skip
+    ENGINES["recording"] = EngineKind(
+        "tests.trainer.recording_engine:RecordingEngine",
+        own_process=False,
+        in_process_beside_training=True,
+        updates_mid_generation=False,
+    )
     sys.exit(main(sys.argv[1:]))

@@ -75,9 +75,23 @@ def search_config(tmp: Path, name: str, warm_start: Path, retriever_url: str, st
     config["train"].update(prompts_per_step=4, micro_batch_size=8, max_seq_len=320)  # DP2: 1 micro-batch each
     config["rollout"].update(max_model_len=512)
     config["rollout"]["sampling"].update(n=4, max_tokens=64)
-    config["rollout"]["search_agent"] = {"retriever_url": retriever_url, "topk": TOPK, "max_turns": 2,
-                                         "max_obs_tokens": MAX_OBS_TOKENS, "timeout_s": 5.0, "retries": 1}  # fmt: skip
-    config["data"] = {"source": "files", "train_files": [str(QA)], "prompt_key": "question",
-                      "answer_key": "golden_answers", "prompt_template": PROMPT_TEMPLATE, "reward": "qa_em",
-                      "apply_chat_template": False, "max_prompt_tokens": 64, "seed": 0}  # fmt: skip
+    config["rollout"]["search_agent"] = {
+        "retriever_url": retriever_url,
+        "topk": TOPK,
+        "max_turns": 2,
+        "max_obs_tokens": MAX_OBS_TOKENS,
+        "timeout_s": 5.0,
+        "retries": 1,
+    }
+    config["data"] = {
+        "source": "files",
+        "train_files": [str(QA)],
+        "prompt_key": "question",
+        "answer_key": "golden_answers",
+        "prompt_template": PROMPT_TEMPLATE,
+        "reward": "qa_em",
+        "apply_chat_template": False,
+        "max_prompt_tokens": 64,
+        "seed": 0,
+    }
     return config

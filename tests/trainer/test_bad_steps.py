@@ -44,17 +44,23 @@ def test_the_state_round_trips_and_an_older_checkpoint_has_none():
 def test_the_limit_saves_the_steps_samples_and_names_field_step_reasons_and_path(tmp_path):
     bad = BadSteps(TrainConfig(max_consecutive_skips=1))
     bad.record(7, ["non-finite loss (nan)"])
-    samples = [Sample([1, 2], [3, 4, 5], [0.0] * 3, "stop", group=0, reward=1.0, correct=True, version=6),
-               Sample([1, 2], [6], [0.0], "length", group=0, version=6)]  # fmt: skip
+    samples = [
+        Sample([1, 2], [3, 4, 5], [0.0] * 3, "stop", group=0, reward=1.0, correct=True, version=6),
+        Sample([1, 2], [6], [0.0], "length", group=0, version=6),
+    ]
     lead = SimpleNamespace(tp_rank=0, pp_rank=0, cp_rank=0, dp_rank=1)
     error = bad.stop(7, samples, torch.tensor([0.5, -0.5]), tmp_path, lead)
     path = tmp_path / "bad_step_7"
     assert isinstance(error, BadStepsError) and (error.step, error.path) == (7, path)
-    assert str(error) == (f"train.max_consecutive_skips=1: 1 optimizer steps in a row were refused, the last at step 7 "
-                          f"(step 7: non-finite loss (nan)); the samples of step 7 are in {path}")  # fmt: skip
+    assert str(error) == (
+        f"train.max_consecutive_skips=1: 1 optimizer steps in a row were refused, the last at step 7 "
+        f"(step 7: non-finite loss (nan)); the samples of step 7 are in {path}"
+    )
     records = [json.loads(line) for line in (path / "samples_dp1.jsonl").read_text().splitlines()]
     assert [(r["response_ids"], r["reward"], r["correct"], r["advantage"], r["version"]) for r in records] == [
-        ([3, 4, 5], 1.0, True, 0.5, 6), ([6], 0.0, False, -0.5, 6)]  # fmt: skip
+        ([3, 4, 5], 1.0, True, 0.5, 6),
+        ([6], 0.0, False, -0.5, 6),
+    ]
     assert json.loads((path / "reason.json").read_text())["refused"] == ["step 7: non-finite loss (nan)"]
     # a rank that is not its replica's first tensor-parallel rank writes no samples
     second_tp_rank = SimpleNamespace(tp_rank=1, pp_rank=0, cp_rank=0, dp_rank=0)

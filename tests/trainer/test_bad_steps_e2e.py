@@ -96,19 +96,26 @@ def test_max_consecutive_skips_stop_the_run_with_the_batch_saved_across_a_resume
     first = run_train(config, tmp_path, "first", "train.max_consecutive_skips=2", timeout=LAUNCH_TIMEOUT_S, env=env)
     assert first.returncode == 0, first.stderr[-4000:]  # step 2 refused: 1 in a row, under the limit
     config["train"]["steps"] = 4
-    second = run_train(config, tmp_path, "second", "train.max_consecutive_skips=2", "--resume",
-                       timeout=LAUNCH_TIMEOUT_S, env=env)  # fmt: skip
+    second = run_train(
+        config, tmp_path, "second", "train.max_consecutive_skips=2", "--resume", timeout=LAUNCH_TIMEOUT_S, env=env
+    )
     assert second.returncode != 0
     batch = tmp_path / "bad" / "bad_step_3"
-    expected = (f"BadStepsError: train.max_consecutive_skips=2: 2 optimizer steps in a row were refused, the last at "
-                f"step 3 (step 2: non-finite loss (nan); step 3: non-finite loss (nan)); the samples of step 3 are in "
-                f"{batch}")  # fmt: skip
+    expected = (
+        f"BadStepsError: train.max_consecutive_skips=2: 2 optimizer steps in a row were refused, the last at "
+        f"step 3 (step 2: non-finite loss (nan); step 3: non-finite loss (nan)); the samples of step 3 are in "
+        f"{batch}"
+    )
     assert expected in second.stderr, second.stderr[-4000:]
     metrics = read_metrics(tmp_path / "bad" / "metrics.jsonl")
     assert [(m["step"], m["train/skipped_steps"]) for m in metrics] == [(1, 0.0), (2, 1.0)]  # step 3 raised
     reason = json.loads((batch / "reason.json").read_text())
-    assert reason == {"field": "train.max_consecutive_skips", "limit": 2, "step": 3,
-                      "refused": ["step 2: non-finite loss (nan)", "step 3: non-finite loss (nan)"]}  # fmt: skip
+    assert reason == {
+        "field": "train.max_consecutive_skips",
+        "limit": 2,
+        "step": 3,
+        "refused": ["step 2: non-finite loss (nan)", "step 3: non-finite loss (nan)"],
+    }
     samples = [json.loads(line) for line in (batch / "samples_dp0.jsonl").read_text().splitlines()]
     assert len(samples) == 16 and sorted({s["group"] for s in samples}) == [0, 1, 2, 3]  # 4 prompts x 4
     for s in samples:

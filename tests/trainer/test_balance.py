@@ -125,12 +125,16 @@ def test_optimum_search_matches_plain_enumeration():
     # The pruned search agrees with enumerating all k^n assignments (it is the reference for the quality test).
     for seed, k in [(3, 2), (4, 3)]:
         w = _skewed(seed, n=7)
-        plain = min(max(_sums(w, [[i for i in range(7) if a[i] == b] for b in range(k)]))
-                    for a in itertools.product(range(k), repeat=7))
+        plain = min(
+            max(_sums(w, [[i for i in range(7) if a[i] == b] for b in range(k)]))
+            for a in itertools.product(range(k), repeat=7)
+        )
         assert _optimum(w, k, equal_count=False) == plain
-        balanced = min(max(_sums(w, [[i for i in range(7) if a[i] == b] for b in range(k)]))
-                       for a in itertools.product(range(k), repeat=7)
-                       if max(a.count(b) for b in range(k)) - min(a.count(b) for b in range(k)) <= 1)
+        balanced = min(
+            max(_sums(w, [[i for i in range(7) if a[i] == b] for b in range(k)]))
+            for a in itertools.product(range(k), repeat=7)
+            if max(a.count(b) for b in range(k)) - min(a.count(b) for b in range(k)) <= 1
+        )
         assert _optimum(w, k, equal_count=True) == balanced
 
 
@@ -201,8 +205,10 @@ def test_micro_batch_bins_grows_past_the_lower_bound_until_the_budget_fits():
             assert k % multiple_of == 0 and k >= 2
             assert max(_sums(lengths, bins)) <= 4096
             smaller = k - multiple_of  # minimal: below the lower bound, or partition at that count overflows
-            assert (smaller < max(2, math.ceil(sum(lengths) / 4096))
-                    or max(_sums(lengths, partition(lengths, smaller))) > 4096)
+            assert (
+                smaller < max(2, math.ceil(sum(lengths) / 4096))
+                or max(_sums(lengths, partition(lengths, smaller))) > 4096
+            )
 
 
 def test_micro_batch_bins_edge_cases():

@@ -59,9 +59,12 @@ def test_a_packed_row_holds_each_sample_as_its_padded_row_does():
             assert getattr(packed, name)[0, span].tolist() == getattr(padded, name)[row, :n].tolist(), name
             assert not getattr(padded, name)[row, n:].any(), name
     assert not packed.loss_mask[0, total:].any() and packed.position_ids[0, total:].tolist() == list(
-        range(packed.shape[1] - total))
+        range(packed.shape[1] - total)
+    )
     loss_tokens = sum(len(s.response_ids) for i, s in enumerate(samples) if i not in (2, 6)) - 1
-    assert int(padded.loss_mask.sum()) == int(packed.loss_mask.sum()) == sum(s.loss_tokens for s in samples) == loss_tokens
+    assert (
+        int(padded.loss_mask.sum()) == int(packed.loss_mask.sum()) == sum(s.loss_tokens for s in samples) == loss_tokens
+    )
     assert not padded.loss_mask[2].any() and not padded.loss_mask[6].any()
     expected = torch.tensor(advantages)[:, None].expand_as(padded.advantages)
     torch.testing.assert_close(padded.advantages, torch.where(padded.loss_mask, expected, 0.0), rtol=0, atol=0)
@@ -99,8 +102,10 @@ def test_replica_share_drops_loss_free_samples_and_balances_without_changing_the
     g = torch.Generator().manual_seed(3)
     replicas, per_replica, mini_batches = 4, 8, 2
     # skewed: replica 0 sampled the long responses
-    lengths = [[int(x) for x in (torch.rand(per_replica, generator=g) * 300 + (4000 if r == 0 else 200))]
-               for r in range(replicas)]  # fmt: skip
+    lengths = [
+        [int(x) for x in (torch.rand(per_replica, generator=g) * 300 + (4000 if r == 0 else 200))]
+        for r in range(replicas)
+    ]
     trains = [[(r + i) % 5 != 0 for i in range(per_replica)] for r in range(replicas)]
     own = replica_shares(lengths, trains, mini_batches=mini_batches, cost=None)
     balanced = replica_shares(lengths, trains, mini_batches=mini_batches, cost=float)  # cost: the tokens
@@ -136,17 +141,23 @@ def _step(rank: int, world_size: int, agg_mode: str) -> dict:
             if name == "all":
                 micro = micro_batches(samples, advantages, plan)
             else:
-                ((micro_items,),) = replica_shares([[s.length for s in samples]], [[s.loss_tokens > 0 for s in samples]],
-                                                   mini_batches=1, cost=None)  # fmt: skip
-                micro = micro_batches([samples[i] for _, i in micro_items], [advantages[i] for _, i in micro_items],
-                                      plan)  # fmt: skip
+                ((micro_items,),) = replica_shares(
+                    [[s.length for s in samples]], [[s.loss_tokens > 0 for s in samples]], mini_batches=1, cost=None
+                )
+                micro = micro_batches(
+                    [samples[i] for _, i in micro_items], [advantages[i] for _, i in micro_items], plan
+                )
             stats = forward_stats(ddp, micro, StatsRequest(vocab_size=model.vocab_size, with_entropy=False), groups)
             for mb, out in zip(micro, stats):
                 mb.old_logprobs = out["logprobs"] + 0.05 * mb.advantages  # a ratio != 1
                 mb.anchor_logprobs = out["logprobs"] - 0.1
             result = train_step(ddp, optimizer, scheduler, micro, loss_fn, groups=groups)
-            results[name] = {"micro_batches": len(micro), "metrics": result.metrics, "grad_norm": result.grad_norm,
-                             "params": {n: p.detach().clone() for n, p in ddp[0].module.named_parameters()}}  # fmt: skip
+            results[name] = {
+                "micro_batches": len(micro),
+                "metrics": result.metrics,
+                "grad_norm": result.grad_norm,
+                "params": {n: p.detach().clone() for n, p in ddp[0].module.named_parameters()},
+            }
         finally:
             destroy_model_parallel()
     return results

@@ -63,8 +63,14 @@ def _configure(level: str = "WARNING", rank: int = 0, world: int = 1, **env: str
     """The script's environment variables and its stderr (where every record goes)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "TRANSFORMERS_", "HF_HUB_", "TORCH_"))}
     args = [level, str(rank), str(world), "1" if HAS_VLLM else "0", sysconfig.get_paths()["purelib"]]
-    result = subprocess.run([sys.executable, "-c", SCRIPT, *args], cwd=REPO, capture_output=True, text=True,
-                            env={**clean, "OMP_NUM_THREADS": "1", **env}, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**clean, "OMP_NUM_THREADS": "1", **env},
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout), result.stderr
 
@@ -80,8 +86,12 @@ def test_third_party_info_is_dropped_and_warnings_kept():
     runtime = r"WARNING megatron: .*optimizer.__init__\.py:26: RuntimeWarning: overflow in exp$"
     assert re.search(runtime, stderr, re.MULTILINE)
     assert re.search(r"WARNING megatron_empg: .*loop\.py:1: UserWarning: our own warning$", stderr, re.MULTILINE)
-    assert environment == {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-                           "TRANSFORMERS_VERBOSITY": "warning", "HF_HUB_VERBOSITY": "warning"}  # fmt: skip
+    assert environment == {
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+        "TRANSFORMERS_VERBOSITY": "warning",
+        "HF_HUB_VERBOSITY": "warning",
+    }
 
 
 def test_info_restores_third_party_info_and_other_ranks_keep_only_our_warnings():

@@ -43,8 +43,9 @@ def _loss(kl: str, agg_mode: str) -> LossConfig:
     return LossConfig(kl=name, kl_coef=0.1, agg_mode=agg_mode, entropy_coef=0.01, kl_args=args)
 
 
-def _train(rank: int, world_size: int, parallel: ParallelConfig, cases: list[tuple[str, str]],
-           initial: dict | None = None) -> dict:  # fmt: skip
+def _train(
+    rank: int, world_size: int, parallel: ParallelConfig, cases: list[tuple[str, str]], initial: dict | None = None
+) -> dict:
     """Per (aggregation mode, KL): the full rows' old log-probs, the steps' metrics and grad norms,
     and the parameters, under ``parallel``, from the reference's ``initial`` weights (None: the
     reference itself, whose initial weights are returned under "initial")."""
@@ -76,8 +77,9 @@ def _train(rank: int, world_size: int, parallel: ParallelConfig, cases: list[tup
             optimizer, scheduler = (opt := build_optimizer(ddp, settings)), build_scheduler(opt, settings)
             full = micro_batches(samples, advantages, plan)
             micro = [split_microbatch(mb, cp, groups.cp_rank) for mb in full]
-            request = StatsRequest(vocab_size=model.vocab_size, k=plan_stats.old_topk or plan_stats.anchor_topk,
-                                   with_entropy=False)  # fmt: skip
+            request = StatsRequest(
+                vocab_size=model.vocab_size, k=plan_stats.old_topk or plan_stats.anchor_topk, with_entropy=False
+            )
             stats = share_stats(forward_stats(ddp, micro, request, groups), micro, request, groups)
             rows = []
             for mb, out in zip(micro, stats):
@@ -94,11 +96,15 @@ def _train(rank: int, world_size: int, parallel: ParallelConfig, cases: list[tup
                 rows.append(share)
             steps = [train_step(ddp, optimizer, scheduler, micro, loss, groups=groups) for _ in range(STEPS)]
             results[agg_mode, kl] = {
-                "old": rows, "masks": [mb.loss_mask for mb in full], "metrics": [s.metrics for s in steps],
-                "grad_norms": [s.grad_norm for s in steps], "tp_rank": groups.tp_rank,
+                "old": rows,
+                "masks": [mb.loss_mask for mb in full],
+                "metrics": [s.metrics for s in steps],
+                "grad_norms": [s.grad_norm for s in steps],
+                "tp_rank": groups.tp_rank,
                 "params": {n: p.detach().clone() for n, p in ddp[0].module.named_parameters()},
-                "pp_rank": groups.pp_rank, "local_tokens": [mb.shape[1] for mb in micro],
-            }  # fmt: skip
+                "pp_rank": groups.pp_rank,
+                "local_tokens": [mb.shape[1] for mb in micro],
+            }
         finally:
             destroy_model_parallel()
     return results
@@ -109,13 +115,22 @@ def _cases(modes, kls) -> list[tuple[str, str]]:
 
 
 CASES = {  # world size, layout, (aggregation mode, KL) pairs
-    "cp2": (2, ParallelConfig(context_parallel_size=CP),
-            _cases(AGG_MODES, ["k3"]) + _cases(["seq-mean-token-mean"], ["topk_reverse", "topk_forward", "rpg_urkl"])),
-    "cp2tp2": (4, ParallelConfig(context_parallel_size=CP, tensor_model_parallel_size=2),
-               _cases(["seq-mean-token-sum"], ["topk_reverse"])),
-    "cp2pp2": (4, ParallelConfig(context_parallel_size=CP, pipeline_model_parallel_size=2),
-               _cases(["token-mean"], ["k3"])),
-}  # fmt: skip
+    "cp2": (
+        2,
+        ParallelConfig(context_parallel_size=CP),
+        _cases(AGG_MODES, ["k3"]) + _cases(["seq-mean-token-mean"], ["topk_reverse", "topk_forward", "rpg_urkl"]),
+    ),
+    "cp2tp2": (
+        4,
+        ParallelConfig(context_parallel_size=CP, tensor_model_parallel_size=2),
+        _cases(["seq-mean-token-sum"], ["topk_reverse"]),
+    ),
+    "cp2pp2": (
+        4,
+        ParallelConfig(context_parallel_size=CP, pipeline_model_parallel_size=2),
+        _cases(["token-mean"], ["k3"]),
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +157,9 @@ def test_context_parallel_trains_like_one_rank(case, reference):
                     torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5, msg=f"{case} {key} old")
             for step in range(STEPS):
                 for name in ("loss", "policy_loss", "kl", "entropy"):
-                    assert ours["metrics"][step][name] == pytest.approx(ref["metrics"][step][name], rel=1e-5,
-                                                                        abs=1e-6), (case, rank, key, step, name)  # fmt: skip
+                    assert ours["metrics"][step][name] == pytest.approx(
+                        ref["metrics"][step][name], rel=1e-5, abs=1e-6
+                    ), (case, rank, key, step, name)
                 assert ours["grad_norms"][step] == pytest.approx(ref["grad_norms"][step], rel=1e-5), (case, key, step)
             assert ref["grad_norms"][0] > 0
             _assert_params(ours, ref, tp, parallel.pipeline_model_parallel_size, f"{case} rank {rank} {key}")
@@ -184,18 +200,29 @@ def test_rows_pad_every_sequence_to_a_multiple_of_two_cp():
     assert loss == sum(s.loss_tokens for s in samples)
 
 
-@pytest.mark.parametrize("overrides, field, words", [
-    (["train.packing=false", "train.max_tokens_per_microbatch=null"], "parallel.context_parallel_size", "packing"),
-    (["model_overrides=[attention_backend=unfused]"], "parallel.context_parallel_size", "sdpa or te"),
-    (["train.max_tokens_per_microbatch=8"], "train.max_tokens_per_microbatch", "set it to at least 16"),
-    (["parallel.context_parallel_size=3"], "parallel.tensor_model_parallel_size", "x parallel.context_parallel_size"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, field, words",
+    [
+        (["train.packing=false", "train.max_tokens_per_microbatch=null"], "parallel.context_parallel_size", "packing"),
+        (["model_overrides=[attention_backend=unfused]"], "parallel.context_parallel_size", "sdpa or te"),
+        (["train.max_tokens_per_microbatch=8"], "train.max_tokens_per_microbatch", "set it to at least 16"),
+        (
+            ["parallel.context_parallel_size=3"],
+            "parallel.tensor_model_parallel_size",
+            "x parallel.context_parallel_size",
+        ),
+    ],
+)
 def test_bind_refuses_what_context_parallelism_cannot_split(overrides, field, words):
     from megatron_empg.config import ConfigError, RunConfig, load_config
     from megatron_empg.trainer.build import bind
 
-    base = ["parallel.context_parallel_size=2", "train.max_tokens_per_microbatch=64", "rollout.in_process=false",
-            "weight_sync.transport=shm_file"]  # fmt: skip
+    base = [
+        "parallel.context_parallel_size=2",
+        "train.max_tokens_per_microbatch=64",
+        "rollout.in_process=false",
+        "weight_sync.transport=shm_file",
+    ]
     config = load_config(RunConfig, "recipes/demo_cpu.yaml", base + overrides)
     with pytest.raises(ConfigError) as error:
         bind(config, 2, check_paths=False)

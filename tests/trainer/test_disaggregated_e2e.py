@@ -34,7 +34,7 @@ from tests.trainer.demo_runs import (
     run_train,
     small_demo_config,
     train_command,
-)  # fmt: skip
+)
 
 LAUNCH_TIMEOUT_S = 420
 DISAGGREGATED = ("rollout.placement=disaggregated", "rollout.engine_ranks=1")
@@ -79,8 +79,9 @@ def _preempt_after_two_steps(config: dict, tmp_path, extra: tuple[str, ...], env
     return int(stops[0])
 
 
-def _resume(config: dict, tmp_path, extra: tuple[str, ...], env: dict[str, str], stopped: int, *,
-            more: int) -> list[dict]:  # fmt: skip
+def _resume(
+    config: dict, tmp_path, extra: tuple[str, ...], env: dict[str, str], stopped: int, *, more: int
+) -> list[dict]:
     """Resume the pre-empted ``cut`` run for ``more`` steps after step ``stopped``; its metrics
     (every step logged once, no process left)."""
     config["train"]["steps"] = stopped + more
@@ -136,8 +137,15 @@ def _hook_env(tmp_path, sitecustomize: str) -> dict[str, str]:
 def test_one_step_off_is_stale_by_one_and_resumes_its_pipeline(tmp_path, warm_start):
     reference_steps = 8  # room for the signal to land a few steps late on a loaded machine
     env = _hook_env(tmp_path, DRAWN_AHEAD)  # step s trains once step s + 1 is drawn
-    full = run_train(_one_step_off(tmp_path, warm_start, "full", reference_steps), tmp_path, "full", *ONE_STEP_OFF,
-                     nproc=3, timeout=LAUNCH_TIMEOUT_S, env=env)  # fmt: skip
+    full = run_train(
+        _one_step_off(tmp_path, warm_start, "full", reference_steps),
+        tmp_path,
+        "full",
+        *ONE_STEP_OFF,
+        nproc=3,
+        timeout=LAUNCH_TIMEOUT_S,
+        env=env,
+    )
     assert full.returncode == 0, full.stderr[-4000:]
     reference = read_metrics(tmp_path / "full" / "metrics.jsonl")
     assert [r["rollout/staleness_max"] for r in reference] == [0.0] + [1.0] * (reference_steps - 1)
@@ -172,8 +180,15 @@ def test_two_steps_ahead_draws_two_versions_back_and_resumes_its_queue(tmp_path,
     env = _hook_env(tmp_path, DRAWN_AHEAD)
     marker = f"EMPG_TEST_RUN={tmp_path.name}"
     steps = 9  # room for the signal to land a few steps late on a loaded machine
-    full = run_train(_one_step_off(tmp_path, warm_start, "full", steps), tmp_path, "full", *TWO_AHEAD, nproc=3,
-                     timeout=LAUNCH_TIMEOUT_S, env=env)  # fmt: skip
+    full = run_train(
+        _one_step_off(tmp_path, warm_start, "full", steps),
+        tmp_path,
+        "full",
+        *TWO_AHEAD,
+        nproc=3,
+        timeout=LAUNCH_TIMEOUT_S,
+        env=env,
+    )
     assert full.returncode == 0, full.stderr[-4000:]
     reference = read_metrics(tmp_path / "full" / "metrics.jsonl")
     # every sample of step t drawn by the weights of step max(t - 3, 0): steps t + 1 and t + 2 were
@@ -194,7 +209,7 @@ def test_two_steps_ahead_draws_two_versions_back_and_resumes_its_queue(tmp_path,
         assert resumed[step - 1]["rollout/staleness_max"] == reference[step - 1]["rollout/staleness_max"]
 
 
-PARTIAL_HANDSHAKE = '''
+PARTIAL_HANDSHAKE = """
 import os
 import time
 from pathlib import Path
@@ -238,7 +253,7 @@ if os.environ.get("RANK") == "2":  # the engine rank: each rollout t >= 2 gets s
             if llm is not None:  # vLLM's engine core steps on its own: held (requests kept) until the weights come
                 llm.sleep(level=0, mode="keep")
             wait_for(lambda: stage.newest > self.started_from or self.listener.pending(),
-                     f"no weights pushed while rollout {self.rollout_step} was drawn")  # fmt: skip
+                     f"no weights pushed while rollout {self.rollout_step} was drawn")
         return _load(self)
 
     EngineRank._serve_ahead, EngineRank.draw, EngineRank._load_between_decode_steps = serve_ahead, draw, load
@@ -254,7 +269,7 @@ if os.environ.get("RANK") == "0":  # training rank 0: step s's weights go out on
         return _push(self, shards, groups, step)
 
     engines.DisaggregatedEngines.push = push
-'''
+"""
 PARTIAL = (*DISAGGREGATED, "rollout.max_staleness=1", "rollout.partial=true", "algorithm.behavior_is=tis", *HF)
 
 
@@ -272,8 +287,15 @@ def test_partial_rollouts_take_the_next_weights_mid_response_and_resume(tmp_path
         return {**hooked, "EMPG_TEST_SIGNALS": str(signals)}
 
     steps = 8  # room for the signal to land a few steps late on a loaded machine
-    full = run_train(_one_step_off(tmp_path, warm_start, "full", steps), tmp_path, "full", *PARTIAL, nproc=3,
-                     timeout=LAUNCH_TIMEOUT_S, env=env("full"))  # fmt: skip
+    full = run_train(
+        _one_step_off(tmp_path, warm_start, "full", steps),
+        tmp_path,
+        "full",
+        *PARTIAL,
+        nproc=3,
+        timeout=LAUNCH_TIMEOUT_S,
+        env=env("full"),
+    )
     assert full.returncode == 0, full.stderr[-4000:]
     reference = read_metrics(tmp_path / "full" / "metrics.jsonl")
     # rollout t >= 2 began with step t - 2's weights (its first tokens one step stale) and took step
@@ -358,10 +380,20 @@ transport.receive_weights = receive_weights
 def test_a_push_dropped_by_one_of_two_engines_fails_the_gate_naming_it(tmp_path, warm_start):
     config = small_demo_config(tmp_path, "dropped", warm_start, 3)
     marker = f"EMPG_TEST_RUN={tmp_path.name}"
-    done = run_train(config, tmp_path, "dropped", "rollout.placement=disaggregated", "rollout.engine_ranks=2", *HF,
-                     nproc=4, timeout=LAUNCH_TIMEOUT_S, env=_hook_env(tmp_path, DROP_SECOND_PUSH))  # fmt: skip
+    done = run_train(
+        config,
+        tmp_path,
+        "dropped",
+        "rollout.placement=disaggregated",
+        "rollout.engine_ranks=2",
+        *HF,
+        nproc=4,
+        timeout=LAUNCH_TIMEOUT_S,
+        env=_hook_env(tmp_path, DROP_SECOND_PUSH),
+    )
     assert done.returncode != 0
     assert "weight sync step-1: engine 1 and trainer log-probs differ" in done.stderr, done.stderr[-4000:]
     assert processes_with(marker) == [], "the engine rank outlived the failed run"
     assert not (tmp_path / "dropped" / "metrics.jsonl").exists() or not read_metrics(
-        tmp_path / "dropped" / "metrics.jsonl")  # step 1 never completed
+        tmp_path / "dropped" / "metrics.jsonl"
+    )  # step 1 never completed

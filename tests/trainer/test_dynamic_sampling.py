@@ -15,8 +15,10 @@ from tests.dist import run_distributed
 
 def _group(tag: str, group: int, correct: list[bool], rewards: list[float] | None = None) -> list[Sample]:
     rewards = rewards or [1.0 if c else -1.0 for c in correct]
-    return [Sample([1], [2, 3], [0.0, 0.0], "stop", group=group, example=(tag, i), reward=r, correct=c)
-            for i, (c, r) in enumerate(zip(correct, rewards))]  # fmt: skip
+    return [
+        Sample([1], [2, 3], [0.0, 0.0], "stop", group=group, example=(tag, i), reward=r, correct=c)
+        for i, (c, r) in enumerate(zip(correct, rewards))
+    ]
 
 
 def _scored(samples: list[Sample]) -> dict[str, float]:
@@ -39,7 +41,10 @@ def test_informative_by_accuracy_or_by_reward():
 def test_split_groups_keeps_consecutive_runs_in_order():
     samples = _group("a", 0, MIXED) + _group("b", 1, ALL_RIGHT) + _group("c", 2, [True])
     assert [[s.example for s in g] for g in split_groups(samples)] == [
-        [("a", 0), ("a", 1)], [("b", 0), ("b", 1)], [("c", 0)]]  # fmt: skip
+        [("a", 0), ("a", 1)],
+        [("b", 0), ("b", 1)],
+        [("c", 0)],
+    ]
 
 
 def _batches(*rounds: list[list[bool]]):
@@ -63,8 +68,11 @@ def test_draws_until_the_quota_of_informative_groups_and_keeps_them_in_order():
     assert _tags(out.replicas[0]) == ["0.0", "0.3", "1.1", "1.2"]
     # renumbered 0..3 as a step's prompt indices, two samples each
     assert [s.group for s in out.replicas[0]] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert {k: v for k, v in out.sums[0].items() if k.startswith("dynamic_sampling/")} == {"dynamic_sampling/informative_groups": 5.0, "dynamic_sampling/drawn_groups": 8.0,
-                          "dynamic_sampling/filled_groups": 0.0}  # fmt: skip
+    assert {k: v for k, v in out.sums[0].items() if k.startswith("dynamic_sampling/")} == {
+        "dynamic_sampling/informative_groups": 5.0,
+        "dynamic_sampling/drawn_groups": 8.0,
+        "dynamic_sampling/filled_groups": 0.0,
+    }
     assert out.sums[0]["samples"] == 16 and out.sums[0]["correct"] == 7  # every drawn sample: the policy's accuracy
 
 
@@ -87,7 +95,9 @@ def test_after_max_num_gen_batches_dropped_groups_fill_the_batch(caplog):
 def test_every_replica_of_the_engine_fills_its_own_quota():
     def draw(k: int) -> list[list[Sample]]:
         rounds = {0: ([MIXED, MIXED], [ALL_WRONG, MIXED]), 1: ([MIXED, ALL_RIGHT], [MIXED, ALL_WRONG])}[k]
-        return [[s for g, c in enumerate(groups) for s in _group(f"{r}:{k}.{g}", g, c)] for r, groups in enumerate(rounds)]
+        return [
+            [s for g, c in enumerate(groups) for s in _group(f"{r}:{k}.{g}", g, c)] for r, groups in enumerate(rounds)
+        ]
 
     out = DynamicSampler(DynamicSamplingConfig(), quota=2, replicas=2).collect(draw, _scored)
     assert out.gen_batches == 2  # replica 1 needed a second batch, so replica 0 drew it too
@@ -101,8 +111,11 @@ def test_config_checks():
         DynamicSamplingConfig(max_num_gen_batches=0).validate()
     with pytest.raises(ConfigError, match="prompts_per_gen_batch"):
         DynamicSamplingConfig(prompts_per_gen_batch=0).validate()
-    assert dataclasses.asdict(DynamicSamplingConfig()) == {"metric": "acc", "prompts_per_gen_batch": None,
-                                                            "max_num_gen_batches": 20}  # fmt: skip
+    assert dataclasses.asdict(DynamicSamplingConfig()) == {
+        "metric": "acc",
+        "prompts_per_gen_batch": None,
+        "max_num_gen_batches": 20,
+    }
 
 
 # ------------------------------------------------------------------ two ranks

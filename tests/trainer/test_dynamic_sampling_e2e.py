@@ -10,8 +10,16 @@ import pytest
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.trainer.demo_runs import demo_config, run_train
 
-COMPARED = ("actor/loss", "actor/policy_loss", "actor/kl", "actor/grad_norm", "reward/mean", "reward/accuracy",
-            "dynamic_sampling/gen_batches", "dynamic_sampling/informative_fraction")  # fmt: skip
+COMPARED = (
+    "actor/loss",
+    "actor/policy_loss",
+    "actor/kl",
+    "actor/grad_norm",
+    "reward/mean",
+    "reward/accuracy",
+    "dynamic_sampling/gen_batches",
+    "dynamic_sampling/informative_fraction",
+)
 
 
 def _config(tmp_path, name, warm_start, steps):
@@ -32,8 +40,7 @@ def test_dynamic_sampling_resumes_where_the_data_cursor_stopped(tmp_path, warm_s
     assert full.returncode == 0, full.stderr[-4000:]
     first = run_train(_config(tmp_path, "resumed", warm_start, steps=2), tmp_path, "first", timeout=300)
     assert first.returncode == 0, first.stderr[-4000:]
-    second = run_train(_config(tmp_path, "resumed", warm_start, steps=3), tmp_path, "second", "--resume",
-                       timeout=300)  # fmt: skip
+    second = run_train(_config(tmp_path, "resumed", warm_start, steps=3), tmp_path, "second", "--resume", timeout=300)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "at step 2" in second.stderr
 

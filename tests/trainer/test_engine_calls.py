@@ -24,8 +24,13 @@ def _calls(path) -> list[str]:
     names = []
     for line in path.read_text().splitlines():
         method, arguments = json.loads(line)
-        names.append(f"{method}({arguments['level']})" if method == "sleep" else
-                     f"{method}({','.join(arguments['tags'])})" if method == "wake_up" else method)  # fmt: skip
+        names.append(
+            f"{method}({arguments['level']})"
+            if method == "sleep"
+            else f"{method}({','.join(arguments['tags'])})"
+            if method == "wake_up"
+            else method
+        )
     folded = [name for i, name in enumerate(names) if not (name == "update_weights" and names[i - 1] == name)]
     return [f"{name}*" if name == "update_weights" else name for name in folded]
 
@@ -38,8 +43,9 @@ def test_the_engine_sleeps_between_rollout_and_sync(tmp_path, sleep):
     command, env = train_command(config, tmp_path, "run")
     command[1:3] = ["-m", "tests.trainer.recording_engine"]
     log = tmp_path / "calls.jsonl"
-    out = subprocess.run(command, cwd=REPO, env={**env, "EMPG_ENGINE_LOG": str(log)}, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    out = subprocess.run(
+        command, cwd=REPO, env={**env, "EMPG_ENGINE_LOG": str(log)}, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert ("activation recompute: recompute_granularity=full" in out.stderr) == (not sleep)
     sync = ["begin_weight_update", "update_weights*", "finish_weight_update"]

@@ -43,9 +43,15 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_step_redrawn(tmp_path
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(KILL_IN_STEP_2)
-    done = run_train(small_demo_config(tmp_path, "killed", warm_start, STEPS), tmp_path, "killed",
-                     "rollout.in_process=false", "weight_sync.transport=shm_file", timeout=LAUNCH_TIMEOUT_S,
-                     env={"PYTHONPATH": f"{hook}:{REPO}"})  # fmt: skip
+    done = run_train(
+        small_demo_config(tmp_path, "killed", warm_start, STEPS),
+        tmp_path,
+        "killed",
+        "rollout.in_process=false",
+        "weight_sync.transport=shm_file",
+        timeout=LAUNCH_TIMEOUT_S,
+        env={"PYTHONPATH": f"{hook}:{REPO}"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "engine 0 failed inside the rollout of step 2: generate: the vLLM engine core process" in done.stderr
     assert "engine 0: starting it again (1 of rollout.engine_restarts=2)" in done.stderr

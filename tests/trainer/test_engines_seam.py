@@ -13,9 +13,20 @@ import megatron_empg.trainer.loop as loop
 # What a placement branch would read: the layout's engine ranks, the rollout config's placement
 # and mode, or one implementation's parts.
 PLACEMENT_NAMES = {
-    "engine_ranks", "disaggregated", "mode", "remote", "rollouts", "pending", "collector", "transport",
-    "RemoteEngines", "RolloutStage", "RolloutCollector", "ColocatedEngines", "DisaggregatedEngines",
-}  # fmt: skip
+    "engine_ranks",
+    "disaggregated",
+    "mode",
+    "remote",
+    "rollouts",
+    "pending",
+    "collector",
+    "transport",
+    "RemoteEngines",
+    "RolloutStage",
+    "RolloutCollector",
+    "ColocatedEngines",
+    "DisaggregatedEngines",
+}
 
 
 def _names(tree: ast.AST) -> set[str]:

@@ -30,8 +30,9 @@ MODEL = "tiny-qwen2"
 K = 4
 # fp32 log-probs of the same tokens through GEMMs of other shapes: observed differences ~1e-7
 ATOL = 1e-5
-PER_TOKEN = [f.name for f in dataclasses.fields(MicroBatch)
-             if f.name not in ("cu_seqlens", "max_seqlen", "cp_size", "cp_rank")]  # fmt: skip
+PER_TOKEN = [
+    f.name for f in dataclasses.fields(MicroBatch) if f.name not in ("cu_seqlens", "max_seqlen", "cp_size", "cp_rank")
+]
 
 
 def _samples(count: int, seed: int, vocab: int = 250) -> list[Sample]:
@@ -207,8 +208,10 @@ def _stats_both_ways(rank: int, world_size: int, parallel: ParallelConfig, budge
     groups = initialize_model_parallel(parallel, seed=5)
     try:
         models = build_gpt_model(model, parallel)
-        calls = [_update_rows([c], seed=j, fixed_shape=pp > 1, count_multiple=pp if vpp else 1)
-                 for j, c in enumerate(CALLS[1:3])]  # fmt: skip
+        calls = [
+            _update_rows([c], seed=j, fixed_shape=pp > 1, count_multiple=pp if vpp else 1)
+            for j, c in enumerate(CALLS[1:3])
+        ]
         micro = [mb for call in calls for mb in call]
         for mb in micro:  # the passes fill these
             mb.old_logprobs = mb.anchor_logprobs = mb.behavior_weights = mb.topk_ids = mb.topk_anchor_logprobs = None
@@ -229,9 +232,14 @@ def _stats_both_ways(rank: int, world_size: int, parallel: ParallelConfig, budge
         anchor = StatsRequest(vocab_size=model.vocab_size, k=K, extra_ids_key="topk_ids", with_entropy=True)
         rows = forward_rows(micro, plan)  # again, with the extra ids
         update_anchor, forward_anchor = per_call(anchor), rows.split_stats(stats(rows.batches, anchor))
-        return {"update": list(zip(update_old, update_anchor)), "forward": list(zip(forward_old, forward_anchor)),
-                "one_call": one_call,
-                "widths": [mb.shape[1] for mb in micro], "rows": rows.batches, "spans": rows.spans}  # fmt: skip
+        return {
+            "update": list(zip(update_old, update_anchor)),
+            "forward": list(zip(forward_old, forward_anchor)),
+            "one_call": one_call,
+            "widths": [mb.shape[1] for mb in micro],
+            "rows": rows.batches,
+            "spans": rows.spans,
+        }
     finally:
         destroy_model_parallel()
 
@@ -240,18 +248,22 @@ def _stats_both_ways(rank: int, world_size: int, parallel: ParallelConfig, budge
 @pytest.mark.megatron
 @pytest.mark.parametrize(
     "world_size, parallel",
-    [(1, ParallelConfig()),
-     (2, ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2))],
+    [
+        (1, ParallelConfig()),
+        (2, ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+    ],
     ids=["tp1", "pp2vpp2"],
-)  # fmt: skip
+)
 def test_forward_rows_give_the_update_rows_statistics(world_size, parallel):
     for rank, result in enumerate(run_distributed(_stats_both_ways, world_size, parallel, 160, timeout=240)):
         shapes = [b.shape for b in result["rows"]]
         assert len(set(result["widths"])) > 1 and len(shapes) < len(result["widths"])  # rows merged
         if world_size > 1:  # one width, a multiple of PP rows, some padded
             assert len(set(shapes)) == 1 and len(shapes) % 2 == 0
-            assert any(b.cu_seqlens[-2] < b.shape[1] and b.seq_ids[0, -1] > b.seq_ids[0, b.cu_seqlens[-2] - 1]
-                       for b in result["rows"])  # fmt: skip
+            assert any(
+                b.cu_seqlens[-2] < b.shape[1] and b.seq_ids[0, -1] > b.seq_ids[0, b.cu_seqlens[-2] - 1]
+                for b in result["rows"]
+            )
         for i, pair in enumerate(zip(result["update"], result["forward"], strict=True)):
             for update, forward in zip(*pair, strict=True):
                 assert update.keys() == forward.keys()

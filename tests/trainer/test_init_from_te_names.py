@@ -93,7 +93,10 @@ def test_init_from_a_hf_directory_loads_te_named_parameters(tmp_path):
     hf_dir = save_tiny_hf_model(load_model_config(MODEL), tmp_path / MODEL, seed=3)
     (result,) = run_distributed(_load, 1, str(hf_dir))
     assert len(result["te_names"]) == 2 * load_model_config(MODEL).num_layers  # qkv and fc1 norms, each layer
-    assert "linear_qkv.layer_norm_weight" in result["unmapped"] and "is missing from the full state dict" in result["unmapped"]
+    assert (
+        "linear_qkv.layer_norm_weight" in result["unmapped"]
+        and "is missing from the full state dict" in result["unmapped"]
+    )
     reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(result["ids"]).logits

@@ -21,14 +21,18 @@ def test_bind_plans_no_anchor_pass_for_the_iterative_reference():
 
     reset = plan("algorithm.anchor.tau=0.0", "algorithm.anchor.period=1")
     assert (reset.anchor, reset.anchor_is_old, reset.old_topk) == (False, True, 8)  # reverse Top-k: old top-k reused
-    assert plan("algorithm.anchor.tau=0.0", "algorithm.anchor.period=1", "algorithm.loss.kl=k3",
-                "algorithm.loss.kl_args={}").anchor_is_old  # fmt: skip
+    assert plan(
+        "algorithm.anchor.tau=0.0", "algorithm.anchor.period=1", "algorithm.loss.kl=k3", "algorithm.loss.kl_args={}"
+    ).anchor_is_old
     # not the behaviour policy: reset mid-step, an EMA, a later first update; a forward Top-k KL
     # needs the anchor's own top-k
-    for overrides in (("algorithm.anchor.tau=0.0", "algorithm.anchor.period=1", "algorithm.mini_batches=2"),
-                      ("algorithm.anchor.tau=0.5", "algorithm.anchor.period=1"), (),
-                      ("algorithm.anchor.tau=0.0", "algorithm.anchor.period=1", "algorithm.anchor.first_update=3"),
-                      ("algorithm.anchor.tau=0.0", "algorithm.anchor.period=1", "algorithm.loss.kl_args.direction=forward")):  # fmt: skip
+    for overrides in (
+        ("algorithm.anchor.tau=0.0", "algorithm.anchor.period=1", "algorithm.mini_batches=2"),
+        ("algorithm.anchor.tau=0.5", "algorithm.anchor.period=1"),
+        (),
+        ("algorithm.anchor.tau=0.0", "algorithm.anchor.period=1", "algorithm.anchor.first_update=3"),
+        ("algorithm.anchor.tau=0.0", "algorithm.anchor.period=1", "algorithm.loss.kl_args.direction=forward"),
+    ):
         stats = plan(*overrides)
         assert stats.anchor and not stats.anchor_is_old, overrides
 

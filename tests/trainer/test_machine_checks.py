@@ -42,9 +42,14 @@ _RUN = textwrap.dedent(
 def _train(tmp_path, config: dict, **env: str) -> tuple[subprocess.CompletedProcess, list]:
     command, base_env = train_command(config, tmp_path, "run")
     log, threads = tmp_path / "calls.jsonl", tmp_path / "threads_at_exit"
-    out = subprocess.run([sys.executable, "-c", _RUN, *command[3:]], cwd=REPO, capture_output=True, text=True,
-                         env={**base_env, **env, "EMPG_ENGINE_LOG": str(log), "THREADS_AT_EXIT": str(threads)},
-                         timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _RUN, *command[3:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**base_env, **env, "EMPG_ENGINE_LOG": str(log), "THREADS_AT_EXIT": str(threads)},
+        timeout=300,
+    )
     calls = [json.loads(line)[0] for line in log.read_text().splitlines()] if log.exists() else []
     # Every process group is freed before interpreter teardown, where its gloo threads can abort the
     # process ("terminate called without an active exception": exit -6 after a clean run, seen in CI).
@@ -59,8 +64,9 @@ def test_the_bucket_file_is_at_least_the_largest_tensor_and_at_most_the_model():
 
     config = load_config(RunConfig, REPO / "recipes" / "r1_distill_qwen_1.5b_math_ema_pg.yaml")
     assert bucket_file_bytes(config, r1) == 512 * 2**20 + 2**20  # bucket_size_mb 512 > the 467 MB embedding
-    small = load_config(RunConfig, REPO / "recipes" / "r1_distill_qwen_1.5b_math_ema_pg.yaml",
-                        ["weight_sync.bucket_size_mb=64"])  # fmt: skip
+    small = load_config(
+        RunConfig, REPO / "recipes" / "r1_distill_qwen_1.5b_math_ema_pg.yaml", ["weight_sync.bucket_size_mb=64"]
+    )
     assert bucket_file_bytes(small, r1) == 151936 * 1536 * 2 + 2**20  # the embedding goes alone
     tiny = load_model_config("tiny-qwen2")
     assert bucket_file_bytes(config, tiny) == 2 * tiny.num_parameters() + 2**20  # bf16: the whole model
@@ -81,9 +87,13 @@ def test_a_small_dev_shm_stops_the_run_before_the_engine_starts(tmp_path):
     config["weight_sync"].update(transport="shm_file", shm_dir=str(tmp_path))
     out, calls = _train(tmp_path, config, MIB_FREE="1")  # the demo model's bucket: its 2.1 MB
     assert out.returncode == 2 and calls == [], out.stderr[-3000:]
-    assert "empg: error: weight_sync.shm_dir: " in out.stderr and "has 1 MiB free but one weight-sync bucket" in out.stderr
+    assert (
+        "empg: error: weight_sync.shm_dir: " in out.stderr and "has 1 MiB free but one weight-sync bucket" in out.stderr
+    )
     out, calls = _train(tmp_path, config, MIB_FREE="64")  # Docker's default /dev/shm is enough for it
-    assert out.returncode == 0 and calls[:3] == ["begin_weight_update", "update_weights", "finish_weight_update"], out.stderr[-3000:]
+    assert out.returncode == 0 and calls[:3] == ["begin_weight_update", "update_weights", "finish_weight_update"], (
+        out.stderr[-3000:]
+    )
 
 
 def test_the_fp8_anchor_from_yaml(tmp_path):
@@ -103,8 +113,9 @@ def test_cuda_ipc_needs_a_gpu_on_every_engine_owner():
     from megatron_empg.config import RunConfig, load_config
     from megatron_empg.trainer.machine import check_machine
 
-    config = load_config(RunConfig, REPO / "recipes" / "r1_distill_qwen_1.5b_math_ema_pg.yaml",
-                         ["weight_sync.transport=cuda_ipc"])  # fmt: skip
+    config = load_config(
+        RunConfig, REPO / "recipes" / "r1_distill_qwen_1.5b_math_ema_pg.yaml", ["weight_sync.transport=cuda_ipc"]
+    )
     model = load_model_config("deepseek-r1-distill-qwen-1.5b")
     check_machine(config, model, engine_rank=False)  # a rank without an engine sends no handle
     with pytest.raises(Exception) as e:

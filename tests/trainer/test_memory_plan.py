@@ -25,17 +25,25 @@ from megatron_empg.config import RunConfig, load_config
 from tests.dist import run_distributed
 
 DEMO = "recipes/demo_cpu.yaml"
-BASE = ["model=tiny-qwen2", "train.params_dtype=bfloat16", "algorithm.anchor.compute_dtype=bfloat16",
-        "train.micro_batch_size=8", "train.prompts_per_step=4", "rollout.in_process=false",
-        "weight_sync.transport=shm_file"]  # fmt: skip
+BASE = [
+    "model=tiny-qwen2",
+    "train.params_dtype=bfloat16",
+    "algorithm.anchor.compute_dtype=bfloat16",
+    "train.micro_batch_size=8",
+    "train.prompts_per_step=4",
+    "rollout.in_process=false",
+    "weight_sync.transport=shm_file",
+]
 LAYOUTS = {  # name: (world size, overrides)
     "tp1": (1, []),
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
     "pp2": (2, ["parallel.pipeline_model_parallel_size=2"]),
     "dp2_distopt": (2, ["optimizer.use_distributed_optimizer=true"]),
     # experts split over EP 2, their optimizer state over expert-DP 1, the rest over DP 2
-    "moe_ep2_distopt": (2, ["model=tiny-qwen3-moe", "parallel.expert_model_parallel_size=2",
-                            "optimizer.use_distributed_optimizer=true"]),
+    "moe_ep2_distopt": (
+        2,
+        ["model=tiny-qwen3-moe", "parallel.expert_model_parallel_size=2", "optimizer.use_distributed_optimizer=true"],
+    ),
 }
 
 
@@ -63,28 +71,48 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
             chunks = build_gpt_model(model, config.parallel, params_dtype=torch.bfloat16)
             ddp = wrap_with_ddp(chunks, config.optimizer)
             optimizer = build_optimizer(ddp, config.optimizer)
-            anchor = EmaAnchor.from_configs(model, config.parallel, ddp, optimizer, tau=0.9, period=1,
-                                            compute_dtype=torch.bfloat16)  # fmt: skip
+            anchor = EmaAnchor.from_configs(
+                model, config.parallel, ddp, optimizer, tau=0.9, period=1, compute_dtype=torch.bfloat16
+            )
             ids = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
-            mb = MicroBatch(ids, ids, torch.ones_like(ids, dtype=torch.bool), torch.ones(2, 16), torch.zeros(2, 16),
-                            old_logprobs=torch.zeros(2, 16))  # fmt: skip
+            mb = MicroBatch(
+                ids,
+                ids,
+                torch.ones_like(ids, dtype=torch.bool),
+                torch.ones(2, 16),
+                torch.zeros(2, 16),
+                old_logprobs=torch.zeros(2, 16),
+            )
             loss, _ = bind_loss(config.algorithm.loss.__class__(), vocab_size=model.vocab_size, topk=0)
             units = functools.partial(loss_units, agg_mode=config.algorithm.loss.agg_mode)  # the router losses' scale
-            train_step(ddp, optimizer, build_scheduler(optimizer, config.optimizer), [mb, mb], loss, groups=groups,
-                       loss_units=units)  # fmt: skip
+            train_step(
+                ddp,
+                optimizer,
+                build_scheduler(optimizer, config.optimizer),
+                [mb, mb],
+                loss,
+                groups=groups,
+                loss_units=units,
+            )
             # a mixture of experts chains two optimizers (the dense weights, the experts)
             inners = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-            state = [t for inner in inners for s in inner.state.values() for t in s.values()
-                     if torch.is_tensor(t) and t.dim() > 0]  # fmt: skip
+            state = [
+                t
+                for inner in inners
+                for s in inner.state.values()
+                for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0
+            ]
             out[name] = {
-                "pp_rank": groups.pp_rank, "tp_rank": groups.tp_rank,
+                "pp_rank": groups.pp_rank,
+                "tp_rank": groups.tp_rank,
                 "weights": _bytes(p for c in chunks for p in c.parameters()),
                 "gradients": _bytes(b.grad_data for d in ddp for b in d.buffers + d.expert_parallel_buffers),
                 "main_parameters": _bytes(p for inner in inners for g in inner.param_groups for p in g["params"]),
                 "adam": _bytes(state),
                 "anchor_weights": _bytes(p for c in anchor.models for p in c.parameters()),
                 "anchor_master": _bytes(t for t, _, _ in anchor.master_shards().values()),
-            }  # fmt: skip
+            }
         finally:
             destroy_model_parallel()
     return out
@@ -119,8 +147,16 @@ def test_held_terms_are_the_bytes_of_the_real_objects(measured, name):
 
 
 # A mixture of experts of some width (16 experts, top-4), routed by the allgather dispatcher at EP 1.
-MOE_PROBE = ["hidden_size=256", "num_attention_heads=4", "num_query_groups=2", "head_dim=64", "num_experts=16",
-             "moe_router_topk=4", "moe_ffn_hidden_size=128", "vocab_size=1024"]  # fmt: skip
+MOE_PROBE = [
+    "hidden_size=256",
+    "num_attention_heads=4",
+    "num_query_groups=2",
+    "head_dim=64",
+    "num_experts=16",
+    "moe_router_topk=4",
+    "moe_ffn_hidden_size=128",
+    "vocab_size=1024",
+]
 
 
 def _probe_model(name: str, layers: int):
@@ -128,8 +164,10 @@ def _probe_model(name: str, layers: int):
 
     if name == "moe":
         return load_model_config("tiny-qwen3-moe", [f"num_layers={layers}", *MOE_PROBE])
-    return load_model_config("deepseek-r1-distill-qwen-1.5b", [f"num_layers={layers}", "vocab_size=1024",
-                             "bos_token_id=null", "eos_token_id=null", "pad_token_id=null"])  # fmt: skip
+    return load_model_config(
+        "deepseek-r1-distill-qwen-1.5b",
+        [f"num_layers={layers}", "vocab_size=1024", "bos_token_id=null", "eos_token_id=null", "pad_token_id=null"],
+    )
 
 
 def _saved_bytes(layers: int, attention: str, seq: int, name: str = "dense") -> int:
@@ -161,8 +199,11 @@ def _saved_bytes(layers: int, attention: str, seq: int, name: str = "dense") -> 
 
 
 def _layer_bytes(rank: int, world_size: int) -> dict:
-    out = {("dense", attention, seq): _saved_bytes(2, attention, seq) - _saved_bytes(1, attention, seq)
-           for attention in ("sdpa", "unfused") for seq in (256, 512)}  # fmt: skip
+    out = {
+        ("dense", attention, seq): _saved_bytes(2, attention, seq) - _saved_bytes(1, attention, seq)
+        for attention in ("sdpa", "unfused")
+        for seq in (256, 512)
+    }
     out["moe", "sdpa", 256] = _saved_bytes(2, "sdpa", 256, "moe") - _saved_bytes(1, "sdpa", 256, "moe")
     return out
 

@@ -16,9 +16,15 @@ from megatron_empg.trainer.metrics_log import MetricsLogger, format_number, read
 
 
 def _config(tmp_path, **logging) -> RunConfig:
-    return from_dict(RunConfig, {"model": "tiny-qwen2", "tokenizer": "unused",
-                                 "logging": {"dir": str(tmp_path / "run"), **logging},
-                                 "checkpoint": {"dir": str(tmp_path / "run" / "checkpoints")}})  # fmt: skip
+    return from_dict(
+        RunConfig,
+        {
+            "model": "tiny-qwen2",
+            "tokenizer": "unused",
+            "logging": {"dir": str(tmp_path / "run"), **logging},
+            "checkpoint": {"dir": str(tmp_path / "run" / "checkpoints")},
+        },
+    )
 
 
 @pytest.mark.parametrize("progress", ["auto", "rich", "tqdm", "none"])
@@ -112,15 +118,35 @@ def test_real_wandb_writes_an_offline_run(tmp_path, monkeypatch):
 
 # A step's metrics as Trainer.step returns them (a long-context GRPO step on GPUs)
 STEP = {
-    "reward/mean": 0.41234, "reward/std": 0.49, "reward/accuracy": 0.398, "reward/malformed": 0.0125,
-    "response/length_mean": 2311.4, "response/truncated_fraction": 0.031, "response/loss_tokens_mean": 2311.4,
-    "perf/tokens_per_second": 12468.0, "time/rollout": 60.13, "time/rewards": 0.84, "time/advantages": 0.012,
-    "time/old_pass": 9.02, "time/anchor_pass": 8.11, "time/update": 11.9, "time/ema_update": 0.21,
-    "time/weight_sync": 5.104, "actor/loss": -0.0213, "actor/policy_loss": -0.0214, "actor/kl": 0.0012345,
-    "actor/entropy": 0.5301, "actor/grad_norm": 0.173, "actor/lr": 1e-06, "actor/ratio": 1.0002,
-    "train/skipped_steps": 0.0, "sync/seconds": 3.9, "sync/gbytes": 3.09, "sync/gate_max_logprob_diff": 2.4e-05,
+    "reward/mean": 0.41234,
+    "reward/std": 0.49,
+    "reward/accuracy": 0.398,
+    "reward/malformed": 0.0125,
+    "response/length_mean": 2311.4,
+    "response/truncated_fraction": 0.031,
+    "response/loss_tokens_mean": 2311.4,
+    "perf/tokens_per_second": 12468.0,
+    "time/rollout": 60.13,
+    "time/rewards": 0.84,
+    "time/advantages": 0.012,
+    "time/old_pass": 9.02,
+    "time/anchor_pass": 8.11,
+    "time/update": 11.9,
+    "time/ema_update": 0.21,
+    "time/weight_sync": 5.104,
+    "actor/loss": -0.0213,
+    "actor/policy_loss": -0.0214,
+    "actor/kl": 0.0012345,
+    "actor/entropy": 0.5301,
+    "actor/grad_norm": 0.173,
+    "actor/lr": 1e-06,
+    "actor/ratio": 1.0002,
+    "train/skipped_steps": 0.0,
+    "sync/seconds": 3.9,
+    "sync/gbytes": 3.09,
+    "sync/gate_max_logprob_diff": 2.4e-05,
     "anchor/updates": 1.0,
-}  # fmt: skip
+}
 VALIDATION = {"val/reward/mean": 0.5, "val/reward/accuracy": 0.45, "val/math/reward/mean": 0.5, "time/validation": 3.21}
 TRAIN_TIMES = ("time/rewards", "time/advantages", "time/old_pass", "time/anchor_pass", "time/update", "time/ema_update")
 
@@ -144,31 +170,47 @@ def test_without_a_terminal_a_line_per_step_names_each_metric_formatted(tmp_path
     config = _config(tmp_path)  # progress: auto
     _console(config, 480, monkeypatch, tty=False, records=[(12, STEP)])
     line = capsys.readouterr().out.splitlines()[0]
-    assert line == ("step 12/480 | reward 0.412 acc 0.398 kl 1.2e-03 entropy 0.530 len 2311 | "
-                    "95.3 s: rollout 60.1 train 30.1 sync 5.10")  # fmt: skip
+    assert line == (
+        "step 12/480 | reward 0.412 acc 0.398 kl 1.2e-03 entropy 0.530 len 2311 | "
+        "95.3 s: rollout 60.1 train 30.1 sync 5.10"
+    )
     head, metrics, times = line.split(" | ")
     assert head == "step 12/480"
-    names = {"reward": "reward/mean", "acc": "reward/accuracy", "kl": "actor/kl", "entropy": "actor/entropy",
-             "len": "response/length_mean"}  # fmt: skip
+    names = {
+        "reward": "reward/mean",
+        "acc": "reward/accuracy",
+        "kl": "actor/kl",
+        "entropy": "actor/entropy",
+        "len": "response/length_mean",
+    }
     assert _pairs(metrics) == {label: format_number(STEP[key]) for label, key in names.items()}
     total, split = times.split(" s: ")
     step_seconds = sum(v for k, v in STEP.items() if k.startswith("time/"))
     assert total == format_number(step_seconds)
-    assert _pairs(split) == {"rollout": format_number(STEP["time/rollout"]),
-                             "train": format_number(sum(STEP[k] for k in TRAIN_TIMES)),
-                             "sync": format_number(STEP["time/weight_sync"])}  # fmt: skip
+    assert _pairs(split) == {
+        "rollout": format_number(STEP["time/rollout"]),
+        "train": format_number(sum(STEP[k] for k in TRAIN_TIMES)),
+        "sync": format_number(STEP["time/weight_sync"]),
+    }
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == [{"step": 12, **STEP}]
 
 
 def test_validation_gets_a_line_of_its_own_or_joins_its_step(tmp_path, capsys, monkeypatch):
     partial = {"reward/mean": 0.0234, "actor/kl": -0.0001023, "time/rollout": 0.21, "time/weight_sync": 0.047}
-    _console(_config(tmp_path), 3, monkeypatch, tty=False,
-             records=[(0, VALIDATION), (1, partial), (2, {**STEP, **VALIDATION})])  # fmt: skip
+    _console(
+        _config(tmp_path),
+        3,
+        monkeypatch,
+        tty=False,
+        records=[(0, VALIDATION), (1, partial), (2, {**STEP, **VALIDATION})],
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "validation step 0/3 | reward 0.500 acc 0.450 | 3.21 s"
     assert lines[1] == "step 1/3 | reward 0.0234 kl -1.0e-04 | 0.257 s: rollout 0.210 sync 0.0470"  # no others
-    assert lines[2] == ("step 2/3 | reward 0.412 acc 0.398 kl 1.2e-03 entropy 0.530 len 2311 | val reward 0.500 "
-                        "acc 0.450 | 98.5 s: rollout 60.1 train 30.1 sync 5.10 val 3.21")  # fmt: skip
+    assert lines[2] == (
+        "step 2/3 | reward 0.412 acc 0.398 kl 1.2e-03 entropy 0.530 len 2311 | val reward 0.500 "
+        "acc 0.450 | 98.5 s: rollout 60.1 train 30.1 sync 5.10 val 3.21"
+    )
     assert lines[3].startswith("run summary: steps 1..2 of 3, ")  # the validation pass is no step
 
 
@@ -177,8 +219,7 @@ def test_a_terminal_gets_a_bar_and_no_step_lines(tmp_path, capsys, monkeypatch, 
     from rich.progress import Progress
     from tqdm import tqdm
 
-    logger = _console(_config(tmp_path, progress=progress), 2, monkeypatch, tty=True,
-                      records=[(1, STEP), (2, STEP)])  # fmt: skip
+    logger = _console(_config(tmp_path, progress=progress), 2, monkeypatch, tty=True, records=[(1, STEP), (2, STEP)])
     assert isinstance(logger._progress, tqdm if progress == "tqdm" else Progress)
     out = capsys.readouterr().out
     assert not re.search(r"^step \d", out, re.MULTILINE)
@@ -222,10 +263,22 @@ def test_the_summary_of_a_run_without_steps_or_metrics_file(tmp_path, capsys, mo
 
 @pytest.mark.parametrize(
     ("value", "text"),
-    [(0, "0"), (0.412345, "0.412"), (-0.0001023, "-1.0e-04"), (0.0125, "0.0125"), (0.00999, "1.0e-02"),
-     (5.104, "5.10"), (95.26, "95.3"), (2311.4, "2311"), (99999.4, "99999"), (123456.0, "1.2e+05"),
-     (3e-9, "3.0e-09"), (float("nan"), "nan"), (float("-inf"), "-inf")],
-)  # fmt: skip
+    [
+        (0, "0"),
+        (0.412345, "0.412"),
+        (-0.0001023, "-1.0e-04"),
+        (0.0125, "0.0125"),
+        (0.00999, "1.0e-02"),
+        (5.104, "5.10"),
+        (95.26, "95.3"),
+        (2311.4, "2311"),
+        (99999.4, "99999"),
+        (123456.0, "1.2e+05"),
+        (3e-9, "3.0e-09"),
+        (float("nan"), "nan"),
+        (float("-inf"), "-inf"),
+    ],
+)
 def test_numbers_keep_three_significant_digits_over_orders_of_magnitude(value, text):
     assert format_number(value) == text
 

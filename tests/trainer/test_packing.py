@@ -72,8 +72,13 @@ def _train(rank: int, world_size: int, parallel: ParallelConfig, agg_modes: list
     k = 4 if kl == "topk" else 0
     results = {}
     for agg_mode in agg_modes:
-        loss = LossConfig(kl=kl, kl_coef=0.1, agg_mode=agg_mode, entropy_coef=0.01,
-                          kl_args={"direction": "reverse"} if kl == "topk" else {})  # fmt: skip
+        loss = LossConfig(
+            kl=kl,
+            kl_coef=0.1,
+            agg_mode=agg_mode,
+            entropy_coef=0.01,
+            kl_args={"direction": "reverse"} if kl == "topk" else {},
+        )
         loss_fn, _ = bind_loss(loss, vocab_size=model.vocab_size, topk=k or 1)
         for name, plan in plans.items():
             groups = initialize_model_parallel(parallel, seed=5)  # the same initial weights each time
@@ -97,10 +102,13 @@ def _train(rank: int, world_size: int, parallel: ParallelConfig, agg_modes: list
                 )
                 steps = [train_step(ddp, optimizer, scheduler, micro, loss_fn, groups=groups) for _ in range(STEPS)]
                 results[agg_mode, name] = {
-                    "micro_batches": len(micro), "shapes": [mb.shape for mb in micro], "old": old,
-                    "metrics": [s.metrics for s in steps], "grad_norms": [s.grad_norm for s in steps],
+                    "micro_batches": len(micro),
+                    "shapes": [mb.shape for mb in micro],
+                    "old": old,
+                    "metrics": [s.metrics for s in steps],
+                    "grad_norms": [s.grad_norm for s in steps],
                     "params": {n: p.detach().clone() for n, p in ddp[0].module.named_parameters()},
-                }  # fmt: skip
+                }
             finally:
                 destroy_model_parallel()
     return results
@@ -114,8 +122,12 @@ CASES = {  # world size, layout, aggregation modes, KL
     "tp1": (1, ParallelConfig(), list(AGG_MODES), "k3"),
     "tp2": (2, ParallelConfig(tensor_model_parallel_size=2), ["seq-mean-token-mean"], "topk"),
     "pp2": (2, ParallelConfig(pipeline_model_parallel_size=2), ["token-mean"], "k3"),
-    "pp2vpp2": (2, ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
-                ["seq-mean-token-mean"], "topk"),
+    "pp2vpp2": (
+        2,
+        ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        ["seq-mean-token-mean"],
+        "topk",
+    ),
     "dp2": (2, ParallelConfig(), ["seq-mean-token-sum"], "k3"),
 }
 

@@ -17,8 +17,15 @@ from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, demo_config, run_train
 
 # Per step: every metric of the update (losses, KL, entropy, grad norm) and of the rollouts (the
 # same samples, as the synced weights agree to rounding).
-COMPARED = ("actor/loss", "actor/policy_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/mean",
-            "response/length_mean")  # fmt: skip
+COMPARED = (
+    "actor/loss",
+    "actor/policy_loss",
+    "actor/kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "reward/mean",
+    "response/length_mean",
+)
 
 
 def _config(tmp_path, name, warm_start, **train) -> dict:
@@ -81,8 +88,14 @@ def test_forward_rows_of_three_update_rows_train_as_the_update_rows(tmp_path, wa
     """The old pass (log-probs, the policy's top-8) and the anchor pass (log-probs at those ids) on
     rows of up to 480 tokens: the same losses, KL, grad norms and samples at every step, and the
     same parameters after the 3 steps."""
-    config = _config(tmp_path, "forward", warm_start, packing=True, max_tokens_per_microbatch=160,
-                     max_tokens_per_forward_microbatch=480)  # fmt: skip
+    config = _config(
+        tmp_path,
+        "forward",
+        warm_start,
+        packing=True,
+        max_tokens_per_microbatch=160,
+        max_tokens_per_forward_microbatch=480,
+    )
     forward = _metrics(config, tmp_path, "forward")
     packed = read_metrics(packed_run / "metrics.jsonl")
     _assert_same_training(packed, forward)
@@ -91,8 +104,10 @@ def test_forward_rows_of_three_update_rows_train_as_the_update_rows(tmp_path, wa
         assert ours["batch/micro_batches_mean"] == theirs["batch/micro_batches_mean"] > 6
         assert theirs["batch/forward_micro_batches_mean"] == theirs["batch/micro_batches_mean"]
         assert ours["batch/forward_micro_batches_mean"] <= ours["batch/micro_batches_mean"] / 2
-    ours, reference = (run_distributed(_parameters, 1, str(run / "checkpoints" / "step_00000003"))[0]
-                       for run in (tmp_path / "forward", packed_run))  # fmt: skip
+    ours, reference = (
+        run_distributed(_parameters, 1, str(run / "checkpoints" / "step_00000003"))[0]
+        for run in (tmp_path / "forward", packed_run)
+    )
     assert ours.keys() == reference.keys() and len(reference) > 5
     # fp32; Adam moves a weight by up to ~lr (3e-5) on rounding-level gradient differences where its
     # gradient is near 0 (tests/trainer/test_packing.py), so 3 steps of lr <= 3e-5 bound any difference
@@ -110,8 +125,9 @@ def test_balancing_two_replicas_of_one_engine_leaves_training_unchanged(tmp_path
         config = _config(tmp_path, name, warm_start, balance=balance, max_tokens_per_microbatch=160)
         config["rollout"]["engines"] = "single"  # both replicas' samples on both ranks
         # the transformers engine lives in rank 0's process (the launcher's CPU default is vLLM's)
-        runs[balance] = _metrics(config, tmp_path, name, "rollout.in_process=true", "weight_sync.transport=in_process",
-                                 nproc=2)  # fmt: skip
+        runs[balance] = _metrics(
+            config, tmp_path, name, "rollout.in_process=true", "weight_sync.transport=in_process", nproc=2
+        )
     _assert_same_training(runs[False], runs[True])
     imbalance = [(k["batch/replica_imbalance"], b["batch/replica_imbalance"]) for k, b in zip(runs[False], runs[True])]
     assert all(balanced <= kept for kept, balanced in imbalance) and any(b < k for k, b in imbalance), imbalance
@@ -134,8 +150,10 @@ def test_context_parallel_two_ranks_train_as_one(tmp_path, warm_start, packed_ru
     _assert_same_training(packed, cp2)
     assert [r["rollout/digest"] for r in cp2] == [r["rollout/digest"] for r in packed]
     assert all(r["sync/gate_max_logprob_diff"] < 1e-3 for r in cp2)
-    ours, reference = (run_distributed(_parameters, 1, str(run / "checkpoints" / "step_00000003"))[0]
-                       for run in (tmp_path / "cp2", packed_run))  # fmt: skip
+    ours, reference = (
+        run_distributed(_parameters, 1, str(run / "checkpoints" / "step_00000003"))[0]
+        for run in (tmp_path / "cp2", packed_run)
+    )
     assert ours.keys() == reference.keys() and len(reference) > 5
     for name, tensor in reference.items():  # as above: Adam, lr <= 3e-5, 3 steps
         torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -26,7 +26,7 @@ from tests.trainer.demo_runs import (
     run_train,
     train_command,
     unexpected_errors,
-)  # fmt: skip
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -47,8 +47,9 @@ def _preempt(command, env, log, metrics, lines: int, send, sessions: set[int]) -
     """Start ``command`` in a session of its own (added to ``sessions``); once ``metrics`` has
     ``lines`` records, ``send(process)``; its exit code."""
     with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         sessions.add(proc.pid)
         try:
             deadline = time.monotonic() + TIMEOUT_S
@@ -98,8 +99,9 @@ def test_group_signals_after_a_periodic_checkpoint_lose_nothing(tmp_path, warm_s
     assert not [p.name for p in checkpoints.iterdir() if ".tmp-" in p.name]
 
     # 3. the uninterrupted reference: every step logged before the signals (no step lost) equal
-    reference = run_train(_config(tmp_path, "reference", warm_start, second), tmp_path, "reference", *ENGINE,
-                          timeout=TIMEOUT_S)  # fmt: skip
+    reference = run_train(
+        _config(tmp_path, "reference", warm_start, second), tmp_path, "reference", *ENGINE, timeout=TIMEOUT_S
+    )
     assert reference.returncode == 0, reference.stderr[-4000:]
     resumed, expected = read_metrics(metrics), read_metrics(tmp_path / "reference" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [r["step"] for r in expected] == list(range(1, second + 1))

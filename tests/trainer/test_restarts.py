@@ -21,19 +21,50 @@ STARTED = 1000.0
 
 def beat(run_dir: Path, rank: int, state: str, when: float = STARTED + 5, error: str | None = None) -> None:
     (run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
-    (run_dir / "heartbeats" / f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "role": "training", "host": "h", "pid": 1, "phase": "update", "step": 4,
-         "phase_started": when, "time": when, "state": state, "error": error}))  # fmt: skip
+    (run_dir / "heartbeats" / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "role": "training",
+                "host": "h",
+                "pid": 1,
+                "phase": "update",
+                "step": 4,
+                "phase_started": when,
+                "time": when,
+                "state": state,
+                "error": error,
+            }
+        )
+    )
 
 
 def request(run_dir: Path, when: float) -> None:
-    (run_dir / REQUEST).write_text(json.dumps({"cause": "hang", "rank": 0, "phase": "update", "step": 4, "time": when,
-                                               "detail": "phase update of step 4 outlasted 20 s", "dir": "hang-x"}))  # fmt: skip
+    (run_dir / REQUEST).write_text(
+        json.dumps(
+            {
+                "cause": "hang",
+                "rank": 0,
+                "phase": "update",
+                "step": 4,
+                "time": when,
+                "detail": "phase update of step 4 outlasted 20 s",
+                "dir": "hang-x",
+            }
+        )
+    )
 
 
 def outcome(run_dir: Path, status: int, signalled: bool = False, max_restarts: int = 3) -> tuple[bool, str]:
-    d = decide(run_dir, status=status, started=STARTED, signalled=signalled, max_restarts=max_restarts,
-               window_s=3600, now=STARTED + 60)  # fmt: skip
+    d = decide(
+        run_dir,
+        status=status,
+        started=STARTED,
+        signalled=signalled,
+        max_restarts=max_restarts,
+        window_s=3600,
+        now=STARTED + 60,
+    )
     return d.restart, d.cause
 
 
@@ -83,20 +114,34 @@ def test_at_most_max_restarts_within_the_window(tmp_path):
 
 def test_the_command_line_records_each_attempt(tmp_path):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "megatron_empg.trainer.restarts", str(REPO / "recipes/demo_cpu.yaml"),
-               f"logging.dir={run_dir}", "supervisor.max_restarts=1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_empg.trainer.restarts",
+        str(REPO / "recipes/demo_cpu.yaml"),
+        f"logging.dir={run_dir}",
+        "supervisor.max_restarts=1",
+    ]
     request(run_dir.mkdir(parents=True) or run_dir, time.time())
     beat(run_dir, 0, "running", when=time.time())
     assert subprocess.run([*command, "--begin"], cwd=REPO).returncode == 0
     assert not (run_dir / REQUEST).exists() and not list((run_dir / "heartbeats").glob("*.json"))
     started = time.time()
     request(run_dir, started + 1)
-    first = subprocess.run([*command, "--attempt", "0", "--started", str(started), "--status", "1"], cwd=REPO,
-                           capture_output=True, text=True)  # fmt: skip
+    first = subprocess.run(
+        [*command, "--attempt", "0", "--started", str(started), "--status", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("restarting after attempt 0 (exit 1): hang: phase update of step 4")
-    second = subprocess.run([*command, "--attempt", "1", "--started", str(started), "--status", "1"], cwd=REPO,
-                            capture_output=True, text=True)  # fmt: skip
+    second = subprocess.run(
+        [*command, "--attempt", "1", "--started", str(started), "--status", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert second.returncode == 1 and "supervisor.max_restarts=1" in second.stdout
     history = read_history(run_dir)
     assert [(r["attempt"], r["restart"]) for r in history] == [(0, True), (1, False)]

@@ -13,8 +13,14 @@ from megatron_empg.trainer.build import bind
 from tests.trainer.demo_runs import DEMO_RECIPE
 
 REPLAY = ("model=tiny-qwen3-moe", "algorithm.router_replay=rollout")
-PARTIAL = ("rollout.placement=disaggregated", "rollout.engine_ranks=1", "rollout.max_staleness=1",
-           "rollout.partial=true", "rollout.in_process=false", "weight_sync.transport=shm_file")  # fmt: skip
+PARTIAL = (
+    "rollout.placement=disaggregated",
+    "rollout.engine_ranks=1",
+    "rollout.max_staleness=1",
+    "rollout.partial=true",
+    "rollout.in_process=false",
+    "weight_sync.transport=shm_file",
+)
 
 
 def config(tmp_path, *overrides: str) -> RunConfig:
@@ -25,12 +31,16 @@ def config(tmp_path, *overrides: str) -> RunConfig:
     "overrides, world, gpu, words",
     [
         (("algorithm.router_replay=rollout",), 1, False, "model 'qwen2' has no experts: set it to none"),
-        ((*REPLAY, "rollout.engine=hf", "rollout.search_agent={retriever_url: 'http://localhost:1'}"), 1, False,
-         "not built for the search agent"),
+        (
+            (*REPLAY, "rollout.engine=hf", "rollout.search_agent={retriever_url: 'http://localhost:1'}"),
+            1,
+            False,
+            "not built for the search agent",
+        ),
         ((*REPLAY, *PARTIAL), 3, True, "cannot take rollout.partial"),
         (("algorithm.router_replay=always",), 1, False, "expected one of 'rollout', 'none', got 'always'"),
     ],
-)  # fmt: skip
+)
 def test_router_replay_is_refused_where_nothing_can_be_replayed(tmp_path, monkeypatch, overrides, world, gpu, words):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)  # the check reads the device, nothing else
     with pytest.raises(ConfigError) as e:
@@ -49,7 +59,10 @@ def test_router_replay_binds_for_the_transformers_engine_and_for_vllm_on_a_gpu(t
     assert vllm.engine.target.endswith("VllmEngine")
     with pytest.raises(ConfigError) as e:  # the run's own node: before the engine starts
         check_machine(vllm.config, vllm.model, engine_rank=False)
-    assert e.value.field == "algorithm.router_replay" and "returns its routed experts on cpu (['hf']); " \
-        "rollout.engine 'vllm' returns them on ['cuda'] only" in str(e.value), e.value
+    assert (
+        e.value.field == "algorithm.router_replay"
+        and "returns its routed experts on cpu (['hf']); rollout.engine 'vllm' returns them on ['cuda'] only"
+        in str(e.value)
+    ), e.value
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check reads the device, nothing else
     check_machine(vllm.config, vllm.model, engine_rank=False)

@@ -22,8 +22,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _config(tmp_path: Path, checkpoints: str = "run/checkpoints", logs: str = "run") -> RunConfig:
-    return from_dict(RunConfig, {"model": "tiny-qwen2", "tokenizer": "unused", "logging": {"dir": str(tmp_path / logs)},
-                                 "checkpoint": {"dir": str(tmp_path / checkpoints)}})  # fmt: skip
+    return from_dict(
+        RunConfig,
+        {
+            "model": "tiny-qwen2",
+            "tokenizer": "unused",
+            "logging": {"dir": str(tmp_path / logs)},
+            "checkpoint": {"dir": str(tmp_path / checkpoints)},
+        },
+    )
 
 
 def _checkpoint(root: Path, step: int) -> None:
@@ -58,8 +65,12 @@ time.sleep(600)
 
 def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_blocks_nothing(tmp_path):
     config = _config(tmp_path, "elsewhere/checkpoints")  # two directories, two locks
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, config.logging.dir, config.checkpoint.dir], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, config.logging.dir, config.checkpoint.dir],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         for field, directory in (("logging.dir", config.logging.dir), ("checkpoint.dir", config.checkpoint.dir)):
@@ -87,8 +98,11 @@ def test_fresh_start_refuses_an_earlier_runs_checkpoints_or_metrics_unless_overw
     config = _config(tmp_path)
     check_start(config, resume=False, overwrite=False, previous=None)  # empty: fine
     _checkpoint(Path(config.checkpoint.dir), 4)
-    with pytest.raises(RunDirectoryError, match=r"an earlier run left checkpoints \(newest: step_00000004\) in "
-                                                r"checkpoint.dir=.*pass --resume to continue it, --overwrite"):
+    with pytest.raises(
+        RunDirectoryError,
+        match=r"an earlier run left checkpoints \(newest: step_00000004\) in "
+        r"checkpoint.dir=.*pass --resume to continue it, --overwrite",
+    ):
         check_start(config, resume=False, overwrite=False, previous=None)
     other = _config(tmp_path / "b")
     metrics = _metrics(other, [1, 2, 3])
@@ -118,13 +132,17 @@ def test_resume_with_nothing_to_resume_starts_at_step_0_unless_the_metrics_are_a
     with pytest.raises(RunDirectoryError) as refused:
         check_start(typo, resume=True, overwrite=False, previous=previous)
     assert "checkpoint.dir=" in str(refused.value) and "checkpionts holds no checkpoint" in str(refused.value)
-    assert f"(3 records, steps 1-3; its checkpoints in {previous['checkpoint_dir']}). Is checkpoint.dir mistyped?" in \
-        str(refused.value)  # fmt: skip
+    assert (
+        f"(3 records, steps 1-3; its checkpoints in {previous['checkpoint_dir']}). Is checkpoint.dir mistyped?"
+        in str(refused.value)
+    )
     with pytest.raises(RunDirectoryError, match="its checkpoints elsewhere"):  # no lock file: not this run's either
         check_start(typo, resume=True, overwrite=False, previous=None)
     # the same run, stopped before its first checkpoint: its records are redone
     caplog.clear()
-    check_start(typo, resume=True, overwrite=False, previous={"checkpoint_dir": str(Path(typo.checkpoint.dir).resolve())})
+    check_start(
+        typo, resume=True, overwrite=False, previous={"checkpoint_dir": str(Path(typo.checkpoint.dir).resolve())}
+    )
     assert "stopped before its first checkpoint: 3 records, steps 1-3 are redone" in caplog.text
 
 
@@ -135,8 +153,12 @@ def test_empg_train_refuses_a_second_run_before_building_anything(tmp_path, warm
 
     config = demo_config(tmp_path, "run", warm_start, steps=2)
     command, env = train_command(config, tmp_path, "run")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, config["logging"]["dir"], config["checkpoint"]["dir"]],
-                              cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, config["logging"]["dir"], config["checkpoint"]["dir"]],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         start = time.monotonic()

@@ -22,8 +22,10 @@ def _scorer(*overrides: str) -> Scorer:
     the response has an even length, and a tokenizer that prints ids."""
     config = load_config(RunConfig, DEMO_RECIPE, list(overrides))  # rollout.sampling.max_tokens 12
     reward = lambda texts, examples: RewardResult(  # noqa: E731
-        [1.0 if len(t.split()) % 2 == 0 else -1.0 for t in texts], [len(t.split()) % 2 == 0 for t in texts],
-        {"no_answer": 1.0})  # fmt: skip
+        [1.0 if len(t.split()) % 2 == 0 else -1.0 for t in texts],
+        [len(t.split()) % 2 == 0 for t in texts],
+        {"no_answer": 1.0},
+    )
     return Scorer(config, _Tokenizer(), reward)
 
 
@@ -39,15 +41,24 @@ def test_overlong_penalty_adds_to_the_reward():
     base = [1.0, 1.0, -1.0, 1.0, 1.0]
     assert [s.reward for s in samples] == pytest.approx([b + p for b, p in zip(base, penalties)])
     assert [s.correct for s in samples] == [True, True, False, True, True]  # correctness is the reward's
-    assert metrics == pytest.approx({"reward/no_answer": 1.0, "reward/overlong_penalty": sum(penalties),
-                                     "reward/errors": 0.0, "reward/timeouts": 0.0})
+    assert metrics == pytest.approx(
+        {
+            "reward/no_answer": 1.0,
+            "reward/overlong_penalty": sum(penalties),
+            "reward/errors": 0.0,
+            "reward/timeouts": 0.0,
+        }
+    )
 
 
 def test_no_buffer_no_penalty():
     samples = _samples([4, 12])
     metrics = _scorer()(samples)
-    assert [s.reward for s in samples] == [1.0, 1.0] and metrics == {"reward/no_answer": 1.0, "reward/errors": 0.0,
-                                                                      "reward/timeouts": 0.0}
+    assert [s.reward for s in samples] == [1.0, 1.0] and metrics == {
+        "reward/no_answer": 1.0,
+        "reward/errors": 0.0,
+        "reward/timeouts": 0.0,
+    }
 
 
 def _breaking_scorer() -> Scorer:
@@ -56,8 +67,11 @@ def _breaking_scorer() -> Scorer:
     def reward(texts, examples):
         if any(len(t.split()) == 3 for t in texts):
             raise RuntimeError("cannot parse this one")
-        return RewardResult([1.0 if len(t.split()) % 2 == 0 else -1.0 for t in texts],
-                            [len(t.split()) % 2 == 0 for t in texts], {"no_answer": 1.0})  # fmt: skip
+        return RewardResult(
+            [1.0 if len(t.split()) % 2 == 0 else -1.0 for t in texts],
+            [len(t.split()) % 2 == 0 for t in texts],
+            {"no_answer": 1.0},
+        )
 
     return Scorer(load_config(RunConfig, DEMO_RECIPE, []), _Tokenizer(), reward)
 

@@ -37,13 +37,17 @@ def _run(tmp_path, warm_start, url, name: str, nproc: int | None = None) -> list
     one process, the engine in it); the metrics records."""
     rows = [json.loads(line) for line in QA.read_text().splitlines()]
     validation_file = tmp_path / "validation.jsonl"  # the first 3 questions "nq", the others "hotpotqa"
-    validation_file.write_text("".join(json.dumps({**row, "data_source": "nq" if i < 3 else "hotpotqa"}) + "\n"
-                                       for i, row in enumerate(rows)))  # fmt: skip
+    validation_file.write_text(
+        "".join(json.dumps({**row, "data_source": "nq" if i < 3 else "hotpotqa"}) + "\n" for i, row in enumerate(rows))
+    )
     config = search_config(tmp_path, name, warm_start, url)
     config["validation"] = {"files": [str(validation_file)], "at_start": True, "interval": 2}
     result = run_train(config, tmp_path, name, nproc=nproc, timeout=LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert sorted(p.name for p in (tmp_path / name / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
+    assert sorted(p.name for p in (tmp_path / name / "checkpoints").glob("step_*")) == [
+        "step_00000001",
+        "step_00000002",
+    ]
     return read_metrics(tmp_path / name / "metrics.jsonl")
 
 
@@ -71,7 +75,9 @@ def test_search_agent_trains_end_to_end(one_process):
             m["response/length_mean"]
         )
         assert m["reward/accuracy"] > 0 and m["reward/exact_match"] == pytest.approx(m["reward/accuracy"])
-        assert m["reward/exact_match"] <= m["reward/f1"] <= 1.0 and m["reward/mean"] == pytest.approx(m["reward/accuracy"])
+        assert m["reward/exact_match"] <= m["reward/f1"] <= 1.0 and m["reward/mean"] == pytest.approx(
+            m["reward/accuracy"]
+        )
         assert m["sync/gate_max_logprob_diff"] <= 1e-3
         assert m["actor/grad_norm"] > 0
 
@@ -88,8 +94,13 @@ def test_two_data_parallel_ranks_match_one_process(tmp_path, one_process, search
     assert records[1]["engines/samples_min"] == records[1]["engines/samples_max"] > 0
     for ours, ref in zip(records, one_process):
         # rollout/digest covers the samples rank 0 holds: here its own engine's, half of the batch
-        exact = [k for k in ref if k.startswith(("val/", "rollout/", "reward/", "response/"))
-                 and k != "rollout/digest" and k not in SAMPLER_VS_TRAINER]  # fmt: skip
+        exact = [
+            k
+            for k in ref
+            if k.startswith(("val/", "rollout/", "reward/", "response/"))
+            and k != "rollout/digest"
+            and k not in SAMPLER_VS_TRAINER
+        ]
         assert exact and {k: ours[k] for k in exact} == {k: ref[k] for k in exact}, ours["step"]
         for key in (k for k in ref if k.startswith("actor/") or k in SAMPLER_VS_TRAINER):
             assert ours[key] == pytest.approx(ref[key], rel=CLOSE_REL, abs=CLOSE_ABS), (ours["step"], key)

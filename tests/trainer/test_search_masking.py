@@ -20,17 +20,27 @@ def multi_turn_samples() -> list[Sample]:
     """Two samples: generated (G) and observation (O) runs, ``G3 O5 G2 O4 G3`` and ``G4 O6 G1``."""
     generator = torch.Generator().manual_seed(0)
     samples = []
-    for group, (prompt_length, runs) in enumerate([(5, [(3, 1), (5, 0), (2, 1), (4, 0), (3, 1)]),
-                                                   (7, [(4, 1), (6, 0), (1, 1)])]):  # fmt: skip
+    for group, (prompt_length, runs) in enumerate(
+        [(5, [(3, 1), (5, 0), (2, 1), (4, 0), (3, 1)]), (7, [(4, 1), (6, 0), (1, 1)])]
+    ):
         mask = [bool(generated) for length, generated in runs for _ in range(length)]
         ids = torch.randint(2, V, (prompt_length + len(mask),), generator=generator).tolist()
         logprobs = [-0.5 if m else 0.0 for m in mask]
-        samples.append(Sample(ids[:prompt_length], ids[prompt_length:], logprobs, "stop", group=group, response_mask=mask))
+        samples.append(
+            Sample(ids[:prompt_length], ids[prompt_length:], logprobs, "stop", group=group, response_mask=mask)
+        )
     return samples
 
 
-@pytest.mark.parametrize("kl, kl_args", [("topk", {"direction": "reverse"}), ("topk", {"direction": "forward"}),
-                                         ("k3", {}), ("k1", {"importance_weight": True})])  # fmt: skip
+@pytest.mark.parametrize(
+    "kl, kl_args",
+    [
+        ("topk", {"direction": "reverse"}),
+        ("topk", {"direction": "forward"}),
+        ("k3", {}),
+        ("k1", {"importance_weight": True}),
+    ],
+)
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("packing", [False, True])
 def test_no_observation_token_gets_gradient(kl, kl_args, agg_mode, packing):
@@ -46,8 +56,18 @@ def test_no_observation_token_gets_gradient(kl, kl_args, agg_mode, packing):
     batch.old_logprobs = old.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1)
     batch.anchor_logprobs = anchor.gather(-1, batch.target_ids.unsqueeze(-1)).squeeze(-1)
     batch.topk_ids, batch.topk_anchor_logprobs = topk_ids, anchor.gather(-1, topk_ids)
-    out = rl_loss(logits, batch, vocab_start=0, vocab_size=V, tp_group=None, kl=kl, kl_coef=0.5, kl_args=kl_args,
-                  entropy_coef=0.01, agg_mode=agg_mode)  # fmt: skip
+    out = rl_loss(
+        logits,
+        batch,
+        vocab_start=0,
+        vocab_size=V,
+        tp_group=None,
+        kl=kl,
+        kl_coef=0.5,
+        kl_args=kl_args,
+        entropy_coef=0.01,
+        agg_mode=agg_mode,
+    )
     out.loss.loss_sum.backward()
     per_position = logits.grad.abs().sum(-1)  # [B, S]
 

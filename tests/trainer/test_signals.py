@@ -59,8 +59,11 @@ def test_a_child_started_inside_ignores_the_stop_signals_and_the_parent_gets_the
 def test_megatrons_checkpoint_writer_started_inside_survives_the_stop_signals(inside):
     """The Manager process that Megatron's writer saves through, started by the trainer at start-up
     (inside) or as Megatron would at the first save (outside: the signal kills it)."""
-    start = "with ignored_in_children():\n    manager = start_checkpoint_writer()\n" if inside else \
-        "manager = start_checkpoint_writer()\n"  # fmt: skip
+    start = (
+        "with ignored_in_children():\n    manager = start_checkpoint_writer()\n"
+        if inside
+        else "manager = start_checkpoint_writer()\n"
+    )
     code = (
         "import os, time\n"
         "from megatron_empg.trainer.signals import ignored_in_children, STOP_SIGNALS\n"
@@ -105,15 +108,22 @@ def test_megatrons_checkpoint_writer_dies_with_a_killed_rank(ours):
     """A rank SIGKILLed on its own (the OOM killer): the writer's Manager started by
     ``start_checkpoint_writer`` goes with it; the one Megatron starts at the first save (the
     negative control) is left running."""
-    start = ("from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer\n"
-             "from megatron_empg.trainer.signals import ignored_in_children\n"
-             "with ignored_in_children():\n    manager = start_checkpoint_writer()\n") if ours else (
-        "import multiprocessing\n"
-        "from megatron_empg.mcore import cpu_shims\n"
-        "cpu_shims.install_pre_import()\n"
-        "from megatron.core.dist_checkpointing.strategies import filesystem_async\n"
-        "filesystem_async.get_write_results_queue()\n"
-        "(manager,) = multiprocessing.active_children()\n")  # fmt: skip
+    start = (
+        (
+            "from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer\n"
+            "from megatron_empg.trainer.signals import ignored_in_children\n"
+            "with ignored_in_children():\n    manager = start_checkpoint_writer()\n"
+        )
+        if ours
+        else (
+            "import multiprocessing\n"
+            "from megatron_empg.mcore import cpu_shims\n"
+            "cpu_shims.install_pre_import()\n"
+            "from megatron.core.dist_checkpointing.strategies import filesystem_async\n"
+            "filesystem_async.get_write_results_queue()\n"
+            "(manager,) = multiprocessing.active_children()\n"
+        )
+    )
     code = f"import sys, time\n{start}print(manager.pid, flush=True)\ntime.sleep(120)\n"
     rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
     manager = int(rank.stdout.readline())

@@ -17,8 +17,13 @@ def _micro(ratios: list[list[float]], mask: list[list[bool]]) -> MicroBatch:
     sampler = -torch.rand(len(ratios), len(ratios[0]), generator=torch.Generator().manual_seed(len(ratios)))
     ids = torch.zeros(sampler.shape, dtype=torch.int64)
     mask_t = torch.tensor(mask)
-    return MicroBatch(ids, ids, loss_mask=mask_t, sampler_logprobs=torch.where(mask_t, sampler, 0.0),
-                      old_logprobs=sampler + torch.tensor(ratios).log())  # fmt: skip
+    return MicroBatch(
+        ids,
+        ids,
+        loss_mask=mask_t,
+        sampler_logprobs=torch.where(mask_t, sampler, 0.0),
+        old_logprobs=sampler + torch.tensor(ratios).log(),
+    )
 
 
 def _step_batch() -> StepBatch:
@@ -38,8 +43,12 @@ def test_tis_sets_each_micro_batch_and_sums_the_stats():
     torch.testing.assert_close(third.behavior_weights, torch.tensor([[1.5]]), rtol=1e-6, atol=0)
     # loss-token ratios 0.5, 3, 1, 2.5, 0.25, 1.5: two above the cap; K3 = ratio - 1 - log(ratio)
     ratios = [0.5, 3.0, 1.0, 2.5, 0.25, 1.5]
-    expected = {"behavior/ratio": 8.75, "behavior/clipped": 2.0,
-                "behavior/k3": sum(r - 1 - math.log(r) for r in ratios), "behavior/tokens": 6.0}  # fmt: skip
+    expected = {
+        "behavior/ratio": 8.75,
+        "behavior/clipped": 2.0,
+        "behavior/k3": sum(r - 1 - math.log(r) for r in ratios),
+        "behavior/tokens": 6.0,
+    }
     assert totals == pytest.approx(expected, rel=1e-6)
 
 
@@ -53,4 +62,8 @@ def test_none_leaves_the_weights_none_and_still_sums_the_stats():
 def test_a_replica_without_micro_batches_sums_zeros():
     empty = StepBatch([], tokens=0, slots=0, imbalance=1.0, forward_micro_batches=0)
     assert empty.behavior_is("mis", 2.0) == {
-        "behavior/ratio": 0.0, "behavior/clipped": 0.0, "behavior/k3": 0.0, "behavior/tokens": 0.0}  # fmt: skip
+        "behavior/ratio": 0.0,
+        "behavior/clipped": 0.0,
+        "behavior/k3": 0.0,
+        "behavior/tokens": 0.0,
+    }

@@ -37,8 +37,12 @@ def _with_validation(config: dict, tmp_path: Path, warm_start: Path) -> tuple[di
     from transformers import AutoTokenizer
 
     data = config["data"]
-    examples = evaluation_examples(data["arithmetic_digits"], data["arithmetic_ops"],
-                                   AutoTokenizer.from_pretrained(warm_start), count=VALIDATION_PROBLEMS)  # fmt: skip
+    examples = evaluation_examples(
+        data["arithmetic_digits"],
+        data["arithmetic_ops"],
+        AutoTokenizer.from_pretrained(warm_start),
+        count=VALIDATION_PROBLEMS,
+    )
     path = tmp_path / "validation.jsonl"
     path.write_text("".join(json.dumps({"prompt": e.meta["problem"], "answer": e.answer}) + "\n" for e in examples))
     return {**config, "validation": {"files": [str(path)], "at_start": True}}, examples
@@ -50,12 +54,16 @@ def _hf_greedy_metrics(warm_start: Path, examples: list, max_tokens: int) -> dic
 
     tokenizer = AutoTokenizer.from_pretrained(warm_start)
     model = AutoModelForCausalLM.from_pretrained(warm_start, dtype=torch.float32).eval()
-    responses = hf_generate(model, [e.prompt_ids for e in examples], eos_id=tokenizer.eos_token_id,
-                            max_tokens=max_tokens, temperature=0.0)  # fmt: skip
+    responses = hf_generate(
+        model, [e.prompt_ids for e in examples], eos_id=tokenizer.eos_token_id, max_tokens=max_tokens, temperature=0.0
+    )
     result = arithmetic_reward(tokenizer.batch_decode(responses, skip_special_tokens=True), examples)
     n = len(examples)
-    return {"reward/accuracy": sum(result.correct) / n, "reward/malformed": result.metrics["malformed"] / n,
-            "response/length_mean": sum(map(len, responses)) / n}  # fmt: skip
+    return {
+        "reward/accuracy": sum(result.correct) / n,
+        "reward/malformed": result.metrics["malformed"] / n,
+        "response/length_mean": sum(map(len, responses)) / n,
+    }
 
 
 def test_three_steps_then_resume_equals_uninterrupted(tmp_path, warm_start):

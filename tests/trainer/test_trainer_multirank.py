@@ -41,7 +41,11 @@ LAYOUTS = {  # command-line overrides, the layout the checkpoints must record, a
     "pp2": (["parallel.pipeline_model_parallel_size=2"], {"tp": 1, "pp": 2, "dp": 1}, 1),
     "dp2-engines2": (["rollout.engines=2"], {"tp": 1, "pp": 1, "dp": 2}, 2),
     # two training ranks and an engine rank of its own (3 processes): the engine draws for both
-    "dp2-disaggregated": (["rollout.placement=disaggregated", "rollout.engine_ranks=1"], {"tp": 1, "pp": 1, "dp": 2}, 1),
+    "dp2-disaggregated": (
+        ["rollout.placement=disaggregated", "rollout.engine_ranks=1"],
+        {"tp": 1, "pp": 1, "dp": 2},
+        1,
+    ),
 }
 
 
@@ -54,8 +58,14 @@ def test_two_ranks_match_one_process(layout, small_demo_reference, tmp_path, war
     overrides, expected_layout, engines = LAYOUTS[layout]
     root = tmp_path / layout / "checkpoints"
     nproc = 3 if "rollout.engine_ranks=1" in overrides else 2
-    done = run_train(small_demo_config(tmp_path, layout, warm_start, STEPS), tmp_path, layout, *overrides,
-                     nproc=nproc, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    done = run_train(
+        small_demo_config(tmp_path, layout, warm_start, STEPS),
+        tmp_path,
+        layout,
+        *overrides,
+        nproc=nproc,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert sorted(p.name for p in root.glob("step_*")) == [f"step_{s:08d}" for s in range(1, STEPS + 1)]
 
@@ -68,8 +78,15 @@ def test_two_ranks_match_one_process(layout, small_demo_reference, tmp_path, war
         assert 0.0 <= ours["sync/gate_max_logprob_diff"] <= GATE_TOLERANCE, step
         # each engine samples its replicas' prompts: 16 samples per step in all
         assert (ours["engines/count"], ours["engines/samples_min"], ours["engines/samples_max"]) == (
-            engines, 16 / engines, 16 / engines), step  # fmt: skip
-        assert ours["engines/tokens_min"] * engines <= ours["response/length_mean"] * 16 <= ours["engines/tokens_max"] * engines
+            engines,
+            16 / engines,
+            16 / engines,
+        ), step
+        assert (
+            ours["engines/tokens_min"] * engines
+            <= ours["response/length_mean"] * 16
+            <= ours["engines/tokens_max"] * engines
+        )
 
     info = read_checkpoint_info(root / f"step_{STEPS:08d}")
     assert {k: info["layout"][k] for k in expected_layout} == expected_layout and info["layout"]["world_size"] == 2

@@ -26,15 +26,28 @@ INTERVAL = 0.1
 
 def run_script(body: str, run_dir: Path, timeout: float = 60) -> subprocess.CompletedProcess:
     """``body`` in a fresh interpreter, with ``RUN_DIR`` and ``watchdog`` (the module) defined."""
-    script = f"import sys, time\nfrom pathlib import Path\nfrom megatron_empg.trainer import watchdog\n" \
-             f"RUN_DIR = Path({str(run_dir)!r})\n" + textwrap.dedent(body)  # fmt: skip
+    script = (
+        f"import sys, time\nfrom pathlib import Path\nfrom megatron_empg.trainer import watchdog\n"
+        f"RUN_DIR = Path({str(run_dir)!r})\n" + textwrap.dedent(body)
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def write_beat(run_dir: Path, **fields) -> None:
-    beat = {"rank": 1, "role": "training", "host": socket.gethostname(), "pid": 0, "phase": "update", "step": 4,
-            "phase_started": time.time(), "time": time.time(), "state": "running", "error": None, **fields}
+    beat = {
+        "rank": 1,
+        "role": "training",
+        "host": socket.gethostname(),
+        "pid": 0,
+        "phase": "update",
+        "step": 4,
+        "phase_started": time.time(),
+        "time": time.time(),
+        "state": "running",
+        "error": None,
+        **fields,
+    }
     (run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
     (run_dir / "heartbeats" / f"rank{beat['rank']}.json").write_text(json.dumps(beat))
 
@@ -56,14 +69,17 @@ def test_a_phase_past_its_deadline_dumps_the_stacks_and_exits_restartable(tmp_pa
     try:
         write_beat(tmp_path, pid=stopped.pid, time=time.time() - 60)  # rank 1 stopped beating a minute ago
         write_beat(tmp_path, rank=2, phase="old_pass", time=time.time() + 60)  # rank 2 beats, a phase behind
-        done = run_script(f"""
+        done = run_script(
+            f"""
             w = watchdog.Watchdog(RUN_DIR, 0, 3, {{"update": 0.5}}, {INTERVAL})
             w.step_done(3)
             def stuck_in_the_update():
                 with w.phase("update", 4):
                     time.sleep(60)
             stuck_in_the_update()
-        """, tmp_path)  # fmt: skip
+        """,
+            tmp_path,
+        )
         assert done.returncode == RESTARTABLE_EXIT, done.stderr
         assert stopped.wait(timeout=10) == -signal.SIGKILL  # a stopped peer on this host is not left behind
     finally:
@@ -84,7 +100,8 @@ def test_a_phase_past_its_deadline_dumps_the_stacks_and_exits_restartable(tmp_pa
 
 
 def test_another_ranks_request_makes_a_rank_dump_and_exit(tmp_path):
-    done = run_script(f"""
+    done = run_script(
+        f"""
         import json
         w = watchdog.Watchdog(RUN_DIR, 1, 2, {{"update": 600}}, {INTERVAL})
         request = {{"cause": "hang", "rank": 0, "phase": "update", "step": 4, "detail": "planted",
@@ -92,30 +109,51 @@ def test_another_ranks_request_makes_a_rank_dump_and_exit(tmp_path):
         (RUN_DIR / "restart-request.json").write_text(json.dumps(request))
         with w.phase("update", 4):
             time.sleep(60)
-    """, tmp_path)  # fmt: skip
+    """,
+        tmp_path,
+    )
     assert done.returncode == RESTARTABLE_EXIT, done.stderr
     text = (tmp_path / "hang-planted" / "rank1.txt").read_text()
     assert "restart requested by rank 0: planted" in text and "phase update of step 4" in text
 
 
 def test_an_earlier_attempts_request_is_ignored(tmp_path):
-    (tmp_path / REQUEST).write_text(json.dumps({"cause": "hang", "rank": 0, "phase": "update", "step": 1,
-                                                "detail": "old", "time": time.time() - 100, "dir": "hang-old"}))  # fmt: skip
-    done = run_script(f"""
+    (tmp_path / REQUEST).write_text(
+        json.dumps(
+            {
+                "cause": "hang",
+                "rank": 0,
+                "phase": "update",
+                "step": 1,
+                "detail": "old",
+                "time": time.time() - 100,
+                "dir": "hang-old",
+            }
+        )
+    )
+    done = run_script(
+        f"""
         w = watchdog.Watchdog(RUN_DIR, 1, 2, {{"update": 600}}, {INTERVAL})
         with w.phase("update", 4):
             time.sleep(1)
         w.close()
-    """, tmp_path)  # fmt: skip
+    """,
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "heartbeats" / "rank1.json").read_text())["state"] == "done"
 
 
 @pytest.mark.parametrize("peer_state, restartable", [("running", True), ("crashed", False)])
 def test_a_failed_collective_is_restartable_only_if_the_peer_was_lost(tmp_path, peer_state, restartable):
-    write_beat(tmp_path, time=time.time() - (60 if peer_state == "running" else 0), state=peer_state,
-               error="ValueError: the peer's own bug" if peer_state == "crashed" else None)  # fmt: skip
-    done = run_script(f"""
+    write_beat(
+        tmp_path,
+        time=time.time() - (60 if peer_state == "running" else 0),
+        state=peer_state,
+        error="ValueError: the peer's own bug" if peer_state == "crashed" else None,
+    )
+    done = run_script(
+        f"""
         from megatron_empg.config import load_config, RunConfig
         config = load_config(RunConfig, {str(REPO / "recipes/demo_cpu.yaml")!r},
                              ["logging.dir=" + str(RUN_DIR), "supervisor.heartbeat_interval_s={INTERVAL}"])
@@ -126,7 +164,9 @@ def test_a_failed_collective_is_restartable_only_if_the_peer_was_lost(tmp_path, 
         except RuntimeError as error:
             watchdog.failed(error)
         watchdog.uninstall()
-    """, tmp_path)  # fmt: skip
+    """,
+        tmp_path,
+    )
     beat = json.loads((tmp_path / "heartbeats" / "rank0.json").read_text())
     if restartable:
         assert done.returncode == RESTARTABLE_EXIT, done.stderr
@@ -141,9 +181,13 @@ def test_a_failed_collective_is_restartable_only_if_the_peer_was_lost(tmp_path, 
 
 def test_diagnose_says_where_each_rank_is(tmp_path):
     now = time.time()
-    for rank, fields in {0: dict(phase="update", step=4), 1: dict(phase="update", step=4),
-                         2: dict(phase="rollout", step=4), 3: dict(time=now - 30),
-                         4: dict(state="crashed", error="ValueError: x")}.items():  # fmt: skip
+    for rank, fields in {
+        0: dict(phase="update", step=4),
+        1: dict(phase="update", step=4),
+        2: dict(phase="rollout", step=4),
+        3: dict(time=now - 30),
+        4: dict(state="crashed", error="ValueError: x"),
+    }.items():
         write_beat(tmp_path, rank=rank, **fields)
     lines = diagnose(tmp_path, 6, 0, interval_s=1.0)
     assert lines == [

@@ -58,8 +58,9 @@ def single_engine(groups):
     """The placement of one engine on rank 0 (``rollout.engines: single``); every rank calls it."""
     from megatron_empg.parallel.placement import build_placement
 
-    return build_placement(1, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
-                           dp_size=groups.dp_size)  # fmt: skip
+    return build_placement(
+        1, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank, dp_size=groups.dp_size
+    )
 
 
 def _sync_layouts(rank: int, world_size: int, layouts, hf_states: dict, probe: list) -> list:
@@ -79,14 +80,26 @@ def _sync_layouts(rank: int, world_size: int, layouts, hf_states: dict, probe: l
         receiver = RecordingReceiver() if rank == 0 else None
         transport = InProcessTransport(receiver) if rank == 0 else None
         shards = named_weight_shards(chunks)
-        report = sync_weights(shards, model, sync_groups(groups), transport, "step-7", bucket_bytes=BUCKET_BYTES,
-                              placement=single_engine(groups))  # fmt: skip
+        report = sync_weights(
+            shards,
+            model,
+            sync_groups(groups),
+            transport,
+            "step-7",
+            bucket_bytes=BUCKET_BYTES,
+            placement=single_engine(groups),
+        )
         trainer_logprobs = score_sequences(chunks, probe, model.vocab_size, groups)
-        results.append({"report": report, "trainer_logprobs": trainer_logprobs,
-                        "round_trip_errors": round_trip_errors(shards, model, sync_groups(groups)),
-                        "received": receiver.tensors if receiver else None,
-                        "bucket_sizes": receiver.bucket_sizes if receiver else None,
-                        "version": receiver.version if receiver else None})  # fmt: skip
+        results.append(
+            {
+                "report": report,
+                "trainer_logprobs": trainer_logprobs,
+                "round_trip_errors": round_trip_errors(shards, model, sync_groups(groups)),
+                "received": receiver.tensors if receiver else None,
+                "bucket_sizes": receiver.bucket_sizes if receiver else None,
+                "version": receiver.version if receiver else None,
+            }
+        )
         parallel_state.destroy_model_parallel()
     return results
 
@@ -114,7 +127,9 @@ def test_sync_sends_exactly_the_hf_tensors_from_every_layout():
     for i, (name, parallel) in enumerate(LAYOUTS):
         model = load_model_config(name)
         got = per_rank[0][i]
-        expected = {k: v for k, v in hf_states[name].items() if not (model.tie_word_embeddings and k == "lm_head.weight")}
+        expected = {
+            k: v for k, v in hf_states[name].items() if not (model.tie_word_embeddings and k == "lm_head.weight")
+        }
         assert sorted(got["received"]) == sorted(expected), (name, parallel)
         for key, tensor in expected.items():
             assert torch.equal(got["received"][key], tensor), (name, parallel, key)
@@ -150,7 +165,9 @@ def test_gate_names_the_worst_family_or_blames_the_engine():
     engine[1, 3] = 0.5
     errors = {"attention.qkv": 2.5, "norm": 0.0, "mlp.gate_up": 0.1}
     assert gate.check_consistency(trainer, trainer + 1e-6, 1e-4, "step-3", errors) <= 1e-4
-    with pytest.raises(gate.ConsistencyError, match=r"step-3.*0\.5.*sequence 1, token 4.*worst tensor family: attention\.qkv"):
+    with pytest.raises(
+        gate.ConsistencyError, match=r"step-3.*0\.5.*sequence 1, token 4.*worst tensor family: attention\.qkv"
+    ):
         gate.check_consistency(trainer, engine, 1e-4, "step-3", errors)
     with pytest.raises(gate.ConsistencyError, match="round-trips exactly"):
         gate.check_consistency(trainer, engine, 1e-4, "step-4", {"attention.qkv": 0.0})
@@ -183,7 +200,9 @@ def test_round_trip_check_finds_a_layout_bug(monkeypatch, bug, family):
 
     model = load_model_config("tiny-qwen2")
     g = torch.Generator().manual_seed(0)
-    state = mapping.to_megatron_state_dict({n: torch.randn(*shape, generator=g) for n, shape in _hf_shapes(model)}, model, 256)
+    state = mapping.to_megatron_state_dict(
+        {n: torch.randn(*shape, generator=g) for n, shape in _hf_shapes(model)}, model, 256
+    )
     shards = [(name, tensor, None) for name, tensor in state.items()]
     monkeypatch.setattr(mapping, "split_qkv" if family == "attention.qkv" else "split_gate_up", bug)
     errors: dict[str, float] = {}

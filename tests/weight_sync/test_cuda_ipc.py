@@ -122,8 +122,23 @@ def test_unpack_refuses_a_tensor_past_the_end_of_the_buffer():
 def reduce_args(storage_device: int = 3) -> tuple:
     """What ``reduce_tensor`` returns as arguments for a flat uint8 CUDA buffer, in its order
     (torch/multiprocessing/reductions.py), with made-up handles."""
-    return (torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, storage_device,
-            b"\x11" * 64, 4096, 512, False, b"/torch_123_456", 7, b"\x22" * 64, True)  # fmt: skip
+    return (
+        torch.Tensor,
+        torch.Size([4096]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        storage_device,
+        b"\x11" * 64,
+        4096,
+        512,
+        False,
+        b"/torch_123_456",
+        7,
+        b"\x22" * 64,
+        True,
+    )
 
 
 def description(storage_device: int = 3, uuid: str = "GPU-trainer") -> dict:
@@ -209,9 +224,13 @@ def test_check_update_arguments_takes_exactly_one_of_three(tmp_path):
     assert check_update_arguments(pairs, None) == pairs
     assert check_update_arguments(None, path) is None
     assert check_update_arguments(None, None, ipc) is None
-    for given, arguments in [("none", (None, None, None)), ("named_tensors and path", (pairs, path, None)),
-                             ("named_tensors and ipc", (pairs, None, ipc)), ("path and ipc", (None, path, ipc)),
-                             ("named_tensors and path and ipc", (pairs, path, ipc))]:  # fmt: skip
+    for given, arguments in [
+        ("none", (None, None, None)),
+        ("named_tensors and path", (pairs, path, None)),
+        ("named_tensors and ipc", (pairs, None, ipc)),
+        ("path and ipc", (None, path, ipc)),
+        ("named_tensors and path and ipc", (pairs, path, ipc)),
+    ]:
         with pytest.raises(ValueError, match=f"exactly one of named_tensors, path and ipc, got {given}$"):
             check_update_arguments(*arguments)
     ipc["header"][0][1] = "float33"

@@ -28,7 +28,7 @@ from tests.weight_sync.test_vllm_sync import (
     _engine,
     _hf_state,
     _sync_and_check,
-    vllm_model,  # fmt: skip
+    vllm_model,
 )
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron, pytest.mark.vllm, pytest.mark.slow]
@@ -61,7 +61,9 @@ def _two_engines(rank: int, world_size: int, model_dir: str, hf_state: dict) -> 
     parallel = ParallelConfig()
     groups = parallel_state.initialize_model_parallel(parallel, SEED)
     chunks = build_gpt_model(model, parallel)
-    load_full_state_dict(chunks, mapping.to_megatron_state_dict(hf_state, model, parallel.padded_vocab_size(model.vocab_size)))
+    load_full_state_dict(
+        chunks, mapping.to_megatron_state_dict(hf_state, model, parallel.padded_vocab_size(model.vocab_size))
+    )
     coords = dict(tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank, dp_size=groups.dp_size)
     per_replica, single = build_placement(2, **coords), build_placement(1, **coords)
     with child_environment(engine_environment(per_replica, engine_tp=1)):  # its own core
@@ -70,8 +72,14 @@ def _two_engines(rank: int, world_size: int, model_dir: str, hf_state: dict) -> 
     probe = gate.probe_batch(2, PROBE_LENGTH, model.vocab_size, seed=0)
     out = {"synced": _sync_and_check(chunks, model, groups, engine, transport, "step-0", probe, per_replica)}
 
-    config = from_dict(RunConfig, {"model": "tiny-qwen2", "tokenizer": model_dir, "rollout": {"sampling": {
-        "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 11}}})  # fmt: skip
+    config = from_dict(
+        RunConfig,
+        {
+            "model": "tiny-qwen2",
+            "tokenizer": model_dir,
+            "rollout": {"sampling": {"n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 11}},
+        },
+    )
     examples = [types.SimpleNamespace(prompt_ids=p) for p in PROMPTS]
     (split,), split_metrics = _stage(config, per_replica, engine).sample(1, examples, dp_size=2)
     whole, _ = _stage(config, single, engine if rank == 0 else None).sample(1, examples, dp_size=2)
@@ -86,7 +94,9 @@ def _two_engines(rank: int, world_size: int, model_dir: str, hf_state: dict) -> 
     if rank == 1:
         mapping.split_gate_up = swapped_gate_up
     try:
-        out["swapped_gate_up_in_1"] = _sync_and_check(chunks, model, groups, engine, transport, "bug-1", probe, per_replica)
+        out["swapped_gate_up_in_1"] = _sync_and_check(
+            chunks, model, groups, engine, transport, "bug-1", probe, per_replica
+        )
     finally:
         mapping.split_gate_up = correct
     out["fixed"] = _sync_and_check(chunks, model, groups, engine, transport, "step-1", probe, per_replica)
@@ -94,7 +104,9 @@ def _two_engines(rank: int, world_size: int, model_dir: str, hf_state: dict) -> 
     if rank == 1:
         engine._llm.reset_prefix_cache = lambda **_: True  # an engine that forgot the reset
     try:
-        out["no_cache_reset_in_1"] = _sync_and_check(chunks, model, groups, engine, transport, "bug-2", probe, per_replica)
+        out["no_cache_reset_in_1"] = _sync_and_check(
+            chunks, model, groups, engine, transport, "bug-2", probe, per_replica
+        )
     finally:
         if rank == 1:
             del engine._llm.reset_prefix_cache
@@ -132,8 +144,10 @@ def test_two_engines_sync_gate_and_sample_like_one(qwen2_dir):
         assert out["split_metrics"]["engines/count"] == 2 and out["split_metrics"]["engines/samples_max"] == 6
 
     # The corruption sits in engine 1's bucket only: both ranks fail with the same error, naming it.
-    for label, words in [("swapped_gate_up_in_1", "worst tensor family: mlp.gate_up"),
-                         ("no_cache_reset_in_1", "round-trips exactly")]:  # fmt: skip
+    for label, words in [
+        ("swapped_gate_up_in_1", "worst tensor family: mlp.gate_up"),
+        ("no_cache_reset_in_1", "round-trips exactly"),
+    ]:
         errors = [out[label].get("error") for out in results]
         assert errors[0] is not None and errors[0] == errors[1], (label, errors)
         assert errors[0].startswith(f"weight sync bug-{1 if 'gate' in label else 2}: engine 1 and trainer"), errors[0]

@@ -75,19 +75,23 @@ def test_gate_up_and_wrong_shapes():
     gate, up = torch.randn(f, h), torch.randn(f, h)
     fc1 = mapping.to_megatron(
         "decoder.layers.1.mlp.linear_fc1.weight",
-        {"model.layers.1.mlp.gate_proj.weight": gate, "model.layers.1.mlp.up_proj.weight": up}, model, 256,
-    )  # fmt: skip
+        {"model.layers.1.mlp.gate_proj.weight": gate, "model.layers.1.mlp.up_proj.weight": up},
+        model,
+        256,
+    )
     assert torch.equal(fc1[:f], gate) and torch.equal(fc1[f:], up)
     with pytest.raises(ValueError, match="ffn_hidden_size"):
         mapping.split_gate_up(fc1[:-1], model)
     with pytest.raises(ValueError, match="q_proj has"):
         mapping.merge_qkv(torch.randn(3, h), torch.randn(32, h), torch.randn(32, h), model)
     with pytest.raises(KeyError, match="up_proj"):
-        mapping.to_megatron("decoder.layers.1.mlp.linear_fc1.weight", {"model.layers.1.mlp.gate_proj.weight": gate},
-                            model, 256)  # fmt: skip
+        mapping.to_megatron(
+            "decoder.layers.1.mlp.linear_fc1.weight", {"model.layers.1.mlp.gate_proj.weight": gate}, model, 256
+        )
     with pytest.raises(ValueError, match="vocab_size is 250"):
-        mapping.to_megatron("embedding.word_embeddings.weight", {"model.embed_tokens.weight": torch.zeros(251, h)},
-                            model, 256)  # fmt: skip
+        mapping.to_megatron(
+            "embedding.word_embeddings.weight", {"model.embed_tokens.weight": torch.zeros(251, h)}, model, 256
+        )
     with pytest.raises(KeyError, match="outside"):
         mapping.hf_names_of("decoder.layers.4.mlp.linear_fc2.weight", model)
     with pytest.raises(KeyError, match="no mapping rule"):
@@ -130,12 +134,25 @@ def test_model_config_from_hf_inverts_to_hf_config(path):
 
 def test_model_config_from_hf_older_spelling_and_refusals():
     hf = {
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 128,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-        "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64},
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    }
     model = mapping.model_config_from_hf(hf)
     assert model.family == "llama" and model.rope_theta == 10000.0 and model.rope_scaling["rope_type"] == "llama3"
     assert model.dtype == "bfloat16" and model.num_query_groups == 2

@@ -62,8 +62,9 @@ def swap_experts(bucket, a: int, b: int) -> list:
 def sync_groups(groups, placement):
     from megatron_empg.weight_sync.bridge import SyncGroups
 
-    return SyncGroups(groups.tp_group, groups.pp_group, placement.feeds_engine, ep_group=groups.ep_group,
-                      etp_group=groups.etp_group)  # fmt: skip
+    return SyncGroups(
+        groups.tp_group, groups.pp_group, placement.feeds_engine, ep_group=groups.ep_group, etp_group=groups.etp_group
+    )
 
 
 def _sync_layouts(rank: int, world_size: int, layouts, hf_state: dict) -> list:
@@ -77,21 +78,36 @@ def _sync_layouts(rank: int, world_size: int, layouts, hf_state: dict) -> list:
     results = []
     for parallel, engines in layouts:
         groups = parallel_state.initialize_model_parallel(parallel, SEED)
-        placement = build_placement(engines, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank,
-                                    dp_size=groups.dp_size)  # fmt: skip
+        placement = build_placement(
+            engines, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, dp_rank=groups.dp_rank, dp_size=groups.dp_size
+        )
         chunks = build_gpt_model(model, parallel)
         padded = parallel.padded_vocab_size(model.vocab_size)
         load_full_state_dict(chunks, mapping.to_megatron_state_dict(hf_state, model, padded))
         receiver = RecordingReceiver() if placement.is_owner else None
         shards = named_weight_shards(chunks)
-        report = sync_weights(shards, model, sync_groups(groups, placement),
-                              InProcessTransport(receiver) if receiver else None, "step-3", bucket_bytes=BUCKET_BYTES,
-                              placement=placement)  # fmt: skip
-        results.append({"report": report, "received": receiver.tensors if receiver else None,
-                        "local_experts": sorted({n.split(".local_experts.")[1].split(".")[0] for n, _, _ in shards
-                                                 if ".local_experts." in n}, key=int),
-                        "round_trip_errors": round_trip_errors(shards, model, sync_groups(groups, placement),
-                                                               bucket_bytes=BUCKET_BYTES)})  # fmt: skip
+        report = sync_weights(
+            shards,
+            model,
+            sync_groups(groups, placement),
+            InProcessTransport(receiver) if receiver else None,
+            "step-3",
+            bucket_bytes=BUCKET_BYTES,
+            placement=placement,
+        )
+        results.append(
+            {
+                "report": report,
+                "received": receiver.tensors if receiver else None,
+                "local_experts": sorted(
+                    {n.split(".local_experts.")[1].split(".")[0] for n, _, _ in shards if ".local_experts." in n},
+                    key=int,
+                ),
+                "round_trip_errors": round_trip_errors(
+                    shards, model, sync_groups(groups, placement), bucket_bytes=BUCKET_BYTES
+                ),
+            }
+        )
         parallel_state.destroy_model_parallel()
     return results
 

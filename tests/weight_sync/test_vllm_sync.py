@@ -76,9 +76,17 @@ def _sync_and_check(chunks, model, groups, engine, transport, version, probe, pl
         return score_sequences(chunks, sequences, model.vocab_size, groups)
 
     def verify(version, tolerance):
-        return gate.verify_sync(engine, probe, trainer_score, version, tolerance=tolerance, continuation=CONTINUATION,
-                                seed=1, diagnose=lambda: round_trip_errors(shards, model, feeding, bucket_bytes=BUCKET_BYTES),
-                                placement=placement)
+        return gate.verify_sync(
+            engine,
+            probe,
+            trainer_score,
+            version,
+            tolerance=tolerance,
+            continuation=CONTINUATION,
+            seed=1,
+            diagnose=lambda: round_trip_errors(shards, model, feeding, bucket_bytes=BUCKET_BYTES),
+            placement=placement,
+        )
 
     before = verify("before", math.inf)
     report = sync_weights(shards, model, feeding, transport, version, bucket_bytes=BUCKET_BYTES, placement=placement)
@@ -99,7 +107,9 @@ def _tp1_in_process(rank: int, world_size: int, model_dir: str, hf_state: dict) 
     parallel = ParallelConfig()
     groups = parallel_state.initialize_model_parallel(parallel, SEED)
     chunks = build_gpt_model(model, parallel)
-    load_full_state_dict(chunks, mapping.to_megatron_state_dict(hf_state, model, parallel.padded_vocab_size(model.vocab_size)))
+    load_full_state_dict(
+        chunks, mapping.to_megatron_state_dict(hf_state, model, parallel.padded_vocab_size(model.vocab_size))
+    )
     engine = _engine(model_dir, in_process=True)
     transport = InProcessTransport(engine)
     probe = gate.probe_batch(2, PROBE_LENGTH, model.vocab_size, seed=0)
@@ -116,8 +126,10 @@ def _tp1_in_process(rank: int, world_size: int, model_dir: str, hf_state: dict) 
         out["no_cache_reset"] = _sync_and_check(chunks, model, groups, engine, transport, "step-2", probe)
     finally:
         del engine._llm.reset_prefix_cache
-    for label, attribute, bug in [("naive_qkv", "split_qkv", naive_split_qkv),
-                                  ("swapped_gate_up", "split_gate_up", swapped_gate_up)]:  # fmt: skip
+    for label, attribute, bug in [
+        ("naive_qkv", "split_qkv", naive_split_qkv),
+        ("swapped_gate_up", "split_gate_up", swapped_gate_up),
+    ]:
         correct = getattr(mapping, attribute)
         setattr(mapping, attribute, bug)
         try:
@@ -174,7 +186,9 @@ def _two_ranks_shm(rank: int, world_size: int, model_dir: str, hf_state: dict, l
         groups = parallel_state.initialize_model_parallel(parallel, SEED)
         chunks = build_gpt_model(model, parallel)
         state = {k: v * (1 + 0.1 * i) for k, v in hf_state.items()}  # each layout brings new weights
-        load_full_state_dict(chunks, mapping.to_megatron_state_dict(state, model, parallel.padded_vocab_size(model.vocab_size)))
+        load_full_state_dict(
+            chunks, mapping.to_megatron_state_dict(state, model, parallel.padded_vocab_size(model.vocab_size))
+        )
         results.append(_sync_and_check(chunks, model, groups, engine, transport, f"layout-{i}", probe))
         if parallel.pipeline_model_parallel_size == 1:  # TP2: one optimizer step, then the same again
             _sgd_step(chunks, probe, groups, model)

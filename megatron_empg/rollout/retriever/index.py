@@ -134,8 +134,9 @@ class E5Encoder:
     mask, L2-normalized. Runs on CUDA when available, else CPU, ``batch_size`` texts per forward.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, batch_size: int = DEFAULT_ENCODE_BATCH_SIZE,
-                 max_length: int = E5_MAX_LENGTH) -> None:  # fmt: skip
+    def __init__(
+        self, model_dir: str | os.PathLike, batch_size: int = DEFAULT_ENCODE_BATCH_SIZE, max_length: int = E5_MAX_LENGTH
+    ) -> None:
         import torch
         from transformers import AutoModel, AutoTokenizer
 
@@ -159,7 +160,10 @@ class E5Encoder:
             for start in range(0, len(texts), self.batch_size):
                 batch = self.tokenizer(
                     [prefix + text for text in texts[start : start + self.batch_size]],
-                    max_length=self.max_length, padding=True, truncation=True, return_tensors="pt",
+                    max_length=self.max_length,
+                    padding=True,
+                    truncation=True,
+                    return_tensors="pt",
                 ).to(self.device)
                 hidden = self.model(**batch).last_hidden_state  # [B, T, hidden_size]
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
