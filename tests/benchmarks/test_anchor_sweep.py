@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks.anchor_sweep import main
 
+pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast
+
 
 @pytest.mark.megatron
 @pytest.mark.timeout(600)

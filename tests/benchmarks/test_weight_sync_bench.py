@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "weight_sync.py"
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2}

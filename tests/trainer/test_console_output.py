@@ -24,6 +24,8 @@ import pytest
 from megatron_empg.trainer.metrics_log import console_line, read_metrics
 from tests.trainer.demo_runs import REPO, demo_config, run_train
 
+pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast
+
 # Logs a record at INFO and at WARNING on each logger after configure_logging(third_party_level=
 # argv[1], rank=argv[2], world_size=argv[3]), with torch imported before the call and vLLM and
 # transformers after it (as empg train does), then warns as Megatron-Core's code and ours would;

@@ -10,6 +10,8 @@ import pytest
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.trainer.demo_runs import demo_config, run_train
 
+pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast
+
 COMPARED = (
     "actor/loss",
     "actor/policy_loss",

@@ -16,7 +16,7 @@ from megatron_empg.trainer.metrics_log import read_metrics
 from tests.trainer.demo_runs import REPO, train_command
 from tests.trainer.hf_runs import hf_engine_config, random_demo_model
 
-pytestmark = [pytest.mark.megatron]
+pytestmark = [pytest.mark.megatron, pytest.mark.process]
 
 
 def _calls(path) -> list[str]:

@@ -12,6 +12,8 @@ from megatron_empg.trainer.build import bind
 from megatron_empg.trainer.metrics_log import read_metrics
 from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, DEMO_RECIPE, demo_config, run_train
 
+pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast
+
 COMPARED = ("actor/loss", "actor/policy_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/mean")
 
 

@@ -81,6 +81,7 @@ def test_check_free_space_says_how_to_make_room(tmp_path):
         check_free_space(tmp_path / "missing", 1)
 
 
+@pytest.mark.process
 def test_a_small_dev_shm_stops_the_run_before_the_engine_starts(tmp_path):
     config = hf_engine_config(tmp_path, "run", random_demo_model(tmp_path / "model"), steps=1)
     config["rollout"]["engine"] = "recording"
@@ -96,6 +97,7 @@ def test_a_small_dev_shm_stops_the_run_before_the_engine_starts(tmp_path):
     )
 
 
+@pytest.mark.process
 def test_the_fp8_anchor_from_yaml(tmp_path):
     config = hf_engine_config(tmp_path, "run", random_demo_model(tmp_path / "model"), steps=1)
     config["rollout"]["engine"] = "recording"

@@ -15,6 +15,8 @@ from megatron_empg.trainer.metrics_log import read_metrics
 from tests.dist import run_distributed
 from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, demo_config, run_train
 
+pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast
+
 # Per step: every metric of the update (losses, KL, entropy, grad norm) and of the rollouts (the
 # same samples, as the synced weights agree to rounding).
 COMPARED = (

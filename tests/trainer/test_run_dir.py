@@ -63,6 +63,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.process
 def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_blocks_nothing(tmp_path):
     config = _config(tmp_path, "elsewhere/checkpoints")  # two directories, two locks
     holder = subprocess.Popen(
@@ -146,6 +147,7 @@ def test_resume_with_nothing_to_resume_starts_at_step_0_unless_the_metrics_are_a
     assert "stopped before its first checkpoint: 3 records, steps 1-3 are redone" in caplog.text
 
 
+@pytest.mark.process
 def test_empg_train_refuses_a_second_run_before_building_anything(tmp_path, warm_start):
     """Through the command line: the second ``empg train`` on a held directory exits 2 at once; the
     first one's checkpoints and metrics are untouched."""

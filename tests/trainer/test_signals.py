@@ -14,6 +14,8 @@ import pytest
 
 from megatron_empg.trainer.signals import STOP_SIGNALS, ignored_in_children, stop_signals
 
+pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast
+
 REPO = Path(__file__).resolve().parents[2]
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
