@@ -1,7 +1,7 @@
-"""Every shipped GPU recipe's memory plan at its world size (8 ranks, 16 for the 32k Qwen3-8B one;
-one H100 80GB each): the
+"""Every shipped GPU recipe's memory plan at its world size (8 ranks, 16 for the 32k Qwen3-8B one,
+32 for Qwen3-30B-A3B; one H100 80GB each): the
 planned peak per rank and its phase, the terms behind it, and, where it does not fit, the changes
-that would. Writes ``benchmarks/results/plan_recipes.json`` and prints the README's table.
+that would. Writes ``benchmarks/results/plan_recipes.json`` and prints the table of docs/planning.md.
 
     .venv/bin/python benchmarks/plan_recipes.py [--gpu-memory-gib 79.2]
 """
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CPU_RECIPES = ("demo_cpu.yaml", "demo_cpu_grpo.yaml")
-WORLD_SIZES = {"qwen3_8b_dapo_math_rpg_urkl_32k_cp4.yaml": 16}  # the rest: one node of 8 (their comments)
+WORLD_SIZES = {"qwen3_8b_dapo_math_rpg_urkl_32k_cp4.yaml": 16, "qwen3_30b_a3b_dapo_math_ema_pg.yaml": 32}  # the rest: one node of 8 (their comments)
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,7 @@ pytestmark = [
 ]
 
 # The gate's tolerance per dtype: float32 kernels of the two stacks agree to ~1e-5 (CPU: 3e-5 over
-# the demo's first 300 syncs); bf16 is the recipes' 0.25 (a layout bug gives 0.2 to 2.6, README).
+# the demo's first 300 syncs); bf16 is the recipes' 0.25 (a layout bug gives 0.2 to 2.6, docs/engines.md).
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
 
 
