@@ -17,7 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CPU_RECIPES = ("demo_cpu.yaml", "demo_cpu_grpo.yaml")
-WORLD_SIZES = {"qwen3_8b_dapo_math_rpg_urkl_32k_cp4.yaml": 16, "qwen3_30b_a3b_dapo_math_ema_pg.yaml": 32}  # the rest: one node of 8 (their comments)
+WORLD_SIZES = {
+    "qwen3_8b_dapo_math_rpg_urkl_32k_cp4.yaml": 16,
+    "qwen3_30b_a3b_dapo_math_ema_pg.yaml": 32,
+}  # the rest: one node of 8 (their comments)
 
 
 def main(argv=None) -> int:
