@@ -127,3 +127,16 @@ def test_te_grouped_expert_names_and_expert_offsets():
     grouped = "decoder.layers.0.mlp.experts.linear_fc1.weight3"
     assert global_name(grouped, 0, expert_offset=4) == "decoder.layers.0.mlp.experts.linear_fc1.weight7"
     assert global_name("decoder.layers.0.mlp.router.weight", 2, expert_offset=4) == "decoder.layers.2.mlp.router.weight"
+
+
+def test_one_table_of_model_families():
+    import typing
+
+    from megatron_empg.config import FAMILIES, Family
+
+    assert set(typing.get_args(Family)) == set(FAMILIES) == set(mapping.ARCHITECTURES)
+    for name, spec in FAMILIES.items():
+        assert mapping.ARCHITECTURES[name].hf_architecture == spec.hf_architecture
+        tiny = load_model_config(f"tiny-{name.replace('_', '-')}")
+        back = mapping.model_config_from_hf(tiny.to_hf_config(), name=tiny.name)
+        assert (back.add_qkv_bias, back.qk_layernorm, back.is_moe) == (spec.add_qkv_bias, spec.qk_layernorm, spec.moe)

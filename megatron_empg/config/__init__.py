@@ -40,8 +40,10 @@ from megatron_empg.config.algorithm import (  # noqa: F401
     OptimizerConfig,
 )
 from megatron_empg.config.model import (  # noqa: F401
+    FAMILIES,
     MODEL_CONFIG_DIR,
     Family,
+    FamilySpec,
     ModelConfig,
     ParallelConfig,
     load_model_config,

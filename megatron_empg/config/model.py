@@ -16,21 +16,27 @@ MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
 
 Family = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 
-_HF_ARCHITECTURE = {
-    "qwen2": "Qwen2ForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
+
+@dataclasses.dataclass(frozen=True)
+class FamilySpec:
+    """What a model family's HF implementation is and hard-codes: its ``architectures`` name, QKV
+    biases and q/k norms, and whether every layer's MLP is a mixture of experts."""
+
+    hf_architecture: str
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    moe: bool = False
+
+
+# The one table of model families (``Family`` names them for the config's type; a test checks that
+# the two agree). The weight mapping (``weight_sync.mapping``) adds each family's tensor rules.
+FAMILIES: dict[str, FamilySpec] = {
+    "qwen2": FamilySpec("Qwen2ForCausalLM", add_qkv_bias=True, qk_layernorm=False),
+    "llama": FamilySpec("LlamaForCausalLM", add_qkv_bias=False, qk_layernorm=False),
+    "qwen3": FamilySpec("Qwen3ForCausalLM", add_qkv_bias=False, qk_layernorm=True),
+    "qwen3_moe": FamilySpec("Qwen3MoeForCausalLM", add_qkv_bias=False, qk_layernorm=True, moe=True),
 }
-# Families whose every layer's MLP is a mixture of experts (``num_experts`` required).
-MOE_FAMILIES = ("qwen3_moe",)
-# What each family's HF implementation hard-codes, as (field, required value).
-_FAMILY_FLAGS: dict[str, dict[str, bool]] = {
-    "qwen2": {"add_qkv_bias": True, "qk_layernorm": False},
-    "llama": {"add_qkv_bias": False, "qk_layernorm": False},
-    "qwen3": {"add_qkv_bias": False, "qk_layernorm": True},
-    "qwen3_moe": {"add_qkv_bias": False, "qk_layernorm": True},
-}
+MOE_FAMILIES = tuple(name for name, spec in FAMILIES.items() if spec.moe)
 # The rope scalings the Megatron build and the HF config both support, with their required keys.
 _ROPE_SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -131,7 +137,9 @@ class ModelConfig:
             )
         if self.kv_channels % 2:
             raise ConfigError("head_dim", f"the head dimension must be even for RoPE, got {self.kv_channels}")
-        for flag, required in _FAMILY_FLAGS[self.family].items():
+        spec = FAMILIES[self.family]
+        for flag in ("add_qkv_bias", "qk_layernorm"):
+            required = getattr(spec, flag)
             if getattr(self, flag) != required:
                 raise ConfigError(flag, f"family {self.family!r} requires {flag}: {str(required).lower()}")
         if self.family in ("qwen2", "llama") and self.hidden_size % self.num_attention_heads:
@@ -238,7 +246,7 @@ class ModelConfig:
         rope["rope_theta"] = self.rope_theta
         hf: dict[str, Any] = {
             "model_type": self.family,
-            "architectures": [_HF_ARCHITECTURE[self.family]],
+            "architectures": [FAMILIES[self.family].hf_architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.ffn_hidden_size,

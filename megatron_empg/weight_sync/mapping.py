@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from megatron_empg.config import ConfigError, ModelConfig, from_dict
+from megatron_empg.config import FAMILIES, ConfigError, ModelConfig, from_dict
 
 Layout = Literal["copy", "qkv", "gate_up", "vocab"]
 
@@ -53,9 +53,13 @@ class TensorRule:
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    family: str  # ModelConfig.family
-    hf_architecture: str  # config.json "architectures"
+    family: str  # ModelConfig.family: a key of config.FAMILIES, which holds its HF names and flags
     rules: tuple[TensorRule, ...]
+
+    @property
+    def hf_architecture(self) -> str:
+        """config.json's ``architectures`` entry."""
+        return FAMILIES[self.family].hf_architecture
 
 
 _L = "decoder.layers.{i}."
@@ -113,10 +117,10 @@ _DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 SPARSE_RULES = tuple(r for r in DENSE_RULES if not r.megatron.endswith(_DENSE_MLP)) + MOE_RULES
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", DENSE_RULES + QKV_BIAS_RULES),
-    "llama": Architecture("llama", "LlamaForCausalLM", DENSE_RULES),
-    "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", DENSE_RULES + QK_NORM_RULES),
-    "qwen3_moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", SPARSE_RULES + QK_NORM_RULES),
+    "qwen2": Architecture("qwen2", DENSE_RULES + QKV_BIAS_RULES),
+    "llama": Architecture("llama", DENSE_RULES),
+    "qwen3": Architecture("qwen3", DENSE_RULES + QK_NORM_RULES),
+    "qwen3_moe": Architecture("qwen3_moe", SPARSE_RULES + QK_NORM_RULES),
 }
 
 # The Transformer Engine spec fuses the pre-attention / pre-MLP RMSNorm into the next linear layer.
@@ -433,8 +437,8 @@ def model_config_from_hf(hf_config: Mapping[str, Any], name: str | None = None) 
         "rope_theta": theta,
         "rope_scaling": scaling,
         "norm_epsilon": float(required("rms_norm_eps")),
-        "add_qkv_bias": family == "qwen2",
-        "qk_layernorm": family in ("qwen3", "qwen3_moe"),
+        "add_qkv_bias": FAMILIES[family].add_qkv_bias,
+        "qk_layernorm": FAMILIES[family].qk_layernorm,
         "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
         "initializer_range": float(hf_config.get("initializer_range", 0.02)),
         "bos_token_id": hf_config.get("bos_token_id"),
@@ -442,7 +446,7 @@ def model_config_from_hf(hf_config: Mapping[str, Any], name: str | None = None) 
         "pad_token_id": hf_config.get("pad_token_id"),
         "dtype": dtype,
     }
-    if family == "qwen3_moe":
+    if FAMILIES[family].moe:
         data.update(_moe_from_hf(hf_config, required))
     return from_dict(ModelConfig, data)
 
