@@ -202,15 +202,25 @@ def _in_flight_layers(layers: int, pp: int, vpp: int | None, pp_rank: int) -> in
     return chunks * (layers // vpp)
 
 
+def _optimizer_shards(config: RunConfig, layout) -> tuple[int, int]:
+    """(ranks the dense weights' fp32 state is sharded over, ranks the experts' is): DP x CP and
+    the expert data-parallel size with the distributed optimizer; (1, 1) without."""
+    if not config.optimizer.use_distributed_optimizer:
+        return 1, 1
+    return layout.dp * layout.cp, layout.training_ranks // config.parallel.expert_grid_size
+
+
+def _sharded_elements(shape, dp_shard: int, expert_dp: int) -> int:
+    """This rank's elements of the fp32 optimizer state (and the anchor's master)."""
+    return (shape.params - shape.expert_params) // dp_shard + shape.expert_params // expert_dp
+
+
 def _training_stage(components, pp_rank: int, device: int, options: PlanOptions) -> RankPlan:
     config, model, layout, stats = components.config, components.model, components.layout, components.stats
     train, parallel, cal = config.train, config.parallel, options.calibration
     shape = rank_shape(model, parallel, pp_rank)
-    distributed = config.optimizer.use_distributed_optimizer
-    dp_shard = layout.dp * layout.cp if distributed else 1  # DP x CP
-    # The experts' fp32 state is sharded over the expert data-parallel ranks instead.
-    expert_dp = layout.training_ranks // parallel.expert_grid_size if distributed else 1
-    sharded = (shape.params - shape.expert_params) // dp_shard + shape.expert_params // expert_dp
+    dp_shard, expert_dp = _optimizer_shards(config, layout)
+    sharded = _sharded_elements(shape, dp_shard, expert_dp)
     params_bytes = DTYPE_BYTES[train.params_dtype]
     attention = model.attention_backend
     tokens, rows = _update_tokens(config)
@@ -350,10 +360,7 @@ def _host(components, ranks_per_node: int) -> dict[str, int]:
     engines = max(1, layout.engines * per_node // max(layout.training_ranks, 1)) if not layout.engine_ranks else 0
     rollout, anchor = config.rollout, config.algorithm.anchor
     shape = rank_shape(model, config.parallel, 0)
-    distributed = config.optimizer.use_distributed_optimizer
-    dp_shard = layout.dp * layout.cp if distributed else 1
-    expert_dp = layout.training_ranks // config.parallel.expert_grid_size if distributed else 1
-    sharded = (shape.params - shape.expert_params) // dp_shard + shape.expert_params // expert_dp
+    sharded = _sharded_elements(shape, *_optimizer_shards(config, layout))
     # rollout.max_staleness >= 1: each engine owner stages up to 3 whole updates (weight_sync.staging)
     owners = max(1, min(ranks_per_node, layout.engine_ranks) // rollout.tensor_parallel_size)
     host = {
