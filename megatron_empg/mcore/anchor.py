@@ -17,28 +17,13 @@ Pieces:
              what ``mcore.step.forward_stats`` runs for the anchor pass. The anchor is never
              synced to the rollout engine and costs no weight-sync time.
     master   float32 accumulator. It pairs element for element with the optimizer's float32 main
-             parameters (``Float16OptimizerWithFloat16Params``: ``fp32_from_float16_groups`` /
-             ``fp32_from_fp32_groups``; ``FP32Optimizer``: the model parameters themselves;
-             ``DistributedOptimizer``: the main-parameter *shards*, ``shard_fp32_from_float16_groups``
-             / ``shard_fp32_groups``, each covering ``_get_model_param_range_map(p)["param"]`` of
-             its flattened parameter; ``ChainedOptimizer``: each chained optimizer). Without the
-             distributed optimizer every rank holds a full float32 copy of its TP/PP shard of the
+             parameters (``anchor_storage.main_params``). Without the distributed optimizer every rank holds a full float32 copy of its TP/PP shard of the
              model (as the optimizer does); with it, only this DP rank's ranges, so the update
              reads only local memory. ``master_on_cpu`` keeps it in (pinned) host memory on a GPU
              machine (each update then copies the main params to the host, each refresh copies
              the master back); on a CPU machine it changes nothing.
 
-Distributed optimizer: the all-gather of the refresh. The anchor's weights of each policy DDP
-buffer live in one flat tensor with *that buffer's layout* (``param_index_map``, padded buckets
-split into DP-size equal shards: the layout of Megatron's own param buffer), the parameters being
-views into it. Each rank casts its master ranges into its own shard of every bucket, then
-``all_gather_into_tensor`` per bucket, in place (the input is the output's own shard), all issued
-inside one ``torch.distributed._coalescing_manager`` (exactly Megatron's ``start_param_sync``):
-one coalesced collective per refresh, no staging buffer, no copy after it, and the memory of the
-anchor is its weights alone. (The alternative, one flat all-gather of every rank's ranges
-concatenated, needs a second full-size receive buffer and a scatter copy, because a rank's ranges
-are one piece per bucket.) With ``overlap_grad_reduce=False`` (``mcore.optimizer.wrap_with_ddp``)
-each model chunk has one bucket, so without VPP a refresh issues a single ``all_gather_into_tensor``.
+Distributed optimizer: the refresh's all-gather of the anchor's flat buffers (``anchor_storage``).
 
 Mixture of experts. The anchor's chunks have the policy's expert layout (EP, ETP): each rank's
 master and weights cover its local experts, under their local names (``local_experts.<j>``; the
@@ -85,7 +70,6 @@ fine. Non-learned buffers (rotary ``inv_freq``) are not averaged: both models co
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -100,11 +84,14 @@ from megatron_empg.mcore import cpu_shims
 cpu_shims.install_pre_import()
 
 from megatron.core import fp8_utils, tensor_parallel  # noqa: E402  (after the pre-import shims)
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
-from megatron.core.optimizer.optimizer import (  # noqa: E402
-    ChainedOptimizer,
-    Float16OptimizerWithFloat16Params,
-    FP32Optimizer,
+
+from megatron_empg.mcore.anchor_storage import (  # noqa: E402
+    Entry,
+    Flat,
+    Param,
+    gather_flats,
+    main_params,
+    te_fp8_model_init,
 )
 
 if TYPE_CHECKING:
@@ -114,106 +101,6 @@ if TYPE_CHECKING:
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-
-
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    """One parameter's part owned by this rank: master <-> main over ``[start, end)`` of the
-    flattened parameter (the whole parameter without the distributed optimizer)."""
-
-    key: str
-    index: int  # position in EmaAnchor._params
-    main: Tensor  # optimizer's float32 main param (or shard), flattened view
-    master: Tensor  # float32, 1-D, numel end - start
-    start: int
-    end: int
-    flat_offset: int | None  # start of [start, end) in the anchor's flat buffer (sharded only)
-
-
-@dataclasses.dataclass(eq=False)
-class _Param:
-    """One anchor parameter and where its stored (compute or FP8) values live."""
-
-    key: str
-    param: torch.nn.Parameter
-    buffer: int | None  # index into EmaAnchor._flats (sharded only)
-    offset: int | None  # param's start in that flat buffer
-    te_fp8: bool  # a Transformer Engine FP8 tensor
-    policy: Tensor | None  # the policy's parameter (construction only)
-    fp8: Tensor | None = None  # emulated FP8 storage, param-shaped
-    entry: _Entry | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class _Flat:
-    """Anchor storage mirroring one policy DDP buffer: ``data``, its buckets' [start, end) and the
-    buffer's data-parallel group (the expert-DP group for an expert-parallel buffer)."""
-
-    data: Tensor
-    buckets: list[tuple[int, int]]
-    group: Any
-
-
-def _optimizers(optimizer) -> Iterator[Any]:
-    if isinstance(optimizer, ChainedOptimizer):
-        for inner in optimizer.chained_optimizers:
-            yield from _optimizers(inner)
-    else:
-        yield optimizer
-
-
-def _main_params(optimizer) -> tuple[dict[Tensor, tuple[Tensor, int, int]], bool]:
-    """policy model param -> (float32 main param or shard, start, end in the flattened param);
-    and whether the optimizer is distributed."""
-    out: dict[Tensor, tuple[Tensor, int, int]] = {}
-    kinds = set()
-
-    def add(param: Tensor, main: Tensor | None, start: int, end: int) -> None:
-        if main is None:
-            raise NotImplementedError(
-                "the optimizer holds no float32 main parameter for a model parameter (precision-aware "
-                "optimizer: main params live inside the fused Adam); EmaAnchor needs them as tensors"
-            )
-        if main.dtype != torch.float32 or main.numel() != end - start:
-            raise RuntimeError(
-                f"main parameter of dtype {main.dtype} and {main.numel()} elements for the range [{start}, {end})"
-            )
-        if param in out:
-            raise RuntimeError("a model parameter appears twice in the optimizer")
-        out[param] = (main.detach().view(-1), start, end)
-
-    for opt in _optimizers(optimizer):
-        if getattr(opt, "is_stub_optimizer", False):
-            continue
-        if isinstance(opt, DistributedOptimizer):
-            kinds.add("distributed")
-            pairs = [
-                (opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
-                (opt.model_fp32_groups, opt.shard_fp32_groups),
-            ]
-            for model_groups, main_groups in pairs:
-                for model_group, main_group in zip(model_groups, main_groups, strict=True):
-                    for param, main in zip(model_group, main_group, strict=True):
-                        r = opt._get_model_param_range_map(param)["param"]
-                        add(param, main, r.start, r.end)
-        elif isinstance(opt, Float16OptimizerWithFloat16Params):
-            kinds.add("full")
-            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
-                for param, main in zip(model_group, main_group, strict=True):
-                    add(param, main, 0, param.numel())
-            for group in opt.fp32_from_fp32_groups:
-                for param in group:
-                    add(param, param, 0, param.numel())
-        elif isinstance(opt, FP32Optimizer):
-            kinds.add("full")
-            for group in opt.optimizer.param_groups:
-                for param in group["params"]:
-                    add(param, param, 0, param.numel())
-        else:
-            raise NotImplementedError(f"EmaAnchor does not know where {type(opt).__name__} keeps its main parameters")
-    if len(kinds) > 1:
-        raise NotImplementedError("a ChainedOptimizer mixing distributed and non-distributed optimizers")
-    return out, kinds == {"distributed"}
 
 
 @contextlib.contextmanager
@@ -227,66 +114,6 @@ def _rng_preserved() -> Iterator[None]:
             yield
         finally:
             tracker.set_states(states)
-
-
-def _all_gather_buckets(pairs: list[tuple[Tensor, Tensor]], group) -> None:
-    """In place, ``all_gather_into_tensor(out, shard)`` for every pair (``shard`` is this rank's
-    part of ``out``), as one coalesced collective (torch >= 2.13 names it ``all_gather_single``)."""
-    if not pairs:
-        return
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    if len(pairs) == 1:
-        gather(pairs[0][0], pairs[0][1], group=group)
-        return
-    from torch.distributed.distributed_c10d import _coalescing_manager
-
-    with _coalescing_manager(group):
-        for out, shard in pairs:
-            gather(out, shard, group=group)
-
-
-def _gather_flats(flats: list[tuple[_Flat, Tensor]], *, as_bytes: bool = False) -> None:
-    """In place, every DP rank's shard of each bucket of ``flats`` (flat, tensor laid out as its
-    ``data``) on every rank of the flat's group: one coalesced all-gather per group (the policy's
-    DP group; a mixture of experts adds its expert-DP group). ``as_bytes``: gather the raw bytes."""
-    by_group: dict[Any, list[tuple[Tensor, Tensor]]] = {}
-    for flat, tensor in flats:
-        size_of_group = flat.group.size()
-        if size_of_group == 1:
-            continue
-        rank = flat.group.rank()
-        for start, end in flat.buckets:
-            out = _as_bytes(tensor[start:end]) if as_bytes else tensor[start:end]
-            size = out.numel() // size_of_group
-            by_group.setdefault(flat.group, []).append((out, out[rank * size : (rank + 1) * size]))
-    for group, pairs in by_group.items():
-        _all_gather_buckets(pairs, group)
-
-
-def _te_fp8_model_init(te_missing: str) -> Callable[[], contextlib.AbstractContextManager]:
-    """Transformer Engine's ``fp8_model_init`` (current scaling where TE supports recipes), or a
-    RuntimeError when TE or CUDA is missing. Lazy: TE is a GPU extra."""
-    import inspect
-
-    try:
-        import transformer_engine.pytorch as te
-    except ImportError as error:
-        raise RuntimeError(f"te_fp8=True needs Transformer Engine. {te_missing}") from error
-    if not torch.cuda.is_available():
-        raise RuntimeError("Transformer Engine FP8 parameters (te_fp8=True) need a GPU")
-    kwargs: dict[str, Any] = {"enabled": True}
-    if "recipe" in inspect.signature(te.fp8_model_init).parameters:
-        try:
-            from transformer_engine.common.recipe import Float8CurrentScaling
-
-            kwargs["recipe"] = Float8CurrentScaling()
-        except ImportError:  # TE < 2.2: delayed scaling
-            pass
-    return lambda: te.fp8_model_init(**kwargs)
-
-
-def _as_bytes(t: Tensor) -> Tensor:
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 class EmaAnchor:
@@ -337,7 +164,7 @@ class EmaAnchor:
             model.eval()
             model.requires_grad_(False)
 
-        mains, self.sharded = _main_params(optimizer)
+        mains, self.sharded = main_params(optimizer)
         use_distopt = {m.ddp_config.use_distributed_optimizer for m in policy_models}
         if use_distopt != {self.sharded}:
             raise ValueError(
@@ -345,8 +172,8 @@ class EmaAnchor:
                 f"({'distributed' if self.sharded else 'not distributed'})"
             )
         self.mode = self._pick_mode()
-        self._params: list[_Param] = []
-        self._flats: list[_Flat] = []
+        self._params: list[Param] = []
+        self._flats: list[Flat] = []
         self.dp_group = None
         self._build_layout(policy_models, mains)
         if self.mode == "emulated":
@@ -394,7 +221,7 @@ class EmaAnchor:
         if te_fp8:
             if compute_dtype != torch.float8_e4m3fn:
                 raise ValueError("te_fp8=True needs compute_dtype=torch.float8_e4m3fn")
-            init_context = _te_fp8_model_init(TE_MISSING)
+            init_context = te_fp8_model_init(TE_MISSING)
             kwargs = {"attention_backend": "te", "fp8": "e4m3", "fp8_param": True, "fp8_recipe": "tensorwise", **kwargs}
 
         def build():
@@ -454,7 +281,7 @@ class EmaAnchor:
                     raise ValueError(f"chunk {c} {name}: not in the policy's DDP buffers (frozen?)")
                 buffer, offset = placed.get(name, (None, None))
                 self._params.append(
-                    _Param(
+                    Param(
                         key=f"{c}.{name}",
                         param=ap,
                         buffer=buffer,
@@ -490,7 +317,7 @@ class EmaAnchor:
             dtype = self.compute_dtype
         device = params[0].device
         data = torch.zeros(buffer.numel, dtype=dtype, device=device)
-        self._flats.append(_Flat(data=data, buckets=buckets, group=buffer.data_parallel_group))
+        self._flats.append(Flat(data=data, buckets=buckets, group=buffer.data_parallel_group))
         placed = {}
         for policy_param, anchor_param, is_te in zip(buffer.params, params, te):
             start, end, _ = buffer.param_index_map[policy_param]
@@ -538,7 +365,7 @@ class EmaAnchor:
 
     def _init_master(self, mains: dict, master_on_cpu: bool) -> None:
         pin = master_on_cpu and torch.cuda.is_available()
-        self._entries: list[_Entry] = []
+        self._entries: list[Entry] = []
         for i, p in enumerate(self._params):
             policy_param, p.policy = p.policy, None
             if policy_param not in mains:  # sharded: entirely on other DP ranks
@@ -548,7 +375,7 @@ class EmaAnchor:
             master = torch.empty(end - start, dtype=torch.float32, device=device, pin_memory=pin)
             master.copy_(main)
             offset = None if p.offset is None else p.offset + start
-            p.entry = _Entry(key=p.key, index=i, main=main, master=master, start=start, end=end, flat_offset=offset)
+            p.entry = Entry(key=p.key, index=i, main=main, master=master, start=start, end=end, flat_offset=offset)
             self._entries.append(p.entry)
         self._master_elsewhere = any(e.master.device != e.main.device for e in self._entries)
 
@@ -599,7 +426,7 @@ class EmaAnchor:
         elif self.mode == "te" and self.sharded:
             fp8_utils.post_all_gather_processing([p.param for p in self._params if p.te_fp8])
 
-    def _store(self, e: _Entry) -> Tensor:
+    def _store(self, e: Entry) -> Tensor:
         """Where entry ``e``'s cast values go (1-D, numel end - start)."""
         p = self._params[e.index]
         if self.sharded:
@@ -610,7 +437,7 @@ class EmaAnchor:
 
     def _gather(self) -> None:
         if self.sharded:
-            _gather_flats([(flat, flat.data) for flat in self._flats], as_bytes=True)
+            gather_flats([(flat, flat.data) for flat in self._flats], as_bytes=True)
 
     def _quantize_emulated(self) -> None:
         amax = torch.zeros(len(self._params), dtype=torch.float32, device=self._fp8_scale_inv.device)
@@ -684,7 +511,7 @@ class EmaAnchor:
         fulls = [torch.zeros(flat.data.numel(), dtype=torch.float32, device=device) for flat in self._flats]
         for e in self._entries:
             fulls[self._params[e.index].buffer][e.flat_offset : e.flat_offset + e.end - e.start].copy_(e.master)
-        _gather_flats(list(zip(self._flats, fulls)))
+        gather_flats(list(zip(self._flats, fulls)))
         out = {}
         for p in self._params:
             n = p.param.numel()
