@@ -72,8 +72,8 @@ def test_docs_configuration_md_is_what_the_tool_generates(tmp_path, capsys):
     command = [sys.executable, "tools/config_docs.py", "--check"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{done.stderr.strip()}: docs/configuration.md is out of date"
-    stale = tmp_path / "configuration.md"
-    stale.write_text((REPO / "docs" / "configuration.md").read_text().replace("Largest global", "Largest"))
+    stale = tmp_path / "stale.txt"
+    stale.write_text((REPO / "docs/configuration.md").read_text().replace("Largest global", "Largest"))
     assert config_docs.main(["--check", "--output", str(stale)]) == 1
     assert capsys.readouterr().err == f"{stale} is out of date: run {config_docs.COMMAND}\n"
 

@@ -37,7 +37,7 @@ from megatron_empg.config import (  # noqa: E402
     literal_choices,
 )
 
-OUTPUT = REPO / "docs" / "configuration.md"
+OUTPUT = REPO / "docs/configuration.md"
 COMMAND = ".venv/bin/python tools/config_docs.py"
 
 INTRO = f"""# Configuration reference

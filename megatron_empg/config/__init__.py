@@ -66,6 +66,7 @@ from megatron_empg.config.run import (  # noqa: F401
     DATA_FILE_SUFFIXES,
     DATA_SOURCES,
     LOG_LEVELS,
+    OPTIMIZER_FORMATS,
     CheckpointConfig,
     DataConfig,
     DistributedConfig,

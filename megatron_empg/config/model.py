@@ -15,6 +15,7 @@ from megatron_empg.config.schema import Config, ConfigError, load_config, named_
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
 
 Family = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
+Dtype = Literal["bfloat16", "float16", "float32"]  # of weights: published (model) or an engine's (rollout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,7 @@ class ModelConfig(Config):
     """The HF config's end-of-sequence token(s)."""
     pad_token_id: int | None = None
     """The HF config's padding token."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Dtype = "bfloat16"
     """The dtype of the published weights."""
     hf_model_id: str | None = None
     """Hugging Face Hub id of the published checkpoint; null: none (a local or tiny model)."""

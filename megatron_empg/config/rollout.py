@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
+from megatron_empg.config.model import Dtype
 from megatron_empg.config.schema import Config, ConfigError, named_in
 
 
@@ -108,7 +109,7 @@ class RolloutConfig(Config):
 
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     """How responses are sampled."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Dtype = "bfloat16"
     """The engine's weights and activations."""
     max_model_len: int | None = None
     """The engine's context in tokens (prompt + response); null: the model's

@@ -21,6 +21,8 @@ ArithmeticOp = Literal["+", "-", "*"]
 ARITHMETIC_OPS = typing.get_args(ArithmeticOp)
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]  # the logging module's level names
 LOG_LEVELS = typing.get_args(LogLevel)
+OptimizerFormat = Literal["fully_reshardable", "dp_reshardable"]  # the distributed optimizer's (mcore.checkpoint)
+OPTIMIZER_FORMATS = typing.get_args(OptimizerFormat)
 
 
 def _check_data_files(field: str, paths: list[str]) -> None:
@@ -318,7 +320,7 @@ class CheckpointConfig(Config):
     starts from, under its own data and length settings: the prompt order of this run's ``data``
     section, continued at the step counter. Applies when ``dir`` has no checkpoint to ``--resume``
     from; exclusive with ``init_from``."""
-    optimizer_format: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
+    optimizer_format: OptimizerFormat = "fully_reshardable"
     """How the distributed optimizer is saved: ``fully_reshardable`` (per-parameter tensors in model
     space, loadable at another TP, PP, DP or EP) or ``dp_reshardable`` (flat per-DP-rank buffers,
     refused at another TP/PP/VPP/EP/ETP) (``mcore.checkpoint``)."""
