@@ -10,10 +10,15 @@ The machinery is generic and works for any (nested) dataclass::
 
 * ``from_dict`` checks every value against the field's type hint (``int``, ``float`` (an int is
   accepted), ``bool`` (only a real bool), ``str``, ``X | None``, unions, ``Literal[...]``,
-  ``list[X]``, ``tuple[X, ...]``, ``dict``, nested dataclasses), rejects unknown keys (listing the
-  allowed ones) and missing required fields, and then calls ``validate()`` on every dataclass in the
-  tree that has one, innermost first. Every error is a ``ConfigError`` whose message starts with the
-  dotted path of the field, e.g. ``model.num_query_groups: expected int, got 'two'``.
+  ``list[X]``, ``tuple[X, ...]``, ``dict``, nested dataclasses) and rejects unknown keys (listing
+  the allowed ones) and missing required fields. Every error is a ``ConfigError`` whose message
+  starts with the dotted path of the field, e.g. ``model.num_query_groups: expected int, got 'two'``.
+* Every config class derives from ``Config``: constructing one, from YAML or directly, checks its
+  ``Literal`` fields (a ``Literal`` is the one list of a field's choices) and runs its
+  ``validate()``, innermost class first. A field that names a registry entry (an advantage
+  estimator, a reward...) is a ``named_in`` field, checked by the bind step (``trainer.build``).
+* Each field is described by the string literal on the line after it (``field_docs``);
+  ``tools/config_docs.py`` writes docs/configuration.md from them.
 * ``read_yaml`` follows a top-level ``defaults: base.yaml`` (merged under the file's own keys).
 * ``apply_overrides`` applies ``a.b.c=value`` strings to a dict; values are parsed as YAML (``1e-6``,
   ``true``, ``[1, 2]``, ``null``, ``{a: 1}``). A key that does not exist is an error, except under a
@@ -23,7 +28,7 @@ The modules: ``schema`` (the machinery above), ``model`` (``ModelConfig``, ``Par
 ``algorithm``, ``rollout`` and ``run`` (the sections of ``RunConfig``). Import from the package.
 
 Cross-field checks live on the dataclasses as ``validate()`` methods that raise
-``ConfigError(field, reason)`` with the field name relative to the dataclass; the caller adds the
+``ConfigError(field, reason)`` with the field name relative to the dataclass; ``from_dict`` adds the
 dataclass's own path.
 """
 
@@ -61,6 +66,7 @@ from megatron_empg.config.run import (  # noqa: F401
     DATA_FILE_SUFFIXES,
     DATA_SOURCES,
     LOG_LEVELS,
+    OPTIMIZER_FORMATS,
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
@@ -72,15 +78,20 @@ from megatron_empg.config.run import (  # noqa: F401
     ValidationConfig,
 )
 from megatron_empg.config.schema import (  # noqa: F401
+    REGISTRY,
+    REGISTRY_ALSO,
+    Config,
     ConfigError,
     apply_overrides,
+    field_docs,
     from_dict,
     join_path,
+    literal_choices,
     load_config,
+    named_in,
     parse_override,
     parse_yaml,
     read_yaml,
     to_dict,
     to_yaml,
-    validate_tree,
 )

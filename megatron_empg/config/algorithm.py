@@ -3,35 +3,51 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
-from megatron_empg.config.schema import ConfigError
+from megatron_empg.config.schema import Config, ConfigError, named_in
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
+LR_DECAY_STYLES = typing.get_args(LrDecayStyle)
+AnchorDtype = Literal["bfloat16", "float32", "float8_e4m3fn"]
+ANCHOR_DTYPES = typing.get_args(AnchorDtype)
+DynamicSamplingMetric = Literal["acc", "reward"]
+DYNAMIC_SAMPLING_METRICS = typing.get_args(DynamicSamplingMetric)
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """Adam with grad clipping and a linear warmup + decay LR schedule (Megatron's argument names).
-
-    ``lr_decay_steps`` null: no decay after the warmup (constant at ``lr``). ``clip_grad`` 0: off.
-    """
+class OptimizerConfig(Config):
+    """Adam with grad clipping and a linear warmup + decay LR schedule (Megatron's argument names;
+    ``mcore.optimizer``). Steps are optimizer steps (``algorithm.mini_batches`` per RL step)."""
 
     lr: float = 1e-6
+    """Peak learning rate, reached after the warmup."""
     min_lr: float = 0.0
+    """Learning rate at the end of the decay, in [0, lr]."""
     weight_decay: float = 0.01
+    """Adam's decoupled weight decay (constant over the run)."""
     adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
     adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
     adam_eps: float = 1e-8
+    """Adam's epsilon (added to the second moment's square root)."""
     clip_grad: float = 1.0
+    """Largest global gradient norm (L2) before clipping; 0: no clipping."""
     lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``lr``; 0: start at ``lr``."""
     lr_decay_steps: int | None = None
-    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "constant"
+    """Optimizer step at which the decay to ``min_lr`` ends (> ``lr_warmup_steps``); null: no decay
+    after the warmup (constant at ``lr``)."""
+    lr_decay_style: LrDecayStyle = "constant"
+    """Shape of the decay from ``lr`` to ``min_lr`` (with ``lr_decay_steps`` set)."""
     use_distributed_optimizer: bool = False
+    """Shard the optimizer state (fp32 master weights, Adam moments) over the data-parallel ranks
+    (Megatron's distributed optimizer)."""
     bucket_size: int | None = None
-
-    def __post_init__(self) -> None:
-        self.validate()
+    """Parameters per gradient-reduction bucket of Megatron's DDP; null: Megatron's default
+    (max(40M, 1M x DP) parameters)."""
 
     def validate(self) -> None:
         if not self.lr > 0:
@@ -40,8 +56,6 @@ class OptimizerConfig:
             raise ConfigError("min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr!r}")
         if self.lr_warmup_steps < 0:
             raise ConfigError("lr_warmup_steps", f"must be >= 0, got {self.lr_warmup_steps!r}")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ConfigError("lr_decay_style", f"expected one of {LR_DECAY_STYLES}, got {self.lr_decay_style!r}")
         if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
             raise ConfigError(
                 "lr_decay_steps", f"must exceed lr_warmup_steps={self.lr_warmup_steps}, got {self.lr_decay_steps!r}"
@@ -51,34 +65,43 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
+class LossConfig(Config):
     """The update-pass objective: arguments of ``parallel.rl_loss.rl_loss`` (see there).
 
-    loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(entropy). ``policy_loss`` is
-    a key of ``parallel.rl_loss.ALL_POLICY_LOSSES`` (``ppo_clip``: GRPO / DAPO / dual-clip;
-    ``rpg``, ``rpg_reinforce*``, ``rpg_dual_clip``) with ``policy_loss_args`` its keyword arguments;
-    ``kl`` is null, a sampled estimator (``k1`` .. ``k5``, ``k3pp``), ``topk``, an RPG penalty
-    (``rpg_fkl``, ``rpg_rkl``, ``rpg_ufkl``, ``rpg_urkl``, ``rpg_ujs``: d(pi / pi_anchor)) or
-    ``grpo_corrected`` (RPG's importance-weighted GRPO KL), with ``kl_args`` (``importance_weight``,
-    ``iw_clip``; for ``topk`` also ``direction``, ``tail``, ``tail_grad``; for the RPG terms
-    ``max_abs_value``);
-    ``agg_mode`` one of ``core.aggregation.AGG_MODES``. The names and arguments are resolved and
-    checked by ``trainer.build.bind`` (``empg check``), before anything starts.
+    loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(entropy). The names and
+    arguments are resolved and checked by ``trainer.build.bind`` (``empg check``), before anything
+    starts.
     """
 
-    policy_loss: str = "ppo_clip"
+    policy_loss: str = named_in("megatron_empg.parallel.rl_loss:ALL_POLICY_LOSSES", "ppo_clip")
+    """The policy loss: ``ppo_clip`` (GRPO / DAPO / dual-clip) or an RPG surrogate (``rpg``,
+    ``rpg_reinforce*``, ``rpg_dual_clip``)."""
     policy_loss_args: dict = dataclasses.field(default_factory=dict)
-    kl: str | None = None
+    """Keyword arguments of the policy loss (e.g. ``clip_eps_low``, ``clip_eps_high``)."""
+    kl: str | None = named_in("megatron_empg.parallel.rl_loss:KL_KINDS", None)
+    """The KL to the anchor: null (none, no anchor is built), a sampled estimator (``k1`` .. ``k5``,
+    ``k3pp``), ``topk`` (the Top-k KL of ``algorithm.topk`` ids), an RPG penalty (``rpg_fkl``,
+    ``rpg_rkl``, ``rpg_ufkl``, ``rpg_urkl``, ``rpg_ujs``: d(pi / pi_anchor)) or ``grpo_corrected``
+    (RPG's importance-weighted GRPO KL)."""
     kl_coef: float = 0.0
+    """The KL's coefficient beta >= 0 (0 with ``kl`` null)."""
     kl_args: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments of the KL: ``importance_weight``, ``iw_clip``; for ``topk`` also
+    ``direction`` (reverse or forward), ``tail``, ``tail_grad``; for the RPG terms
+    ``max_abs_value``."""
     entropy_coef: float = 0.0
+    """The entropy bonus c >= 0 (loss -= c * entropy)."""
     log_entropy: bool = True
-    agg_mode: str = "token-mean"
+    """Compute the policy's entropy for the metrics even when ``entropy_coef`` is 0."""
+    agg_mode: str = named_in("megatron_empg.core.aggregation:AGG_MODES", "token-mean")
+    """How token terms become the loss (``core.aggregation``): a mean over all tokens, or over
+    sequences of their token sum or mean."""
     chunk_size: int | None = None
-    inplace_backward: bool = True  # the logits are Megatron's output buffer, read by nothing else
-
-    def __post_init__(self) -> None:
-        self.validate()
+    """Tokens per chunk of the log-prob computation; null: the path's default (256, or 1024 with
+    ``train.fused_output_loss``)."""
+    inplace_backward: bool = True
+    """Write the logits' gradient into the logits (Megatron's output buffer, read by nothing else),
+    saving one [tokens, V / TP] tensor."""
 
     def validate(self) -> None:
         if self.kl_coef < 0:
@@ -93,29 +116,29 @@ class LossConfig:
             raise ConfigError("chunk_size", f"must be >= 1 or null, got {self.chunk_size!r}")
 
 
-ANCHOR_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
-
-
 @dataclasses.dataclass(frozen=True)
-class AnchorConfig:
+class AnchorConfig(Config):
     """The reference policy of the KL term: an EMA of the policy with a float32 master.
 
     Every ``period`` optimizer steps: anchor <- tau * anchor + (1 - tau) * policy. ``tau`` 1 keeps
     the initial policy (GRPO's fixed reference); ``tau`` 0 with ``period`` 1 is RPG's iterative reset.
-    ``compute_dtype``: the anchor's forward weights (the master stays float32). For
-    ``float8_e4m3fn``, ``fp8``: ``te`` stores Transformer Engine FP8 parameters (``fp8_param``;
-    GPU with TE, and not with the distributed optimizer, whose buffers would need the policy in
-    FP8 too), ``emulated`` FP8 values with per-tensor scales in the forward dtype (any machine:
-    the arithmetic without the memory saving), ``auto`` TE where it can, else emulated.
-    ``master_on_cpu``: the float32 master in pinned host memory (GPU), for memory.
     """
 
     tau: float = 0.95
+    """The EMA's decay in [0, 1]: the anchor's weight in each update."""
     period: int = 10
-    first_update: int | None = None  # null: after `period` steps
-    compute_dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = "bfloat16"
+    """Optimizer steps between anchor updates (>= 1)."""
+    first_update: int | None = None
+    """Optimizer step of the first update (>= 1), the next ones ``period`` apart; null: ``period``."""
+    compute_dtype: AnchorDtype = "bfloat16"
+    """The dtype of the anchor's forward weights (the master stays float32)."""
     fp8: Literal["auto", "te", "emulated"] = "auto"
+    """With ``compute_dtype`` float8_e4m3fn: ``te`` stores Transformer Engine FP8 parameters
+    (``fp8_param``; GPU with TE, not with the distributed optimizer, whose buffers would need the
+    policy in FP8 too), ``emulated`` FP8 values with per-tensor scales in the forward dtype (any
+    machine: the arithmetic without the memory saving), ``auto`` TE where it can, else emulated."""
     master_on_cpu: bool = False
+    """Keep the float32 master in pinned host memory (GPU), to save GPU memory."""
 
     def validate(self) -> None:
         if not 0 <= self.tau <= 1:
@@ -130,23 +153,22 @@ class AnchorConfig:
             )
 
 
-DYNAMIC_SAMPLING_METRICS = ("acc", "reward")
-
-
 @dataclasses.dataclass(frozen=True)
-class DynamicSamplingConfig:
+class DynamicSamplingConfig(Config):
     """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): a group whose responses all
-    score the same ``metric`` (``acc``: all correct or all wrong; ``reward``: one reward, the
-    overlong penalty included) has no advantage, so it is dropped and more prompts are sampled,
-    ``prompts_per_gen_batch`` at a time (verl's ``gen_batch_size``; null: ``train.prompts_per_step``),
-    until every replica holds its ``train.prompts_per_step`` / DP groups, for at most
-    ``max_num_gen_batches`` generation batches a step. If they are spent, the dropped groups fill
-    what is missing (they add no policy gradient) and a warning says how many; verl stops the run
-    instead."""
+    score the same ``metric`` has no advantage, so it is dropped and more prompts are sampled until
+    every replica holds its ``train.prompts_per_step`` / DP groups. If the generation batches are
+    spent, the dropped groups fill what is missing (they add no policy gradient) and a warning says
+    how many; verl stops the run instead."""
 
-    metric: Literal["acc", "reward"] = "acc"
+    metric: DynamicSamplingMetric = "acc"
+    """What must differ within a group: ``acc`` (not all correct or all wrong) or ``reward`` (not
+    one reward, the overlong penalty included)."""
     prompts_per_gen_batch: int | None = None
+    """Prompts sampled per generation batch (verl's ``gen_batch_size``); null:
+    ``train.prompts_per_step``."""
     max_num_gen_batches: int = 20
+    """The most generation batches a step draws."""
 
     def validate(self) -> None:
         if self.max_num_gen_batches < 1:
@@ -156,41 +178,44 @@ class DynamicSamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class AlgorithmConfig:
-    """What one RL step optimizes: advantages (``advantage``: a name of ``core.advantages``'
-    registry), the update-pass loss (policy loss + KL to the anchor + entropy), the Top-k KL's k,
-    and how the rollout batch is split into optimizer steps.
+class AlgorithmConfig(Config):
+    """What one RL step optimizes: advantages, the update-pass loss (policy loss + KL to the anchor
+    + entropy), the Top-k KL's k, and how the rollout batch is split into optimizer steps."""
 
-    ``loss.kl`` null trains without a reference (no anchor is built). ``mini_batches``: optimizer
-    steps per rollout batch (the old log-probs are computed once, before the first).
-    ``mask_truncated``: responses cut by ``max_tokens`` carry no loss (DAPO's overlong filter).
-    ``overlong_buffer`` > 0: DAPO's soft overlong punishment, a response of L tokens loses
-    ``overlong_penalty * (L - (rollout.sampling.max_tokens - overlong_buffer)) / overlong_buffer`` of
-    its reward when L passes ``max_tokens - overlong_buffer`` (``rollout.rewards.overlong_penalty``).
-    ``dynamic_sampling``: DAPO's group filter (``DynamicSamplingConfig``); null: every group trains.
-    ``behavior_is``: the importance correction of the sampled-token loss terms against the engine's
-    sampling policy mu (a name of ``core.behavior_is``' registry: ``none``, ``tis``: min(pi_old/mu,
-    C), ``mis``: pi_old/mu where it lies in [1/C, C], else 0), C = ``behavior_is_cap`` >= 1.
-    ``router_replay`` (a mixture of experts): ``rollout`` makes the old, anchor and update passes
-    route every token to the experts the engine routed it to when it sampled (R3, rollout routing
-    replay: the engine returns them, Megatron's ``RouterReplay`` replays them), so that the trainer's
-    log-probs differ from the sampler's by numerics only, not by a flipped expert choice; ``none``:
-    the trainer's router decides. ``trainer.build.bind`` checks that the model has experts and the
-    engine can return its routing on this machine.
-    """
-
-    advantage: str = "grpo"
+    advantage: str = named_in("megatron_empg.core.advantages:ADVANTAGE_ESTIMATORS", "grpo")
+    """The advantage estimator (``core.advantages``)."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    """The update-pass loss."""
     anchor: AnchorConfig = dataclasses.field(default_factory=AnchorConfig)
+    """The EMA anchor, the KL's reference (built only when ``loss.kl`` is set)."""
     topk: int = 32
+    """k of the Top-k KL (``loss.kl: topk``), <= the vocabulary."""
     mini_batches: int = 1
+    """Optimizer steps per rollout batch (the old log-probs are computed once, before the first)."""
     mask_truncated: bool = False
+    """Responses cut by ``rollout.sampling.max_tokens`` carry no loss (DAPO's overlong filter)."""
     overlong_buffer: int = 0
+    """DAPO's soft overlong punishment, in tokens (0: off): a response of L tokens loses
+    ``overlong_penalty * (L - (max_tokens - overlong_buffer)) / overlong_buffer`` of its reward when
+    L passes ``rollout.sampling.max_tokens - overlong_buffer``."""
     overlong_penalty: float = 1.0
+    """What a response of ``max_tokens`` tokens loses to the overlong punishment
+    (``rollout.rewards.overlong_penalty``'s factor)."""
     dynamic_sampling: DynamicSamplingConfig | None = None
-    behavior_is: str = "none"
+    """DAPO's group filter; null: every group trains."""
+    behavior_is: str = named_in("megatron_empg.core.behavior_is:BEHAVIOR_IS", "none")
+    """The importance correction of the sampled-token loss terms against the engine's sampling
+    policy mu: ``none``, ``tis`` (min(pi_old / mu, C)), ``mis`` (pi_old / mu where it lies in
+    [1/C, C], else 0)."""
     behavior_is_cap: float = 2.0
+    """C >= 1 of ``behavior_is``."""
     router_replay: Literal["rollout", "none"] = "none"
+    """A mixture of experts: ``rollout`` makes the old, anchor and update passes route every token
+    to the experts the engine routed it to when it sampled (R3, rollout routing replay: the engine
+    returns them, Megatron's ``RouterReplay`` replays them), so that the trainer's log-probs differ
+    from the sampler's by numerics only, not by a flipped expert choice; ``none``: the trainer's
+    router decides. The bind step checks that the model has experts and the engine can return its
+    routing on this machine."""
 
     @property
     def anchor_is_behaviour_policy(self) -> bool:

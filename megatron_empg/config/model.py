@@ -10,11 +10,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_empg.config.schema import ConfigError, load_config
+from megatron_empg.config.schema import Config, ConfigError, load_config, named_in
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
 
 Family = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
+Dtype = Literal["bfloat16", "float16", "float32"]  # of weights: published (model) or an engine's (rollout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,57 +45,85 @@ _ROPE_SCALING_KEYS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Config):
     """A decoder-only model (Qwen2/2.5, Llama-3.x, Qwen3 dense and MoE): RMSNorm, SwiGLU, RoPE, GQA.
 
     A mixture of experts (family ``qwen3_moe``) replaces every layer's MLP by ``num_experts``
-    SwiGLU experts of ``moe_ffn_hidden_size`` and a softmax router that sends each token to
-    ``moe_router_topk`` of them (weights renormalized over the top-k when ``moe_norm_topk_prob``);
-    ``ffn_hidden_size`` is then the dense MLP size HF's config keeps (unused by its layers).
-
-    Sizes use Megatron's names; ``to_hf_config()`` gives the Hugging Face spelling. ``vocab_size`` is
-    the HF vocabulary (rows of the HF embedding); Megatron pads it, see ``padded_vocab_size``.
-    ``attention_backend`` is how the training models compute, not what they are: a run sets it
-    with ``model_overrides: [attention_backend=sdpa]`` (its errors name ``model.attention_backend``).
+    SwiGLU experts and a softmax router that sends each token to ``moe_router_topk`` of them.
+    Sizes use Megatron's names; ``to_hf_config()`` gives the Hugging Face spelling.
     """
 
     name: str
+    """The model's name (the file name in ``model_configs/``)."""
     family: Family
+    """The architecture (HF ``model_type``), which fixes ``add_qkv_bias`` and ``qk_layernorm``."""
     num_layers: int
+    """Transformer layers (HF ``num_hidden_layers``)."""
     hidden_size: int
+    """Width of the residual stream."""
     ffn_hidden_size: int
+    """The SwiGLU MLP's inner size (HF ``intermediate_size``); in a mixture of experts the dense MLP
+    size HF's config keeps (unused by its layers)."""
     num_attention_heads: int
-    num_query_groups: int  # key/value heads (GQA); = num_attention_heads for MHA
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (GQA; HF ``num_key_value_heads``); = ``num_attention_heads`` for MHA."""
     vocab_size: int
+    """The HF vocabulary (rows of the HF embedding); Megatron pads it (``padded_vocab_size``)."""
     max_position_embeddings: int
+    """The longest sequence the model takes, in tokens."""
     rope_theta: float
+    """RoPE's base."""
     norm_epsilon: float
+    """RMSNorm's epsilon (HF ``rms_norm_eps``)."""
     add_qkv_bias: bool
+    """Biases on the q, k, v projections (Qwen2)."""
     qk_layernorm: bool
+    """RMSNorm on each head's queries and keys (Qwen3)."""
     tie_word_embeddings: bool
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads (Qwen3 sets it)
-    rope_scaling: dict[str, Any] | None = None  # HF spelling, e.g. Llama-3.1's {rope_type: llama3, ...}
+    """The output layer shares the embedding's weights."""
+    head_dim: int | None = None
+    """Per-head dimension (Qwen3 sets it); null: ``hidden_size // num_attention_heads``."""
+    rope_scaling: dict[str, Any] | None = None
+    """RoPE scaling in the HF spelling, e.g. Llama-3.1's ``{rope_type: llama3, factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings}``; null: none."""
     hidden_act: Literal["silu"] = "silu"
+    """The MLP's activation (SwiGLU's gate)."""
     initializer_range: float = 0.02
+    """Standard deviation of the random initialization (without ``checkpoint.init_from``)."""
     bos_token_id: int | None = None
+    """The HF config's beginning-of-sequence token."""
     eos_token_id: int | list[int] | None = None
+    """The HF config's end-of-sequence token(s)."""
     pad_token_id: int | None = None
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # of the published weights
-    hf_model_id: str | None = None  # Hugging Face Hub id of the published checkpoint
-    # How the training models compute attention: auto, or a name in
-    # mcore.attention_backends.ATTENTION_BACKENDS (te, sdpa, unfused); the bind step resolves it.
-    attention_backend: str = "auto"
-    # Mixture of experts (family qwen3_moe; null on dense families). Megatron's names.
+    """The HF config's padding token."""
+    dtype: Dtype = "bfloat16"
+    """The dtype of the published weights."""
+    hf_model_id: str | None = None
+    """Hugging Face Hub id of the published checkpoint; null: none (a local or tiny model)."""
+    attention_backend: str = named_in(
+        "megatron_empg.mcore.attention_backends:ATTENTION_BACKENDS", "auto", also=("auto",)
+    )
+    """How the training models compute attention, not what they are (docs/gpu.md): ``auto`` is
+    ``te`` where Transformer Engine imports, else ``sdpa`` where torch has it, else ``unfused``; a
+    run sets it with ``model_overrides: [attention_backend=sdpa]`` (its errors name
+    ``model.attention_backend``). The bind step resolves it."""
     num_experts: int | None = None
-    moe_router_topk: int = 2  # experts per token (HF num_experts_per_tok)
-    moe_ffn_hidden_size: int | None = None  # each expert's SwiGLU size (HF moe_intermediate_size)
-    moe_norm_topk_prob: bool = True  # renormalize the top-k probabilities to sum to 1 (HF norm_topk_prob)
+    """Experts per layer (family ``qwen3_moe``; null on dense families)."""
+    moe_router_topk: int = 2
+    """Experts per token (HF ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's SwiGLU size (HF ``moe_intermediate_size``; null on dense families)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalize the top-k routing probabilities to sum to 1 (HF ``norm_topk_prob``)."""
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
-    # The router's load-balancing loss (added to the RL objective) and z-loss coefficients (0 / null: off).
+    """The router's scores (``qwen3_moe``: softmax, its HF implementation)."""
     moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the router's load-balancing loss, added to the RL objective; 0: off."""
     moe_z_loss_coeff: float | None = None
-    # Tokens an expert takes, as a factor of the balanced share (null: dropless, as HF and vLLM).
+    """Coefficient of the router's z-loss; null: off."""
     moe_expert_capacity_factor: float | None = None
+    """Tokens an expert takes, as a factor of the balanced share; null: dropless, as HF and vLLM."""
 
     @property
     def is_moe(self) -> bool:
@@ -298,30 +327,35 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """Model parallelism; the data-parallel size is what the world size leaves over.
-
-    ``context_parallel_size`` (CP): every packed row is split over CP ranks (each sequence padded to
-    a multiple of 2 x CP and cut into 2 x CP chunks, rank r holding chunks r and 2 CP - 1 - r:
-    ``parallel.context_parallel``); the CP ranks of a replica hold the same weights and train on the
-    same samples, their gradients summed with the data-parallel ones. World = TP x PP x CP x DP.
-
-    A mixture of experts lays its experts out on Megatron's second grid: ``expert_model_parallel_size``
-    (EP) ranks each hold ``num_experts / EP`` whole experts, each split over
-    ``expert_tensor_parallel_size`` (ETP, null: = TP) ranks; World = ETP x EP x PP x expert-DP.
-    Tokens reach their experts through ``moe_token_dispatcher_type`` (``alltoall``: Megatron-LM's
-    default for EP; ``allgather``).
+class ParallelConfig(Config):
+    """Model parallelism (docs/parallelism.md); the data-parallel size is what the world size leaves
+    over: World = TP x PP x CP x DP. A mixture of experts lays its experts out on Megatron's second
+    grid: World = ETP x EP x PP x expert-DP.
     """
 
     tensor_model_parallel_size: int = 1
+    """TP: ranks each layer's weights are split over."""
     pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None  # model chunks per pipeline rank
+    """PP: pipeline stages the layers are split into."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (interleaved schedule, >= 2, needs PP >= 2); null: one."""
     sequence_parallel: bool = False
+    """Megatron's sequence parallelism: the activations outside the TP regions split over the TP
+    ranks (needs TP > 1 and ``model.attention_backend`` te)."""
     make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this x TP."""
     context_parallel_size: int = 1
+    """CP: every packed row is split over CP ranks (each sequence padded to a multiple of 2 x CP
+    and cut into 2 x CP chunks, rank r holding chunks r and 2 CP - 1 - r:
+    ``parallel.context_parallel``); the CP ranks of a replica hold the same weights and train on
+    the same samples, their gradients summed with the data-parallel ones."""
     expert_model_parallel_size: int = 1
+    """EP: ranks that each hold ``num_experts / EP`` whole experts."""
     expert_tensor_parallel_size: int | None = None
+    """ETP: ranks each expert is split over; null: = TP."""
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach their experts: ``alltoall`` (Megatron-LM's default for EP) or
+    ``allgather``."""
 
     @property
     def expert_tp_size(self) -> int:

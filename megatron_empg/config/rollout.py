@@ -6,30 +6,36 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
-from megatron_empg.config.schema import ConfigError
+from megatron_empg.config.model import Dtype
+from megatron_empg.config.schema import Config, ConfigError, named_in
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    """How the rollout engine samples responses (vLLM's ``SamplingParams`` names).
+class SamplingConfig(Config):
+    """How the rollout engine samples responses (vLLM's ``SamplingParams`` names). ``top_k`` null
+    and ``top_p`` 1.0 sample from the whole distribution."""
 
-    ``top_k`` null and ``top_p`` 1.0 sample from the whole distribution. ``seed`` null draws a
-    fresh seed per request; an int makes the rollouts of a step reproducible.
-    """
-
-    n: int = 8  # responses per prompt (the GRPO group)
+    n: int = 8
+    """Responses per prompt (the GRPO group)."""
     temperature: float = 1.0
+    """Softmax temperature (0: greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches ``top_p``, in (0, 1]."""
     top_k: int | None = None
+    """Sample among the ``top_k`` most likely tokens; null: all."""
     max_tokens: int = 512
+    """The most tokens a response (a search-agent turn) generates."""
     min_tokens: int = 0
+    """Tokens a response has before an eos or a stop token id may end it."""
     stop: list[str] = dataclasses.field(default_factory=list)
+    """Strings that end a response (its tokens run up to the one completing the string)."""
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Token ids that end a response besides eos (the token is kept)."""
     ignore_eos: bool = False
+    """Keep generating past eos, up to ``max_tokens``."""
     seed: int | None = None
-
-    def __post_init__(self) -> None:
-        self.validate()
+    """Request seeds: prompt i of a step's global batch draws from ``seed`` + an offset of the
+    step and i, so a step's rollouts are reproducible; null: a fresh seed per request."""
 
     def validate(self) -> None:
         if self.n < 1:
@@ -47,24 +53,28 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class SearchAgentConfig:
+class SearchAgentConfig(Config):
     """Multi-turn search-agent rollouts (Search-R1's protocol, ``rollout.search_agent``).
 
     The policy writes ``<search>query</search>`` or ``<answer>...</answer>``; after a search the
-    ``topk`` passages of the retriever at ``retriever_url`` (a Search-R1-compatible server, e.g.
-    ``python -m megatron_empg.rollout.retriever serve``) are appended inside
-    ``<information>...</information>``, cut to ``max_obs_tokens`` tokens, and the policy continues.
-    ``max_turns`` turns may search; one more, final turn may only answer. ``rollout.sampling.max_tokens``
-    bounds each turn's generation, ``train.max_seq_len`` a whole episode. Each retriever request is
-    tried ``1 + retries`` times, each bounded by ``timeout_s``; then the step fails.
+    retriever's passages are appended inside ``<information>...</information>`` and the policy
+    continues. ``rollout.sampling.max_tokens`` bounds each turn's generation, ``train.max_seq_len``
+    a whole episode.
     """
 
     retriever_url: str
+    """The retriever, a Search-R1-compatible server (e.g. ``python -m megatron_empg.rollout.retriever
+    serve``): an http(s) URL such as http://127.0.0.1:8000."""
     topk: int = 3
+    """Passages appended per search."""
     max_turns: int = 4
+    """Turns that may search (0: answer without searching); one more, final turn may only answer."""
     max_obs_tokens: int = 500
+    """The most tokens of one search's passages (cut beyond)."""
     timeout_s: float = 10.0
+    """Seconds one retriever request may take."""
     retries: int = 3
+    """Retries of a failed retriever request (``1 + retries`` tries); then the step fails."""
 
     @property
     def turns_per_episode(self) -> int:
@@ -89,70 +99,75 @@ class SearchAgentConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """The rollout engine (vLLM): sampling, and how the engine is run.
-
-    ``in_process``: the engine core runs in the trainer's process (vLLM's
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weight updates pass tensors by reference; otherwise
-    it is a child process and updates go through a shared-memory file. ``kv_cache_gib`` sizes the
-    KV cache on CPU (``VLLM_CPU_KVCACHE_SPACE``); on GPU ``gpu_memory_utilization`` does.
-    ``sleep_while_training`` (GPU, colocated) releases the engine's memory while the trainer
-    trains: ``sleep_level`` 1 offloads the weights to host memory and drops the KV cache, 2 drops
-    both (the weights are synced again before the next rollout anyway). ``engine``: a name of
-    ``rollout.engines.ENGINES`` (``vllm``; ``hf``, transformers in the trainer's process, for
-    machines without vLLM). ``search_agent``: multi-turn rollouts with a search tool
-    (``SearchAgentConfig``) instead of one response per sample.
-
-    ``engines``: how many engines sample a step (``parallel.placement``): ``per_replica`` (one per
-    data-parallel replica, on its first GPUs), ``single`` (one, on global rank 0, for the whole
-    world) or an int E dividing the data-parallel size (engine e serves replicas
-    ``[e*DP/E, (e+1)*DP/E)``). Each engine process takes ``kv_cache_gib`` / ``gpu_memory_utilization``.
-
-    ``placement``: ``colocated`` (the engines live on training ranks, as ``engines`` says) or
-    ``disaggregated``: the last ``engine_ranks`` ranks of the job only run engines, one per
-    ``tensor_parallel_size`` of them (E = engine_ranks / tensor_parallel_size, dividing the
-    data-parallel size of the other ranks, which train); training replica 0 broadcasts the weights
-    to every engine after each step (``weight_sync.transport`` is then how an engine rank hands
-    them to its own engine). ``max_staleness`` k: how many weight versions the
-    engines may run ahead of the trainer (disaggregated only for k > 0): 0 draws a step's samples
-    with the weights it starts from; k >= 1 lets the engines draw step t's samples with any
-    weights from step t - 1 - k on (the weights after t - 1 - k steps) while earlier steps train
-    (1: one step off, step t drawn by step t - 1's starting weights); each sample carries the
-    version that drew it. ``partial`` (k >= 1, an engine whose ``EngineKind`` updates mid
-    generation; no search agent): an engine loads each pushed update between decode steps, and
-    the responses in flight go on with the new weights (their KV recomputed from their tokens);
-    every token carries the version that sampled it.
-
-    ``engine_restarts``: how many times in an attempt of the run the colocated engines may be
-    started again after an engine died or stopped inside a rollout (an engine in its own process:
-    ``rollout.in_process: false``); the rollout is then drawn again with the same prompts and seeds
-    from the weights pushed before it. Past it (or on an engine rank of a disaggregated run, at the
-    first loss) the run exits restartable (``supervisor``).
-    """
+class RolloutConfig(Config):
+    """The rollout engine (vLLM): sampling, and how and where the engines run
+    (``parallel.placement``, docs/engines.md)."""
 
     RETIRED: ClassVar[dict[str, str]] = {
         "mode": "was replaced by rollout.max_staleness: mode sync is max_staleness 0, one_step_off is 1",
     }
 
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    max_model_len: int | None = None  # null: the model's max_position_embeddings
+    """How responses are sampled."""
+    dtype: Dtype = "bfloat16"
+    """The engine's weights and activations."""
+    max_model_len: int | None = None
+    """The engine's context in tokens (prompt + response); null: the model's
+    ``max_position_embeddings``."""
     enforce_eager: bool = False
+    """vLLM without CUDA graphs (slower decoding, faster start, less memory)."""
     in_process: bool = True
+    """Run the engine core in the trainer's process (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+    so weight updates pass tensors by reference; false: a child process, updates through a
+    shared-memory file."""
     tensor_parallel_size: int = 1
+    """GPUs (ranks) one engine is split over."""
     gpu_memory_utilization: float = 0.5
+    """Fraction of a GPU's memory an engine process takes for weights and KV cache (GPU), in (0, 1]."""
     kv_cache_gib: int = 1
+    """KV-cache size of an engine process on CPU in GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
     sleep_while_training: bool = True
+    """Release the engines' GPU memory while the trainer trains (GPU, colocated)."""
     sleep_level: Literal[1, 2] = 2
+    """What sleeping releases: 1 offloads the weights to host memory and drops the KV cache, 2
+    drops both (the weights are synced again before the next rollout anyway)."""
     seed: int = 0
-    engine: str = "vllm"
+    """The engine's own random seed (vLLM's ``seed``)."""
+    engine: str = named_in("megatron_empg.rollout.engines:ENGINES", "vllm")
+    """The engine: ``vllm``, or ``hf`` (transformers in the trainer's process, for machines without
+    vLLM)."""
     engines: Literal["per_replica", "single"] | int = "per_replica"
-    search_agent: SearchAgentConfig | None = None  # null: one response per sample, no tools
+    """How many engines sample a step (colocated): ``per_replica`` (one per data-parallel replica,
+    on its first GPUs), ``single`` (one, on global rank 0, for the whole world) or an int E dividing
+    the data-parallel size (engine e serves replicas ``[e*DP/E, (e+1)*DP/E)``). Each engine process
+    takes ``kv_cache_gib`` / ``gpu_memory_utilization``."""
+    search_agent: SearchAgentConfig | None = None
+    """Multi-turn rollouts with a search tool; null: one response per sample, no tools."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
-    engine_ranks: int = 0  # disaggregated: how many of the job's ranks only run engines
+    """``colocated``: the engines live on training ranks, as ``engines`` says; ``disaggregated``:
+    the last ``engine_ranks`` ranks of the job only run engines, and training replica 0 broadcasts
+    the weights to every engine after each step (``weight_sync.transport`` is then how an engine
+    rank hands them to its own engine)."""
+    engine_ranks: int = 0
+    """Disaggregated: how many of the job's ranks only run engines, one engine per
+    ``tensor_parallel_size`` of them (E = engine_ranks / tensor_parallel_size, dividing the
+    data-parallel size of the training ranks); 0 when colocated."""
     max_staleness: int = 0
+    """How many weight versions the engines may run ahead of the trainer (> 0: disaggregated only):
+    0 draws a step's samples with the weights it starts from; k >= 1 lets the engines draw step t's
+    samples with any weights from step t - 1 - k on (the weights after t - 1 - k steps) while
+    earlier steps train (1: one step off, step t drawn by step t - 1's starting weights); each
+    sample carries the version that drew it."""
     engine_restarts: int = 2
+    """How many times in an attempt of the run the colocated engines may be started again after an
+    engine in its own process (``in_process: false``) died or stopped inside a rollout; the
+    rollout is then drawn again with the same prompts and seeds from the weights pushed before
+    it. Past it (or on an engine rank of a
+    disaggregated run, at the first loss) the run exits restartable (``supervisor``)."""
     partial: bool = False
+    """Partial rollouts (max_staleness >= 1, an engine that updates mid generation, no search
+    agent): an engine loads each pushed update between decode steps, and the responses in flight go
+    on with the new weights (their KV recomputed); every token carries the version that sampled it."""
 
     @property
     def disaggregated(self) -> bool:
@@ -228,24 +243,33 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class WeightSyncConfig:
-    """Pushing the policy's weights into the rollout engine, and the consistency gate after it.
+class WeightSyncConfig(Config):
+    """Pushing the policy's weights into the rollout engine, and the consistency gate after it: the
+    trainer and the engine score a probe batch of random tokens, and their log-probs must agree."""
 
-    ``transport``: a name of ``weight_sync.transport.TRANSPORTS``: ``in_process`` (tensors by
-    reference: an in-process engine, CPU or colocated GPU), ``shm_file`` (a safetensors file per
-    bucket in ``shm_dir``, a tmpfs: an engine in another process), ``cuda_ipc`` (a CUDA IPC handle
-    of a GPU buffer per bucket: an engine process on its owner's GPU; engine TP 1). ``gate_tolerance``: the largest
-    allowed |log-prob difference| between trainer and engine on the probe batch (null: no gate).
-    """
-
-    transport: str = "in_process"
+    transport: str = named_in("megatron_empg.weight_sync.transport:TRANSPORTS", "in_process")
+    """How weights reach the engine: ``in_process`` (tensors by reference: an in-process engine, CPU
+    or colocated GPU), ``shm_file`` (a safetensors file per bucket in ``shm_dir``: an engine in
+    another process), ``cuda_ipc`` (a CUDA IPC handle of a GPU buffer per bucket: an engine process
+    on its owner's GPU; engine TP 1)."""
     bucket_size_mb: float = 512.0
+    """Size of a weight bucket in MiB (a bucket never holds less than the largest tensor)."""
     shm_dir: str = "/dev/shm"
+    """The tmpfs directory of ``shm_file``'s bucket files (room for one bucket is checked before
+    the engines start)."""
     gate_tolerance: float | None = 1e-4
+    """The largest allowed |log-prob difference| between trainer and engine on the probe batch;
+    null: no gate."""
     probe_num_sequences: int = 2
-    probe_length: int = 160  # > one KV-cache block (128 on CPU), so a stale prefix cache shows
-    probe_continuation: int = 8  # tokens sampled after the probe: checks the generation path too
+    """Sequences in the probe batch."""
+    probe_length: int = 160
+    """Tokens per probe sequence: more than one KV-cache block (128 on CPU), so a stale prefix
+    cache shows."""
+    probe_continuation: int = 8
+    """Tokens the engine samples after the probe and both sides score: checks the generation path
+    too."""
     probe_seed: int = 0
+    """Seed of the probe's random tokens and of the continuation's sampling."""
 
     def validate(self) -> None:
         if not self.bucket_size_mb > 0:

@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Literal
 
 from megatron_empg.config.algorithm import AlgorithmConfig, OptimizerConfig
 from megatron_empg.config.model import ModelConfig, ParallelConfig, load_model_config
 from megatron_empg.config.rollout import RolloutConfig, SamplingConfig, WeightSyncConfig
-from megatron_empg.config.schema import ConfigError, join_path
+from megatron_empg.config.schema import Config, ConfigError, join_path, named_in
 
-DATA_SOURCES = ("files", "arithmetic")  # = tasks.registry.PROMPT_SOURCES (config imports no task)
+# The names of tasks.registry.PROMPT_SOURCES (config imports no task; a test keeps them equal).
+DataSource = Literal["files", "arithmetic"]
+DATA_SOURCES = typing.get_args(DataSource)
 DATA_FILE_SUFFIXES = (".parquet", ".jsonl")
-ARITHMETIC_OPS = ("+", "-", "*")
+ArithmeticOp = Literal["+", "-", "*"]
+ARITHMETIC_OPS = typing.get_args(ArithmeticOp)
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]  # the logging module's level names
+LOG_LEVELS = typing.get_args(LogLevel)
+OptimizerFormat = Literal["fully_reshardable", "dp_reshardable"]  # the distributed optimizer's (mcore.checkpoint)
+OPTIMIZER_FORMATS = typing.get_args(OptimizerFormat)
 
 
 def _check_data_files(field: str, paths: list[str]) -> None:
@@ -25,61 +33,62 @@ def _check_data_files(field: str, paths: list[str]) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Config):
     """Training prompts and the reward that scores their responses (``rollout.data``, ``tasks``).
 
-    ``source``: ``files`` reads ``train_files`` (parquet or JSONL, one record per row);
-    ``arithmetic`` generates small arithmetic problems ("12+7=") from ``seed`` on the fly, with
-    operands of up to ``arithmetic_digits`` digits and the operators ``arithmetic_ops``
-    (``tasks.arithmetic``). ``reward`` is a key of ``tasks.registry.REWARDS`` (checked at bind).
-
-    A record's ``prompt_key`` holds a string or a list of chat messages (``{role, content}``), its
-    ``answer_key`` a string, an int or a list of strings (several gold answers); a dotted key
-    (``reward_model.ground_truth``) reaches into nested records. With ``apply_chat_template`` and a
-    tokenizer that has a chat template, prompts are rendered by it with the generation prompt
-    (``system_prompt`` as a first system message), else as plain text. ``prompt_template``, a
-    format string with one ``{prompt}`` field, rewrites the user's text first (a string prompt, or
-    the last user message), e.g. ``"{prompt} Let's think step by step and output the final answer
-    within \\boxed{{}}."`` (literal braces doubled, as in ``str.format``). A prompt longer than
-    ``max_prompt_tokens`` is an error, or with ``drop_long_prompts`` dropped and counted.
-    ``shuffle``: each epoch's order is a permutation drawn from (``seed``, epoch).
-
     Rewards that check answers in worker processes (``math``, ``math_dapo``: math-verify, whose
-    sympy can work on one expression for ever) run ``reward_workers`` processes per rank and give
-    each sample at most ``reward_timeout_s`` seconds (then it scores 0, counted in
-    ``reward/timeouts``). ``reward_budget_s`` (null: none) bounds a step's scoring on each rank:
-    once it has taken that long, the samples not yet checked score 0 (not the reward's incorrect
-    score) and ``reward/unscored`` is their fraction of the step's samples (logged with a budget
-    only); a validation call of ``validation.batch_size`` prompts gets the whole budget. The other
-    rewards run in the rank's process: a batch call, then each sample's if it overran, may take
-    ``reward_timeout_s`` (a sample past it scores 0, counted in ``reward/timeouts``; its thread is
-    abandoned, since Python cannot stop it).
+    sympy can work on one expression for ever) run ``reward_workers`` processes per rank; the other
+    rewards run in the rank's process, a sample past ``reward_timeout_s`` scoring 0 (its thread is
+    abandoned, since Python cannot stop it). Timed-out samples are counted in ``reward/timeouts``.
     """
 
-    source: Literal["files", "arithmetic"] = "arithmetic"
-    reward: str = "arithmetic"
+    source: DataSource = "arithmetic"
+    """Where prompts come from: ``files`` reads ``train_files``; ``arithmetic`` generates small
+    arithmetic problems ("12+7=") from ``seed`` on the fly (``tasks.arithmetic``)."""
+    reward: str = named_in("megatron_empg.tasks.registry:REWARDS", "arithmetic")
+    """The reward that scores responses (``arithmetic`` with source ``arithmetic``)."""
     train_files: list[str] = dataclasses.field(default_factory=list)
+    """Parquet or JSONL files, one record per row (source ``files``; empty for ``arithmetic``)."""
     prompt_key: str = "prompt"
+    """A record's prompt: a string or a list of chat messages (``{role, content}``); a dotted key
+    reaches into nested records."""
     answer_key: str = "answer"
+    """A record's gold answer: a string, an int or a list of strings (several answers); dotted
+    keys (``reward_model.ground_truth``) reach into nested records."""
     system_prompt: str | None = None
+    """A first system message of chat-template prompts; null: none."""
     prompt_template: str | None = None
+    """A format string with one ``{prompt}`` field that rewrites the user's text first (a string
+    prompt, or the last user message), e.g. ``"{prompt} Let's think step by step and output the
+    final answer within \\boxed{{}}."`` (literal braces doubled, as in ``str.format``); null: as is."""
     apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template and its generation prompt (where it has
+    one); false: plain text."""
     max_prompt_tokens: int = 1024
+    """The longest prompt in tokens; a longer one is an error, or dropped (``drop_long_prompts``)."""
     drop_long_prompts: bool = False
+    """Drop (and count) prompts longer than ``max_prompt_tokens`` instead of failing."""
     shuffle: bool = True
+    """Each epoch's order is a permutation drawn from (``seed``, epoch); false: file order."""
     seed: int = 0
+    """Seed of the shuffle and of the arithmetic problems (>= 0)."""
     arithmetic_digits: int = 2
-    arithmetic_ops: list[Literal["+", "-", "*"]] = dataclasses.field(default_factory=lambda: ["+", "-"])
+    """Source ``arithmetic``: the most digits of an operand, in [1, 9]."""
+    arithmetic_ops: list[ArithmeticOp] = dataclasses.field(default_factory=lambda: ["+", "-"])
+    """Source ``arithmetic``: the operators of the problems (distinct)."""
     reward_workers: int = 2
+    """Worker processes per rank of a reward that checks answers in processes (``math``,
+    ``math_dapo``)."""
     reward_timeout_s: float = 5.0
+    """Seconds one sample's check may take in a worker process (then it scores 0); for an
+    in-process reward, the seconds of a batch call, then of each sample's if it overran."""
     reward_budget_s: float | None = None
-
-    def __post_init__(self) -> None:
-        self.validate()
+    """Seconds a step's scoring may take on each rank (worker-process rewards): the samples not
+    checked by then score 0 (not the reward's incorrect score) and ``reward/unscored`` is their
+    fraction of the step's samples (logged with a budget only); a validation call of ``validation.batch_size`` prompts gets the whole budget. Null:
+    no budget."""
 
     def validate(self) -> None:
-        if self.source not in DATA_SOURCES:
-            raise ConfigError("source", f"expected one of {DATA_SOURCES}, got {self.source!r}")
         if self.source == "files":
             if not self.train_files:
                 raise ConfigError("train_files", "source 'files' needs at least one .parquet or .jsonl file")
@@ -113,9 +122,6 @@ class DataConfig:
             raise ConfigError(
                 "arithmetic_ops", f"expected distinct operators from {ARITHMETIC_OPS}, got {self.arithmetic_ops!r}"
             )
-        for i, op in enumerate(self.arithmetic_ops):
-            if op not in ARITHMETIC_OPS:
-                raise ConfigError(f"arithmetic_ops[{i}]", f"expected one of {ARITHMETIC_OPS}, got {op!r}")
         if self.reward_workers < 1:
             raise ConfigError("reward_workers", f"expected a number of processes >= 1, got {self.reward_workers!r}")
         if not 0 < self.reward_timeout_s < math.inf:
@@ -127,63 +133,67 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Config):
     """The loop: ``steps`` RL steps of ``prompts_per_step`` prompts (x ``rollout.sampling.n``
-    responses) of at most ``max_seq_len`` tokens each, in micro-batches of ``micro_batch_size``
-    sequences, or (``max_tokens_per_microbatch``) of as many as fit that many tokens.
-
-    ``packing``: a micro-batch is one row of its sequences back to back, attention and positions
-    restarting at each (Megatron's THD layout), instead of one right-padded row per sequence.
-    ``max_tokens_per_microbatch`` needs it and must hold a sequence of ``max_seq_len``.
-    ``max_tokens_per_forward_microbatch``: the forward-only passes (old and anchor), which keep no
-    activations for a backward pass, run on the update's packed rows concatenated in order into rows
-    of at most that many tokens, padding included (``trainer.forward_batch``); null: on the
-    update's micro-batches. It needs packing and must hold the update's widest row (checked at bind,
-    ``trainer.layout``). The logits of one such row, [tokens, V / TP] bf16, are the passes' peak.
-    ``balance``: each mini-batch's samples are split between the replicas of one engine by
-    estimated compute (tokens plus the attention's quadratic term) rather than kept where they
-    were sampled; the gradient is the same.
-
-    ``recompute``: activation recompute in the update pass (Megatron's): ``none``; ``selective``
-    (the core attention, whose [b, heads, s, s] scores dominate long sequences); ``full`` (whole
-    layers, ``recompute_num_layers`` per checkpointed unit: only their inputs are kept, each is run
-    again in the backward pass). The gradient is the same; the time goes up and the memory down.
-
-    ``fused_output_loss``: the update pass computes the logits from the output layer's input and
-    weight one chunk of tokens at a time inside the loss (``parallel.fused_output``), so that the
-    [tokens, V / TP] logits and their gradient never exist whole: at 16,384 tokens of a 151,936
-    vocabulary 0.78 GB of GPU memory instead of 5.4 GB, for 1.5x the output layer's and the loss's
-    time (one more GEMM; H100, benchmarks/README.md). The gradient is the same up to rounding.
-
-    ``memory_check``: what a run does when its memory plan (``trainer.memory_plan``, ``empg plan``)
-    exceeds the GPU, checked before anything starts: ``error`` (with the changes that would fit)
-    or ``warn`` and start anyway.
+    responses) of at most ``max_seq_len`` tokens each, in micro-batches (docs/packing.md).
 
     Bad steps are refused (``core.step_guard``): an optimizer step whose loss or gradient norm is
-    not finite, or whose gradient norm exceeds ``skip_grad_norm_factor`` x the median of the last
-    20 applied steps' (from the 6th applied step; null: no such check), changes neither the
+    not finite, or whose gradient norm is a spike (``skip_grad_norm_factor``), changes neither the
     weights, the optimizer's state, the LR schedule nor the EMA anchor's schedule, on every rank
-    (``train/skipped_steps`` counts a step's refused optimizer steps). ``max_consecutive_skips``
-    refused optimizer steps in a row stop the run with a ``BadStepsError``, the samples of the
-    step saved in ``<logging.dir>/bad_step_<step>/`` (``trainer.bad_steps``).
+    (``train/skipped_steps`` counts a step's refused optimizer steps).
     """
 
     steps: int = 100
+    """RL steps of the run."""
     prompts_per_step: int = 64
+    """Prompts per RL step over all replicas (each with ``rollout.sampling.n`` responses)."""
     micro_batch_size: int = 8
+    """Sequences per micro-batch (without ``max_tokens_per_microbatch``)."""
     max_seq_len: int = 1024
+    """The longest sample (prompt + response, a whole search episode) in tokens."""
     seed: int = 1234
+    """Seed of the model's initialization and the trainer's random state (``torch``, Megatron's
+    RNG tracker)."""
     params_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """The policy's parameters (bfloat16: with float32 master weights in the optimizer)."""
     recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute in the update pass (Megatron's): ``selective`` recomputes the core
+    attention, whose [b, heads, s, s] scores dominate long sequences; ``full`` whole layers
+    (``recompute_num_layers`` per checkpointed unit: only their inputs are kept). The gradient is
+    the same; the time goes up and the memory down."""
     recompute_num_layers: int = 1
+    """Layers per checkpointed unit of ``recompute: full``."""
     packing: bool = True
+    """A micro-batch is one row of its sequences back to back, attention and positions restarting
+    at each (Megatron's THD layout), instead of one right-padded row per sequence."""
     max_tokens_per_microbatch: int | None = None
+    """Fill each micro-batch with as many sequences as fit this many tokens (needs ``packing``;
+    must hold a sequence of ``max_seq_len``); null: ``micro_batch_size`` sequences."""
     max_tokens_per_forward_microbatch: int | None = None
+    """The forward-only passes (old and anchor), which keep no activations for a backward pass, run
+    on the update's packed rows concatenated in order into rows of at most this many tokens,
+    padding included (``trainer.forward_batch``; needs ``packing``, must hold the update's widest
+    row). The logits of one such row, [tokens, V / TP] bf16, are the passes' peak. Null: on the
+    update's micro-batches."""
     balance: bool = True
+    """Split each mini-batch's samples between the replicas of one engine by estimated compute
+    (tokens plus the attention's quadratic term) rather than keep them where they were sampled;
+    the gradient is the same."""
     fused_output_loss: bool = False
+    """The update pass computes the logits from the output layer's input and weight one chunk of
+    tokens at a time inside the loss (``parallel.fused_output``), so that the [tokens, V / TP]
+    logits and their gradient never exist whole: at 16,384 tokens of a 151,936 vocabulary 0.78 GB
+    of GPU memory instead of 5.4 GB, for 1.5x the output layer's and the loss's time (one more
+    GEMM; H100, benchmarks/README.md). The gradient is the same up to rounding."""
     memory_check: Literal["error", "warn"] = "error"
+    """When the memory plan (``trainer.memory_plan``, ``empg plan``) exceeds the GPU, checked before
+    anything starts: ``error`` (with the changes that would fit) or ``warn`` and start anyway."""
     skip_grad_norm_factor: float | None = 10.0
+    """Refuse an optimizer step whose gradient norm exceeds this factor x the median of the last 20
+    applied steps' (from the 6th applied step); null: no spike check."""
     max_consecutive_skips: int = 5
+    """Refused optimizer steps in a row that stop the run with a ``BadStepsError``, the step's
+    samples saved in ``<logging.dir>/bad_step_<step>/`` (``trainer.bad_steps``)."""
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "recompute_num_layers", "max_consecutive_skips"):
@@ -208,32 +218,38 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ValidationConfig:
-    """Held-out prompts answered and scored under the current weights every ``interval`` steps
-    (0: never) and, with ``at_start``, before the first step of a run that does not ``--resume``
-    (logged at the step it starts from: 0, or that of ``checkpoint.continue_from``).
+class ValidationConfig(Config):
+    """Held-out prompts answered and scored under the current weights.
 
-    ``files`` (parquet or JSONL) are read like ``data``'s training files (keys, template, chat
-    template, prompt length) and scored by ``data.reward``; with ``rollout.search_agent`` the
-    answers are whole search episodes. Prompts are grouped by data source, a record's
-    ``data_source`` column, else its file's name without suffix, keeping the first
-    ``max_prompts_per_source`` of each (null: all). Responses are sampled as in
-    ``rollout.sampling`` (``max_tokens``, stop strings, seed) but with this section's ``n``,
-    ``temperature``, ``top_p`` and ``top_k``: by default one greedy answer per prompt. The engine
-    takes ``batch_size`` prompts per call. Metrics: ``val/<source>/reward/mean``, ``.../accuracy``,
-    the reward's own (``.../reward/exact_match``), response lengths, the agent's ``rollout/*_mean``,
-    and the same over all sources as ``val/...``.
+    The files are read like ``data``'s training files (keys, template, chat template, prompt
+    length) and scored by ``data.reward``; with ``rollout.search_agent`` the answers are whole
+    search episodes. Responses are sampled as in ``rollout.sampling`` (``max_tokens``, stop
+    strings, seed) but with this section's ``n``, ``temperature``, ``top_p`` and ``top_k``: by
+    default one greedy answer per prompt. Metrics: ``val/<source>/reward/mean``,
+    ``.../accuracy``, the reward's own (``.../reward/exact_match``), response lengths, the agent's
+    ``rollout/*_mean``, and the same over all sources as ``val/...``.
     """
 
     files: list[str] = dataclasses.field(default_factory=list)
+    """Parquet or JSONL files of held-out prompts. Prompts are grouped by data source: a record's
+    ``data_source`` column, else its file's name without suffix."""
     interval: int = 0
+    """Steps between validation passes (a multiple of ``logging.interval``); 0: never."""
     at_start: bool = False
+    """Also validate before the first step of a run that does not ``--resume`` (logged at the step
+    it starts from: 0, or that of ``checkpoint.continue_from``)."""
     max_prompts_per_source: int | None = None
+    """Keep the first this many prompts of each data source; null: all."""
     n: int = 1
+    """Responses per prompt."""
     temperature: float = 0.0
+    """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling's probability mass, in (0, 1]."""
     top_k: int | None = None
+    """Sample among the ``top_k`` most likely tokens; null: all."""
     batch_size: int = 512
+    """Prompts per engine call."""
 
     def validate(self) -> None:
         _check_data_files("files", self.files)
@@ -257,61 +273,63 @@ class ValidationConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoggingConfig:
+class LoggingConfig(Config):
     """Where metrics go, every ``interval`` steps: the console, ``<dir>/metrics.jsonl``, Weights &
-    Biases (offline when no API key is set).
-
-    Console: on a terminal a progress bar (``progress``: ``auto`` is rich's), elsewhere (a Slurm log
-    file, a pipe) one line per logged step; ``none``: neither. ``third_party_level``: the level of
-    other libraries' loggers (vLLM, Megatron, transformers, torch): ``WARNING`` hides their INFO
-    chatter, ``INFO`` or ``DEBUG`` restore it.
-    """
+    Biases (offline when no API key is set)."""
 
     dir: str = "runs/empg"
+    """The run's directory: ``metrics.jsonl``, heartbeats, hang reports, ``restarts.jsonl``."""
     progress: Literal["auto", "rich", "tqdm", "none"] = "auto"
-    third_party_level: str = "WARNING"
+    """Console: on a terminal a progress bar (``auto`` and ``rich``: rich's, ``tqdm``: tqdm's),
+    elsewhere (a Slurm log file, a pipe) one line per logged step; ``none``: neither."""
+    third_party_level: LogLevel = "WARNING"
+    """The level of other libraries' loggers (vLLM, Megatron, transformers, torch): ``WARNING``
+    hides their INFO chatter, ``INFO`` or ``DEBUG`` restore it."""
     jsonl: bool = True
+    """Write ``<dir>/metrics.jsonl`` (one JSON object per logged step)."""
     wandb: bool = False
+    """Log to Weights & Biases."""
     wandb_project: str = "megatron-empg"
+    """The Weights & Biases project."""
     wandb_run_name: str | None = None
+    """The Weights & Biases run name; null: W&B's own."""
     interval: int = 1
+    """Steps between logged steps."""
 
     def validate(self) -> None:
         if self.interval < 1:
             raise ConfigError("interval", f"must be >= 1, got {self.interval!r}")
-        if self.third_party_level not in LOG_LEVELS:
-            raise ConfigError("third_party_level", f"expected one of {LOG_LEVELS}, got {self.third_party_level!r}")
-
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # the logging module's level names
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-    """Atomic distributed checkpoints under ``dir`` every ``interval`` steps (0: only at the end
-    and on SIGTERM/SIGUSR1), keeping the ``keep_last`` newest. ``init_from``: the policy's first
-    weights: a HF model directory, a converted or training checkpoint, or null (random init).
-
-    ``continue_from``: a training checkpoint of an earlier stage (e.g. the 8k stage of a staged
-    long-context run) whose whole training state (policy, optimizer, LR schedule, EMA anchor,
-    step counter) this run starts from, under its own data and length settings: the prompt order
-    of this run's ``data`` section, continued at the step counter. Applies when this run's
-    ``dir`` has no checkpoint to ``--resume`` from.
-
-    ``verify``: how a resume makes sure the checkpoint's files are intact (a damaged newest one is
-    skipped for an older one). ``checksum``: every file's CRC32 is recorded at save and compared at
-    resume, the ranks sharing the reads (one extra read of the checkpoint at each save and resume,
-    about 3 GB/s per rank from the page cache). ``size``: file sizes only (a ``stat`` per file;
-    catches truncated and missing files, not damaged content).
-    """
+class CheckpointConfig(Config):
+    """Atomic distributed checkpoints, and the weights or training state a run starts from."""
 
     dir: str = "runs/empg/checkpoints"
+    """Where checkpoints are saved (and ``--resume`` looks)."""
     interval: int = 50
+    """Steps between checkpoints; 0: only at the end and on SIGTERM/SIGUSR1."""
     keep_last: int | None = 3
+    """How many of the newest checkpoints are kept; null: all."""
     init_from: str | None = None
+    """The policy's first weights: a HF model directory, a converted or training checkpoint; null:
+    random init."""
     continue_from: str | None = None
-    optimizer_format: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
+    """A training checkpoint of an earlier stage (e.g. the 8k stage of a staged long-context run)
+    whose whole training state (policy, optimizer, LR schedule, EMA anchor, step counter) this run
+    starts from, under its own data and length settings: the prompt order of this run's ``data``
+    section, continued at the step counter. Applies when ``dir`` has no checkpoint to ``--resume``
+    from; exclusive with ``init_from``."""
+    optimizer_format: OptimizerFormat = "fully_reshardable"
+    """How the distributed optimizer is saved: ``fully_reshardable`` (per-parameter tensors in model
+    space, loadable at another TP, PP, DP or EP) or ``dp_reshardable`` (flat per-DP-rank buffers,
+    refused at another TP/PP/VPP/EP/ETP) (``mcore.checkpoint``)."""
     verify: Literal["checksum", "size"] = "checksum"
+    """How a resume makes sure the checkpoint's files are intact (a damaged newest one is skipped for
+    an older one): ``checksum`` records every file's CRC32 at save and compares it at resume, the
+    ranks sharing the reads (one extra read of the checkpoint at each save and resume, about 3 GB/s
+    per rank from the page cache); ``size`` compares file sizes only (a ``stat`` per file; catches
+    truncated and missing files, not damaged content)."""
 
     def validate(self) -> None:
         if self.init_from is not None and self.continue_from is not None:
@@ -323,12 +341,13 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DistributedConfig:
-    """The process group. ``timeout_minutes``: how long a collective may wait before the NCCL
-    watchdog (or gloo) aborts the job. Phases that some ranks wait through (the rollout and
-    validation passes of the slowest engine) must end within it."""
+class DistributedConfig(Config):
+    """The process group."""
 
     timeout_minutes: float = 60.0
+    """Minutes a collective may wait before the NCCL watchdog (or gloo) aborts the job. Phases that
+    some ranks wait through (the rollout and validation passes of the slowest engine) must end
+    within it."""
 
     def validate(self) -> None:
         if not self.timeout_minutes > 0:
@@ -336,26 +355,38 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class PhaseTimeouts:
+class PhaseTimeouts(Config):
     """Seconds each phase of a step may last before the run is declared hung (``trainer.watchdog``):
     null takes the default, a floor plus seconds per token of the step's upper bound
     (``train.prompts_per_step`` x ``rollout.sampling.n`` x ``rollout.max_model_len``; the table is
-    ``trainer.watchdog.AUTO_TIMEOUTS``). ``start``: until the first step (models, engines, the
-    first weight sync); ``draw`` and ``load``: an engine rank's generation and weight load."""
+    ``trainer.watchdog.AUTO_TIMEOUTS``)."""
 
     start: float | None = None
+    """Until the first step: models loaded, engines started, the first weight sync."""
     rollout: float | None = None
+    """A step's rollout: generation and rewards."""
     advantages: float | None = None
+    """The advantages of a step's samples."""
     batching: float | None = None
+    """Building a step's micro-batches."""
     old_pass: float | None = None
+    """The old policy's forward pass (log-probs of the samples)."""
     anchor_pass: float | None = None
+    """The anchor's forward pass."""
     update: float | None = None
+    """The update pass and optimizer steps of a step."""
     ema_update: float | None = None
+    """The anchor's EMA update."""
     weight_sync: float | None = None
+    """Pushing the weights into the engines (and the consistency gate)."""
     validation: float | None = None
+    """A validation pass."""
     checkpoint: float | None = None
+    """Saving a checkpoint."""
     draw: float | None = None
+    """An engine rank's generation of a rollout (disaggregated)."""
     load: float | None = None
+    """An engine rank's load of pushed weights (disaggregated)."""
 
     def validate(self) -> None:
         for field in dataclasses.fields(self):
@@ -365,19 +396,22 @@ class PhaseTimeouts:
 
 
 @dataclasses.dataclass(frozen=True)
-class SupervisorConfig:
-    """Hangs and restarts. Every process beats every ``heartbeat_interval_s`` into
-    ``logging.dir/heartbeats`` and a phase that outlasts ``phase_timeout_s`` ends the run with exit
-    code 3 (restartable) after every rank wrote its stacks to ``logging.dir/hang-<time>/``. The
-    launchers (``launchers/torchrun.sh``, ``launchers/slurm/train.sbatch``, nemo-run) restart a
-    run that ended restartable, or whose ranks were killed, with ``--resume``, up to
-    ``max_restarts`` times within ``restart_window_s`` seconds (``logging.dir/restarts.jsonl`` keeps
-    the history); a configuration error (exit 2), a crash or a clean end is not restarted."""
+class SupervisorConfig(Config):
+    """Hangs and restarts. A phase that outlasts its timeout ends the run with exit code 3
+    (restartable) after every rank wrote its stacks to ``logging.dir/hang-<time>/``. The launchers
+    (``launchers/torchrun.sh``, ``launchers/slurm/train.sbatch``, nemo-run) restart a run that
+    ended restartable, or whose ranks were killed, with ``--resume``; a configuration error (exit
+    2), a crash or a clean end is not restarted."""
 
     phase_timeout_s: PhaseTimeouts = dataclasses.field(default_factory=PhaseTimeouts)
+    """Seconds each phase of a step may last."""
     heartbeat_interval_s: float = 5.0
+    """Seconds between a process's beats into ``logging.dir/heartbeats``."""
     max_restarts: int = 3
+    """Restarts the launchers make within ``restart_window_s`` (``logging.dir/restarts.jsonl``
+    keeps the history)."""
     restart_window_s: float = 86400.0
+    """The window, in seconds, that ``max_restarts`` counts restarts in."""
 
     def validate(self) -> None:
         if not self.heartbeat_interval_s > 0:
@@ -389,29 +423,40 @@ class SupervisorConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """A whole training run (``empg train CONFIG.yaml [a.b.c=value ...]``).
-
-    ``model``: a name in ``model_configs/`` or a YAML path; ``model_overrides``: dotted overrides
-    of it. ``tokenizer``: a HF directory with the tokenizer (the engine's too); null: the HF
-    directory of ``checkpoint.init_from``.
-    """
+class RunConfig(Config):
+    """A whole training run (``empg train CONFIG.yaml [a.b.c=value ...]``)."""
 
     model: str
+    """A name in ``model_configs/`` (``qwen2.5-7b``) or the path of a model YAML."""
     model_overrides: list[str] = dataclasses.field(default_factory=list)
+    """Dotted overrides of the model config (``[attention_backend=sdpa]``)."""
     tokenizer: str | None = None
+    """A HF directory with the tokenizer (the engine's too); null: the HF directory of
+    ``checkpoint.init_from``."""
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """Model parallelism."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """The training loop."""
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    """Advantages, loss, anchor."""
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    """Adam and the LR schedule."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    """The rollout engines and sampling."""
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
+    """Weights into the engines, and the consistency gate."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Training prompts and the reward."""
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    """Held-out validation passes."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Metrics and the console."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpoints, and what a run starts from."""
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    """The process group."""
     supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
+    """Hangs and restarts."""
 
     def model_config(self) -> ModelConfig:
         """The resolved ``ModelConfig`` (errors name ``model`` / ``model_overrides``)."""

@@ -1,13 +1,18 @@
-"""The config machinery: ``ConfigError``, YAML reading, typed dataclasses from dicts
+"""The config machinery: ``ConfigError``, the base of every config class (``Config``: choices and
+``validate()`` checked on construction; ``named_in`` marks a field that names a registry entry;
+``field_docs`` reads the fields' descriptions), YAML reading, typed dataclasses from dicts
 (``from_dict``, ``to_dict``), dotted overrides (``apply_overrides``, ``load_config``)."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import functools
+import inspect
 import os
 import re
+import textwrap
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -25,6 +30,67 @@ class ConfigError(ValueError):
     def __init__(self, field: str, reason: str) -> None:
         self.field, self.reason = field, reason
         super().__init__(f"{field}: {reason}" if field else reason)
+
+
+# --------------------------------------------------------------------------------------------
+# Config classes: one way to check themselves, choices, registry names, field descriptions.
+
+
+class Config:
+    """The base of every config dataclass (``@dataclasses.dataclass(frozen=True)``): constructing
+    one, from YAML or directly, checks every field whose type holds a ``Literal`` (the one list of
+    its choices), then runs the class's ``validate()``. A ``ConfigError`` names the field relative
+    to the class; ``from_dict`` prefixes the class's dotted path.
+
+    Each field is described by a string literal on the line after it (an attribute docstring, read
+    by ``field_docs``; ``tools/config_docs.py`` writes docs/configuration.md from them)."""
+
+    def __post_init__(self) -> None:
+        for name, tp in _choice_fields(type(self)):
+            _coerce(tp, getattr(self, name), name)
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-field checks: raise ``ConfigError(field, reason)``. None by default."""
+
+
+REGISTRY = "registry"  # field metadata: "package.module:NAME" of the registry a str field names an entry of
+REGISTRY_ALSO = "registry_also"  # field metadata: names accepted besides the registry's
+
+
+def named_in(registry: str, default: Any, *, also: tuple[str, ...] = ()) -> Any:
+    """A ``str`` field whose value is a key of ``registry`` (``"package.module:NAME"``, a dict or a
+    tuple of names) or one of ``also``. The config layer imports no registry: the bind step checks
+    the name, and the docs list the registry's keys (a test keeps the two the same registry)."""
+    return dataclasses.field(default=default, metadata={REGISTRY: registry, REGISTRY_ALSO: also})
+
+
+def literal_choices(tp: Any) -> tuple:
+    """Every ``Literal`` value inside type ``tp`` (unions and item types included), in order."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    return tuple(c for arg in typing.get_args(tp) if arg is not Ellipsis for c in literal_choices(arg))
+
+
+@functools.cache
+def _choice_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = _hints(cls)
+    return tuple((name, hints[name]) for name in _init_fields(cls) if literal_choices(hints[name]))
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field of dataclass ``cls`` -> its attribute docstring (the string literal on the line
+    after its declaration), whitespace collapsed; '' for a field without one."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for statement, following in zip(body, body[1:]):
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            value = following.value if isinstance(following, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docs[statement.target.id] = " ".join(value.value.split())
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,49 +287,22 @@ def _build(cls: type[T], data: Mapping, path: str) -> T:
     hints = _hints(cls)
     values = {name: _coerce(hints[name], value, join_path(path, name)) for name, value in data.items()}
     try:
-        return cls(**values)
-    except ConfigError as e:  # a `__post_init__` validation: give it the field's full path
+        obj = cls(**values)
+        if not isinstance(obj, Config) and callable(getattr(obj, "validate", None)):
+            obj.validate()  # a plain dataclass's checks (a Config ran its own on construction)
+        return obj
+    except ConfigError as e:  # the class's own check: give it the field's full path
         raise ConfigError(join_path(path, e.field) if e.field else path, e.reason) from None
 
 
-def _children(obj: Any, path: str) -> Iterable[tuple[Any, str]]:
-    """The dataclass instances directly inside ``obj`` (fields, list items, dict values)."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        where = join_path(path, f.name)
-        if isinstance(value, (list, tuple)):
-            yield from ((v, f"{where}[{i}]") for i, v in enumerate(value))
-        elif isinstance(value, dict):
-            yield from ((v, join_path(where, k)) for k, v in value.items())
-        else:
-            yield value, where
-
-
-def validate_tree(obj: Any, path: str = "") -> None:
-    """Call ``validate()`` on ``obj`` and every dataclass inside it, innermost first.
-
-    A ``ConfigError`` raised by a nested ``validate()`` gets the nested dataclass's path prefixed.
-    """
-    for child, where in _children(obj, path):
-        if dataclasses.is_dataclass(child) and not isinstance(child, type):
-            validate_tree(child, where)
-    validate = getattr(obj, "validate", None)
-    if callable(validate):
-        try:
-            validate()
-        except ConfigError as e:
-            raise ConfigError(join_path(path, e.field) if e.field else path, e.reason) from None
-
-
 def from_dict(cls: type[T], data: Mapping, *, path: str = "") -> T:
-    """Build dataclass ``cls`` from ``data`` (type-checked), then run ``validate_tree`` on it."""
+    """Build dataclass ``cls`` from ``data``: type-checked, unknown keys rejected, each config class
+    checking itself on construction (``Config``), errors prefixed with ``path``."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
     if not isinstance(data, Mapping):
         raise ConfigError(path, f"expected a mapping ({cls.__name__}), got {_describe(data)}")
-    obj = _build(cls, data, path)
-    validate_tree(obj, path)
-    return obj
+    return _build(cls, data, path)
 
 
 def to_dict(obj: Any) -> Any:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from megatron_empg.config import OPTIMIZER_FORMATS  # noqa: F401 (checkpoint.optimizer_format's; mcore.checkpoint's)
 from megatron_empg.mcore.checkpoint_files import CheckpointError
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.parallel.collectives import collective_device
@@ -28,7 +29,6 @@ ANCHOR_PREFIX = "anchor_master."
 # "dp_reshardable": each rank writes its own flat buffer, no exchange; loadable at another DP size
 # only. ("fully_sharded_model_space", the no-exchange reshardable format, fails in 0.19.2:
 # "ShardedTensor.flattened_range is not supported".) The non-distributed optimizer ignores this.
-OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
 DEFAULT_OPTIMIZER_FORMAT = "fully_reshardable"
 
 

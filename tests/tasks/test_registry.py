@@ -4,12 +4,12 @@ prompt-source names derived from it, and a new task added as one module's ``TASK
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
 from megatron_empg.config import DataConfig
-from megatron_empg.config import run as config_module  # where DataConfig reads DATA_SOURCES
+from megatron_empg.config import run as config_module  # DATA_SOURCES: its data.source Literal
 from megatron_empg.rollout.data import PromptBatches, PromptDataset, PromptExample, load_prompt_dataset
 from megatron_empg.rollout.rewards import RewardResult
 from megatron_empg.tasks import arithmetic, math, search_qa
@@ -74,12 +74,18 @@ def echo_reward(responses: list[str], examples: list[PromptExample]) -> RewardRe
 TOY = Task("counting", rewards={"echo": echo_reward}, source="counting", build_source=CountingSource)
 
 
+@dataclasses.dataclass(frozen=True)
+class ToyDataConfig(DataConfig):
+    """``DataConfig`` with the toy's source among its ``data.source`` names (the ``Literal`` that a
+    real task's source is added to)."""
+
+    source: Literal["files", "arithmetic", "counting"] = "arithmetic"
+
+
 @pytest.fixture
-def restored_registry(monkeypatch):
-    """The registry as it was, after the test (a toy task must not leak into other tests); the
-    toy's source among the config's ``data.source`` names meanwhile."""
+def restored_registry():
+    """The registry as it was, after the test (a toy task must not leak into other tests)."""
     saved = [(table, dict(table)) for table in (TASKS, REWARDS, PROMPT_SOURCES)]
-    monkeypatch.setattr(config_module, "DATA_SOURCES", (*config_module.DATA_SOURCES, TOY.source))
     yield
     for table, entries in saved:  # in place: the trainer holds these very dicts
         table.clear()
@@ -89,7 +95,7 @@ def restored_registry(monkeypatch):
 def test_a_registered_task_is_found_by_source_and_reward(restored_registry):
     register(TOY)
     assert TASKS["counting"] is TOY and REWARDS["echo"] is echo_reward
-    config = DataConfig(source="counting", reward="echo", seed=3)
+    config = ToyDataConfig(source="counting", reward="echo", seed=3)
     source = build_prompt_source(config, tokenizer=None)
     examples = next(PromptBatches(source, batch_size=4))
     assert [e.answer for e in examples] == ["0", "1", "2", "3"]
