@@ -325,7 +325,7 @@ def time_checkpoint(state: dict, directory: Path) -> dict:
     from checkpoint_save import plain_write
 
     from megatron_empg.mcore.checkpoint import save_checkpoint
-    from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer
+    from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer
 
     start_checkpoint_writer()
     directory.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,7 @@ class Trainer:
 
     def __init__(self, components: Components, *, run_dir: str | Path | None = None, link: Link | None = None) -> None:
         from megatron_empg.mcore import parallel_state
-        from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer
+        from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer
 
         self.components = components
         self.config = config = components.config

@@ -30,6 +30,7 @@ import torch
 from megatron_empg.config import OptimizerConfig, ParallelConfig, load_model_config
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.mcore import checkpoint as ckpt
+from megatron_empg.mcore.checkpoint import save as ckpt_save
 from tests.dist import run_distributed
 from tests.mcore.test_train_step import MODEL, OPTIM, K, N, S, loss_fn
 
@@ -252,13 +253,13 @@ def _scenarios(root: str) -> dict:
         def crash(tmp_dir):
             raise _Crash(f"simulated crash after writing {tmp_dir.name}")
 
-        original, ckpt._before_commit = ckpt._before_commit, crash
+        original, ckpt_save._before_commit = ckpt_save._before_commit, crash
         try:
             run.save(crash_root)
         except _Crash as e:
             out["crash"] = str(e)
         finally:
-            ckpt._before_commit = original
+            ckpt_save._before_commit = original
         out["after_crash"] = sorted(os.listdir(crash_root))
         tmp_dirs = [d for d in out["after_crash"] if ckpt.TMP_MARK in d]
         # loads that must fail before changing anything

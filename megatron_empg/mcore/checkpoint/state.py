@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megatron_empg.mcore.checkpoint_files import CheckpointError
+from megatron_empg.mcore.checkpoint.files import CheckpointError
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.parallel.collectives import collective_device
 

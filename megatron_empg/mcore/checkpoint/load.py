@@ -1,7 +1,7 @@
 """Loading a checkpoint of ``mcore.checkpoint`` (which re-exports ``load_checkpoint``; its docstring
 describes the format, resharding and the parts): at any TP/PP/VPP/DP layout, every part checked
 against what is asked for, the distributed optimizer through the megatron-core 0.19.2 workarounds
-of ``mcore.checkpoint_state``.
+of ``mcore.checkpoint.state``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_empg.mcore import cpu_shims
-from megatron_empg.mcore.checkpoint_files import CheckpointError, read_checkpoint_info
-from megatron_empg.mcore.checkpoint_state import (
+from megatron_empg.mcore.checkpoint.files import CheckpointError, read_checkpoint_info
+from megatron_empg.mcore.checkpoint.state import (
     ANCHOR_PREFIX,
     anchor_sharded_state,
     init_fresh_torch_adam_state,
