@@ -289,21 +289,14 @@ def plain_write(path: Path, nbytes: int) -> float:
 
 def timed_save(root: Path, step: int, build, profile: Profile) -> tuple[float, dict[str, float], int]:
     """One ``save_checkpoint`` into ``root``: seconds, the exclusive breakdown, bytes on disk."""
-    from megatron_empg.mcore.checkpoint import checkpoint_bytes
+    from megatron_empg.mcore.checkpoint import CheckpointParts, TrainState, checkpoint_bytes
     from megatron_empg.mcore.checkpoint.save import save_checkpoint  # where _probes times it
 
     groups, ddp, optimizer, scheduler, anchor = build
+    parts = CheckpointParts(ddp, optimizer=optimizer, scheduler=scheduler, anchor=anchor)
     _sync()
     start = time.perf_counter()
-    path = save_checkpoint(
-        root,
-        step,
-        models=ddp,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        anchor=anchor,
-        groups=groups,
-    )
+    path = save_checkpoint(root, TrainState(step), parts, groups)
     _sync()
     elapsed = time.perf_counter() - start
     return elapsed, profile.take(), checkpoint_bytes(path)

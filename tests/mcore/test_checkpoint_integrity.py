@@ -145,8 +145,8 @@ def _world1(rank: int, world_size: int, root: str) -> dict:
             else:
                 _damage(case / "step_00000002", how)
             found = ckpt.find_verified_checkpoint(case)
-            extra = run.load(found.path)
-            out[how] = {"step": found.step, "reason": found.reason, "loaded": extra["step"], "logs": logs.take()}
+            state = run.load(found.path)
+            out[how] = {"step": found.step, "reason": found.reason, "loaded": state.step, "logs": logs.take()}
 
         # a save while the filesystem has less free space than the last checkpoint takes
         low = root / "low"
@@ -179,7 +179,7 @@ def _world1(rank: int, world_size: int, root: str) -> dict:
             ckpt_save.write_atomic = original
         out["commit_listing"] = sorted(os.listdir(full))
         found = ckpt.find_verified_checkpoint(full)
-        out["full_resume"] = {"step": found.step, "loaded": run.load(found.path)["step"]}
+        out["full_resume"] = {"step": found.step, "loaded": run.load(found.path).step}
     finally:
         run.close()
     return out

@@ -63,13 +63,10 @@ def _save(root: str, *, dtype: torch.dtype, distopt: bool, anchor: bool, optimiz
             ema.update()
         path = ckpt.save_checkpoint(
             root,
-            1,
-            models=ddp,
-            optimizer=optimizer,
-            scheduler=build_scheduler(optimizer, settings),
-            anchor=ema,
-            groups=groups,
-            optimizer_format=optimizer_format,
+            ckpt.TrainState(1),
+            ckpt.CheckpointParts(ddp, optimizer=optimizer, scheduler=build_scheduler(optimizer, settings), anchor=ema),
+            groups,
+            options=ckpt.SaveOptions(optimizer_format=optimizer_format),
         )
         return {"path": str(path), "files": ckpt.list_files(path)}
     finally:

@@ -1,17 +1,22 @@
 """Distributed checkpoints of an RL run: policy, optimizer, LR schedule, EMA anchor master, RNG
 states and the loop's own counters, through Megatron's ``dist_checkpointing`` (torch_dist).
+User-facing: docs/checkpoints.md.
 
 Every rank of the default process group calls ``save_checkpoint``, ``find_verified_checkpoint``
 and ``load_checkpoint`` together::
 
     remove_leftovers(root)                           # rank 0 at start-up: crashed saves' temp dirs
-    path = save_checkpoint(root, step, models=ddp_chunks, optimizer=opt, scheduler=sched,
-                           anchor=anchor, extra_state={"data_cursor": c}, groups=groups)
+    parts = CheckpointParts(ddp_chunks, optimizer=opt, scheduler=sched, anchor=anchor)
+    path = save_checkpoint(root, TrainState(step, data=cursor.state_dict()), parts, groups,
+                           options=SaveOptions(keep_last=3), model=ModelMetadata(config=model_cfg))
     found = find_verified_checkpoint(root)           # newest intact: sizes and CRC32s, ranks share the reads
     # (find_latest_checkpoint(root): the same pick from sizes only; pure filesystem, no collectives)
     if found is not None:
-        extra = load_checkpoint(found.path, models=..., optimizer=..., scheduler=...,
-                                anchor=..., groups=groups)    # extra["step"], extra["data_cursor"]
+        state = load_checkpoint(found.path, parts, groups)    # the TrainState: state.step, state.data
+
+The loop's state (``TrainState``: step, optimizer steps, anchor updates, bad-step history, data
+cursor, the engines' rollouts drawn ahead, the config) is one typed object with a version; older
+checkpoints load with defaults (``train_state``'s docstring lists the versions).
 
 On disk (``root`` is any directory on a filesystem all ranks share)::
 
@@ -21,9 +26,9 @@ On disk (``root`` is any directory on a filesystem all ranks share)::
         empg_checkpoint.json      ours, written last: {"complete": true, format, step, layout, ...,
                                     "files": {path: {"size", "crc32"}} of every other file}
         metadata.json             dist_checkpointing's (backend, version)
-        .metadata, __<r>_<i>.distcp, ...   the torch_dist shards (and the common state)
-        model_config.yaml         the ModelConfig (with save_checkpoint(model_config=...))
-        hf/                       the HF config and tokenizer files (with hf_assets=...)
+        .metadata, __<r>_<i>.distcp, ...   the torch_dist shards (and the common state: the TrainState)
+        model_config.yaml         the ModelConfig (with ModelMetadata(config=...))
+        hf/                       the HF config and tokenizer files (with ModelMetadata(hf_assets=...))
       step_00000006.tmp-1f2e3d4c/ a save in progress, or one that crashed: never loaded
       step_00000002.trash-.../    a checkpoint being deleted (retention or a re-save): never loaded
 
@@ -87,8 +92,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# The public API, by module. Resolved on first use (PEP 562): ``size`` and ``files`` need neither
-# torch nor megatron (the memory plan reads ``size`` when a config is checked), and importing one
+# The public API, by module. Resolved on first use (PEP 562): ``size``, ``files``, ``parts`` and
+# ``train_state`` need neither torch nor megatron (the memory plan reads ``size`` when a config is checked), and importing one
 # module of the package runs this file first.
 _EXPORTS = {
     "files": (
@@ -113,8 +118,9 @@ _EXPORTS = {
         "write_atomic",
     ),
     "load": ("load_checkpoint",),
+    "parts": ("DEFAULT_OPTIMIZER_FORMAT", "OPTIMIZER_FORMATS", "CheckpointParts", "ModelMetadata", "SaveOptions"),
     "save": ("checkpoint_info", "finish_checkpoint_dir", "save_checkpoint"),
-    "state": ("DEFAULT_OPTIMIZER_FORMAT", "OPTIMIZER_FORMATS"),
+    "train_state": ("TRAIN_STATE_VERSION", "TrainState"),
     "verify": ("find_verified_checkpoint", "verify_checkpoint"),
     "writer": ("start_checkpoint_writer",),
 }

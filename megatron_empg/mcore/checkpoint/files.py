@@ -430,7 +430,7 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
     if not config_path.is_file():
         raise CheckpointError(
             f"{path} has no {MODEL_CONFIG_FILE}: it was saved without model_config "
-            "(save_checkpoint(..., model_config=...)); give the model config another way"
+            "(save_checkpoint(..., model=ModelMetadata(config=...))); give the model config another way"
         )
     return load_model_config(config_path)
 

@@ -12,7 +12,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +47,8 @@ from megatron_empg.mcore.checkpoint.files import (
     step_dirs,
     write_atomic,
 )
+from megatron_empg.mcore.checkpoint.parts import OPTIMIZER_FORMATS, CheckpointParts, ModelMetadata, SaveOptions
 from megatron_empg.mcore.checkpoint.state import (
-    DEFAULT_OPTIMIZER_FORMAT,
-    OPTIMIZER_FORMATS,
     anchor_sharded_state,
     get_rng_state,
     is_distributed,
@@ -60,6 +59,7 @@ from megatron_empg.mcore.checkpoint.state import (
     rng_sharded_object,
     unwrap,
 )
+from megatron_empg.mcore.checkpoint.train_state import SAVED_KEY, TrainState
 from megatron_empg.mcore.checkpoint.verify import (
     check_same_on_all_ranks,
     measure_on_all_ranks,
@@ -151,14 +151,15 @@ def _commit(
     info: dict,
     keep_last: int | None,
     nonce: str,
-    model_config: ModelConfig | None,
-    hf_assets: str | os.PathLike | None,
+    model: ModelMetadata,
     files: Mapping[str, Mapping[str, int]],
     checksums: bool,
 ) -> list[str]:
     """Rank 0: model config and HF assets, completion marker with the manifest, rename, ``latest``,
     retention. Returns the names removed."""
-    finish_checkpoint_dir(tmp, info, model_config=model_config, hf_assets=hf_assets, files=files, checksums=checksums)
+    finish_checkpoint_dir(
+        tmp, info, model_config=model.config, hf_assets=model.hf_assets, files=files, checksums=checksums
+    )
     trash = None
     if final.exists():  # a re-save of this step: move the old one out of the step_N namespace first
         trash = final.with_name(f"{final.name}{TRASH_MARK}{nonce}")
@@ -260,69 +261,42 @@ def _failed_save(root: Path, tmp: Path, final: Path, error: str) -> CheckpointEr
 
 def save_checkpoint(
     root_dir: str | os.PathLike,
-    step: int,
-    *,
-    models: Sequence[torch.nn.Module],
-    optimizer=None,
-    scheduler=None,
-    anchor=None,
-    extra_state: Mapping[str, Any] | None = None,
+    state: TrainState,
+    parts: CheckpointParts,
     groups: ParallelGroups,
-    keep_last: int | None = None,
-    model_name: str | None = None,
-    optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT,
-    model_config: ModelConfig | None = None,
-    hf_assets: str | os.PathLike | None = None,
-    checksums: bool = True,
+    *,
+    options: SaveOptions | None = None,
+    model: ModelMetadata | None = None,
 ) -> Path:
-    """Save a checkpoint of ``step`` under ``root_dir`` atomically; every rank calls it. Returns
-    the committed directory ``root_dir/step_<step>``.
+    """Save a checkpoint of ``state.step`` under ``root_dir`` atomically; every rank calls it.
+    Returns the committed directory ``root_dir/step_<step>``.
+
+    ``state``: the loop's state, identical on every rank (checked; ``load_checkpoint`` returns it).
+    ``parts``: this rank's model chunks, optimizer, scheduler and anchor. ``options``: retention,
+    checksums, the distributed optimizer's format (default ``SaveOptions()``). ``model``: the model's
+    name, config and HF assets recorded beside the tensors (default: none).
 
     Rank 0 warns first when the filesystem has less free space than the newest checkpoint takes.
     A write that fails (a full disk: ENOSPC, EFBIG, torch's "enforce fail at inline_container.cc")
     raises ``CheckpointError`` on every rank together, naming the directory, the error, the free
     space and the last checkpoint (which stays loadable); this save's temp directory is removed.
-
-    Args:
-        models: the policy's model chunks (Megatron DDP-wrapped or not).
-        optimizer: the Megatron optimizer (``get_megatron_optimizer``), or None. One that has
-            never stepped has no state; it is recorded as fresh and not saved.
-        scheduler: the ``OptimizerParamScheduler``, or None.
-        anchor: the EMA anchor (see the module docstring), or None.
-        extra_state: small picklable loop state (step counters, data cursor), identical on every
-            rank; ``load_checkpoint`` returns it with ``"step"`` added.
-        keep_last: keep only this many newest complete checkpoints (the new one always stays);
-            also removes ``*.tmp-*``/``*.trash-*`` leftovers of interrupted saves. None keeps all.
-        model_name: recorded in ``empg_checkpoint.json`` and checked by ``load_checkpoint``
-            (default: ``model_config.name``).
-        optimizer_format: the distributed optimizer's format, one of ``OPTIMIZER_FORMATS``.
-        model_config: stored as ``model_config.yaml`` (``read_model_config``), so that
-            tools/convert_megatron_to_hf.py can convert the checkpoint on its own.
-        hf_assets: a HF model directory whose config and tokenizer files (no weights) are copied
-            into ``hf/`` (see ``copy_hf_assets``).
-        checksums: record every file's CRC32 in the manifest (the shards': computed while they
-            are written, beside the writes), for ``find_verified_checkpoint``. Without, sizes only.
     """
     cpu_shims.import_megatron()
     from megatron.core import dist_checkpointing
 
     from megatron_empg.mcore.checkpoint.stream import save_strategy
 
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step={step!r} must be an int >= 0")
+    options = options or SaveOptions()
+    model = model or ModelMetadata()
+    step, keep_last, optimizer_format = state.step, options.keep_last, options.optimizer_format
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} must be None or an int >= 1")
     if optimizer_format not in OPTIMIZER_FORMATS:
         raise ValueError(f"optimizer_format={optimizer_format!r}: expected one of {OPTIMIZER_FORMATS}")
-    if hf_assets is not None and not Path(hf_assets).is_dir():
-        raise ValueError(f"hf_assets={str(hf_assets)!r} is not a directory")
-    if model_name is None and model_config is not None:
-        model_name = model_config.name
-    extra = dict(extra_state or {})
-    if extra.get("step", step) != step:
-        raise ValueError(f"extra_state['step']={extra['step']!r} differs from step={step}")
-    extra["step"] = step
-    check_same_on_all_ranks(extra, "extra_state")
+    if model.hf_assets is not None and not Path(model.hf_assets).is_dir():
+        raise ValueError(f"hf_assets={str(model.hf_assets)!r} is not a directory")
+    saved_state = state.to_saved()
+    check_same_on_all_ranks(saved_state, "the train state")
 
     root = Path(root_dir)
     final = root / step_dir_name(step)
@@ -337,51 +311,52 @@ def save_checkpoint(
     nonce = rank0_then_share(make_tmp, f"creating a temp checkpoint directory in {root}")
     tmp = root / f"{final.name}{TMP_MARK}{nonce}"
 
-    chunks = unwrap(models)
-    state = model_sharded_state(chunks)
+    optimizer, scheduler, anchor = parts.optimizer, parts.scheduler, parts.anchor
+    chunks = unwrap(parts.models)
+    sharded = model_sharded_state(chunks)
     optimizer_status = optimizer_kind = None
     if optimizer is not None:
         optimizer_kind = optimizer_format if is_distributed(optimizer) else "per_parameter"
         if optimizer_has_state(optimizer):
             metadata = optimizer_metadata(optimizer_kind)
-            state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=False, metadata=metadata)
+            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=False, metadata=metadata)
             optimizer_status = "saved"
         else:
             optimizer_status = "fresh"
     if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
+        sharded["scheduler"] = scheduler.state_dict()
     if anchor is not None:  # the master's own tensors (no copy): nothing updates them during the save
-        state.update(anchor_sharded_state(anchor, anchor.full_master_state(copy=False)))
-    state["rng_state"] = rng_sharded_object(groups, get_rng_state())
-    state["extra_state"] = extra
+        sharded.update(anchor_sharded_state(anchor, anchor.full_master_state(copy=False)))
+    sharded["rng_state"] = rng_sharded_object(groups, get_rng_state())
+    sharded[SAVED_KEY] = saved_state
 
     layout = layout_of(groups)
     content = {"format": FORMAT, "format_version": FORMAT_VERSION, **optimizer_metadata(optimizer_kind)}
-    strategy, streaming = save_strategy(groups, checksums)
+    strategy, streaming = save_strategy(groups, options.checksums)
     try:
         on_every_rank(
-            lambda: dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata=content),
+            lambda: dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy, content_metadata=content),
             f"writing {tmp}",
         )
-        files = measure_on_all_ranks(tmp, checksums, written=streaming.files)
+        files = measure_on_all_ranks(tmp, options.checksums, written=streaming.files)
     except CheckpointError as e:
         raise _failed_save(root, tmp, final, str(e)) from None
     _before_commit(tmp)
 
-    parts = {
+    held = {
         "model": True,
         "optimizer": optimizer_status,
         "optimizer_format": optimizer_kind,  # "per_parameter" (non-distributed) or OPTIMIZER_FORMATS
         "scheduler": scheduler is not None,
         "anchor": anchor is not None,
         "rng": True,
-        "model_config": model_config is not None,
-        "hf_assets": hf_assets is not None,
+        "model_config": model.config is not None,
+        "hf_assets": model.hf_assets is not None,
     }
-    info = checkpoint_info(step=step, model_name=model_name, layout=layout, model_chunks=len(chunks), parts=parts)
+    info = checkpoint_info(step=step, model_name=model.model_name, layout=layout, model_chunks=len(chunks), parts=held)
     try:
         removed = rank0_then_share(
-            lambda: _commit(root, tmp, final, info, keep_last, nonce, model_config, hf_assets, files, checksums),
+            lambda: _commit(root, tmp, final, info, keep_last, nonce, model, files, options.checksums),
             f"committing {final}",
         )
     except CheckpointError as e:

@@ -22,14 +22,6 @@ if TYPE_CHECKING:
     import torch.nn
 
 ANCHOR_PREFIX = "anchor_master."
-# Distributed-optimizer checkpoint formats of megatron-core (``DistributedOptimizer.sharded_state_dict``)
-# that this module writes. "fully_reshardable": per-parameter tensors in model space, loadable at any
-# TP/PP/DP; the save all-gathers each model-parallel shard's optimizer state over DP.
-# "dp_reshardable": each rank writes its own flat buffer, no exchange; loadable at another DP size
-# only. ("fully_sharded_model_space", the no-exchange reshardable format, fails in 0.19.2:
-# "ShardedTensor.flattened_range is not supported".) The non-distributed optimizer ignores this.
-OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
-DEFAULT_OPTIMIZER_FORMAT = "fully_reshardable"
 
 
 def unwrap(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
