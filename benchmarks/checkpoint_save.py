@@ -31,7 +31,8 @@ commit 8f2cc8e's ``checkpoint_save_cpu_before.json``, used 16 MiB pieces and no 
 ``ratio_pairs_median``: the median of each save over the plain write just before it.
 
 Breakdown: every save runs with timers around the functions it goes through (``_probes``; those a
-version of the code lacks are skipped: the script runs on the code before the streaming writer too). The times are exclusive (a probe's time minus the probes
+version of the code lacks are skipped: the before run of checkpoint_save_cpu.json was made on the
+code before the streaming writer, with this script as it was then). The times are exclusive (a probe's time minus the probes
 nested in it), so the phases and ``other`` sum to the save's time:
 
     state.model / optimizer / anchor_gather / anchor / rng   building the sharded state dict
@@ -54,7 +55,7 @@ nested in it), so the phases and ``other`` sum to the save's time:
 ``background.crc32``: the streaming writer's CRC32 thread, beside the writes (not in the sum).
 
 ``--recipes``: per GPU recipe (``recipes/``, at the world size of its comments: one node of 8 GPUs),
-the bytes a save writes in total and per rank (``mcore.checkpoint_size.checkpoint_bytes``) and the
+the bytes a save writes in total and per rank (``mcore.checkpoint.size.checkpoint_bytes``) and the
 predicted save time at two rates: the one GPU run's (61 s for the 1.5B benchmark checkpoint with
 Megatron's writer, ``benchmarks/results/train_step_gpu_d63de0f.json``) and a measured save of this script
 (``--after-result``: the GPU result once there is one, else the CPU one), to
@@ -92,7 +93,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from megatron_empg.config import load_model_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-PLAIN_CHUNK = 8 << 20  # mcore.checkpoint_stream.WRITE_CHUNK (a constant: this script also runs on older code)
+PLAIN_CHUNK = 8 << 20  # mcore.checkpoint.stream.WRITE_CHUNK (a constant: a before run has no such module)
 DEFAULT_MODEL = "qwen2.5-1.5b"
 DEFAULT_OVERRIDES = "num_layers=3 vocab_size=32768 bos_token_id=1 eos_token_id=2"
 
@@ -186,12 +187,8 @@ def _probes(profile: Profile, optimizer, anchor) -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
     from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
-    from megatron_empg.mcore import checkpoint
-
-    try:
-        from megatron_empg.mcore import checkpoint_stream
-    except ImportError:  # the code before the streaming writer
-        checkpoint_stream = None
+    from megatron_empg.mcore.checkpoint import save as checkpoint
+    from megatron_empg.mcore.checkpoint import stream as checkpoint_stream
 
     def timed_stream(original):
         def transform_save_stream(self, write_item, raw_stream):
@@ -292,20 +289,14 @@ def plain_write(path: Path, nbytes: int) -> float:
 
 def timed_save(root: Path, step: int, build, profile: Profile) -> tuple[float, dict[str, float], int]:
     """One ``save_checkpoint`` into ``root``: seconds, the exclusive breakdown, bytes on disk."""
-    from megatron_empg.mcore.checkpoint import checkpoint_bytes, save_checkpoint
+    from megatron_empg.mcore.checkpoint import CheckpointParts, TrainState, checkpoint_bytes
+    from megatron_empg.mcore.checkpoint.save import save_checkpoint  # where _probes times it
 
     groups, ddp, optimizer, scheduler, anchor = build
+    parts = CheckpointParts(ddp, optimizer=optimizer, scheduler=scheduler, anchor=anchor)
     _sync()
     start = time.perf_counter()
-    path = save_checkpoint(
-        root,
-        step,
-        models=ddp,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        anchor=anchor,
-        groups=groups,
-    )
+    path = save_checkpoint(root, TrainState(step), parts, groups)
     _sync()
     elapsed = time.perf_counter() - start
     return elapsed, profile.take(), checkpoint_bytes(path)
@@ -317,7 +308,7 @@ def _median_breakdown(breakdowns: list[dict[str, float]]) -> dict[str, float]:
 
 
 def measure(args) -> dict:
-    from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer
+    from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer
 
     model_cfg = load_model_config(args.model, shlex.split(args.model_overrides))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -436,7 +427,7 @@ def gpu_rate() -> dict:
     """Bytes per second of the one GPU save (``train_step_gpu.json``: Megatron's writer, one
     process): its checkpoint's bytes by ``checkpoint_bytes`` over its measured seconds."""
     from megatron_empg.config import OptimizerConfig, ParallelConfig
-    from megatron_empg.mcore.checkpoint_size import checkpoint_bytes
+    from megatron_empg.mcore.checkpoint.size import checkpoint_bytes
 
     run = json.loads((REPO / "benchmarks/results/train_step_gpu_d63de0f.json").read_text())
     seconds = run["variants"][0]["stage_seconds_median"]["checkpoint"]
@@ -448,7 +439,7 @@ def gpu_rate() -> dict:
     return {
         "source": "benchmarks/results/train_step_gpu_d63de0f.json",
         "device": run["machine"]["device"],
-        "writer": "Megatron's FileSystemWriterAsync (before mcore.checkpoint_stream)",
+        "writer": "Megatron's FileSystemWriterAsync (before mcore.checkpoint.stream)",
         "model": model.name,
         "bytes": nbytes,
         "seconds": seconds,
@@ -461,7 +452,7 @@ def recipe_rows(rates: dict[str, float]) -> list[dict]:
     seconds at each rate of ``rates`` (bytes/s), for one writer (the total) and for the fully
     parallel save (the most loaded rank, if the storage gives every writer that rate)."""
     from megatron_empg.config import RunConfig, load_config, read_yaml
-    from megatron_empg.mcore.checkpoint_size import checkpoint_bytes
+    from megatron_empg.mcore.checkpoint.size import checkpoint_bytes
     from megatron_empg.trainer.build import bind
 
     rows = []
@@ -512,7 +503,7 @@ def measured_rate(path: Path) -> dict:
     return {
         "source": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
         "device": f"{run['machine']['device']}, {disk['type']} on {disk['device']}",
-        "writer": "mcore.checkpoint_stream",
+        "writer": "mcore.checkpoint.stream",
         "model": run["model"],
         "bytes": run["bytes"],
         "seconds": run["save_seconds_median"],

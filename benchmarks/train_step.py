@@ -324,8 +324,8 @@ def time_checkpoint(state: dict, directory: Path) -> dict:
     writer process is started first, as the trainer does at start-up."""
     from checkpoint_save import plain_write
 
-    from megatron_empg.mcore.checkpoint import save_checkpoint
-    from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer
+    from megatron_empg.mcore.checkpoint import CheckpointParts, SaveOptions, TrainState, save_checkpoint
+    from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer
 
     start_checkpoint_writer()
     directory.mkdir(parents=True, exist_ok=True)
@@ -333,7 +333,10 @@ def time_checkpoint(state: dict, directory: Path) -> dict:
     try:
         _sync()
         start = time.perf_counter()
-        saved = save_checkpoint(root, 1, keep_last=1, **state)
+        parts = CheckpointParts(
+            state["models"], optimizer=state["optimizer"], scheduler=state["scheduler"], anchor=state["anchor"]
+        )
+        saved = save_checkpoint(root, TrainState(1), parts, state["groups"], options=SaveOptions(keep_last=1))
         _sync()
         save_s = time.perf_counter() - start
         num_bytes = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file())

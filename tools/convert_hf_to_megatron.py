@@ -4,7 +4,7 @@ that the trainer starts from, one tensor in memory at a time.
     python tools/convert_hf_to_megatron.py HF_DIR OUT --tp 2 --pp 2 [--dtype auto] [--name NAME]
 
 OUT becomes a model-only checkpoint of ``megatron_empg.mcore.checkpoint`` (no optimizer,
-scheduler, anchor or RNG state; step 0): ``load_checkpoint(OUT, models=chunks, groups=groups)``
+scheduler, anchor or RNG state; step 0): ``load_checkpoint(OUT, CheckpointParts(chunks), groups)``
 loads it into ``build_gpt_model`` chunks at any TP/PP/VPP. ``--tp``/``--pp`` (and ``--vpp``) are
 the layout it is written for: they are checked against the model (heads, layers) and set the
 padded vocabulary (``ParallelConfig.padded_vocab_size``). OUT also holds ``model_config.yaml``

@@ -3,7 +3,7 @@
 A rank killed on its own (SIGKILL, the OOM killer, a launcher that tracks processes by parent) runs
 no shutdown code, and a child that does not watch its parent outlives it, holding its memory (on a
 GPU, the next run's engine then cannot start). Two such children: Megatron's checkpoint writer
-(a ``multiprocessing.Manager`` server, ``mcore.checkpoint_writer``) and vLLM's engine core with its
+(a ``multiprocessing.Manager`` server, ``mcore.checkpoint.writer``) and vLLM's engine core with its
 workers (``rollout.vllm_plugin``). Each calls ``die_with_parent`` when it starts.
 
 SIGKILL, not SIGTERM: the trainer starts its children with the stop signals blocked

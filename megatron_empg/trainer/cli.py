@@ -225,7 +225,7 @@ def _train(config: RunConfig, *, resume: bool, overwrite: bool = False) -> int:
 
 
 def _bind_and_run(config: RunConfig, world_size: int, held, *, resume: bool, overwrite: bool) -> int:
-    from megatron_empg.mcore.checkpoint_files import CheckpointError, remove_leftovers
+    from megatron_empg.mcore.checkpoint.files import CheckpointError, remove_leftovers
     from megatron_empg.trainer.metrics_log import MetricsFileError
     from megatron_empg.trainer.run_dir import RunDirectoryError, check_start
 
@@ -262,7 +262,7 @@ def _run(config: RunConfig, components, *, resume: bool) -> int:
 def _train_here(config: RunConfig, components, role, resume: bool) -> int:
     import torch.distributed as dist
 
-    from megatron_empg.mcore.checkpoint_files import CheckpointError
+    from megatron_empg.mcore.checkpoint.files import CheckpointError
     from megatron_empg.rollout.retriever.client import RetrieverError
     from megatron_empg.trainer import watchdog
     from megatron_empg.trainer.loop import Trainer

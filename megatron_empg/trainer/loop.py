@@ -68,7 +68,7 @@ class Trainer:
 
     def __init__(self, components: Components, *, run_dir: str | Path | None = None, link: Link | None = None) -> None:
         from megatron_empg.mcore import parallel_state
-        from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer
+        from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer
 
         self.components = components
         self.config = config = components.config
@@ -492,48 +492,54 @@ class Trainer:
             return self._save()
 
     def _save(self) -> Path:
-        from megatron_empg.mcore.checkpoint import save_checkpoint
+        from megatron_empg.mcore.checkpoint import ModelMetadata, SaveOptions, TrainState, save_checkpoint
 
         cfg = self.config.checkpoint
         engines = self.engines.state_dict()  # first: receiving rollouts drawn ahead moves the data cursor
-        extra = {
-            "optimizer_steps": self.optimizer_steps,
-            "anchor_num_updates": self.anchor.num_updates if self.anchor is not None else 0,
-            "bad_steps": self.bad_steps.state_dict(),  # the gradient-norm history: a resume refuses alike
-            "data": self.batches.state_dict(),
-            "config_yaml": to_yaml(self.config),
-            "engines": engines,  # e.g. rollouts drawn ahead: trained on resume, not drawn again
-        }
+        state = TrainState(
+            step=self.step_index,
+            optimizer_steps=self.optimizer_steps,
+            anchor_num_updates=self.anchor.num_updates if self.anchor is not None else 0,
+            bad_steps=self.bad_steps.state_dict(),  # the gradient-norm history: a resume refuses alike
+            data=self.batches.state_dict(),
+            engines=engines,  # e.g. rollouts drawn ahead: trained on resume, not drawn again
+            config_yaml=to_yaml(self.config),
+        )
         return save_checkpoint(
             cfg.dir,
-            self.step_index,
-            models=self.models,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            anchor=self.anchor,
-            extra_state=extra,
-            groups=self.groups,
-            keep_last=cfg.keep_last,
-            checksums=cfg.verify == "checksum",
-            model_name=self.model.name,
-            optimizer_format=cfg.optimizer_format,
-            model_config=self.model,
-            hf_assets=self.engines.hf_assets(),  # the tokenizer
+            state,
+            self._checkpoint_parts(),
+            self.groups,
+            options=SaveOptions(
+                keep_last=cfg.keep_last, checksums=cfg.verify == "checksum", optimizer_format=cfg.optimizer_format
+            ),
+            model=ModelMetadata(config=self.model, hf_assets=self.engines.hf_assets()),  # hf: the tokenizer
         )
+
+    def _checkpoint_parts(self):
+        """The policy's chunks, optimizer, scheduler and anchor, as a checkpoint saves and loads them."""
+        from megatron_empg.mcore.checkpoint import CheckpointParts
+
+        return CheckpointParts(self.models, optimizer=self.optimizer, scheduler=self.scheduler, anchor=self.anchor)
 
     def resume(self) -> bool:
         """Load the newest intact checkpoint of ``checkpoint.dir`` (a damaged one is named and skipped:
         ``mcore.checkpoint.find_verified_checkpoint``, every rank); False if there is none."""
-        from megatron_empg.mcore.checkpoint import find_verified_checkpoint
+        from megatron_empg.mcore.checkpoint import CheckpointError, find_verified_checkpoint
 
         checkpoint = self.config.checkpoint
         found = find_verified_checkpoint(checkpoint.dir, checksums=checkpoint.verify == "checksum")
         if found is None:
             log.info("no checkpoint in %s to resume from", checkpoint.dir)
             return False
-        extra = self._load_training_state(found.path)
-        self.batches.load_state_dict(extra["data"])
-        self.engines.load_state_dict(extra["engines"])
+        state = self._load_training_state(found.path)
+        if state.data is None or state.engines is None:
+            raise CheckpointError(
+                f"{found.path} holds no training-loop state (data cursor, engines' state): "
+                "not a checkpoint of a training run (start from its weights with checkpoint.init_from)"
+            )
+        self.batches.load_state_dict(state.data)
+        self.engines.load_state_dict(state.engines)
         log.info("resumed from %s at step %d", found.path, self.step_index)
         return True
 
@@ -550,25 +556,17 @@ class Trainer:
         self.batches.cursor = self.step_index
         log.info("continuing from %s at step %d (data: this run's order)", directory, self.step_index)
 
-    def _load_training_state(self, directory: Path) -> dict:
-        """Policy, optimizer, scheduler, anchor and step counters from ``directory``; its extra state."""
+    def _load_training_state(self, directory: Path):
+        """Policy, optimizer, scheduler, anchor and step counters from ``directory``; its ``TrainState``."""
         from megatron_empg.mcore.checkpoint import load_checkpoint
 
-        extra = load_checkpoint(
-            directory,
-            models=self.models,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            anchor=self.anchor,
-            groups=self.groups,
-            model_name=self.model.name,
-        )
-        self.step_index = extra["step"]
-        self.optimizer_steps = extra["optimizer_steps"]
-        self.bad_steps.load_state_dict(extra.get("bad_steps"))  # absent from older checkpoints
+        state = load_checkpoint(directory, self._checkpoint_parts(), self.groups, model_name=self.model.name)
+        self.step_index = state.step
+        self.optimizer_steps = state.optimizer_steps
+        self.bad_steps.load_state_dict(state.bad_steps)  # None: a checkpoint of before the history
         if self.anchor is not None:
-            self.anchor.num_updates = extra["anchor_num_updates"]
-        return extra
+            self.anchor.num_updates = state.anchor_num_updates
+        return state
 
     def _signals(self):
         """SIGTERM / SIGUSR1 (Slurm's pre-emption warning) set a flag the loop checks after each step

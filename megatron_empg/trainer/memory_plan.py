@@ -34,7 +34,7 @@ import json
 from typing import Any
 
 from megatron_empg.config import RunConfig
-from megatron_empg.mcore.checkpoint_size import DTYPE_BYTES
+from megatron_empg.mcore.checkpoint.size import DTYPE_BYTES
 from megatron_empg.trainer import memory_terms as terms
 from megatron_empg.trainer.memory_terms import BF16, CUDA, FP32, GIB, Calibration, rank_shape
 
@@ -296,7 +296,7 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
         },
         "optimizer": {"adam_temporaries": sharded * FP32},
         # the save gathers a sharded anchor master whole (EmaAnchor.full_master_state); the rest
-        # goes to the host one tensor at a time (mcore.checkpoint_stream)
+        # goes to the host one tensor at a time (mcore.checkpoint.stream)
         "checkpoint": {
             "anchor_master_gathered": shape.params * FP32
             if stats.anchor and (dp_shard > 1 or expert_dp > 1) and not anchor.master_on_cpu

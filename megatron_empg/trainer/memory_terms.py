@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_empg.config import ModelConfig, ParallelConfig, RunConfig
-from megatron_empg.mcore.checkpoint_size import DTYPE_BYTES, local_experts, local_parameters
+from megatron_empg.mcore.checkpoint.size import DTYPE_BYTES, local_experts, local_parameters
 
 GIB = 2**30
 MIB = 2**20

@@ -48,9 +48,9 @@ def load_initial_weights(chunks, init_from: str, model, config: RunConfig, group
         full = mapping.to_megatron_state_dict(hf, model, config.parallel.padded_vocab_size(model.vocab_size))
         load_full_state_dict(chunks, full, vocab_size=model.vocab_size, canonical_name=mapping.canonical_name)
         return
-    from megatron_empg.mcore.checkpoint import load_checkpoint
+    from megatron_empg.mcore.checkpoint import CheckpointParts, load_checkpoint
 
-    load_checkpoint(checkpoint_directory(path), models=chunks, groups=groups, strict=False)
+    load_checkpoint(checkpoint_directory(path), CheckpointParts(chunks), groups, strict=False)
 
 
 def checkpoint_directory(path: str | Path) -> Path:

@@ -30,6 +30,7 @@ import torch
 from megatron_empg.config import OptimizerConfig, ParallelConfig, load_model_config
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.mcore import checkpoint as ckpt
+from megatron_empg.mcore.checkpoint import save as ckpt_save
 from tests.dist import run_distributed
 from tests.mcore.test_train_step import MODEL, OPTIM, K, N, S, loss_fn
 
@@ -121,27 +122,26 @@ class _Run:
         self.losses.append(result.metrics["loss"])
         self.cursor += 1
 
-    def save(self, root: str, **kwargs) -> Path:  # kwargs: keep_last, optimizer_format
+    def save(self, root: str, **options) -> Path:  # options: keep_last, optimizer_format
         return ckpt.save_checkpoint(
             root,
-            self.cursor,
-            models=self.ddp,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            anchor=self.anchor,
-            extra_state={"data_cursor": self.cursor},
-            groups=self.groups,
-            model_name=self.model_name,
-            **kwargs,
+            ckpt.TrainState(self.cursor, data={"cursor": self.cursor}),
+            self.parts(),
+            self.groups,
+            options=ckpt.SaveOptions(**options),
+            model=ckpt.ModelMetadata(name=self.model_name),
         )
 
-    def load(self, path, **kwargs) -> dict:
-        kwargs = {"model_name": self.model_name, "anchor": self.anchor, **kwargs}
-        extra = ckpt.load_checkpoint(
-            path, models=self.ddp, optimizer=self.optimizer, scheduler=self.scheduler, groups=self.groups, **kwargs
-        )
-        self.cursor = extra["data_cursor"]
-        return extra
+    def parts(self, anchor=True) -> ckpt.CheckpointParts:
+        """``anchor``: True for the run's, or an anchor (None: none)."""
+        anchor = self.anchor if anchor is True else anchor
+        return ckpt.CheckpointParts(self.ddp, optimizer=self.optimizer, scheduler=self.scheduler, anchor=anchor)
+
+    def load(self, path, anchor=True, **kwargs) -> ckpt.TrainState:
+        kwargs = {"model_name": self.model_name, **kwargs}
+        state = ckpt.load_checkpoint(path, self.parts(anchor), self.groups, **kwargs)
+        self.cursor = state.data["cursor"]
+        return state
 
     def snapshot(self) -> dict:
         from megatron_empg.mcore import model as mcore_model
@@ -252,13 +252,13 @@ def _scenarios(root: str) -> dict:
         def crash(tmp_dir):
             raise _Crash(f"simulated crash after writing {tmp_dir.name}")
 
-        original, ckpt._before_commit = ckpt._before_commit, crash
+        original, ckpt_save._before_commit = ckpt_save._before_commit, crash
         try:
             run.save(crash_root)
         except _Crash as e:
             out["crash"] = str(e)
         finally:
-            ckpt._before_commit = original
+            ckpt_save._before_commit = original
         out["after_crash"] = sorted(os.listdir(crash_root))
         tmp_dirs = [d for d in out["after_crash"] if ckpt.TMP_MARK in d]
         # loads that must fail before changing anything
@@ -400,7 +400,7 @@ def _assert_same_state(actual: dict, expected: dict, what: str, tol: dict = EXAC
 
 def test_resume_tp1_equals_uninterrupted_run(results):
     resumed = results["tp1_resume"]
-    assert resumed["extra"] == {"data_cursor": 2, "step": 2}
+    assert resumed["extra"] == ckpt.TrainState(2, data={"cursor": 2})
     assert "points to it" in resumed["found"].reason
     _assert_same_state(resumed["loaded"], results["tp1_first"]["saved"], "tp1 right after load")
     _assert_same_state(resumed["final"], results["tp1_straight"], "tp1 2+2 vs 4 steps")
@@ -411,7 +411,7 @@ def test_resume_tp1_equals_uninterrupted_run(results):
 def test_resume_dp2_distributed_optimizer_equals_uninterrupted_run(results):
     for rank in range(2):
         resumed = results["dp2_resume"][rank]
-        assert resumed["extra"] == {"data_cursor": 2, "step": 2}
+        assert resumed["extra"] == ckpt.TrainState(2, data={"cursor": 2})
         _assert_same_state(resumed["loaded"], results["dp2_first"][rank]["saved"], f"dp2 rank {rank} after load")
         _assert_same_state(resumed["final"], results["dp2_straight"][rank], f"dp2 rank {rank} 2+2 vs 4 steps")
 
@@ -423,7 +423,7 @@ def test_checkpoint_loads_at_another_layout_and_training_continues(results, sour
 
     saved_ranks = results[f"{source}_first"]
     target = results[f"{source}_to_tp1" if source != "dp2" else "dp2_to_dp1"]
-    assert target["extra"] == {"data_cursor": 2, "step": 2}
+    assert target["extra"] == ckpt.TrainState(2, data={"cursor": 2})
     loaded = target["loaded"]
     covered = set()
     for rank, saved_rank in enumerate(saved_ranks):
@@ -525,7 +525,7 @@ def test_loads_that_cannot_work_fail_clearly(results):
 
 def test_checkpoint_saved_before_the_first_update(results):
     s = results["scenarios"]
-    assert s["fresh_extra"] == {"data_cursor": 0, "step": 0}
+    assert s["fresh_extra"] == ckpt.TrainState(0, data={"cursor": 0})
     assert s["fresh_losses"] == results["tp1_straight"]["losses"][:1]
     for name, (value, _) in s["bf16_straight"].items():
         assert value.dtype == torch.bfloat16
@@ -534,7 +534,7 @@ def test_checkpoint_saved_before_the_first_update(results):
 
 def test_dp_reshardable_distributed_optimizer_loads_at_another_dp_size(results):
     target = results["dp2_dpr_to_dp1"]
-    assert target["extra"] == {"data_cursor": 3, "step": 3}
+    assert target["extra"] == ckpt.TrainState(3, data={"cursor": 3})
     for rank in range(2):
         saved = results["dp2_first"][rank]["after"]  # saved again after one more step
         for name, (value, _) in saved["params"].items():

@@ -1,4 +1,4 @@
-"""Damaged checkpoints and full disks (``mcore.checkpoint`` and ``mcore.checkpoint_files``).
+"""Damaged checkpoints and full disks (``mcore.checkpoint`` and ``mcore.checkpoint.files``).
 
 The model, optimizer and RL step are ``test_checkpoint``'s (``_Run``: tiny-qwen2, Adam, EMA anchor).
 
@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 from megatron_empg.mcore import checkpoint as ckpt
-from megatron_empg.mcore import checkpoint_files
+from megatron_empg.mcore.checkpoint import files as checkpoint_files
+from megatron_empg.mcore.checkpoint import save as ckpt_save
 from tests.dist import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
@@ -144,8 +145,8 @@ def _world1(rank: int, world_size: int, root: str) -> dict:
             else:
                 _damage(case / "step_00000002", how)
             found = ckpt.find_verified_checkpoint(case)
-            extra = run.load(found.path)
-            out[how] = {"step": found.step, "reason": found.reason, "loaded": extra["step"], "logs": logs.take()}
+            state = run.load(found.path)
+            out[how] = {"step": found.step, "reason": found.reason, "loaded": state.step, "logs": logs.take()}
 
         # a save while the filesystem has less free space than the last checkpoint takes
         low = root / "low"
@@ -164,21 +165,21 @@ def _world1(rank: int, world_size: int, root: str) -> dict:
         run.step()
         out["full_error"] = _with_file_size_limit(FSIZE_LIMIT, lambda: _errors(run.save, str(full)))
         out["full_listing"] = sorted(os.listdir(full))
-        original = ckpt.write_atomic
+        original = ckpt_save.write_atomic  # what the commit calls
 
         def no_space(path, text):
             if path.name == ckpt.INFO_FILE:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             original(path, text)
 
-        ckpt.write_atomic = no_space
+        ckpt_save.write_atomic = no_space
         try:
             out["commit_error"] = _errors(run.save, str(full))
         finally:
-            ckpt.write_atomic = original
+            ckpt_save.write_atomic = original
         out["commit_listing"] = sorted(os.listdir(full))
         found = ckpt.find_verified_checkpoint(full)
-        out["full_resume"] = {"step": found.step, "loaded": run.load(found.path)["step"]}
+        out["full_resume"] = {"step": found.step, "loaded": run.load(found.path).step}
     finally:
         run.close()
     return out

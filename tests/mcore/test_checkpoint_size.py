@@ -1,4 +1,4 @@
-"""``mcore.checkpoint_size.checkpoint_bytes`` against the bytes ``save_checkpoint`` writes.
+"""``mcore.checkpoint.size.checkpoint_bytes`` against the bytes ``save_checkpoint`` writes.
 
 A 2-layer tiny-qwen2 widened to hidden 256 (1.7M parameters, vocabulary padded from 1000 to 1024)
 is saved after one Adam step, in fresh processes (``tests.dist``):
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megatron_empg.config import OptimizerConfig, ParallelConfig, load_model_config
-from megatron_empg.mcore.checkpoint_size import checkpoint_bytes
+from megatron_empg.mcore.checkpoint.size import checkpoint_bytes
 from tests.dist import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
@@ -63,13 +63,10 @@ def _save(root: str, *, dtype: torch.dtype, distopt: bool, anchor: bool, optimiz
             ema.update()
         path = ckpt.save_checkpoint(
             root,
-            1,
-            models=ddp,
-            optimizer=optimizer,
-            scheduler=build_scheduler(optimizer, settings),
-            anchor=ema,
-            groups=groups,
-            optimizer_format=optimizer_format,
+            ckpt.TrainState(1),
+            ckpt.CheckpointParts(ddp, optimizer=optimizer, scheduler=build_scheduler(optimizer, settings), anchor=ema),
+            groups,
+            options=ckpt.SaveOptions(optimizer_format=optimizer_format),
         )
         return {"path": str(path), "files": ckpt.list_files(path)}
     finally:
@@ -185,14 +182,14 @@ def test_experts_are_saved_once_at_any_expert_layout(layout, world):
 
 
 def test_module_imports_neither_torch_nor_megatron():
-    code = "import sys, megatron_empg.mcore.checkpoint_size; print(sorted({'torch', 'megatron'} & set(sys.modules)))"
+    code = "import sys, megatron_empg.mcore.checkpoint.size; print(sorted({'torch', 'megatron'} & set(sys.modules)))"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_every_rank_records_the_crc32s_of_the_files_it_wrote(saved):
-    from megatron_empg.mcore import checkpoint_files
+    from megatron_empg.mcore.checkpoint import files as checkpoint_files
 
     for fmt in ("fully_reshardable", "dp_reshardable"):
         path = Path(saved[2][fmt]["path"])

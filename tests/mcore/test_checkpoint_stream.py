@@ -1,4 +1,4 @@
-"""The streaming writer of ``mcore.checkpoint_stream``: its sink cuts writes into pieces and CRC32s
+"""The streaming writer of ``mcore.checkpoint.stream``: its sink cuts writes into pieces and CRC32s
 them in a thread as it goes; CPU views are saved without a copy and without the rest of their
 storage. (Saves through it: ``test_checkpoint*.py``; manifest CRC32s checked against re-reads:
 ``test_checkpoint_integrity.py``, and at DP2 in ``test_checkpoint_size.py``.)"""
@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from megatron_empg.mcore import checkpoint_stream
+from megatron_empg.mcore.checkpoint import stream as checkpoint_stream
 
 pytestmark = pytest.mark.megatron
 

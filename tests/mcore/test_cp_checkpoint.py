@@ -67,28 +67,19 @@ class _Run:
         return str(
             ckpt.save_checkpoint(
                 root,
-                self.cursor,
-                models=self.ddp,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                anchor=self.anchor,
-                groups=self.groups,
-                extra_state={"cursor": self.cursor},
-                model_name=MODEL,
+                ckpt.TrainState(self.cursor, data={"cursor": self.cursor}),
+                self.parts(),
+                self.groups,
+                model=ckpt.ModelMetadata(name=MODEL),
             )
         )
 
+    def parts(self) -> ckpt.CheckpointParts:
+        return ckpt.CheckpointParts(self.ddp, optimizer=self.optimizer, scheduler=self.scheduler, anchor=self.anchor)
+
     def load(self, path: str) -> None:
-        extra = ckpt.load_checkpoint(
-            path,
-            models=self.ddp,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            anchor=self.anchor,
-            groups=self.groups,
-            model_name=MODEL,
-        )
-        self.cursor = extra["cursor"]
+        state = ckpt.load_checkpoint(path, self.parts(), self.groups, model_name=MODEL)
+        self.cursor = state.data["cursor"]
 
     def snapshot(self) -> dict:
         return {

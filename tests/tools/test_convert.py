@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from megatron_empg.config import ParallelConfig, load_model_config, to_yaml
+from megatron_empg.mcore.checkpoint import TrainState
 from tests.dist import run_distributed
 from tests.mcore.test_model import MICRO_BATCH, NUM_MICROBATCHES, SEQ
 
@@ -135,7 +136,7 @@ def _convert_all(rank: int, world_size: int, work: str, hf_dirs: dict) -> dict:
         results["crash_leftovers"] = sorted(os.listdir(work / "crash"))
 
         (model,) = build_gpt_model(cfg, ParallelConfig(make_vocab_size_divisible_by=384))
-        ckpt.save_checkpoint(work / "ref-save", 0, models=[model], groups=groups)
+        ckpt.save_checkpoint(work / "ref-save", ckpt.TrainState(0), ckpt.CheckpointParts([model]), groups)
     return results
 
 
@@ -157,8 +158,8 @@ def _load_all(rank: int, world_size: int, work: str, batches: dict, qwen2_hf_dir
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **experts)
         groups = initialize_model_parallel(parallel, seed=7)
         chunks = build_gpt_model(cfg, parallel)
-        extra = ckpt.load_checkpoint(path, models=chunks, groups=groups)
-        results[case] = {"extra": extra, "logits": _forward(chunks, batches[name], cfg.vocab_size)}
+        state = ckpt.load_checkpoint(path, ckpt.CheckpointParts(chunks), groups)
+        results[case] = {"state": state, "logits": _forward(chunks, batches[name], cfg.vocab_size)}
         destroy_model_parallel()
 
     run = _Run(1, True)  # tiny-qwen2, DP2, distributed optimizer, EMA anchor
@@ -166,15 +167,10 @@ def _load_all(rank: int, world_size: int, work: str, batches: dict, qwen2_hf_dir
         run.step()
         ckpt.save_checkpoint(
             work / "train",
-            1,
-            models=run.ddp,
-            optimizer=run.optimizer,
-            scheduler=run.scheduler,
-            anchor=run.anchor,
-            extra_state={"data_cursor": 1},
-            groups=run.groups,
-            model_config=run.cfg,
-            hf_assets=qwen2_hf_dir,
+            ckpt.TrainState(1, data={"cursor": 1}),
+            run.parts(),
+            run.groups,
+            model=ckpt.ModelMetadata(config=run.cfg, hf_assets=qwen2_hf_dir),
         )
         results["train_params"] = {name: p for name, (p, _) in run.snapshot()["params"].items()}
     finally:
@@ -360,7 +356,7 @@ def test_converted_checkpoint_loads_at_its_layout_with_the_hf_logits(hf_dirs, lo
     last_stage = [r[case] for r in loaded if r[case]["logits"] is not None]
     assert len(last_stage) == 2 // pp  # every rank of the last stage (TP ranks and DP replicas)
     for result in last_stage:
-        assert result["extra"] == {"step": 0}
+        assert result["state"] == TrainState(0)  # model-only: no loop state, every default
         for actual, want in zip(result["logits"], expected, strict=True):
             torch.testing.assert_close(actual, want, **TOL)
 

@@ -69,7 +69,7 @@ def test_megatrons_checkpoint_writer_started_inside_survives_the_stop_signals(in
     code = (
         "import os, time\n"
         "from megatron_empg.trainer.signals import ignored_in_children, STOP_SIGNALS\n"
-        "from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer\n"
+        "from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer\n"
         f"{start}"
         "assert start_checkpoint_writer() is None  # once per process\n"
         "os.kill(manager.pid, STOP_SIGNALS[1])\n"  # SIGUSR1, what torchrun forwards to the group
@@ -112,7 +112,7 @@ def test_megatrons_checkpoint_writer_dies_with_a_killed_rank(ours):
     negative control) is left running."""
     start = (
         (
-            "from megatron_empg.mcore.checkpoint_writer import start_checkpoint_writer\n"
+            "from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer\n"
             "from megatron_empg.trainer.signals import ignored_in_children\n"
             "with ignored_in_children():\n    manager = start_checkpoint_writer()\n"
         )

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_empg.mcore import checkpoint_files
-from megatron_empg.mcore.checkpoint_files import (
+from megatron_empg.mcore.checkpoint import files as checkpoint_files
+from megatron_empg.mcore.checkpoint.files import (
     INFO_FILE,
     CheckpointError,
     FoundCheckpoint,

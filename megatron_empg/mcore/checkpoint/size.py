@@ -17,7 +17,7 @@ state, the JSON files: under 1% for a 2M-parameter model, 0.01% at 1.5B
 
 Per rank. Each TP x PP rank holds its part of every parameter (column/row-parallel splits and the
 vocabulary over TP, layers over PP; norms are replicated over TP and written by TP rank 0). Over
-DP the save is fully parallel (``mcore.checkpoint_stream.save_strategy``): Megatron's
+DP the save is fully parallel (``mcore.checkpoint.stream.save_strategy``): Megatron's
 ``distribute_shards_to_ranks`` gives each tensor to the least loaded DP rank holding it, the
 tensors held by fewest ranks first, then the largest first; ``per_rank`` repeats that. With the
 distributed optimizer's ``dp_reshardable`` format each DP rank writes its own 1/DP of the

@@ -1,85 +1,7 @@
-"""Distributed checkpoints of an RL run: policy, optimizer, LR schedule, EMA anchor master, RNG
-states and the loop's own counters, through Megatron's ``dist_checkpointing`` (torch_dist).
-
-Every rank of the default process group calls ``save_checkpoint``, ``find_verified_checkpoint``
-and ``load_checkpoint`` together::
-
-    remove_leftovers(root)                           # rank 0 at start-up: crashed saves' temp dirs
-    path = save_checkpoint(root, step, models=ddp_chunks, optimizer=opt, scheduler=sched,
-                           anchor=anchor, extra_state={"data_cursor": c}, groups=groups)
-    found = find_verified_checkpoint(root)           # newest intact: sizes and CRC32s, ranks share the reads
-    # (find_latest_checkpoint(root): the same pick from sizes only; pure filesystem, no collectives)
-    if found is not None:
-        extra = load_checkpoint(found.path, models=..., optimizer=..., scheduler=...,
-                                anchor=..., groups=groups)    # extra["step"], extra["data_cursor"]
-
-On disk (``root`` is any directory on a filesystem all ranks share)::
-
-    root/
-      latest                      one line, the name of the newest committed checkpoint
-      step_00000004/              a committed checkpoint (name: the step, 8+ digits)
-        empg_checkpoint.json      ours, written last: {"complete": true, format, step, layout, ...,
-                                    "files": {path: {"size", "crc32"}} of every other file}
-        metadata.json             dist_checkpointing's (backend, version)
-        .metadata, __<r>_<i>.distcp, ...   the torch_dist shards (and the common state)
-        model_config.yaml         the ModelConfig (with save_checkpoint(model_config=...))
-        hf/                       the HF config and tokenizer files (with hf_assets=...)
-      step_00000006.tmp-1f2e3d4c/ a save in progress, or one that crashed: never loaded
-      step_00000002.trash-.../    a checkpoint being deleted (retention or a re-save): never loaded
-
-Atomicity. A save writes everything into ``step_N.tmp-<nonce>``; then rank 0 writes
-``empg_checkpoint.json`` (temp file, fsync, rename), renames the directory to ``step_N``
-(``os.replace``: atomic on one filesystem) and only then rewrites ``latest`` the same way. A crash
-at any point leaves either the previous checkpoints untouched plus a ``*.tmp-*`` directory that
-nothing loads, or a committed ``step_N`` that ``find_latest_checkpoint`` finds even if ``latest``
-was not yet updated. Deletion renames a directory out of the ``step_N`` namespace before removing
-its files, so a half-deleted checkpoint is never mistaken for a complete one.
-
-Writing (``mcore.checkpoint_stream``). ``dist_checkpointing.save`` plans and finalises the save;
-the shard files are written by a streaming writer (8 MiB writes, each file's CRC32 computed while
-it is written, no copies of the state before writing), fully parallel over DP (each replicated
-tensor written by one DP rank, spread by size).
-
-Integrity (``mcore.checkpoint_files``, ``mcore.checkpoint_verify``). After ``dist_checkpointing.save``
-rank 0 lists the files, the ranks' CRC32s of their shard files are gathered, every rank computes
-the CRC32s of its share of the other files (``assign_files``: ``.metadata``, ``metadata.json``)
-and rank 0 records them with the sizes in ``empg_checkpoint.json``. Every completeness check compares the
-sizes, so a truncated or missing file makes a resume fall back to an older checkpoint (WARNING
-naming the file); ``find_verified_checkpoint`` also compares the CRC32s (every rank reads its
-share, split over the current world) and skips a damaged checkpoint the same way. Checkpoints
-saved without a manifest load unchecked (INFO note).
-
-Full disks. Before writing, rank 0 warns when the filesystem has less free space than the newest
-checkpoint takes. A failed write raises ``CheckpointError`` on every rank together, saying what
-failed, the free space, and the last checkpoint's name and size (it stays; a resume loads it); the
-failed save's temp directory is removed. ``remove_leftovers`` removes those of crashed runs.
-
-Resharding. Tensors are saved under global keys (Megatron's ``sharded_state_dict``: layers by
-their global index, TP shards by their offset), so a checkpoint loads at another TP/PP/DP layout
-(tested: TP2, PP2 and DP2 with the distributed optimizer, each loaded at TP1/PP1/DP1; VPP is not
-tested). The distributed optimizer is saved as ``fully_reshardable`` by default (per-parameter
-tensors in model space, reshardable in TP, PP and DP; see ``OPTIMIZER_FORMATS``). RNG states are
-per rank and are restored only at the layout they were saved at.
-
-Mixture of experts: experts are saved under their global index, so a checkpoint loads at another
-expert-parallel size (tested: EP 2 -> EP 1, model, the plain and the fully_reshardable
-distributed optimizer's state, the anchor). ``mcore.optimizer.wrap_with_ddp`` gives the experts
-their own optimizer at every EP size, so that the optimizer's structure does not change with EP.
-``dp_reshardable`` (flat per-DP-rank buffers, which follow the expert grid) is refused at another
-TP/PP/VPP/EP/ETP.
-
-Anchor. ``anchor`` is any object with ``models`` (its model chunks, whose parameters have the
-policy's names and local shapes), ``full_master_state() -> {"<chunk>.<param name>": fp32 tensor}``
-(a collective over DP; every rank returns its TP/PP part) and ``load_full_master_state(state)``.
-The fp32 master is saved as ShardedTensors with the sharding metadata of the anchor's own
-``sharded_state_dict(prefix="anchor_master.")``, so it reshards exactly like the model. The
-prefix carries no chunk index: the keys are global already, and a chunk index would tie the
-checkpoint to one VPP layout.
-
-Model-only checkpoints. ``mcore.convert.write_model_checkpoint`` (tools/convert_hf_to_megatron.py)
-writes the same format with the model part only (``parts``: no optimizer, scheduler, anchor or
-RNG; step 0); ``load_checkpoint`` loads it at any layout. ``model_config.yaml`` and ``hf/`` let
-tools/convert_megatron_to_hf.py work from a checkpoint alone.
+"""Saving a checkpoint (``save_checkpoint``, every rank together): the sharded state through
+Megatron's ``dist_checkpointing`` into a temp directory, the manifest, then the commit (completion
+marker, rename, ``latest``, retention). The package's docstring (``mcore.checkpoint``) describes
+the format, atomicity, integrity and full disks.
 """
 
 from __future__ import annotations
@@ -90,7 +12,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_empg.config import ModelConfig, to_yaml
-from megatron_empg.mcore import checkpoint_files, cpu_shims
-from megatron_empg.mcore.checkpoint_files import (  # noqa: F401 (re-exported: the checkpoint API is one module)
+from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore.checkpoint import files as checkpoint_files
+from megatron_empg.mcore.checkpoint.files import (
     DIST_CKPT_FILES,
     FORMAT,
     FORMAT_VERSION,
@@ -110,52 +33,38 @@ from megatron_empg.mcore.checkpoint_files import (  # noqa: F401 (re-exported: t
     TMP_MARK,
     TRASH_MARK,
     CheckpointError,
-    FoundCheckpoint,
     checkpoint_bytes,
     checkpoint_problem,
     copy_hf_assets,
-    find_checkpoint,
-    find_latest_checkpoint,
     format_bytes,
     free_bytes,
     fsync_dir,
     fsync_file,
     list_files,
     newest_complete,
-    read_checkpoint_info,
-    read_model_config,
     remove_leftovers,
     step_dir_name,
     step_dirs,
     write_atomic,
 )
-from megatron_empg.mcore.checkpoint_load import load_checkpoint  # noqa: F401 (re-exported)
-from megatron_empg.mcore.checkpoint_state import (  # noqa: F401 (re-exported)
-    ANCHOR_PREFIX,
-    DEFAULT_OPTIMIZER_FORMAT,
-    OPTIMIZER_FORMATS,
+from megatron_empg.mcore.checkpoint.parts import OPTIMIZER_FORMATS, CheckpointParts, ModelMetadata, SaveOptions
+from megatron_empg.mcore.checkpoint.state import (
     anchor_sharded_state,
     get_rng_state,
-    init_fresh_torch_adam_state,
     is_distributed,
     layout_of,
-    load_optimizer_state,
-    model_parallel,
     model_sharded_state,
     optimizer_has_state,
     optimizer_metadata,
-    part_of,
     rng_sharded_object,
-    set_rng_state,
     unwrap,
 )
-from megatron_empg.mcore.checkpoint_verify import (  # noqa: F401 (re-exported)
+from megatron_empg.mcore.checkpoint.train_state import SAVED_KEY, TrainState
+from megatron_empg.mcore.checkpoint.verify import (
     check_same_on_all_ranks,
-    find_verified_checkpoint,
     measure_on_all_ranks,
     on_every_rank,
     rank0_then_share,
-    verify_checkpoint,
 )
 from megatron_empg.mcore.parallel_state import ParallelGroups
 
@@ -211,7 +120,7 @@ def finish_checkpoint_dir(
 ) -> None:
     """Complete a checkpoint whose shards ``directory`` holds: write ``model_config.yaml``, copy
     the HF assets into ``hf/``, fsync, and write the completion marker last (atomically), with the
-    manifest of every other file (see ``mcore.checkpoint_files``). ``files``: manifest entries
+    manifest of every other file (see ``mcore.checkpoint.files``). ``files``: manifest entries
     measured already (by the ranks, ``measure_on_all_ranks``); the other files are measured here,
     with CRC32s if ``checksums``. One process calls it; the directory is renamed into place
     afterwards."""
@@ -242,14 +151,15 @@ def _commit(
     info: dict,
     keep_last: int | None,
     nonce: str,
-    model_config: ModelConfig | None,
-    hf_assets: str | os.PathLike | None,
+    model: ModelMetadata,
     files: Mapping[str, Mapping[str, int]],
     checksums: bool,
 ) -> list[str]:
     """Rank 0: model config and HF assets, completion marker with the manifest, rename, ``latest``,
     retention. Returns the names removed."""
-    finish_checkpoint_dir(tmp, info, model_config=model_config, hf_assets=hf_assets, files=files, checksums=checksums)
+    finish_checkpoint_dir(
+        tmp, info, model_config=model.config, hf_assets=model.hf_assets, files=files, checksums=checksums
+    )
     trash = None
     if final.exists():  # a re-save of this step: move the old one out of the step_N namespace first
         trash = final.with_name(f"{final.name}{TRASH_MARK}{nonce}")
@@ -351,69 +261,42 @@ def _failed_save(root: Path, tmp: Path, final: Path, error: str) -> CheckpointEr
 
 def save_checkpoint(
     root_dir: str | os.PathLike,
-    step: int,
-    *,
-    models: Sequence[torch.nn.Module],
-    optimizer=None,
-    scheduler=None,
-    anchor=None,
-    extra_state: Mapping[str, Any] | None = None,
+    state: TrainState,
+    parts: CheckpointParts,
     groups: ParallelGroups,
-    keep_last: int | None = None,
-    model_name: str | None = None,
-    optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT,
-    model_config: ModelConfig | None = None,
-    hf_assets: str | os.PathLike | None = None,
-    checksums: bool = True,
+    *,
+    options: SaveOptions | None = None,
+    model: ModelMetadata | None = None,
 ) -> Path:
-    """Save a checkpoint of ``step`` under ``root_dir`` atomically; every rank calls it. Returns
-    the committed directory ``root_dir/step_<step>``.
+    """Save a checkpoint of ``state.step`` under ``root_dir`` atomically; every rank calls it.
+    Returns the committed directory ``root_dir/step_<step>``.
+
+    ``state``: the loop's state, identical on every rank (checked; ``load_checkpoint`` returns it).
+    ``parts``: this rank's model chunks, optimizer, scheduler and anchor. ``options``: retention,
+    checksums, the distributed optimizer's format (default ``SaveOptions()``). ``model``: the model's
+    name, config and HF assets recorded beside the tensors (default: none).
 
     Rank 0 warns first when the filesystem has less free space than the newest checkpoint takes.
     A write that fails (a full disk: ENOSPC, EFBIG, torch's "enforce fail at inline_container.cc")
     raises ``CheckpointError`` on every rank together, naming the directory, the error, the free
     space and the last checkpoint (which stays loadable); this save's temp directory is removed.
-
-    Args:
-        models: the policy's model chunks (Megatron DDP-wrapped or not).
-        optimizer: the Megatron optimizer (``get_megatron_optimizer``), or None. One that has
-            never stepped has no state; it is recorded as fresh and not saved.
-        scheduler: the ``OptimizerParamScheduler``, or None.
-        anchor: the EMA anchor (see the module docstring), or None.
-        extra_state: small picklable loop state (step counters, data cursor), identical on every
-            rank; ``load_checkpoint`` returns it with ``"step"`` added.
-        keep_last: keep only this many newest complete checkpoints (the new one always stays);
-            also removes ``*.tmp-*``/``*.trash-*`` leftovers of interrupted saves. None keeps all.
-        model_name: recorded in ``empg_checkpoint.json`` and checked by ``load_checkpoint``
-            (default: ``model_config.name``).
-        optimizer_format: the distributed optimizer's format, one of ``OPTIMIZER_FORMATS``.
-        model_config: stored as ``model_config.yaml`` (``read_model_config``), so that
-            tools/convert_megatron_to_hf.py can convert the checkpoint on its own.
-        hf_assets: a HF model directory whose config and tokenizer files (no weights) are copied
-            into ``hf/`` (see ``copy_hf_assets``).
-        checksums: record every file's CRC32 in the manifest (the shards': computed while they
-            are written, beside the writes), for ``find_verified_checkpoint``. Without, sizes only.
     """
     cpu_shims.import_megatron()
     from megatron.core import dist_checkpointing
 
-    from megatron_empg.mcore.checkpoint_stream import save_strategy
+    from megatron_empg.mcore.checkpoint.stream import save_strategy
 
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step={step!r} must be an int >= 0")
+    options = options or SaveOptions()
+    model = model or ModelMetadata()
+    step, keep_last, optimizer_format = state.step, options.keep_last, options.optimizer_format
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} must be None or an int >= 1")
     if optimizer_format not in OPTIMIZER_FORMATS:
         raise ValueError(f"optimizer_format={optimizer_format!r}: expected one of {OPTIMIZER_FORMATS}")
-    if hf_assets is not None and not Path(hf_assets).is_dir():
-        raise ValueError(f"hf_assets={str(hf_assets)!r} is not a directory")
-    if model_name is None and model_config is not None:
-        model_name = model_config.name
-    extra = dict(extra_state or {})
-    if extra.get("step", step) != step:
-        raise ValueError(f"extra_state['step']={extra['step']!r} differs from step={step}")
-    extra["step"] = step
-    check_same_on_all_ranks(extra, "extra_state")
+    if model.hf_assets is not None and not Path(model.hf_assets).is_dir():
+        raise ValueError(f"hf_assets={str(model.hf_assets)!r} is not a directory")
+    saved_state = state.to_saved()
+    check_same_on_all_ranks(saved_state, "the train state")
 
     root = Path(root_dir)
     final = root / step_dir_name(step)
@@ -428,51 +311,52 @@ def save_checkpoint(
     nonce = rank0_then_share(make_tmp, f"creating a temp checkpoint directory in {root}")
     tmp = root / f"{final.name}{TMP_MARK}{nonce}"
 
-    chunks = unwrap(models)
-    state = model_sharded_state(chunks)
+    optimizer, scheduler, anchor = parts.optimizer, parts.scheduler, parts.anchor
+    chunks = unwrap(parts.models)
+    sharded = model_sharded_state(chunks)
     optimizer_status = optimizer_kind = None
     if optimizer is not None:
         optimizer_kind = optimizer_format if is_distributed(optimizer) else "per_parameter"
         if optimizer_has_state(optimizer):
             metadata = optimizer_metadata(optimizer_kind)
-            state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=False, metadata=metadata)
+            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=False, metadata=metadata)
             optimizer_status = "saved"
         else:
             optimizer_status = "fresh"
     if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
+        sharded["scheduler"] = scheduler.state_dict()
     if anchor is not None:  # the master's own tensors (no copy): nothing updates them during the save
-        state.update(anchor_sharded_state(anchor, anchor.full_master_state(copy=False)))
-    state["rng_state"] = rng_sharded_object(groups, get_rng_state())
-    state["extra_state"] = extra
+        sharded.update(anchor_sharded_state(anchor, anchor.full_master_state(copy=False)))
+    sharded["rng_state"] = rng_sharded_object(groups, get_rng_state())
+    sharded[SAVED_KEY] = saved_state
 
     layout = layout_of(groups)
     content = {"format": FORMAT, "format_version": FORMAT_VERSION, **optimizer_metadata(optimizer_kind)}
-    strategy, streaming = save_strategy(groups, checksums)
+    strategy, streaming = save_strategy(groups, options.checksums)
     try:
         on_every_rank(
-            lambda: dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata=content),
+            lambda: dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy, content_metadata=content),
             f"writing {tmp}",
         )
-        files = measure_on_all_ranks(tmp, checksums, written=streaming.files)
+        files = measure_on_all_ranks(tmp, options.checksums, written=streaming.files)
     except CheckpointError as e:
         raise _failed_save(root, tmp, final, str(e)) from None
     _before_commit(tmp)
 
-    parts = {
+    held = {
         "model": True,
         "optimizer": optimizer_status,
         "optimizer_format": optimizer_kind,  # "per_parameter" (non-distributed) or OPTIMIZER_FORMATS
         "scheduler": scheduler is not None,
         "anchor": anchor is not None,
         "rng": True,
-        "model_config": model_config is not None,
-        "hf_assets": hf_assets is not None,
+        "model_config": model.config is not None,
+        "hf_assets": model.hf_assets is not None,
     }
-    info = checkpoint_info(step=step, model_name=model_name, layout=layout, model_chunks=len(chunks), parts=parts)
+    info = checkpoint_info(step=step, model_name=model.model_name, layout=layout, model_chunks=len(chunks), parts=held)
     try:
         removed = rank0_then_share(
-            lambda: _commit(root, tmp, final, info, keep_last, nonce, model_config, hf_assets, files, checksums),
+            lambda: _commit(root, tmp, final, info, keep_last, nonce, model, files, options.checksums),
             f"committing {final}",
         )
     except CheckpointError as e:

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megatron_empg.config import OPTIMIZER_FORMATS  # noqa: F401 (checkpoint.optimizer_format's; mcore.checkpoint's)
-from megatron_empg.mcore.checkpoint_files import CheckpointError
+from megatron_empg.mcore.checkpoint.files import CheckpointError
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.parallel.collectives import collective_device
 
@@ -23,13 +22,6 @@ if TYPE_CHECKING:
     import torch.nn
 
 ANCHOR_PREFIX = "anchor_master."
-# Distributed-optimizer checkpoint formats of megatron-core (``DistributedOptimizer.sharded_state_dict``)
-# that this module writes. "fully_reshardable": per-parameter tensors in model space, loadable at any
-# TP/PP/DP; the save all-gathers each model-parallel shard's optimizer state over DP.
-# "dp_reshardable": each rank writes its own flat buffer, no exchange; loadable at another DP size
-# only. ("fully_sharded_model_space", the no-exchange reshardable format, fails in 0.19.2:
-# "ShardedTensor.flattened_range is not supported".) The non-distributed optimizer ignores this.
-DEFAULT_OPTIMIZER_FORMAT = "fully_reshardable"
 
 
 def unwrap(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -1,23 +1,23 @@
 """Loading a checkpoint of ``mcore.checkpoint`` (which re-exports ``load_checkpoint``; its docstring
 describes the format, resharding and the parts): at any TP/PP/VPP/DP layout, every part checked
 against what is asked for, the distributed optimizer through the megatron-core 0.19.2 workarounds
-of ``mcore.checkpoint_state``.
+of ``mcore.checkpoint.state``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_empg.mcore import cpu_shims
-from megatron_empg.mcore.checkpoint_files import CheckpointError, read_checkpoint_info
-from megatron_empg.mcore.checkpoint_state import (
+from megatron_empg.mcore.checkpoint.files import CheckpointError, read_checkpoint_info
+from megatron_empg.mcore.checkpoint.parts import CheckpointParts
+from megatron_empg.mcore.checkpoint.state import (
     ANCHOR_PREFIX,
     anchor_sharded_state,
     init_fresh_torch_adam_state,
@@ -33,6 +33,7 @@ from megatron_empg.mcore.checkpoint_state import (
     set_rng_state,
     unwrap,
 )
+from megatron_empg.mcore.checkpoint.train_state import SAVED_KEY, TrainState
 from megatron_empg.mcore.parallel_state import ParallelGroups
 
 if TYPE_CHECKING:
@@ -43,17 +44,16 @@ logger = logging.getLogger(__name__)
 
 def load_checkpoint(
     path: str | os.PathLike,
-    *,
-    models: Sequence[torch.nn.Module],
-    optimizer=None,
-    scheduler=None,
-    anchor=None,
+    parts: CheckpointParts,
     groups: ParallelGroups,
+    *,
     strict: bool = True,
     model_name: str | None = None,
-) -> dict[str, Any]:
-    """Load the checkpoint at ``path`` (a ``step_N`` directory) into this rank's objects, at any
-    TP/PP/VPP/DP layout; every rank calls it. Returns the saved ``extra_state`` with ``"step"``.
+) -> TrainState:
+    """Load the checkpoint at ``path`` (a ``step_N`` directory) into this rank's objects
+    (``parts``), at any TP/PP/VPP/DP layout; every rank calls it. Returns its ``TrainState``
+    (that of an older checkpoint filled with defaults; a newer version than this code reads is a
+    ``CheckpointError``).
 
     ``path`` must be a complete checkpoint (``CheckpointError`` naming the missing marker or file
     otherwise). A part that is asked for (``optimizer``, ``scheduler``, ``anchor``) but absent from
@@ -72,14 +72,19 @@ def load_checkpoint(
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    parts = info["parts"]
+    optimizer, scheduler, anchor = parts.optimizer, parts.scheduler, parts.anchor
+    held_parts = info["parts"]
     rank0 = dist.get_rank() == 0
     where = f"checkpoint {path} (step {info['step']}, saved at {info['layout']})"
     if model_name is not None and info.get("model_name") not in (None, model_name):
         raise CheckpointError(f"{where} holds model {info['model_name']!r}, expected {model_name!r}")
 
     asked = {"optimizer": optimizer is not None, "scheduler": scheduler is not None, "anchor": anchor is not None}
-    held = {"optimizer": parts["optimizer"] is not None, "scheduler": parts["scheduler"], "anchor": parts["anchor"]}
+    held = {
+        "optimizer": held_parts["optimizer"] is not None,
+        "scheduler": held_parts["scheduler"],
+        "anchor": held_parts["anchor"],
+    }
     for part in asked:
         if asked[part] and not held[part]:
             raise CheckpointError(f"{where} has no {part} state, but a {part} was given to load into")
@@ -92,12 +97,12 @@ def load_checkpoint(
 
     layout = layout_of(groups)
     same_layout = layout == info["layout"]
-    restore_rng = same_layout and parts.get("rng", True)
-    chunks = unwrap(models)
+    restore_rng = same_layout and held_parts.get("rng", True)
+    chunks = unwrap(parts.models)
     state = model_sharded_state(chunks)
-    load_optimizer = optimizer is not None and parts["optimizer"] == "saved"
+    load_optimizer = optimizer is not None and held_parts["optimizer"] == "saved"
     if load_optimizer:
-        kind = parts["optimizer_format"]
+        kind = held_parts["optimizer_format"]
         if (kind == "per_parameter") == is_distributed(optimizer):
             raise CheckpointError(
                 f"{where} holds the state of a {'non-' if kind == 'per_parameter' else ''}distributed optimizer "
@@ -124,7 +129,7 @@ def load_checkpoint(
         state.update(anchor_sharded_state(anchor, None))
     if restore_rng:
         state["rng_state"] = rng_sharded_object(groups, None)
-    elif rank0 and parts.get("rng", True):
+    elif rank0 and held_parts.get("rng", True):
         logger.info("%s: layout differs from this run's %s; RNG states are not restored", where, layout)
 
     try:
@@ -149,6 +154,8 @@ def load_checkpoint(
         if rank0:
             logger.warning(message)
 
+    # a train state this code cannot read fails before the loaded state is applied
+    train_state = TrainState.from_saved(loaded.get(SAVED_KEY), step=info["step"], source=where)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"model{i}"], strict=strict)
     if load_optimizer:
@@ -167,15 +174,15 @@ def load_checkpoint(
     if restore_rng:
         set_rng_state(loaded["rng_state"])
 
-    extra = dict(loaded.get("extra_state") or {})
-    extra["step"] = info["step"]
     if rank0:
         optimizer_note = "loaded" if load_optimizer else ("fresh" if optimizer is not None else "not asked")
         rng_note = (
-            "restored" if restore_rng else ("not restored (layout differs)" if parts.get("rng", True) else "none saved")
+            "restored"
+            if restore_rng
+            else ("not restored (layout differs)" if held_parts.get("rng", True) else "none saved")
         )
         anchor_note = "loaded" if anchor is not None else "not asked"
         logger.info(
             "loaded %s at %s (optimizer: %s, anchor: %s, RNG: %s)", where, layout, optimizer_note, anchor_note, rng_note
         )
-    return extra
+    return train_state

@@ -2,7 +2,7 @@
 no torch): directory names, completeness, the file manifest recorded at commit (sizes and CRC32s),
 the checkpoint a resume should load, disk space, the leftovers of crashed saves, atomic writes,
 and the files beside the shards (``model_config.yaml``, the HF assets).
-``mcore.checkpoint`` re-exports the public names; ``mcore.checkpoint_verify`` holds the collective
+``mcore.checkpoint`` re-exports the public names; ``mcore.checkpoint.verify`` holds the collective
 parts (the CRC32s split over the ranks at save and at resume); ``mcore.checkpoint``'s docstring draws
 the directory.
 
@@ -14,7 +14,7 @@ Manifest. ``empg_checkpoint.json`` lists every other file of its checkpoint dire
 made without checksums). Sizes are checked by every completeness check (``checkpoint_problem``:
 one ``stat`` per file), so a truncated or missing file makes ``find_latest_checkpoint`` fall back
 to an older checkpoint. At save the shards' CRC32s are computed while they are written
-(``mcore.checkpoint_stream``); verifying them needs a read of every byte (about 3 GB/s per process
+(``mcore.checkpoint.stream``); verifying them needs a read of every byte (about 3 GB/s per process
 from the page cache), which the ranks share (``assign_files``). A checkpoint without ``files``
 (saved before manifests were recorded) passes with its files unchecked.
 """
@@ -430,7 +430,7 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
     if not config_path.is_file():
         raise CheckpointError(
             f"{path} has no {MODEL_CONFIG_FILE}: it was saved without model_config "
-            "(save_checkpoint(..., model_config=...)); give the model config another way"
+            "(save_checkpoint(..., model=ModelMetadata(config=...))); give the model config another way"
         )
     return load_model_config(config_path)
 
