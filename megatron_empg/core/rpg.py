@@ -439,10 +439,10 @@ def corrected_grpo_kl(
 
 # KL terms of the update objective (``algorithm.loss.kl``) beside ``kl.sampled_kl`` and the Top-k
 # KL: RPG's penalties d(pi / pi_anchor) (``rpg_<divergence>``) and the corrected GRPO KL.
-RPG_KL_TERMS: dict[str, Callable[..., Tensor]] = {
-    **{f"rpg_{name}": functools.partial(rpg_kl_penalty, divergence=name) for name in DIVERGENCES},
-    "grpo_corrected": corrected_grpo_kl,
+RPG_KL_PENALTIES: dict[str, Callable[..., Tensor]] = {
+    f"rpg_{name}": functools.partial(rpg_kl_penalty, divergence=name) for name in DIVERGENCES
 }
+RPG_KL_TERMS: dict[str, Callable[..., Tensor]] = {**RPG_KL_PENALTIES, "grpo_corrected": corrected_grpo_kl}
 
 
 RPG_POLICY_LOSSES = {
