@@ -44,6 +44,7 @@ from megatron_empg.core.behavior_is import BEHAVIOR_IS
 from megatron_empg.core.checks import ArgumentError, check_keywords
 from megatron_empg.core.kl_term import KL_KINDS, KLTerm, StatsPlan, bind_kl
 from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.core.rpg import RPG_POLICY_LOSSES
 from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
 from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, rl_loss
 from megatron_empg.rollout.data import DataError, check_records
@@ -152,6 +153,12 @@ def bind_loss(
     pass serves as the anchor pass where it can)."""
     field = "algorithm.loss"
     policy_loss = _registered(f"{field}.policy_loss", loss.policy_loss, ALL_POLICY_LOSSES)
+    if loss.policy_loss in RPG_POLICY_LOSSES and "kl_coef" in loss.policy_loss_args:
+        raise ConfigError(
+            f"{field}.policy_loss_args.kl_coef",
+            f"was renamed to beta (RPG's coefficient of the divergence inside the policy loss, apart from "
+            f"{field}.kl_coef, the separate KL term's): policy_loss_args.beta: {loss.policy_loss_args['kl_coef']}",
+        )
     _bind_arguments(f"{field}.policy_loss_args", policy_loss, loss.policy_loss_args, _POLICY_LOSS_INPUTS, positional=3)
     _registered(f"{field}.agg_mode", loss.agg_mode, dict.fromkeys(AGG_MODES))
     term, stats = None, StatsPlan()
