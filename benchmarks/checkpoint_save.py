@@ -254,10 +254,10 @@ def build_and_step(model_cfg, dtype: torch.dtype):
     device = torch.device("cuda") if CUDA else torch.device("cpu")
     mbs = _batch(vocab, 2, 32, 2, device)
     for mb, stats in zip(mbs, forward_stats(ddp, mbs, StatsRequest(vocab_size=vocab, k=0), groups), strict=True):
-        mb.old_logprobs = stats["logprobs"]
+        mb.old_logprobs = stats.logprobs
     request = StatsRequest(vocab_size=vocab, with_entropy=False)
     for mb, stats in zip(mbs, forward_stats(anchor.models, mbs, request, groups), strict=True):
-        mb.anchor_logprobs = stats["logprobs"]
+        mb.anchor_logprobs = stats.logprobs
     train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups)
     anchor.update()
     return groups, ddp, optimizer, scheduler, anchor

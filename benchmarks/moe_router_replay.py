@@ -125,7 +125,7 @@ def _run(chunk, micro, groups, model, replay: bool) -> dict:
         for seq in mb.seq_ids[0].unique():
             span = mb.seq_ids[0] == seq
             earlier[span] = differs[span].cumsum(0) > 0
-        gaps.append((out["logprobs"] - mb.sampler_logprobs)[0].abs()[loss])
+        gaps.append((out.logprobs - mb.sampler_logprobs)[0].abs()[loss])
         alike.append(~earlier[loss])
     gaps, alike = torch.cat(gaps), torch.cat(alike)
     return {

@@ -232,7 +232,7 @@ def update_pass(repeats: int, warmup: int) -> dict:
         for name, plan in plans.items():
             micro = micro_batches(samples, advantages, plan)
             for mb, stats in zip(micro, forward_stats(ddp, micro, request, groups), strict=True):
-                mb.old_logprobs = mb.anchor_logprobs = stats["logprobs"]
+                mb.old_logprobs = mb.anchor_logprobs = stats.logprobs
             calls[name] = micro
         times: dict[str, list[float]] = {name: [] for name in plans}
         for step in range(warmup + repeats):

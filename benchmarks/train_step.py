@@ -259,9 +259,9 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
             lambda: rows.split_stats(forward_stats(ddp, rows.batches, old_request, groups)), peaks, "old_pass"
         )
         for mb, out in zip(mbs, old, strict=True):
-            mb.old_logprobs = out["logprobs"]
+            mb.old_logprobs = out.logprobs
             if plan.old_topk:
-                mb.topk_ids = out["topk_ids"]
+                mb.topk_ids = out.topk_ids
         rows = forward_rows(mbs, ForwardPlan(max_tokens=case.forward_tokens or None))  # with the old pass's ids
         progress["stage"] = "anchor_pass"
         ref, t_anchor = _timed(
@@ -270,9 +270,9 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
             "anchor_pass",
         )
         for mb, out in zip(mbs, ref, strict=True):
-            mb.anchor_logprobs = out["logprobs"]
+            mb.anchor_logprobs = out.logprobs
             if plan.anchor_at_old_topk:
-                mb.topk_anchor_logprobs = out["extra_logprobs"]
+                mb.topk_anchor_logprobs = out.extra_logprobs
         progress["stage"] = "update"
         units = functools.partial(loss_units, agg_mode=loss_cfg.agg_mode)  # a mixture of experts' router losses
         _, t_update = _timed(

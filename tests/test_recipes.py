@@ -218,10 +218,10 @@ def test_rpg_recipes_have_the_papers_hyperparameters(variant):
         assert (loss.policy_loss, loss.kl, loss.kl_coef, opt.lr) == ("ppo_clip", "rpg_urkl", 1e-4, 1e-6)
         # tau 0 once per step (after its mini_batches optimizer steps): the anchor is the next pi_old
         assert (config.algorithm.anchor.tau, config.algorithm.anchor.period) == (0.0, config.algorithm.mini_batches)
-        assert config.algorithm.anchor_is_behaviour_policy  # so no anchor model (trainer.build.StatsPlan)
+        assert config.algorithm.anchor_is_behaviour_policy  # so no anchor model (core.kl_term.StatsPlan)
     else:  # RPG-Style Clip; the KL is to pi_old inside the loss, so no anchor
         assert (loss.policy_loss, loss.kl, opt.lr) == ("rpg_reinforce_clip", None, 5e-7)
-        assert loss.policy_loss_args["divergence"] == "urkl" and loss.policy_loss_args["kl_coef"] == 1e-4
+        assert loss.policy_loss_args["divergence"] == "urkl" and loss.policy_loss_args["beta"] == 1e-4
     validation = config.validation
     assert [Path(f).stem for f in validation.files] == ["aime24", "aime25", "amc23"]
     assert (validation.n, validation.temperature, validation.interval) == (32, 1.0, 10)

@@ -7,7 +7,8 @@ their inputs are trusted.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import inspect
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import Tensor
@@ -45,3 +46,28 @@ def check_finite(**tensors: Tensor | None) -> None:
     for (name, _), ok in zip(items, finite):
         if not ok:
             raise ValueError(f"{name} contains NaN or infinite values")
+
+
+class ArgumentError(ValueError):
+    """A bad keyword-argument dict: ``argument`` is the key at fault, or None for the dict as a
+    whole (a missing or unknown key); ``reason`` says what was expected."""
+
+    def __init__(self, argument: str | None, reason: str) -> None:
+        self.argument, self.reason = argument, reason
+        super().__init__(f"{argument}: {reason}" if argument else reason)
+
+
+def check_keywords(fn: Callable, args: Mapping[str, object], reserved: Collection[str], *, positional: int) -> None:
+    """Raise ``ArgumentError`` unless ``args`` are keyword arguments of ``fn`` after its
+    ``positional`` leading inputs, none of them one its caller passes itself (``reserved``)."""
+    taken = sorted(set(args) & set(reserved))
+    if taken:
+        raise ArgumentError(taken[0], "is set by the trainer, not by the config")
+    signature = inspect.signature(fn)
+    keywords = {name for name, p in signature.parameters.items() if p.kind == p.KEYWORD_ONLY}
+    try:
+        signature.bind(*([None] * positional), **dict.fromkeys(set(reserved) & keywords), **args)
+    except TypeError as error:
+        names = ", ".join(sorted(keywords - set(reserved)))
+        name = getattr(fn, "func", fn).__name__  # a functools.partial names its function
+        raise ArgumentError(None, f"{error}; expected arguments of {name}: {names}") from None

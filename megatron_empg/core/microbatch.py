@@ -96,3 +96,32 @@ class MicroBatch:
         """A copy with every tensor on ``device``."""
         tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return dataclasses.replace(self, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, Tensor)})
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsResult:
+    """One micro-batch's per-token statistics from a forward-only pass (``mcore.step.forward_stats``:
+    the old pass on the policy, the anchor pass on the anchor), on the model's device; [b, s] is
+    the micro-batch's shape, k the request's top-k, M its number of extra ids per token.
+
+    Attributes:
+        logprobs: [b, s] float32 log pi at the targets.
+        lse: [b, s] float32 logsumexp of the logits over the real vocabulary.
+        topk_ids: [b, s, k] int64 global ids of the top-k (descending), or None (k = 0).
+        topk_logprobs: [b, s, k] float32 their log-probs, or None (k = 0).
+        extra_logprobs: [b, s, M] float32 log pi at the extra ids (the anchor pass of a reverse
+            Top-k KL: the policy's top-k), or None (none requested).
+        entropy: [b, s] float32, or None (not requested).
+    """
+
+    logprobs: Tensor
+    lse: Tensor
+    topk_ids: Tensor | None = None
+    topk_logprobs: Tensor | None = None
+    extra_logprobs: Tensor | None = None
+    entropy: Tensor | None = None
+
+    def columns(self, start: int, stop: int) -> StatsResult:
+        """Every statistic's positions ``[start, stop)`` of dimension 1 (views)."""
+        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return StatsResult(**{name: t if t is None else t[:, start:stop] for name, t in tensors.items()})

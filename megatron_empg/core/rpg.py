@@ -2,7 +2,9 @@
 
 Objective J_D = E_{pi_theta}[R] - beta D, estimated from tokens sampled from pi_old, with
 w = pi_theta / pi_old (``exp(logprobs - old_logprobs)``), A = R - b (``advantages``; the baseline
-b keeps the gradient unbiased), beta = ``kl_coef`` and Z = ``z_old``:
+b keeps the gradient unbiased), beta (``beta``: the divergence's coefficient inside the policy
+loss, ``algorithm.loss.policy_loss_args.beta``, apart from ``algorithm.loss.kl_coef``, the
+coefficient of the separate KL term) and Z = ``z_old``:
 
     divergence  D                 d(w), E_old[Z d(w)] = D   kappa(w)/beta = -w d'(w)   Z
     fkl         KL(pi_old||pi)    -log w                    1                          1
@@ -87,13 +89,13 @@ DIVERGENCES: dict[str, Divergence] = {
 
 
 def _check_rpg_inputs(
-    divergence: str, kl_coef: float, z_old: float | Tensor, validate: bool, **tensors: Tensor
+    divergence: str, beta: float, z_old: float | Tensor, validate: bool, **tensors: Tensor
 ) -> Divergence:
     """Validate the common arguments (errors name the argument); return the divergence spec."""
     check_choice("divergence", divergence, DIVERGENCES)
     spec = DIVERGENCES[divergence]
-    if not kl_coef >= 0.0:
-        raise ValueError(f"kl_coef={kl_coef!r} must be >= 0")
+    if not beta >= 0.0:
+        raise ValueError(f"beta={beta!r} must be >= 0")
     if isinstance(z_old, Tensor):
         tensors["z_old"] = z_old
     elif not z_old > 0.0:
@@ -129,7 +131,7 @@ def rpg_loss(
     advantages: Tensor,
     *,
     divergence: str,
-    kl_coef: float,
+    beta: float,
     z_old: float | Tensor = 1.0,
     validate: bool = True,
 ) -> PolicyLoss:
@@ -143,7 +145,7 @@ def rpg_loss(
         old_logprobs: [*] log pi_old (possibly unnormalized, see ``z_old``), a constant.
         advantages: [*] A = R - b broadcast over the tokens of a response.
         divergence: one of ``DIVERGENCES``.
-        kl_coef: beta >= 0.
+        beta: the divergence's coefficient, >= 0.
         z_old: total mass Z of pi_old, float or [*]; must be 1 for fkl / rkl.
         validate: check the float inputs for NaN/inf (one host sync).
 
@@ -152,7 +154,7 @@ def rpg_loss(
     """
     spec = _check_rpg_inputs(
         divergence,
-        kl_coef,
+        beta,
         z_old,
         validate,
         logprobs=logprobs,
@@ -161,7 +163,7 @@ def rpg_loss(
     )
     log_w = _log_ratio(logprobs, old_logprobs.detach())  # [*]
     kl = z_old * spec.value(log_w)  # [*]
-    values = -z_old * advantages * log_w.exp() + kl_coef * kl  # [*]
+    values = -z_old * advantages * log_w.exp() + beta * kl  # [*]
     return PolicyLoss(values, _metrics(log_w, kl))
 
 
@@ -171,7 +173,7 @@ def rpg_reinforce_loss(
     advantages: Tensor,
     *,
     divergence: str,
-    kl_coef: float,
+    beta: float,
     z_old: float | Tensor = 1.0,
     validate: bool = True,
 ) -> PolicyLoss:
@@ -183,7 +185,7 @@ def rpg_reinforce_loss(
     """
     spec = _check_rpg_inputs(
         divergence,
-        kl_coef,
+        beta,
         z_old,
         validate,
         logprobs=logprobs,
@@ -191,7 +193,7 @@ def rpg_reinforce_loss(
         advantages=advantages,
     )
     log_w = _log_ratio(logprobs.detach(), old_logprobs)  # [*], no grad
-    psi = z_old * (advantages.detach() * log_w.exp() + kl_coef * spec.kl_weight(log_w))  # [*]
+    psi = z_old * (advantages.detach() * log_w.exp() + beta * spec.kl_weight(log_w))  # [*]
     values = -psi * logprobs  # [*]
     return PolicyLoss(values, _metrics(log_w, z_old * spec.value(log_w)))
 
@@ -202,7 +204,7 @@ def rpg_reinforce_clip_loss(
     advantages: Tensor,
     *,
     divergence: str,
-    kl_coef: float,
+    beta: float,
     clip_eps_low: float = 0.2,
     clip_eps_high: float | None = None,
     clip_c: float | None = None,
@@ -218,7 +220,7 @@ def rpg_reinforce_clip_loss(
         M = [pos and w < 1 + eps_high] or [not pos and 1 - eps_low <= w < c]   (c = inf if None)
 
     ``branch_on="advantage"`` (default): pos = A > 0, as verl's ``rpg_rf_*_clip_ppo`` (A = 0 takes
-    the negative branch); with kl_coef = 0 this is exactly ``ppo_clip_loss``'s gradient.
+    the negative branch); with beta = 0 this is exactly ``ppo_clip_loss``'s gradient.
     ``branch_on="regularized_advantage"``: pos = A' >= 0 with A' = A + kappa(w_bar) / w, i.e. the
     sign of the weight, as Algorithm 2 writes it (the unused ``*_clip_ppo_v3`` branch of the code
     uses the opposite sign, which looks like a bug).
@@ -238,7 +240,7 @@ def rpg_reinforce_clip_loss(
     """
     spec = _check_rpg_inputs(
         divergence,
-        kl_coef,
+        beta,
         z_old,
         validate,
         logprobs=logprobs,
@@ -250,7 +252,7 @@ def rpg_reinforce_clip_loss(
     log_w = _log_ratio(logprobs.detach(), old_logprobs)  # [*], no grad
     w, adv = log_w.exp(), advantages.detach()  # [*]
     log_w_bar = log_w.clamp(math.log1p(-clip_eps_low), math.log1p(clip_eps_high))  # [*]
-    kappa = kl_coef * spec.kl_weight(log_w_bar)  # [*]
+    kappa = beta * spec.kl_weight(log_w_bar)  # [*]
     pos = adv > 0 if branch_on == "advantage" else adv + kappa / w >= 0  # [*] bool
     c = w.new_tensor(math.inf if clip_c is None else clip_c)
     high = torch.where(pos, w.new_tensor(1.0 + clip_eps_high), c)  # [*]
@@ -272,7 +274,7 @@ def rpg_reinforce_hard_clip_loss(
     advantages: Tensor,
     *,
     divergence: str,
-    kl_coef: float,
+    beta: float,
     clip_eps_low: float = 0.2,
     clip_eps_high: float | None = None,
     z_old: float | Tensor = 1.0,
@@ -290,7 +292,7 @@ def rpg_reinforce_hard_clip_loss(
     """
     spec = _check_rpg_inputs(
         divergence,
-        kl_coef,
+        beta,
         z_old,
         validate,
         logprobs=logprobs,
@@ -300,7 +302,7 @@ def rpg_reinforce_hard_clip_loss(
     clip_eps_low, clip_eps_high = check_clip_range(clip_eps_low, clip_eps_high, None)
     log_w = _log_ratio(logprobs.detach(), old_logprobs)  # [*], no grad
     log_w_bar = log_w.clamp(math.log1p(-clip_eps_low), math.log1p(clip_eps_high))  # [*]
-    psi = z_old * (advantages.detach() * log_w_bar.exp() + kl_coef * spec.kl_weight(log_w_bar))
+    psi = z_old * (advantages.detach() * log_w_bar.exp() + beta * spec.kl_weight(log_w_bar))
     indicators = {"clipped_low": log_w < log_w_bar, "clipped_high": log_w > log_w_bar}
     return PolicyLoss(-psi * logprobs, _metrics(log_w, z_old * spec.value(log_w), **indicators))
 
@@ -311,7 +313,7 @@ def rpg_dual_clip_loss(
     advantages: Tensor,
     *,
     divergence: str,
-    kl_coef: float,
+    beta: float,
     clip_eps_low: float = 0.2,
     clip_eps_high: float | None = None,
     clip_c: float | None = None,
@@ -322,7 +324,7 @@ def rpg_dual_clip_loss(
 
     A_hat = SG(psi / w) = A + SG(kappa(w) / w) is the regularized advantage (A - beta log w for
     urkl, A - beta (log w + 1) for rkl, as in Sec. 3.3). Where no clip is active the per-token
-    gradient is -Z w A_hat = -Z psi, exactly ``rpg_loss``'s; with kl_coef = 0 it is
+    gradient is -Z w A_hat = -Z psi, exactly ``rpg_loss``'s; with beta = 0 it is
     ``ppo_clip_loss``.
 
     Deviations from the paper, both deliberate: (1) A_hat is detached. Letting the gradient flow
@@ -338,7 +340,7 @@ def rpg_dual_clip_loss(
     """
     spec = _check_rpg_inputs(
         divergence,
-        kl_coef,
+        beta,
         z_old,
         validate,
         logprobs=logprobs,
@@ -346,7 +348,7 @@ def rpg_dual_clip_loss(
         advantages=advantages,
     )
     log_w = _log_ratio(logprobs.detach(), old_logprobs)  # [*], no grad
-    reg_advantages = advantages.detach() + kl_coef * spec.kl_weight(log_w) / log_w.exp()  # [*]
+    reg_advantages = advantages.detach() + beta * spec.kl_weight(log_w) / log_w.exp()  # [*]
     ppo = ppo_clip_loss(
         logprobs,
         old_logprobs,
@@ -370,9 +372,10 @@ def rpg_kl_penalty(
 ) -> Tensor:
     """verl's ``kl_penalty(logprobs, anchor_logprobs, 'rpg_<divergence>')``: d(w), w = pi/pi_anchor.
 
-    The RPG fully differentiable scripts add kl_coef * token-mean of this to dual-clip PPO with
-    the anchor = pi_old (``use_iterative_ref_model``); then it is ``rpg_loss``'s KL part. The KL
-    term is neither clipped nor masked. d/dlog pi = w d'(w) = -kappa(w)/beta: -1 (fkl),
+    The RPG fully differentiable scripts add ``kl_loss_coef`` (here ``algorithm.loss.kl_coef``)
+    times the token-mean of this to dual-clip PPO with the anchor = pi_old
+    (``use_iterative_ref_model``); then it is ``rpg_loss``'s KL part. The KL term is neither
+    clipped nor masked. d/dlog pi = w d'(w) = -kappa(w)/beta: -1 (fkl),
     w (log w + 1) (rkl), w - 1 (ufkl), w log w (urkl), (w log w + w - 1)/2 (ujs).
 
     Args:
@@ -439,10 +442,10 @@ def corrected_grpo_kl(
 
 # KL terms of the update objective (``algorithm.loss.kl``) beside ``kl.sampled_kl`` and the Top-k
 # KL: RPG's penalties d(pi / pi_anchor) (``rpg_<divergence>``) and the corrected GRPO KL.
-RPG_KL_TERMS: dict[str, Callable[..., Tensor]] = {
-    **{f"rpg_{name}": functools.partial(rpg_kl_penalty, divergence=name) for name in DIVERGENCES},
-    "grpo_corrected": corrected_grpo_kl,
+RPG_KL_PENALTIES: dict[str, Callable[..., Tensor]] = {
+    f"rpg_{name}": functools.partial(rpg_kl_penalty, divergence=name) for name in DIVERGENCES
 }
+RPG_KL_TERMS: dict[str, Callable[..., Tensor]] = {**RPG_KL_PENALTIES, "grpo_corrected": corrected_grpo_kl}
 
 
 RPG_POLICY_LOSSES = {

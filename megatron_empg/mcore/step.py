@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.core.aggregation import LossSum
-from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.core.microbatch import MicroBatch, StatsResult
 from megatron_empg.core.step_guard import GradNormGuard, SkipReason
 from megatron_empg.mcore import cpu_shims, router_replay
 from megatron_empg.mcore.moe import LossUnits, router_recorder, set_aux_loss_scale
@@ -183,26 +183,26 @@ def _stats_loss(batch: MicroBatch, request: StatsRequest, groups: ParallelGroups
         **_vocab_shard(width, groups),
         **kwargs,
     )
-    out = {
-        "logprobs": stats.logprobs[:, 0].reshape(b, s),
-        "lse": stats.lse.reshape(b, s),
-        "topk_logprobs": stats.topk_logprobs.reshape(b, s, -1),
-        "topk_ids": stats.topk_ids.reshape(b, s, -1),
-    }
-    if request.extra_ids_key is not None:
-        out["extra_logprobs"] = stats.logprobs[:, 1:].reshape(b, s, -1)
-    if stats.entropy is not None:
-        out["entropy"] = stats.entropy.reshape(b, s)
+    topk = request.k > 0
+    out = StatsResult(
+        logprobs=stats.logprobs[:, 0].reshape(b, s),
+        lse=stats.lse.reshape(b, s),
+        topk_ids=stats.topk_ids.reshape(b, s, -1) if topk else None,
+        topk_logprobs=stats.topk_logprobs.reshape(b, s, -1) if topk else None,
+        extra_logprobs=stats.logprobs[:, 1:].reshape(b, s, -1) if request.extra_ids_key is not None else None,
+        entropy=stats.entropy.reshape(b, s) if stats.entropy is not None else None,
+    )
     zero = logits.new_zeros(())
     return zero, torch.zeros((), dtype=torch.int), out
 
 
 def forward_stats(
     models, microbatches: Sequence[MicroBatch], request: StatsRequest, groups: ParallelGroups
-) -> list[dict[str, Tensor]] | None:
-    """Forward-only pass: per micro-batch a dict of [b, s] / [b, s, k] float32 / int64 tensors
-    (``logprobs``, ``lse``, ``entropy``, ``topk_logprobs``, ``topk_ids``, ``extra_logprobs``) on
-    the last pipeline stage, None on the others. TokenStats semantics (``vocab_parallel_token_stats``).
+) -> list[StatsResult] | None:
+    """Forward-only pass: per micro-batch a ``core.microbatch.StatsResult`` ([b, s] / [b, s, k]
+    float32 / int64 tensors: ``logprobs``, ``lse``, and what ``request`` asks: ``topk_ids`` and
+    ``topk_logprobs``, ``extra_logprobs``, ``entropy``) on the last pipeline stage, None on the
+    others. TokenStats semantics (``vocab_parallel_token_stats``).
     """
 
     def forward_step(data_iterator, model):
@@ -234,11 +234,11 @@ def _same_shape_runs(microbatches: Sequence[MicroBatch], pp_size: int) -> list[S
 
 
 def share_stats(
-    outputs: list[dict[str, Tensor]] | None,
+    outputs: list[StatsResult] | None,
     microbatches: Sequence[MicroBatch],
     request: StatsRequest,
     groups: ParallelGroups,
-) -> list[dict[str, Tensor]]:
+) -> list[StatsResult]:
     """``forward_stats``' outputs (on the last pipeline stage) on every stage, by one tensor
     broadcast per output over the pipeline group: shapes follow from the micro-batches and the
     request, so the other stages allocate the same tensors on their device. (No pickling: an object
@@ -248,26 +248,24 @@ def share_stats(
     source = dist.get_global_rank(groups.pp_group, groups.pp_size - 1)
     shared = []
     for i, batch in enumerate(microbatches):
-        out = {}
+        tensors = {}
         for name, shape, dtype in _stats_layout(batch, request):
-            tensor = outputs[i][name].contiguous() if groups.is_last_stage else None
-            if tensor is None:
+            if groups.is_last_stage:
+                tensor = getattr(outputs[i], name).contiguous()
+            else:
                 tensor = torch.empty(shape, dtype=dtype, device=batch.input_ids.device)
             dist.broadcast(tensor, src=source, group=groups.pp_group)
-            out[name] = tensor
-        shared.append(out)
+            tensors[name] = tensor
+        shared.append(StatsResult(**tensors))
     return shared
 
 
 def _stats_layout(batch: MicroBatch, request: StatsRequest) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, dtype) of each output ``_stats_loss`` gives for ``batch``."""
+    """(``StatsResult`` field, shape, dtype) of each statistic ``_stats_loss`` gives for ``batch``."""
     b, s = batch.shape
-    layout = [
-        ("logprobs", (b, s), torch.float32),
-        ("lse", (b, s), torch.float32),
-        ("topk_logprobs", (b, s, request.k), torch.float32),
-        ("topk_ids", (b, s, request.k), torch.int64),
-    ]
+    layout = [("logprobs", (b, s), torch.float32), ("lse", (b, s), torch.float32)]
+    if request.k:
+        layout += [("topk_logprobs", (b, s, request.k), torch.float32), ("topk_ids", (b, s, request.k), torch.int64)]
     if request.extra_ids_key is not None:
         layout.append(("extra_logprobs", (b, s, getattr(batch, request.extra_ids_key).shape[-1]), torch.float32))
     if request.with_entropy:
@@ -290,7 +288,7 @@ def score_sequences(models, sequences: Sequence[Sequence[int]], vocab_size: int,
     outputs = forward_stats(models, microbatches, StatsRequest(vocab_size=vocab_size, with_entropy=False), groups)
     logprobs = torch.empty(ids.shape, dtype=torch.float32, device=device)
     if outputs is not None:
-        logprobs.copy_(torch.cat([out["logprobs"] for out in outputs]))
+        logprobs.copy_(torch.cat([out.logprobs for out in outputs]))
     return broadcast_from_last_stage(logprobs, groups)[:, :-1]
 
 
@@ -324,7 +322,7 @@ def _score_context_parallel(models, ids: Tensor, vocab_size: int, groups: Parall
     outputs = forward_stats(models, microbatches, StatsRequest(vocab_size=vocab_size, with_entropy=False), groups)
     local = torch.empty(n, width // groups.cp_size, dtype=torch.float32, device=ids.device)
     if outputs is not None:
-        local.copy_(torch.cat([out["logprobs"] for out in outputs]))
+        local.copy_(torch.cat([out.logprobs for out in outputs]))
     local = broadcast_from_last_stage(local, groups)
     shares = [torch.empty_like(local) for _ in range(groups.cp_size)]
     dist.all_gather(shares, local, group=groups.cp_group)

@@ -27,16 +27,14 @@ from torch import Tensor
 
 from megatron_empg.core.aggregation import LossSum, aggregate, sequence_token_counts
 from megatron_empg.core.checks import check_choice, check_same_shape
-from megatron_empg.core.kl import KL_ESTIMATORS, sampled_kl
+from megatron_empg.core.kl_term import KLTerm, bind_kl
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.policy_loss import POLICY_LOSSES
-from megatron_empg.core.rpg import RPG_KL_TERMS, RPG_POLICY_LOSSES, corrected_grpo_kl
-from megatron_empg.core.topk_kl import topk_kl_from_gathered, topk_kl_ids
+from megatron_empg.core.rpg import RPG_POLICY_LOSSES
 from megatron_empg.parallel.fused_output import OutputLayerInput, fused_output_logprobs
 from megatron_empg.parallel.vocab_parallel import vocab_parallel_logprobs
 
 ALL_POLICY_LOSSES = {**POLICY_LOSSES, **RPG_POLICY_LOSSES}
-KL_KINDS = (*KL_ESTIMATORS, "topk", *RPG_KL_TERMS)
 
 
 class RLLoss(NamedTuple):
@@ -46,11 +44,9 @@ class RLLoss(NamedTuple):
     metrics: dict[str, LossSum]
 
 
-def check_rl_loss_options(policy_loss: str, kl: str | None, kl_coef: float, entropy_coef: float) -> None:
+def check_rl_loss_options(policy_loss: str, kl: KLTerm | None, kl_coef: float, entropy_coef: float) -> None:
     """Raise ValueError naming the option unless the combination is valid."""
     check_choice("policy_loss", policy_loss, tuple(ALL_POLICY_LOSSES))
-    if kl is not None:
-        check_choice("kl", kl, KL_KINDS)
     if kl_coef < 0:
         raise ValueError(f"kl_coef={kl_coef!r} must be >= 0")
     if kl is None and kl_coef != 0:
@@ -69,7 +65,7 @@ def rl_loss(
     cp_group: dist.ProcessGroup | None = None,
     policy_loss: str = "ppo_clip",
     policy_loss_args: dict | None = None,
-    kl: str | None = None,
+    kl: KLTerm | str | None = None,
     kl_coef: float = 0.0,
     kl_args: dict | None = None,
     entropy_coef: float = 0.0,
@@ -95,11 +91,10 @@ def rl_loss(
             loss tokens over the group, and its rank 0 counts the sequences. None: whole rows.
         policy_loss: a key of ``ALL_POLICY_LOSSES`` (``ppo_clip`` covers GRPO, DAPO, dual-clip;
             ``rpg*`` the RPG surrogates); ``policy_loss_args``: its keyword arguments.
-        kl: None, a sampled estimator of ``core.kl`` (``k1`` .. ``k5``, ``k3pp``) on log pi(y) vs
-            log pi_ref(y), ``topk``, an RPG penalty ``rpg_<divergence>`` (``core.rpg.rpg_kl_penalty``)
-            or ``grpo_corrected`` (``core.rpg.corrected_grpo_kl``, which weighs by pi/pi_old
-            itself); ``kl_args``: keyword arguments of that function (``old_logprobs`` is passed to
-            a sampled or Top-k KL when ``kl_args["importance_weight"]`` is true).
+        kl: None, the bound KL term (``core.kl_term.KLTerm``: a sampled estimator of ``core.kl``,
+            the Top-k KL, an RPG penalty or the corrected GRPO KL), or its name, a key of
+            ``core.kl_term.KL_KINDS``, bound here with ``kl_args`` (``core.kl_term.bind_kl``; the
+            function checks its keywords at the call); ``kl_args`` only with a name.
         kl_coef: beta >= 0. entropy_coef: the entropy bonus c >= 0.
         log_entropy: compute the entropy for the metrics even when ``entropy_coef`` is 0.
         agg_mode: ``core.aggregation.AGG_MODES``.
@@ -111,6 +106,9 @@ def rl_loss(
     Returns:
         ``RLLoss``; ``loss.loss_sum`` carries the gradient.
     """
+    if kl_args and not isinstance(kl, str):
+        raise ValueError("kl_args go with a kl name; a bound KLTerm carries its arguments")
+    kl = bind_kl(kl, kl_args, check_args=False) if isinstance(kl, str) else kl
     check_rl_loss_options(policy_loss, kl, kl_coef, entropy_coef)
     fused = isinstance(vocab_parallel_logits, OutputLayerInput)
     rows = vocab_parallel_logits.hidden if fused else vocab_parallel_logits  # [B, S, H] or [B, S, V_local]
@@ -118,16 +116,8 @@ def rl_loss(
         raise ValueError(f"{'hidden' if fused else 'vocab_parallel_logits'} must be [B, S, *], got {tuple(rows.shape)}")
     lead = rows.shape[:2]
     num_tokens = lead.numel()
-    kl_args = dict(kl_args or {})
-    use_iw = bool(kl_args.pop("importance_weight", False))
-    ids = batch.target_ids.reshape(num_tokens, 1)
-    if kl == "topk":
-        if batch.topk_ids is None or batch.topk_anchor_logprobs is None:
-            raise ValueError("kl='topk' needs batch.topk_ids and batch.topk_anchor_logprobs")
-        ids = topk_kl_ids(batch.topk_ids, batch.target_ids, lead_shape=lead, vocab_size=vocab_size)
-        ids = ids.reshape(num_tokens, -1)
-    if kl is not None and batch.anchor_logprobs is None:
-        raise ValueError(f"kl={kl!r} needs batch.anchor_logprobs")
+    ids = batch.target_ids if kl is None else kl.gather_ids(batch, lead_shape=lead, vocab_size=vocab_size)
+    ids = ids.reshape(num_tokens, -1)  # [T, M + 1], the target last
     check_same_shape(target_ids=batch.target_ids, behavior_weights=batch.behavior_weights)
     with_entropy = entropy_coef > 0 or log_entropy
     shard = dict(
@@ -164,33 +154,7 @@ def rl_loss(
     for name, values in pg.metrics.items():
         metrics[name] = aggregate(values, mask)
     if kl is not None:
-        if kl == "topk":
-            kl_values = topk_kl_from_gathered(
-                gathered,
-                batch.topk_ids,
-                batch.target_ids,
-                batch.topk_anchor_logprobs,
-                batch.anchor_logprobs,
-                old_logprobs=old if use_iw else None,
-                tail_weights=weights,
-                validate=validate,
-                **kl_args,
-            ).values
-        elif kl == "grpo_corrected":  # its importance weight w_old is part of the term
-            kl_values = corrected_grpo_kl(logprobs, old, batch.anchor_logprobs, validate=validate, **kl_args)
-        elif kl in RPG_KL_TERMS:
-            kl_values = RPG_KL_TERMS[kl](logprobs, batch.anchor_logprobs, validate=validate, **kl_args)
-        else:
-            kl_values = sampled_kl(
-                logprobs,
-                batch.anchor_logprobs,
-                estimator=kl,
-                old_logprobs=old if use_iw else None,
-                validate=validate,
-                **kl_args,
-            )
-        if kl != "topk":  # the Top-k KL weights its sampled tail itself
-            kl_values = _weighted(kl_values, weights)
+        kl_values = kl(gathered, batch, weights=weights, validate=validate)  # [B, S]
         kl_sum = aggregate(kl_values, mask, agg_mode, seq_ids, **split)
         total = LossSum(total.loss_sum + kl_coef * kl_sum.loss_sum, total.count)
         metrics["kl"] = aggregate(kl_values.detach(), mask)

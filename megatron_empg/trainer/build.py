@@ -4,7 +4,7 @@
     trainer = Trainer(components)                 # builds engines and models from what bind resolved
 
 ``bind`` reads the config, the registries (the only lists of names: ``core.advantages``,
-``parallel.rl_loss.ALL_POLICY_LOSSES`` / ``KL_KINDS``, ``core.aggregation.AGG_MODES``, ``core.behavior_is.BEHAVIOR_IS``,
+``parallel.rl_loss.ALL_POLICY_LOSSES``, ``core.kl_term.KL_KINDS``, ``core.aggregation.AGG_MODES``, ``core.behavior_is.BEHAVIOR_IS``,
 ``tasks.registry.REWARDS``, ``rollout.engines.ENGINES``, ``weight_sync.transport.TRANSPORTS``) and
 every record of each data file; it starts nothing and touches no device. In order:
 
@@ -12,7 +12,7 @@ every record of each data file; it starts nothing and touches no device. In orde
    name, ``te`` without Transformer Engine is an error), then the layout on ``world_size`` ranks (``trainer.layout``: heads and groups vs TP, layers vs PP,
    the prompts' split over DP, the engine and its TP);
 2. each registry name, then each argument dict bound to its function's signature
-   (``inspect.signature(...).bind``), then one update-pass loss on a tiny random batch through
+   (``core.checks.check_keywords``; the KL term by ``core.kl_term.bind_kl``), then one update-pass loss on a tiny random batch through
    ``rl_loss`` with exactly the run's settings, forward and backward: the loss functions' own
    value checks (a clip of -5, ``tail_grad: bogus``) run here instead of at the first update;
 3. the length limits (the probe in the engine's context, a whole sample in ``train.max_seq_len``);
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -42,12 +41,12 @@ from megatron_empg.config import ConfigError, LossConfig, ModelConfig, RunConfig
 from megatron_empg.core.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from megatron_empg.core.aggregation import AGG_MODES
 from megatron_empg.core.behavior_is import BEHAVIOR_IS
-from megatron_empg.core.kl import sampled_kl
+from megatron_empg.core.checks import ArgumentError, check_keywords
+from megatron_empg.core.kl_term import KL_KINDS, KLTerm, StatsPlan, bind_kl
 from megatron_empg.core.microbatch import MicroBatch
-from megatron_empg.core.rpg import RPG_KL_TERMS
-from megatron_empg.core.topk_kl import topk_kl_from_logprobs
+from megatron_empg.core.rpg import RPG_POLICY_LOSSES
 from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
-from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, KL_KINDS, rl_loss
+from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, rl_loss
 from megatron_empg.rollout.data import DataError, check_records
 from megatron_empg.rollout.engine import ROUTED_EXPERT_LIMIT
 from megatron_empg.rollout.engines import ENGINES, EngineKind
@@ -58,7 +57,6 @@ from megatron_empg.weight_sync.transport import TRANSPORTS
 
 # Arguments the trainer passes itself: a config that sets them is an error.
 _POLICY_LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "validate")
-_KL_INPUTS = ("old_logprobs", "validate", "estimator")
 # The HF config.json fields that must equal the model config's (what a wrong init_from gets wrong).
 _HF_DIMENSIONS = {
     "hidden_size": "hidden_size",
@@ -68,26 +66,6 @@ _HF_DIMENSIONS = {
     "intermediate_size": "ffn_hidden_size",
     "vocab_size": "vocab_size",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class StatsPlan:
-    """What the forward-only passes compute besides log-probs at the targets (from the KL).
-
-    ``old_topk``: k of the policy's top-k in the old pass (a reverse Top-k KL's index set), 0: none.
-    ``anchor_topk``: k of the anchor's own top-k (a forward Top-k KL's index set), 0: none.
-    ``anchor_at_old_topk``: the anchor pass also scores the old pass's top-k ids (reverse).
-    ``anchor``: whether there is an anchor pass at all (a KL term).
-    ``anchor_is_old``: the KL's anchor is each step's behaviour policy (RPG's iterative reference,
-    ``AlgorithmConfig.anchor_is_behaviour_policy``), so the old pass's log-probs (and top-k
-    log-probs) serve the KL: no anchor model, no anchor pass (``anchor`` False).
-    """
-
-    old_topk: int = 0
-    anchor_topk: int = 0
-    anchor_at_old_topk: bool = False
-    anchor: bool = False
-    anchor_is_old: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,14 +111,12 @@ def bind(
     layout = check_layout(config, model, world_size)
     algorithm = config.algorithm
     advantage = _registered("algorithm.advantage", algorithm.advantage, ADVANTAGE_ESTIMATORS)
-    if config.algorithm.loss.kl == "topk" and not config.algorithm.topk <= model.vocab_size:
-        raise ConfigError(
-            "algorithm.topk", f"must be <= model.vocab_size={model.vocab_size}, got {config.algorithm.topk}"
-        )
-    loss_fn, stats = bind_loss(config.algorithm.loss, vocab_size=model.vocab_size, topk=config.algorithm.topk)
-    if stats.anchor and not stats.anchor_topk and algorithm.anchor_is_behaviour_policy:
-        # a forward Top-k KL needs the anchor's own top-k, which the old pass does not compute
-        stats = dataclasses.replace(stats, anchor=False, anchor_is_old=True)
+    loss_fn, stats = bind_loss(
+        algorithm.loss,
+        vocab_size=model.vocab_size,
+        topk=algorithm.topk,
+        anchor_is_behaviour_policy=algorithm.anchor_is_behaviour_policy,
+    )
     _registered("algorithm.behavior_is", algorithm.behavior_is, BEHAVIOR_IS)
     reward = _registered("data.reward", config.data.reward, REWARDS)
     engine = engine_kind(config)  # checked by check_layout
@@ -168,54 +144,39 @@ def _registered(field: str, name: str, registry: dict[str, Any]) -> Any:
 # The update-pass loss.
 
 
-def bind_loss(loss: LossConfig, *, vocab_size: int, topk: int) -> tuple[Callable, StatsPlan]:
+def bind_loss(
+    loss: LossConfig, *, vocab_size: int, topk: int, anchor_is_behaviour_policy: bool = False
+) -> tuple[Callable, StatsPlan]:
     """``rl_loss`` with ``algorithm.loss`` (``loss``) bound for a vocabulary of ``vocab_size`` and a
     Top-k KL of ``topk`` (checked by one forward and backward on a tiny batch), and what the old and
-    anchor passes must compute for it."""
-    k = topk
+    anchor passes must compute for it (``KLTerm.stats``; ``anchor_is_behaviour_policy``: the old
+    pass serves as the anchor pass where it can)."""
     field = "algorithm.loss"
     policy_loss = _registered(f"{field}.policy_loss", loss.policy_loss, ALL_POLICY_LOSSES)
+    if loss.policy_loss in RPG_POLICY_LOSSES and "kl_coef" in loss.policy_loss_args:
+        raise ConfigError(
+            f"{field}.policy_loss_args.kl_coef",
+            f"was renamed to beta (RPG's coefficient of the divergence inside the policy loss, apart from "
+            f"{field}.kl_coef, the separate KL term's): policy_loss_args.beta: {loss.policy_loss_args['kl_coef']}",
+        )
     _bind_arguments(f"{field}.policy_loss_args", policy_loss, loss.policy_loss_args, _POLICY_LOSS_INPUTS, positional=3)
     _registered(f"{field}.agg_mode", loss.agg_mode, dict.fromkeys(AGG_MODES))
-    stats = StatsPlan()
+    term, stats = None, StatsPlan()
     if loss.kl is not None:
-        _registered(f"{field}.kl", loss.kl, dict.fromkeys(KL_KINDS))
-        args = dict(loss.kl_args)
-        if not isinstance(args.pop("importance_weight", False), bool):
-            raise ConfigError(f"{field}.kl_args.importance_weight", "expected true or false")
-        if loss.kl == "topk":
-            _bind_arguments(f"{field}.kl_args", topk_kl_from_logprobs, args, _KL_INPUTS, positional=5)
-            direction = args.get("direction")
-            if direction not in ("reverse", "forward"):
-                raise ConfigError(
-                    f"{field}.kl_args.direction", f"the Top-k KL needs reverse or forward, got {direction!r}"
-                )
-            reverse = direction == "reverse"
-            stats = StatsPlan(
-                old_topk=k if reverse else 0, anchor_topk=0 if reverse else k, anchor_at_old_topk=reverse, anchor=True
-            )
-        elif loss.kl in RPG_KL_TERMS:
-            if loss.kl_args.get("importance_weight"):
-                raise ConfigError(
-                    f"{field}.kl_args.importance_weight",
-                    f"does not apply to {loss.kl} (RPG's "
-                    "penalties are exact under pi_old; grpo_corrected carries its own weight)",
-                )
-            positional = 3 if loss.kl == "grpo_corrected" else 2
-            _bind_arguments(
-                f"{field}.kl_args", RPG_KL_TERMS[loss.kl], args, (*_KL_INPUTS, "divergence"), positional=positional
-            )
-            stats = StatsPlan(anchor=True)
-        else:
-            _bind_arguments(f"{field}.kl_args", sampled_kl, args, _KL_INPUTS, positional=2)
-            stats = StatsPlan(anchor=True)
+        _registered(f"{field}.kl", loss.kl, KL_KINDS)
+        try:
+            term = bind_kl(loss.kl, loss.kl_args)
+        except ArgumentError as error:
+            raise ConfigError(_dotted(f"{field}.kl_args", error.argument), error.reason) from None
+        if term.kind.topk and not topk <= vocab_size:
+            raise ConfigError("algorithm.topk", f"must be <= model.vocab_size={vocab_size}, got {topk}")
+        stats = term.stats(topk, anchor_is_behaviour_policy=anchor_is_behaviour_policy)
     kwargs = dict(
         vocab_size=vocab_size,
         policy_loss=loss.policy_loss,
         policy_loss_args=loss.policy_loss_args,
-        kl=loss.kl,
+        kl=term,
         kl_coef=loss.kl_coef,
-        kl_args=loss.kl_args,
         entropy_coef=loss.entropy_coef,
         log_entropy=loss.log_entropy,
         agg_mode=loss.agg_mode,
@@ -223,27 +184,24 @@ def bind_loss(loss: LossConfig, *, vocab_size: int, topk: int) -> tuple[Callable
         **({"chunk_size": loss.chunk_size} if loss.chunk_size else {}),
     )
     loss_fn = functools.partial(rl_loss, **kwargs)
-    _dry_run(loss_fn, stats, k, field)
+    _dry_run(loss_fn, term, topk, field)
     return loss_fn, stats
 
 
 def _bind_arguments(field: str, fn: Callable, args: dict, reserved: tuple[str, ...], *, positional: int) -> None:
     """``args`` must be keyword arguments of ``fn`` (after its ``positional`` tensor inputs), none
     of them one the trainer passes itself (``reserved``)."""
-    taken = sorted(set(args) & set(reserved))
-    if taken:
-        raise ConfigError(f"{field}.{taken[0]}", "is set by the trainer, not by the config")
-    signature = inspect.signature(fn)
     try:
-        keywords = {name for name, p in signature.parameters.items() if p.kind == p.KEYWORD_ONLY}
-        given_by_trainer = dict.fromkeys(set(reserved) & keywords)
-        signature.bind(*([None] * positional), **given_by_trainer, **args)
-    except TypeError as error:
-        names = sorted(keywords - set(reserved))
-        raise ConfigError(field, f"{error}; expected arguments of {fn.__name__}: {', '.join(names)}") from None
+        check_keywords(fn, args, reserved, positional=positional)
+    except ArgumentError as error:
+        raise ConfigError(_dotted(field, error.argument), error.reason) from None
 
 
-def _dry_run(loss_fn: Callable, stats: StatsPlan, k: int, field: str) -> None:
+def _dotted(field: str, argument: str | None) -> str:
+    return field if argument is None else f"{field}.{argument}"
+
+
+def _dry_run(loss_fn: Callable, term: KLTerm | None, k: int, field: str) -> None:
     """One forward and backward of ``loss_fn`` on 2 x 3 tokens of random logits (float32), so that
     the loss functions check their argument values now; a failure names the argument it mentions."""
     vocab = loss_fn.keywords["vocab_size"]
@@ -251,14 +209,14 @@ def _dry_run(loss_fn: Callable, stats: StatsPlan, k: int, field: str) -> None:
     logits = torch.randn(2, 3, vocab, generator=generator, requires_grad=True)
     logprobs = torch.log_softmax(torch.randn(2, 3, vocab, generator=generator), dim=-1)
     targets = torch.randint(0, vocab, (2, 3), generator=generator)
-    topk = torch.arange(k).expand(2, 3, k) if stats.old_topk or stats.anchor_topk else None
+    topk = torch.arange(k).expand(2, 3, k) if term is not None and term.kind.topk else None
     batch = MicroBatch(
         input_ids=targets,
         target_ids=targets,
         loss_mask=torch.tensor([[True, True, False], [True, False, False]]),
         advantages=torch.tensor([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]]),
         old_logprobs=logprobs.gather(-1, targets[..., None])[..., 0],
-        anchor_logprobs=logprobs.gather(-1, targets[..., None])[..., 0] - 0.1 if stats.anchor else None,
+        anchor_logprobs=logprobs.gather(-1, targets[..., None])[..., 0] - 0.1 if term is not None else None,
         topk_ids=topk,
         topk_anchor_logprobs=logprobs.gather(-1, topk) if topk is not None else None,
     )
@@ -266,17 +224,18 @@ def _dry_run(loss_fn: Callable, stats: StatsPlan, k: int, field: str) -> None:
         out = rl_loss(logits, batch, **{**loss_fn.keywords, "inplace_backward": False}, vocab_start=0, tp_group=None)
         out.loss.loss_sum.backward()
     except (ValueError, TypeError) as error:
-        raise ConfigError(_field_of(field, str(error), loss_fn.keywords), str(error)) from None
+        sections = {"policy_loss_args": loss_fn.keywords["policy_loss_args"], "kl_args": term.args if term else {}}
+        raise ConfigError(_field_of(field, str(error), sections), str(error)) from None
     if not torch.isfinite(logits.grad).all():
         raise ConfigError(field, "the update-pass loss has a non-finite gradient on a random batch")
 
 
-def _field_of(field: str, message: str, keywords: dict) -> str:
+def _field_of(field: str, message: str, sections: dict[str, dict]) -> str:
     """The dotted field an argument error is about: ``clip_eps_low=-5 must ...`` with
     ``clip_eps_low`` in ``policy_loss_args`` -> ``algorithm.loss.policy_loss_args.clip_eps_low``."""
     name = message.split("=", 1)[0].strip()
-    for section in ("policy_loss_args", "kl_args"):
-        if name in (keywords.get(section) or {}):
+    for section, args in sections.items():
+        if name in (args or {}):
             return f"{field}.{section}.{name}"
     return field
 

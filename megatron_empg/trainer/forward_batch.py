@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.core.microbatch import MicroBatch, StatsResult
 
 FIELD = "train.max_tokens_per_forward_microbatch"
 
@@ -73,12 +73,10 @@ class ForwardRows:
         """One [1, S_j, ...] tensor per forward row -> one [1, s_i, ...] view per update micro-batch."""
         return [values[span.row][:, span.start : span.start + span.width] for span in self.spans]
 
-    def split_stats(self, outputs: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    def split_stats(self, outputs: Sequence[StatsResult]) -> list[StatsResult]:
         """``mcore.step.forward_stats``' outputs per forward row (every tensor [1, S_j] or
         [1, S_j, k]) -> the same outputs per update micro-batch."""
-        names = outputs[0].keys() if outputs else ()
-        per_name = {name: self.split([out[name] for out in outputs]) for name in names}
-        return [{name: per_name[name][i] for name in names} for i in range(len(self.spans))]
+        return [outputs[span.row].columns(span.start, span.start + span.width) for span in self.spans]
 
 
 def forward_rows(micro: Sequence[MicroBatch], plan: ForwardPlan) -> ForwardRows:

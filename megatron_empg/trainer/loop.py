@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_empg.config import ConfigError, to_yaml
 from megatron_empg.core.behavior_is import behavior_metrics
-from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.core.microbatch import MicroBatch, StatsResult
 from megatron_empg.parallel.link import Link
 from megatron_empg.trainer import machine, watchdog
 from megatron_empg.trainer.bad_steps import BadSteps
@@ -322,13 +322,13 @@ class Trainer:
             chunk_size=self.config.algorithm.loss.chunk_size,
         )
         for mb, out in zip(micro, self._forward_stats(self.models, micro, request)):
-            mb.old_logprobs = out["logprobs"]
+            mb.old_logprobs = out.logprobs
             if plan.old_topk:
-                mb.topk_ids = out["topk_ids"]
+                mb.topk_ids = out.topk_ids
             if plan.anchor_is_old:
-                mb.anchor_logprobs = out["logprobs"]
+                mb.anchor_logprobs = out.logprobs
                 if plan.old_topk:
-                    mb.topk_anchor_logprobs = out["topk_logprobs"]
+                    mb.topk_anchor_logprobs = out.topk_logprobs
 
     def anchor_pass(self, micro: list[MicroBatch]) -> None:
         """log pi_ref at the targets and at the Top-k ids (forward KL: the anchor's own top-k)."""
@@ -345,13 +345,13 @@ class Trainer:
             chunk_size=self.config.algorithm.loss.chunk_size,
         )
         for mb, out in zip(micro, self._forward_stats(self.anchor.models, micro, request)):
-            mb.anchor_logprobs = out["logprobs"]
+            mb.anchor_logprobs = out.logprobs
             if plan.anchor_at_old_topk:
-                mb.topk_anchor_logprobs = out["extra_logprobs"]
+                mb.topk_anchor_logprobs = out.extra_logprobs
             elif plan.anchor_topk:
-                mb.topk_ids, mb.topk_anchor_logprobs = out["topk_ids"], out["topk_logprobs"]
+                mb.topk_ids, mb.topk_anchor_logprobs = out.topk_ids, out.topk_logprobs
 
-    def _forward_stats(self, models, micro: list[MicroBatch], request) -> list[dict[str, torch.Tensor]]:
+    def _forward_stats(self, models, micro: list[MicroBatch], request) -> list[StatsResult]:
         """``request``'s per-token statistics of ``models`` for each of ``micro``, on every
         pipeline stage, computed on the forward rows (``train.max_tokens_per_forward_microbatch``)."""
         from megatron_empg.mcore.step import forward_stats, share_stats

@@ -189,7 +189,7 @@ def token_mean_grad(loss_fn, logprobs: Tensor, *args, **kwargs) -> Tensor:
 def test_p01_exact_gradient_fully_differentiable(divergence, baseline):
     case = make_logits(seed=1)
     expected_grad = -objective_grad(case, divergence)
-    loss = partial(rpg_loss, divergence=divergence, kl_coef=BETA)
+    loss = partial(rpg_loss, divergence=divergence, beta=BETA)
     actual_grad = grad_of(expected_under_old(case, loss, baseline=baseline), case["theta"])
     assert_close(actual_grad, expected_grad, **EXACT)
     assert expected_grad.abs().max() > 1e-2  # not a trivial 0 = 0
@@ -200,7 +200,7 @@ def test_p01_exact_gradient_fully_differentiable(divergence, baseline):
 def test_p02_exact_gradient_reinforce(divergence, baseline):
     case = make_logits(seed=2)
     expected_grad = -objective_grad(case, divergence)
-    loss = partial(rpg_reinforce_loss, divergence=divergence, kl_coef=BETA)
+    loss = partial(rpg_reinforce_loss, divergence=divergence, beta=BETA)
     actual_grad = grad_of(expected_under_old(case, loss, baseline=baseline), case["theta"])
     assert_close(actual_grad, expected_grad, **EXACT)
 
@@ -211,7 +211,7 @@ def test_p03_per_sample_equivalence_for_any_w(divergence):
     case = make_logits(seed=3)
     old_logprobs = case["theta_old"].log_softmax(-1)
     advantages = case["reward"].expand(P, V)
-    kw = dict(divergence=divergence, kl_coef=BETA)
+    kw = dict(divergence=divergence, beta=BETA)
 
     def per_token_jacobian(loss_fn, theta):
         return torch.autograd.functional.jacobian(
@@ -241,11 +241,11 @@ def test_p04_z_old_unnormalized_measure(divergence, form):
     z_old = 2.7
     case = make_logits(seed=4)
     expected_grad = -objective_grad(case, divergence, z_old=z_old)  # uses UKL(m || pi) / (pi || m)
-    loss = partial(LOSS_FORMS[form], divergence=divergence, kl_coef=BETA, z_old=z_old)
+    loss = partial(LOSS_FORMS[form], divergence=divergence, beta=BETA, z_old=z_old)
     actual_grad = grad_of(expected_under_old(case, loss, z_old=z_old), case["theta"])
     assert_close(actual_grad, expected_grad, **EXACT)
     # Z matters: ignoring it (z_old=1 with the same unnormalized old_logprobs) is wrong.
-    loss_z1 = partial(LOSS_FORMS[form], divergence=divergence, kl_coef=BETA)
+    loss_z1 = partial(LOSS_FORMS[form], divergence=divergence, beta=BETA)
     wrong_grad = grad_of(expected_under_old(case, loss_z1, z_old=z_old), case["theta"])
     assert (wrong_grad - expected_grad).abs().max() > 1e-3
 
@@ -331,7 +331,7 @@ def test_p08_normalized_vs_unnormalized():
     case = make_logits(seed=8)
     grads = {}
     for divergence in PAPER_DIVERGENCES:
-        loss = partial(rpg_loss, divergence=divergence, kl_coef=BETA)
+        loss = partial(rpg_loss, divergence=divergence, beta=BETA)
         grads[divergence] = grad_of(expected_under_old(case, loss), case["theta"])
     assert_close(grads["ufkl"], grads["fkl"], **EXACT)
     assert_close(grads["urkl"], grads["rkl"], **EXACT)
@@ -347,7 +347,7 @@ def test_p08_normalized_vs_unnormalized():
             tokens["old_logprobs"],
             zero_advantages,
             divergence=divergence,
-            kl_coef=BETA,
+            beta=BETA,
         )
     assert_close(per_sample["fkl"], torch.full_like(w, -BETA), **EXACT)
     assert_close(per_sample["ufkl"], BETA * (w - 1), **EXACT)
@@ -460,7 +460,7 @@ def test_p12_no_clip_equivalence(divergence):
         return pg + BETA * token_mean(rpg_kl_penalty(logprobs, lo, divergence=divergence))
 
     def style_clip_loss(logprobs):
-        values = rpg_reinforce_clip_loss(logprobs, lo, a, divergence=divergence, kl_coef=BETA, **no_clip).values
+        values = rpg_reinforce_clip_loss(logprobs, lo, a, divergence=divergence, beta=BETA, **no_clip).values
         return token_mean(values)
 
     assert_close(grad_of(style_clip_loss, l), grad_of(scripts_loss, l), **EXACT)
@@ -471,8 +471,8 @@ def test_p13_beta_zero_style_clip_is_dual_clip_ppo(divergence):
     tokens = region_tokens(seed=13)
     l, lo, a = tokens["logprobs"], tokens["old_logprobs"], tokens["advantages"]
     _, expected_dl = grad_wrt_logprobs(ppo_clip_loss, l, lo, a, **CLIP)
-    style = rpg_reinforce_clip_loss(l, lo, a, divergence=divergence, kl_coef=0.0, **CLIP)
-    _, actual_dl = grad_wrt_logprobs(rpg_reinforce_clip_loss, l, lo, a, divergence=divergence, kl_coef=0.0, **CLIP)
+    style = rpg_reinforce_clip_loss(l, lo, a, divergence=divergence, beta=0.0, **CLIP)
+    _, actual_dl = grad_wrt_logprobs(rpg_reinforce_clip_loss, l, lo, a, divergence=divergence, beta=0.0, **CLIP)
     assert_close(actual_dl, expected_dl, **EXACT)
     ppo_metrics = ppo_clip_loss(l, lo, a, **CLIP).metrics
     nonzero = a != 0  # A = 0 tokens take the style clip's negative branch; PPO counts A < 0 only
@@ -508,7 +508,7 @@ def test_p14_style_clip_mask_formula(divergence, branch_on):
         lo,
         a,
         divergence=divergence,
-        kl_coef=BETA,
+        beta=BETA,
         branch_on=branch_on,
         **CLIP,
     )
@@ -525,7 +525,7 @@ def test_p14_style_clip_mask_next_to_region_boundaries():
     w = (l - lo).exp()
     w_bar = w.clamp(1 - CLIP["clip_eps_low"], 1 + CLIP["clip_eps_high"])
     expected_dl = -(a * w + expected_kappa("urkl", w_bar)) * style_clip_mask(w, a > 0).to(DTYPE)
-    _, actual_dl = grad_wrt_logprobs(rpg_reinforce_clip_loss, l, lo, a, divergence="urkl", kl_coef=BETA, **CLIP)
+    _, actual_dl = grad_wrt_logprobs(rpg_reinforce_clip_loss, l, lo, a, divergence="urkl", beta=BETA, **CLIP)
     assert_close(actual_dl, expected_dl, **EXACT)
 
 
@@ -536,9 +536,7 @@ def test_p15_hard_clip_formula(divergence):
     w_bar = (l - lo).exp().clamp(1 - CLIP["clip_eps_low"], 1 + CLIP["clip_eps_high"])
     expected_dl = -(a * w_bar + expected_kappa(divergence, w_bar)) / l.numel()
     hard_clip = dict(clip_eps_low=CLIP["clip_eps_low"], clip_eps_high=CLIP["clip_eps_high"])
-    actual_dl = token_mean_grad(
-        rpg_reinforce_hard_clip_loss, l, lo, a, divergence=divergence, kl_coef=BETA, **hard_clip
-    )
+    actual_dl = token_mean_grad(rpg_reinforce_hard_clip_loss, l, lo, a, divergence=divergence, beta=BETA, **hard_clip)
     assert_close(actual_dl, expected_dl, **EXACT)
 
 
@@ -551,7 +549,7 @@ def test_p16_zero_advantage_tokens(divergence):
     w_bar = w.clamp(1 - CLIP["clip_eps_low"], 1 + CLIP["clip_eps_high"])
     inside = (w >= 1 - CLIP["clip_eps_low"]) & (w < CLIP["clip_c"])
     expected_dl = torch.where(inside, -expected_kappa(divergence, w_bar), torch.zeros_like(w))
-    _, actual_dl = grad_wrt_logprobs(rpg_reinforce_clip_loss, l, lo, a, divergence=divergence, kl_coef=BETA, **CLIP)
+    _, actual_dl = grad_wrt_logprobs(rpg_reinforce_clip_loss, l, lo, a, divergence=divergence, beta=BETA, **CLIP)
     assert_close(actual_dl, expected_dl, **EXACT)
     assert 0.2 < inside.double().mean() < 0.8
 
@@ -582,7 +580,7 @@ def test_p18_aggregation_and_padding():
     l, lo, a = (tokens[k].reshape(4, 6) for k in ("logprobs", "old_logprobs", "advantages"))
     loss_mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]).bool()
     l = torch.where(loss_mask, l, 50.0)  # garbage log-probs on padding must not matter
-    values = rpg_reinforce_clip_loss(l, lo, a, divergence="urkl", kl_coef=BETA, **CLIP).values
+    values = rpg_reinforce_clip_loss(l, lo, a, divergence="urkl", beta=BETA, **CLIP).values
     m = loss_mask.to(DTYPE)
     n_seq = 3  # sequences with at least one token
     expected = {
@@ -593,7 +591,7 @@ def test_p18_aggregation_and_padding():
     for mode, expected_loss in expected.items():
 
         def loss(logprobs, mode=mode):
-            out = rpg_reinforce_clip_loss(logprobs, lo, a, divergence="urkl", kl_coef=BETA, **CLIP)
+            out = rpg_reinforce_clip_loss(logprobs, lo, a, divergence="urkl", beta=BETA, **CLIP)
             return divide_by_count(*aggregate(out.values, loss_mask, mode))
 
         assert_close(loss(l), expected_loss, **EXACT, msg=mode)
@@ -733,7 +731,7 @@ def single_position_objective_grad(case, divergence, beta=BETA):
 def test_p22_monte_carlo_reinforce(divergence, baseline):
     case, samples = mc_case(seed=22, spread=0.5)
     expected_grad = -single_position_objective_grad(case, divergence)
-    mean, stderr = mc_gradient(case, rpg_reinforce_loss, samples, baseline, divergence=divergence, kl_coef=BETA)
+    mean, stderr = mc_gradient(case, rpg_reinforce_loss, samples, baseline, divergence=divergence, beta=BETA)
     assert (stderr > 0).all()
     assert ((mean - expected_grad).abs() <= MC_SIGMAS * stderr).all(), (mean, expected_grad, stderr)
 
@@ -747,7 +745,7 @@ def test_p22_monte_carlo_style_clip_inside_trust_region(divergence):
     w = (case["theta"][0].log_softmax(-1) - case["theta_old"][0].log_softmax(-1)).exp()
     assert ((w > 1 - CLIP["clip_eps_low"]) & (w < 1 + CLIP["clip_eps_high"])).all()
     expected_grad = -single_position_objective_grad(case, divergence, beta=beta)
-    mean, stderr = mc_gradient(case, rpg_reinforce_clip_loss, samples, 0.3, divergence=divergence, kl_coef=beta, **CLIP)
+    mean, stderr = mc_gradient(case, rpg_reinforce_clip_loss, samples, 0.3, divergence=divergence, beta=beta, **CLIP)
     assert ((mean - expected_grad).abs() <= MC_SIGMAS * stderr).all(), (mean, expected_grad, stderr)
 
 
@@ -760,7 +758,7 @@ def test_algorithm1_dual_clip_gradient(divergence):
     # Unclipped: the gradient of rpg_loss. Clipped: -Z w A_hat on PPO's mask for A_hat = psi / w.
     tokens = region_tokens(seed=23)
     l, lo, a = tokens["logprobs"], tokens["old_logprobs"], tokens["advantages"]
-    kw = dict(divergence=divergence, kl_coef=BETA)
+    kw = dict(divergence=divergence, beta=BETA)
     no_clip = dict(clip_eps_low=1 - 1e-9, clip_eps_high=1e9, clip_c=None)
     _, expected_dl = grad_wrt_logprobs(rpg_loss, l, lo, a, **kw)
     _, actual_dl = grad_wrt_logprobs(rpg_dual_clip_loss, l, lo, a, **kw, **no_clip)
@@ -775,7 +773,7 @@ def test_algorithm1_dual_clip_gradient(divergence):
     _, actual_clipped_dl = grad_wrt_logprobs(rpg_dual_clip_loss, l, lo, a, **kw, **CLIP)
     assert_close(actual_clipped_dl, expected_clipped_dl, **EXACT)
     _, ppo_dl = grad_wrt_logprobs(ppo_clip_loss, l, lo, a, **CLIP)
-    _, beta0_dl = grad_wrt_logprobs(rpg_dual_clip_loss, l, lo, a, divergence=divergence, kl_coef=0.0, **CLIP)
+    _, beta0_dl = grad_wrt_logprobs(rpg_dual_clip_loss, l, lo, a, divergence=divergence, beta=0.0, **CLIP)
     assert_close(beta0_dl, ppo_dl, **EXACT)
 
 
@@ -783,7 +781,7 @@ def test_algorithm1_dual_clip_gradient(divergence):
 def test_registry_contract(name):
     # float32 in, float32 per-token values and detached float metrics of the same shape out.
     tokens = {k: v.float().reshape(8, -1) for k, v in region_tokens(seed=24, per_region=16).items()}
-    out = RPG_POLICY_LOSSES[name](**tokens, divergence="ufkl", kl_coef=BETA, z_old=2.0)
+    out = RPG_POLICY_LOSSES[name](**tokens, divergence="ufkl", beta=BETA, z_old=2.0)
     assert isinstance(out, PolicyLoss)
     assert out.values.shape == (8, 8) and out.values.dtype == torch.float32
     assert {"ratio", "kl"} <= set(out.metrics)
@@ -795,15 +793,15 @@ def test_z_old_scales_every_form():
     tokens = region_tokens(seed=25)
     l, lo, a = tokens["logprobs"], tokens["old_logprobs"], tokens["advantages"]
     for name, fn in RPG_POLICY_LOSSES.items():
-        _, dl_1 = grad_wrt_logprobs(fn, l, lo, a, divergence="urkl", kl_coef=BETA)
+        _, dl_1 = grad_wrt_logprobs(fn, l, lo, a, divergence="urkl", beta=BETA)
         z_old = torch.full_like(l, 2.5)  # a per-token Z is accepted too
-        _, dl_z = grad_wrt_logprobs(fn, l, lo, a, divergence="urkl", kl_coef=BETA, z_old=z_old)
+        _, dl_z = grad_wrt_logprobs(fn, l, lo, a, divergence="urkl", beta=BETA, z_old=z_old)
         assert_close(dl_z, 2.5 * dl_1, **EXACT, msg=name)
 
 
 def _bad_call(**overrides):
     tokens = random_tokens(seed=26, n=8)
-    kwargs = dict(tokens, divergence="urkl", kl_coef=BETA, **CLIP)
+    kwargs = dict(tokens, divergence="urkl", beta=BETA, **CLIP)
     kwargs.update(overrides)
     return rpg_reinforce_clip_loss(**kwargs)
 
@@ -812,7 +810,7 @@ def _bad_call(**overrides):
     "overrides, match",
     [
         (dict(divergence="js"), "divergence"),
-        (dict(kl_coef=-1.0), "kl_coef"),
+        (dict(beta=-1.0), "beta"),
         (dict(z_old=0.0), "z_old"),
         (dict(divergence="fkl", z_old=2.0), "z_old"),
         (dict(advantages=torch.zeros(7, dtype=DTYPE)), "advantages"),
@@ -839,4 +837,4 @@ def test_bad_input_other_functions():
         corrected_grpo_kl(l, lo, torch.full_like(lo, math.nan))
     for fn in RPG_POLICY_LOSSES.values():
         with pytest.raises(ValueError, match="divergence"):
-            fn(l, lo, tokens["advantages"], divergence="kl", kl_coef=BETA)
+            fn(l, lo, tokens["advantages"], divergence="kl", beta=BETA)

@@ -328,10 +328,10 @@ RL_CASES = {
     "grpo_corrected": dict(kl="grpo_corrected", kl_coef=0.2),
     "rpg_reinforce_clip": dict(
         policy_loss="rpg_reinforce_clip",
-        policy_loss_args={"divergence": "ufkl", "kl_coef": 0.1},
+        policy_loss_args={"divergence": "ufkl", "beta": 0.1},
         log_entropy=False,
     ),
-    "rpg_entropy": dict(policy_loss="rpg", policy_loss_args={"divergence": "rkl", "kl_coef": 0.1}, entropy_coef=0.01),
+    "rpg_entropy": dict(policy_loss="rpg", policy_loss_args={"divergence": "rkl", "beta": 0.1}, entropy_coef=0.01),
 }
 
 

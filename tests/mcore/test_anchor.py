@@ -326,7 +326,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
             ref = forward_stats(anchors["ema_p1"].models, mbs, request, groups)
             if old is not None:
                 for mb, o, r in zip(mbs, old, ref, strict=True):
-                    mb.old_logprobs, mb.anchor_logprobs = o["logprobs"], r["logprobs"]
+                    mb.old_logprobs, mb.anchor_logprobs = o.logprobs, r.logprobs
             result = train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups)
             main = _main_snapshot(ddp)
             record = {"grad_norm": result.grad_norm, "updated": {}}
@@ -395,7 +395,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
         # The anchor pass on a probe batch and the master in global names (for the TP1 check).
         probe = [MicroBatch(**{k: v[i::2] for k, v in batches[STEPS].items()}) for i in range(2)]
         stats = forward_stats(b.models, probe, request, groups)
-        out["probe_logprobs"] = None if stats is None else [s["logprobs"] for s in stats]
+        out["probe_logprobs"] = None if stats is None else [s.logprobs for s in stats]
         master = []
         for c, model in enumerate(b.models):
             names = mcore_model.global_names(model)
@@ -481,7 +481,7 @@ def _tp1_logprobs(results: dict, full_state_dict: dict) -> dict:
             merged.update({g: tp_merge(p, partitions[g]) for g, p in pieces.items()})
             mcore_model.load_full_state_dict(chunks, merged)
             stats = forward_stats(chunks, probe, StatsRequest(vocab_size=model_cfg.vocab_size), groups)
-            out[name] = [s["logprobs"] for s in stats]
+            out[name] = [s.logprobs for s in stats]
         return out
     finally:
         destroy_model_parallel()

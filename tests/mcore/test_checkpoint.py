@@ -110,10 +110,10 @@ class _Run:
         mbs = [MicroBatch(p["input_ids"], p["target_ids"], p["loss_mask"], p["advantages"]) for p in parts]
         old = forward_stats(self.ddp, mbs, StatsRequest(vocab_size=self.cfg.vocab_size, k=K), g)
         for mb, part, stats in zip(mbs, parts, old or [], strict=old is not None):  # None before the last stage
-            mb.old_logprobs = stats["logprobs"]
-            mb.topk_ids = stats["topk_ids"]
-            mb.anchor_logprobs = stats["logprobs"] + part["anchor_noise"]
-            mb.topk_anchor_logprobs = stats["topk_logprobs"] + part["topk_anchor_noise"]
+            mb.old_logprobs = stats.logprobs
+            mb.topk_ids = stats.topk_ids
+            mb.anchor_logprobs = stats.logprobs + part["anchor_noise"]
+            mb.topk_anchor_logprobs = stats.topk_logprobs + part["topk_anchor_noise"]
         vocab = self.cfg.vocab_size
         result = train_step(
             self.ddp, self.optimizer, self.scheduler, mbs, loss_fn(vocab), groups=g, loss_units=loss_units

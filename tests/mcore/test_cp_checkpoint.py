@@ -56,8 +56,8 @@ class _Run:
             self.ddp, micro, StatsRequest(vocab_size=self.cfg.vocab_size, with_entropy=False), self.groups
         )
         for mb, out in zip(micro, stats):
-            mb.old_logprobs = out["logprobs"] + 0.05 * mb.advantages
-            mb.anchor_logprobs = out["logprobs"] - 0.1 * mb.loss_mask
+            mb.old_logprobs = out.logprobs + 0.05 * mb.advantages
+            mb.anchor_logprobs = out.logprobs - 0.1 * mb.loss_mask
         result = train_step(self.ddp, self.optimizer, self.scheduler, micro, self.loss, groups=self.groups)
         self.anchor.update()
         self.cursor += 1

@@ -93,9 +93,9 @@ def _one_step(tp: int, tied: bool, packed: bool) -> dict:
             old = forward_stats(ddp, micro, StatsRequest(vocab_size=model_cfg.vocab_size, k=K), groups)
             g = torch.Generator().manual_seed(5)
             for mb, stats in zip(micro, old, strict=True):  # a synthetic anchor near pi_old
-                mb.old_logprobs, mb.topk_ids = stats["logprobs"], stats["topk_ids"]
-                mb.anchor_logprobs = stats["logprobs"] + 0.3 * torch.randn(mb.shape, generator=g)
-                mb.topk_anchor_logprobs = stats["topk_logprobs"] + 0.3 * torch.randn(*mb.shape, K, generator=g)
+                mb.old_logprobs, mb.topk_ids = stats.logprobs, stats.topk_ids
+                mb.anchor_logprobs = stats.logprobs + 0.3 * torch.randn(mb.shape, generator=g)
+                mb.topk_anchor_logprobs = stats.topk_logprobs + 0.3 * torch.randn(*mb.shape, K, generator=g)
             calls, grads = [], {}
             chunks[0].output_layer.register_forward_hook(lambda *_: calls.append(1))
             step = optimizer.step

@@ -71,7 +71,7 @@ class _Run:
         advantages = torch.randn(N, 1, generator=g).expand(N, S).clone()
         mb = MicroBatch(tokens[:, :S], tokens[:, 1:], mask, advantages)
         [stats] = forward_stats(self.ddp, [mb], StatsRequest(vocab_size=self.config.vocab_size), self.groups)
-        mb.old_logprobs = stats["logprobs"] - 0.01  # ratios off 1: the PPO loss has a gradient
+        mb.old_logprobs = stats.logprobs - 0.01  # ratios off 1: the PPO loss has a gradient
         return [mb]
 
     def step(self, batch: list[MicroBatch], *, factor: float = 1.0, guard: GradNormGuard | None = None):

@@ -135,7 +135,7 @@ def _rank(rank: int, world_size: int, model_dir: str, batches: dict) -> dict:
     for name, micro in batches.items():
         seen.clear()
         stats = forward_stats([chunk], micro, StatsRequest(vocab_size=model.vocab_size, with_entropy=False), groups)
-        out[name] = {"logprobs": [s["logprobs"] for s in stats], "routing": routed(seen)}
+        out[name] = {"logprobs": [s.logprobs for s in stats], "routing": routed(seen)}
     seen.clear()  # no routed_experts (the weight-sync gate's scoring): the router's own choice
     plain = [dataclasses.replace(mb, routed_experts=None) for mb in batches["mutated"]]
     forward_stats([chunk], plain, StatsRequest(vocab_size=model.vocab_size, with_entropy=False), groups)
@@ -194,7 +194,7 @@ def _rank_split(rank: int, world_size: int, model_dir: str, micro: list) -> dict
         for router in (m for m in chunk.modules() if isinstance(m, TopKRouter)):
             router.register_forward_hook(lambda m, i, o: seen.append((m.layer_number - 1, o[1].clone())))
         stats = forward_stats([chunk], mine, request, groups)
-        out[name] = {"logprobs": None if stats is None else [s["logprobs"] for s in stats], "routing": seen}
+        out[name] = {"logprobs": None if stats is None else [s.logprobs for s in stats], "routing": seen}
         parallel_state.destroy_model_parallel()
     return out
 

@@ -129,10 +129,10 @@ def _train(
             old = forward_stats(ddp, mbs, StatsRequest(vocab_size=model_cfg.vocab_size, k=K), groups)
             if old is not None:  # last stage: the loss inputs
                 for mb, part, stats in zip(mbs, parts, old, strict=True):
-                    mb.old_logprobs = stats["logprobs"]
-                    mb.topk_ids = stats["topk_ids"]
-                    mb.anchor_logprobs = stats["logprobs"] + part["anchor_noise"]
-                    mb.topk_anchor_logprobs = stats["topk_logprobs"] + part["topk_anchor_noise"]
+                    mb.old_logprobs = stats.logprobs
+                    mb.topk_ids = stats.topk_ids
+                    mb.anchor_logprobs = stats.logprobs + part["anchor_noise"]
+                    mb.topk_anchor_logprobs = stats.topk_logprobs + part["topk_anchor_noise"]
             result = train_step(
                 ddp,
                 optimizer,
@@ -277,7 +277,7 @@ def _update_logits_vs_forward(rank: int, world_size: int, num_microbatches: int)
             logprobs = torch.log_softmax(logits.float()[..., : model_cfg.vocab_size], -1)
             logprobs = logprobs.gather(-1, batch.target_ids[..., None])[..., 0]
             i = next(j for j, mb in enumerate(micro) if mb is batch)
-            seen[i] = (logprobs.detach() - forward[i]["logprobs"]).abs().max().item()
+            seen[i] = (logprobs.detach() - forward[i].logprobs).abs().max().item()
             total = LossSum(logprobs.sum(), torch.tensor(logprobs.numel()))
             return RLLoss(total, {"loss": LossSum(total.loss_sum.detach(), total.count)})
 

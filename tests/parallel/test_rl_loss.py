@@ -83,7 +83,7 @@ CASES = {
     ),
     "rpg_clip_no_kl": dict(
         policy_loss="rpg_reinforce_clip",
-        policy_loss_args={"divergence": "ufkl", "kl_coef": 0.1},
+        policy_loss_args={"divergence": "ufkl", "beta": 0.1},
         log_entropy=False,
         agg_mode="token-mean",
     ),

@@ -149,8 +149,8 @@ def _step(rank: int, world_size: int, agg_mode: str) -> dict:
                 )
             stats = forward_stats(ddp, micro, StatsRequest(vocab_size=model.vocab_size, with_entropy=False), groups)
             for mb, out in zip(micro, stats):
-                mb.old_logprobs = out["logprobs"] + 0.05 * mb.advantages  # a ratio != 1
-                mb.anchor_logprobs = out["logprobs"] - 0.1
+                mb.old_logprobs = out.logprobs + 0.05 * mb.advantages  # a ratio != 1
+                mb.anchor_logprobs = out.logprobs - 0.1
             result = train_step(ddp, optimizer, scheduler, micro, loss_fn, groups=groups)
             results[name] = {
                 "micro_batches": len(micro),

@@ -283,10 +283,16 @@ def test_layout_module_imports_no_torch():
         ),
         (["algorithm.loss.policy_loss=rpg"], 1, "algorithm.loss.policy_loss_args", "'divergence'"),
         (
-            ["algorithm.loss.policy_loss=rpg", "algorithm.loss.policy_loss_args={divergence: kl, kl_coef: 0.1}"],
+            ["algorithm.loss.policy_loss=rpg", "algorithm.loss.policy_loss_args={divergence: kl, beta: 0.1}"],
             1,
             "algorithm.loss.policy_loss_args.divergence",
             "divergence='kl'",
+        ),
+        (
+            ["algorithm.loss.policy_loss=rpg", "algorithm.loss.policy_loss_args={divergence: rkl, kl_coef: 0.1}"],
+            1,
+            "algorithm.loss.policy_loss_args.kl_coef",
+            "was renamed to beta (RPG's coefficient of the divergence inside the policy loss",
         ),
         (["algorithm.loss.kl_args.tail_grad=bogus"], 1, "algorithm.loss.kl_args.tail_grad", "'bogus'"),
         (["algorithm.loss.kl_args.direction=sideways"], 1, "algorithm.loss.kl_args.direction", "reverse or forward"),

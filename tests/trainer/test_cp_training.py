@@ -83,11 +83,11 @@ def _train(
             stats = share_stats(forward_stats(ddp, micro, request, groups), micro, request, groups)
             rows = []
             for mb, out in zip(micro, stats):
-                mb.old_logprobs = out["logprobs"] + 0.05 * mb.advantages  # a ratio != 1
-                mb.anchor_logprobs = out["logprobs"] - 0.1 * mb.loss_mask
+                mb.old_logprobs = out.logprobs + 0.05 * mb.advantages  # a ratio != 1
+                mb.anchor_logprobs = out.logprobs - 0.1 * mb.loss_mask
                 if request.k:  # the Top-k set and the anchor below it
-                    mb.topk_ids, mb.topk_anchor_logprobs = out["topk_ids"], out["topk_logprobs"] - 0.1
-                share = out["logprobs"]
+                    mb.topk_ids, mb.topk_anchor_logprobs = out.topk_ids, out.topk_logprobs - 0.1
+                share = out.logprobs
                 if cp > 1:  # every rank's share, back in the row's order
                     parts = [torch.empty_like(share) for _ in range(cp)]
                     torch.distributed.all_gather(parts, share, group=groups.cp_group)

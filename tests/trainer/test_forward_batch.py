@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_empg.config import ParallelConfig, load_model_config
-from megatron_empg.core.microbatch import MicroBatch
+from megatron_empg.core.microbatch import MicroBatch, StatsResult
 from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches
 from megatron_empg.trainer.forward_batch import ForwardPlan, forward_rows
 from tests.dist import run_distributed
@@ -174,9 +174,25 @@ def test_without_a_budget_the_update_rows_are_the_forward_rows():
     micro = _update_rows()
     rows = forward_rows(micro, ForwardPlan(fixed_shape=True))
     assert all(a is b for a, b in zip(rows.batches, micro, strict=True))
-    stats = [{"logprobs": mb.old_logprobs, "topk_ids": mb.topk_ids} for mb in micro]
+    stats = [StatsResult(logprobs=mb.old_logprobs, lse=mb.old_logprobs.exp(), topk_ids=mb.topk_ids) for mb in micro]
     for out, mb in zip(rows.split_stats(stats), micro, strict=True):
-        assert torch.equal(out["logprobs"], mb.old_logprobs) and torch.equal(out["topk_ids"], mb.topk_ids)
+        assert torch.equal(out.logprobs, mb.old_logprobs) and torch.equal(out.topk_ids, mb.topk_ids)
+
+
+def test_split_stats_gives_each_update_row_its_columns_of_every_statistic():
+    micro = _update_rows()
+    rows = forward_rows(micro, ForwardPlan(max_tokens=160))
+    assert 1 < len(rows.batches) < len(micro)
+    outputs = [  # what a pass without entropy and extra ids gives per forward row
+        StatsResult(
+            logprobs=b.old_logprobs, lse=b.anchor_logprobs, topk_ids=b.topk_ids, topk_logprobs=b.topk_anchor_logprobs
+        )
+        for b in rows.batches
+    ]
+    for out, mb in zip(rows.split_stats(outputs), micro, strict=True):
+        assert torch.equal(out.logprobs, mb.old_logprobs) and torch.equal(out.lse, mb.anchor_logprobs)
+        assert torch.equal(out.topk_ids, mb.topk_ids) and torch.equal(out.topk_logprobs, mb.topk_anchor_logprobs)
+        assert out.extra_logprobs is None and out.entropy is None
 
 
 def test_rows_the_budget_cannot_take_are_errors():
@@ -228,7 +244,7 @@ def _stats_both_ways(rank: int, world_size: int, parallel: ParallelConfig, budge
         update_old, forward_old = per_call(old), rows.split_stats(stats(rows.batches, old))
         one_call = stats(micro, old)  # both calls' rows in one pass (under PP: one schedule call per width)
         for mb, out in zip(micro, update_old):
-            mb.topk_ids = out["topk_ids"]
+            mb.topk_ids = out.topk_ids
         anchor = StatsRequest(vocab_size=model.vocab_size, k=K, extra_ids_key="topk_ids", with_entropy=True)
         rows = forward_rows(micro, plan)  # again, with the extra ids
         update_anchor, forward_anchor = per_call(anchor), rows.split_stats(stats(rows.batches, anchor))
@@ -266,15 +282,18 @@ def test_forward_rows_give_the_update_rows_statistics(world_size, parallel):
             )
         for i, pair in enumerate(zip(result["update"], result["forward"], strict=True)):
             for update, forward in zip(*pair, strict=True):
-                assert update.keys() == forward.keys()
-                for name, expected in update.items():
-                    actual = forward[name]
+                for name in (f.name for f in dataclasses.fields(update)):
+                    expected, actual = getattr(update, name), getattr(forward, name)
+                    assert (actual is None) == (expected is None), (rank, i, name)
+                    if expected is None:
+                        continue
                     assert actual.shape == expected.shape, (rank, i, name)
                     if name == "topk_ids":
                         assert torch.equal(actual, expected), (rank, i)
                     else:
                         torch.testing.assert_close(actual, expected, rtol=0, atol=ATOL, msg=f"{rank} {i} {name}")
-        assert {"extra_logprobs", "entropy"} <= result["update"][0][1].keys()
+        anchor = result["update"][0][1]
+        assert anchor.extra_logprobs is not None and anchor.entropy is not None
         for (expected, _), actual in zip(result["update"], result["one_call"], strict=True):
-            assert torch.equal(actual["topk_ids"], expected["topk_ids"])
-            torch.testing.assert_close(actual["logprobs"], expected["logprobs"], rtol=0, atol=ATOL)
+            assert torch.equal(actual.topk_ids, expected.topk_ids)
+            torch.testing.assert_close(actual.logprobs, expected.logprobs, rtol=0, atol=ATOL)

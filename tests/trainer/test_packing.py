@@ -92,12 +92,12 @@ def _train(rank: int, world_size: int, parallel: ParallelConfig, agg_modes: list
                 request = StatsRequest(vocab_size=model.vocab_size, k=k, with_entropy=False)
                 stats = share_stats(forward_stats(ddp, micro, request, groups), micro, request, groups)
                 for mb, out in zip(micro, stats):
-                    mb.old_logprobs = out["logprobs"] + 0.05 * mb.advantages  # a ratio != 1
-                    mb.anchor_logprobs = out["logprobs"] - 0.1 * mb.loss_mask
+                    mb.old_logprobs = out.logprobs + 0.05 * mb.advantages  # a ratio != 1
+                    mb.anchor_logprobs = out.logprobs - 0.1 * mb.loss_mask
                     if k:  # a reverse Top-k KL: the old policy's top-k, the anchor below it
-                        mb.topk_ids, mb.topk_anchor_logprobs = out["topk_ids"], out["topk_logprobs"] - 0.1
+                        mb.topk_ids, mb.topk_anchor_logprobs = out.topk_ids, out.topk_logprobs - 0.1
                 old = _old_logprobs_per_sample(
-                    [type(mb)(**{**mb.__dict__, "old_logprobs": out["logprobs"]}) for mb, out in zip(micro, stats)],
+                    [type(mb)(**{**mb.__dict__, "old_logprobs": out.logprobs}) for mb, out in zip(micro, stats)],
                     samples,
                 )
                 steps = [train_step(ddp, optimizer, scheduler, micro, loss_fn, groups=groups) for _ in range(STEPS)]
