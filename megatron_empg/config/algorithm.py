@@ -66,19 +66,21 @@ class OptimizerConfig(Config):
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig(Config):
-    """The update-pass objective: arguments of ``parallel.rl_loss.rl_loss`` (see there).
+    """The update-pass objective (``parallel.rl_loss.rl_loss``).
 
     loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(entropy). The names and
     arguments are resolved and checked by ``trainer.build.bind`` (``empg check``), before anything
-    starts.
+    starts: the KL term is bound once (``core.kl_term.bind_kl``), which also decides what the old
+    and anchor passes compute for it. docs/algorithms.md "KL estimators" gives every term's formula.
     """
 
     policy_loss: str = named_in("megatron_empg.parallel.rl_loss:ALL_POLICY_LOSSES", "ppo_clip")
     """The policy loss: ``ppo_clip`` (GRPO / DAPO / dual-clip) or an RPG surrogate (``rpg``,
     ``rpg_reinforce*``, ``rpg_dual_clip``)."""
     policy_loss_args: dict = dataclasses.field(default_factory=dict)
-    """Keyword arguments of the policy loss (e.g. ``clip_eps_low``, ``clip_eps_high``)."""
-    kl: str | None = named_in("megatron_empg.parallel.rl_loss:KL_KINDS", None)
+    """Keyword arguments of the policy loss (e.g. ``clip_eps_low``, ``clip_eps_high``; the RPG
+    surrogates' own KL weight is ``beta``, not ``kl_coef``)."""
+    kl: str | None = named_in("megatron_empg.core.kl_term:KL_KINDS", None)
     """The KL to the anchor: null (none, no anchor is built), a sampled estimator (``k1`` .. ``k5``,
     ``k3pp``), ``topk`` (the Top-k KL of ``algorithm.topk`` ids), an RPG penalty (``rpg_fkl``,
     ``rpg_rkl``, ``rpg_ufkl``, ``rpg_urkl``, ``rpg_ujs``: d(pi / pi_anchor)) or ``grpo_corrected``
