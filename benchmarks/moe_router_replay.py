@@ -148,7 +148,8 @@ def main(argv=None) -> None:
     from safetensors.torch import load_file
 
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict
+    from megatron_empg.mcore.model import build_gpt_model
+    from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.rollout.hf_engine import HfEngine
     from megatron_empg.trainer.batch import MicroBatchPlan, micro_batches
     from megatron_empg.weight_sync import mapping

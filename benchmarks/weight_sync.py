@@ -286,7 +286,8 @@ def child_run(spec: dict) -> dict:
 
     from megatron_empg.config import ParallelConfig
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, named_weight_shards
+    from megatron_empg.mcore.model import build_gpt_model
+    from megatron_empg.mcore.weights import named_weight_shards
     from megatron_empg.weight_sync import bridge, mapping
     from megatron_empg.weight_sync.bridge import SyncGroups
     from megatron_empg.weight_sync.transport import InProcessTransport, SharedMemoryFileTransport

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_empg.config import ConfigError, ParallelConfig, load_model_config, padded_vocab_size
-from megatron_empg.mcore.model import global_name, local_name
+from megatron_empg.mcore.weights import global_name, local_name
 from megatron_empg.weight_sync import mapping
 from tests.test_config import hf_parameter_count
 

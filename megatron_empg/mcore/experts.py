@@ -1,7 +1,7 @@
 """A mixture of experts in the Megatron build: its ``TransformerConfig`` fields and where its
 experts lie. A rank holds ``num_experts / EP`` experts as ``mlp.experts.local_experts.<j>`` (TE's
 grouped experts: ``mlp.experts.linear_fc<1|2>.weight<j>``), expert ``j + expert_offset`` of the full
-model; checkpoints and the weight sync use the global indices (``mcore.model.global_name``)."""
+model; checkpoints and the weight sync use the global indices (``mcore.weights.global_name``)."""
 
 from __future__ import annotations
 

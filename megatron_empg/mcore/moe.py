@@ -112,7 +112,7 @@ class RouterRecorder:
     AUX, Z, CALLS, ROUTED, WANTED, LOAD = 0, 1, 2, 3, 4, 5
 
     def __init__(self, models, num_layers: int) -> None:
-        from megatron_empg.mcore.model import global_layer_indices
+        from megatron_empg.mcore.weights import global_layer_indices
 
         config = models[0].config
         self.sequence_parallel = config.sequence_parallel

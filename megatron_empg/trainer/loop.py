@@ -402,8 +402,8 @@ class Trainer:
 
     def sync_weights(self) -> dict[str, float]:
         """Push the policy into the engine, then the consistency gate (raises on a mismatch)."""
-        from megatron_empg.mcore.model import named_weight_shards
         from megatron_empg.mcore.step import score_sequences
+        from megatron_empg.mcore.weights import named_weight_shards
         from megatron_empg.weight_sync import bridge
 
         groups = bridge.SyncGroups(

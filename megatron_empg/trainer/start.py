@@ -38,7 +38,7 @@ def load_initial_weights(chunks, init_from: str, model, config: RunConfig, group
     if (path / "config.json").is_file():
         from safetensors import safe_open
 
-        from megatron_empg.mcore.model import load_full_state_dict
+        from megatron_empg.mcore.weights import load_full_state_dict
         from megatron_empg.weight_sync import mapping
 
         hf: dict[str, torch.Tensor] = {}

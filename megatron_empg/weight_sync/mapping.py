@@ -13,9 +13,9 @@ One ``TensorRule`` per Megatron parameter says which HF tensors it is made of an
 
 An ``Architecture`` is a list of rules plus its HF class name; adding a family is one entry of
 ``ARCHITECTURES``. A mixture of experts numbers its experts ``{e}`` (global expert indices, as
-``mcore.model.global_names`` gives them at any expert-parallel size): on disk HF keeps one tensor
+``mcore.weights.global_names`` gives them at any expert-parallel size): on disk HF keeps one tensor
 per expert (``mlp.experts.{e}.gate_proj.weight``), the layout of the published checkpoints. Names are the Megatron local spec's, with global layer indices (what
-``mcore.model.global_names`` gives); the Transformer Engine spec's fused-norm names are mapped onto
+``mcore.weights.global_names`` gives); the Transformer Engine spec's fused-norm names are mapped onto
 them by ``canonical_name``. Everything here works on full tensors (TP-gathered: see ``tp_merge``)
 and never changes values: a round trip is bit-exact.
 """
@@ -283,7 +283,7 @@ def split_gate_up(fc1: Tensor, model: ModelConfig, *, expert: bool = False) -> t
 
 
 def tp_merge(shards: Sequence[Tensor], partition: tuple[int, int] | None) -> Tensor:
-    """The full tensor from its TP shards (in TP rank order); inverse of ``mcore.model.tp_slice``.
+    """The full tensor from its TP shards (in TP rank order); inverse of ``mcore.weights.tp_slice``.
 
     ``partition`` is Megatron's (partition_dim, partition_stride) of the parameter (None:
     replicated, the first shard is the tensor). With stride s, rank r holds global chunks
@@ -360,7 +360,7 @@ def to_megatron_state_dict(
     hf_tensors: Mapping[str, Tensor], model: ModelConfig, padded_vocab_size: int
 ) -> dict[str, Tensor]:
     """The full (TP1/PP1) Megatron state dict of a complete HF state dict (``to_megatron`` of every
-    ``megatron_tensor_names``; what ``mcore.model.load_full_state_dict`` takes)."""
+    ``megatron_tensor_names``; what ``mcore.weights.load_full_state_dict`` takes)."""
     return {
         name: to_megatron(
             name, {n: hf_tensors[n] for n in hf_names_of(name, model) if n in hf_tensors}, model, padded_vocab_size

@@ -241,7 +241,7 @@ def _compute_vs_master(anchor) -> dict:
 
 
 def tp_merge(pieces: dict[int, torch.Tensor], partition) -> torch.Tensor:
-    """Inverse of ``mcore.model.tp_slice``: TP-rank pieces -> the full tensor."""
+    """Inverse of ``mcore.weights.tp_slice``: TP-rank pieces -> the full tensor."""
     if partition is None:
         return pieces[0]
     dim, stride = partition
@@ -258,6 +258,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
 
     from megatron_empg.config import LossConfig, OptimizerConfig
     from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore import weights as mcore_weights
     from megatron_empg.mcore.anchor import EmaAnchor
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -273,7 +274,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
     out: dict = {"tp_rank": groups.tp_rank, "pp_rank": groups.pp_rank, "dp_rank": groups.dp_rank}
     try:
         chunks = mcore_model.build_gpt_model(model_cfg, parallel, params_dtype=dtype)
-        mcore_model.load_full_state_dict(chunks, full_state_dict)
+        mcore_weights.load_full_state_dict(chunks, full_state_dict)
         settings = OptimizerConfig(lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distopt)
         ddp = wrap_with_ddp(chunks, settings)
         optimizer = build_optimizer(ddp, settings)
@@ -398,9 +399,9 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
         out["probe_logprobs"] = None if stats is None else [s.logprobs for s in stats]
         master = []
         for c, model in enumerate(b.models):
-            names = mcore_model.global_names(model)
+            names = mcore_weights.global_names(model)
             for n, p in model.named_parameters():
-                master.append((names[n], state[f"{c}.{n}"], mcore_model.tp_partition(p)))
+                master.append((names[n], state[f"{c}.{n}"], mcore_weights.tp_partition(p)))
         out["master"] = master
         dist.barrier()
         return out
@@ -414,6 +415,7 @@ def _buckets_layout(full_state_dict: dict) -> dict:
 
     from megatron_empg.config import OptimizerConfig
     from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore import weights as mcore_weights
     from megatron_empg.mcore.anchor import EmaAnchor
     from megatron_empg.mcore.optimizer import build_optimizer
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -423,7 +425,7 @@ def _buckets_layout(full_state_dict: dict) -> dict:
     initialize_model_parallel(parallel, seed=1234)
     try:
         chunks = mcore_model.build_gpt_model(model_cfg, parallel)
-        mcore_model.load_full_state_dict(chunks, full_state_dict)
+        mcore_weights.load_full_state_dict(chunks, full_state_dict)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=40000
         )
@@ -460,6 +462,7 @@ def _buckets_layout(full_state_dict: dict) -> dict:
 def _tp1_logprobs(results: dict, full_state_dict: dict) -> dict:
     """For each layout: the TP1 model loaded with its (merged) master; the probe's log-probs."""
     from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore import weights as mcore_weights
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats
 
@@ -479,7 +482,7 @@ def _tp1_logprobs(results: dict, full_state_dict: dict) -> dict:
                     partitions[gname] = partition
             merged = dict(full_state_dict)
             merged.update({g: tp_merge(p, partitions[g]) for g, p in pieces.items()})
-            mcore_model.load_full_state_dict(chunks, merged)
+            mcore_weights.load_full_state_dict(chunks, merged)
             stats = forward_stats(chunks, probe, StatsRequest(vocab_size=model_cfg.vocab_size), groups)
             out[name] = [s.logprobs for s in stats]
         return out

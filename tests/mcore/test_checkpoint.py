@@ -144,13 +144,13 @@ class _Run:
         return state
 
     def snapshot(self) -> dict:
-        from megatron_empg.mcore import model as mcore_model
+        from megatron_empg.mcore import weights as mcore_weights
 
         params, local_names = {}, {}
         for chunk in self.chunks:
-            names = mcore_model.global_names(chunk)
+            names = mcore_weights.global_names(chunk)
             for name, p in chunk.named_parameters():
-                params[names[name]] = (p.detach().clone(), mcore_model.tp_partition(p))
+                params[names[name]] = (p.detach().clone(), mcore_weights.tp_partition(p))
                 local_names[names[name]] = name
         optim = []  # the torch optimizers' states in parameter order (same build, same order)
         for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
@@ -419,7 +419,7 @@ def test_resume_dp2_distributed_optimizer_equals_uninterrupted_run(results):
 @pytest.mark.parametrize("source", ["tp2", "pp2", "dp2"])
 def test_checkpoint_loads_at_another_layout_and_training_continues(results, source):
     """Saved at TP2, PP2 or DP2 (distributed optimizer) in a world of 2, loaded at TP1/PP1/DP1."""
-    from megatron_empg.mcore.model import tp_slice
+    from megatron_empg.mcore.weights import tp_slice
 
     saved_ranks = results[f"{source}_first"]
     target = results[f"{source}_to_tp1" if source != "dp2" else "dp2_to_dp1"]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_empg.mcore import cpu_shims
-from megatron_empg.mcore.model import global_name, layer_offset, load_full_state_dict, tp_partition, tp_slice
+from megatron_empg.mcore.weights import global_name, layer_offset, load_full_state_dict, tp_partition, tp_slice
 from tests.dist import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]

@@ -65,7 +65,7 @@ def _forward(chunks: list, batches: list[dict], vocab_size: int) -> list[torch.T
     """Forward-only through Megatron's schedule; the last stage's full logits per micro-batch."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_empg.mcore.model import gather_logits
+    from megatron_empg.mcore.weights import gather_logits
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -118,7 +118,8 @@ def _error_of(fn) -> str:
 
 def _reference(rank: int, world_size: int, batches: list[dict]) -> dict:
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict, transformer_config
+    from megatron_empg.mcore.model import build_gpt_model, transformer_config
+    from megatron_empg.mcore.weights import load_full_state_dict
 
     parallel = ParallelConfig()
     results = {}
@@ -177,8 +178,8 @@ def _reference(rank: int, world_size: int, batches: list[dict]) -> dict:
 
 def _run_layouts(rank: int, world_size: int, reference: dict, batches: dict) -> dict:
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import (
-        build_gpt_model,
+    from megatron_empg.mcore.model import build_gpt_model
+    from megatron_empg.mcore.weights import (
         global_layer_indices,
         global_names,
         layer_offset,

@@ -65,13 +65,14 @@ def _step_grads(model_cfg, full: dict, microbatches) -> tuple[dict, dict]:
     """One ``train_step`` on ``full``'s weights: (name -> finalized fp32 gradient, metrics)."""
     from megatron_empg.config import OptimizerConfig, ParallelConfig
     from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore import weights as mcore_weights
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import current_groups
     from megatron_empg.mcore.step import train_step
     from megatron_empg.parallel.rl_loss import loss_units
 
     chunks = mcore_model.build_gpt_model(model_cfg, ParallelConfig(moe_token_dispatcher_type="alltoall"))
-    mcore_model.load_full_state_dict(chunks, full)
+    mcore_weights.load_full_state_dict(chunks, full)
     settings = OptimizerConfig(lr=1e-3, clip_grad=1e9)  # no clipping: the gradients stay as finalized
     ddp = wrap_with_ddp(chunks, settings)
     optimizer = build_optimizer(ddp, settings)
@@ -92,10 +93,11 @@ def _reference(model_cfg, full: dict, microbatches) -> dict:
     inputs: their gradients and per-micro-batch, per-layer values and expert counts."""
     from megatron_empg.config import ParallelConfig
     from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore import weights as mcore_weights
     from megatron_empg.mcore.step import causal_mask
 
     model = mcore_model.build_gpt_model(model_cfg, ParallelConfig())[0]
-    mcore_model.load_full_state_dict([model], full)
+    mcore_weights.load_full_state_dict([model], full)
     model.train()
     routers = [layer.mlp.router for layer in model.decoder.layers]
     captured: list = []

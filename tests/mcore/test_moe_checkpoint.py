@@ -29,11 +29,11 @@ STEPS = 2
 def _named_optimizer_state(run: _Run) -> dict[str, dict[str, torch.Tensor]]:
     """Global parameter name -> its Adam state (exp_avg, exp_avg_sq) of a non-distributed optimizer,
     whose torch optimizers hold the model parameters themselves (fp32)."""
-    from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore import weights as mcore_weights
 
     name_of = {}
     for chunk in run.chunks:
-        names = mcore_model.global_names(chunk)
+        names = mcore_weights.global_names(chunk)
         name_of.update({id(p): names[n] for n, p in chunk.named_parameters()})
     out = {}
     for sub in getattr(run.optimizer, "chained_optimizers", [run.optimizer]):
@@ -47,11 +47,11 @@ def _named_optimizer_state(run: _Run) -> dict[str, dict[str, torch.Tensor]]:
 def _distributed_optimizer_pieces(run: _Run) -> dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]]:
     """Global parameter name -> this rank's [start, end) ranges of the flattened parameter in the
     distributed optimizer and their Adam state (one range per rank that owns part of it)."""
-    from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore import weights as mcore_weights
 
     name_of = {}
     for chunk in run.chunks:
-        names = mcore_model.global_names(chunk)
+        names = mcore_weights.global_names(chunk)
         name_of.update({id(p): names[n] for n, p in chunk.named_parameters()})
     out: dict = {}
     for sub in run.optimizer.chained_optimizers:

@@ -73,6 +73,7 @@ def _hf_logits_and_state(model_cfg, out_dir: str) -> tuple[torch.Tensor, dict, t
 def _reference_worker(rank: int, world_size: int, out_dir: str) -> dict:
     from megatron_empg.config import ParallelConfig, load_model_config
     from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore import weights as mcore_weights
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import causal_mask
     from megatron_empg.weight_sync import mapping
@@ -84,12 +85,12 @@ def _reference_worker(rank: int, world_size: int, out_dir: str) -> dict:
     initialize_model_parallel(parallel, seed=1)
     try:
         chunks = mcore_model.build_gpt_model(model_cfg, parallel)
-        mcore_model.load_full_state_dict(chunks, full)
+        mcore_weights.load_full_state_dict(chunks, full)
         chunks[0].eval()
         with torch.no_grad():
             b, s = ids.shape
             logits = chunks[0](ids, torch.arange(s).expand(b, s), causal_mask(s))
-            logits = mcore_model.gather_logits(logits, model_cfg.vocab_size)
+            logits = mcore_weights.gather_logits(logits, model_cfg.vocab_size)
     finally:
         destroy_model_parallel()
     trained = _train(1, 1, False, full, num_microbatches=4, model=MODEL)

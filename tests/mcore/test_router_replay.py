@@ -108,8 +108,9 @@ def _rank(rank: int, world_size: int, model_dir: str, batches: dict) -> dict:
 
     from megatron_empg.config import ParallelConfig, load_model_config
     from megatron_empg.mcore import parallel_state, router_replay
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict, recompute_overrides
+    from megatron_empg.mcore.model import build_gpt_model, recompute_overrides
     from megatron_empg.mcore.step import StatsRequest, _model_forward, forward_stats
+    from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.weight_sync import mapping
 
     model = load_model_config(MODEL)
@@ -171,8 +172,9 @@ def _rank_split(rank: int, world_size: int, model_dir: str, micro: list) -> dict
 
     from megatron_empg.config import ParallelConfig, load_model_config
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict
+    from megatron_empg.mcore.model import build_gpt_model
     from megatron_empg.mcore.step import StatsRequest, forward_stats
+    from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.weight_sync import mapping
 
     model = load_model_config(MODEL)

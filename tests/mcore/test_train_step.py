@@ -3,7 +3,7 @@ grad norms and parameters at every parallel layout as at TP1, and do not depend 
 micro-batches.
 
 The reference runs TP1/PP1/DP1 in a one-rank process and returns its initial full state dict.
-Each layout loads its slice of it (``mcore.model.load_full_state_dict``), splits the global batch
+Each layout loads its slice of it (``mcore.weights.load_full_state_dict``), splits the global batch
 over its DP ranks and micro-batches, and runs the same three steps: the old pass
 (``forward_stats``: log pi_old at the targets and the top-k of pi_old), a synthetic anchor (the old
 log-probs plus fixed noise, so that the KL has a gradient), and ``train_step``. The parent compares
@@ -103,6 +103,7 @@ def _train(
     optimizer=, groups=, model_cfg=, parallel=)``, if given, runs after the steps and its result is
     returned as ``inspected``."""
     from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore import weights as mcore_weights
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
@@ -117,7 +118,7 @@ def _train(
         if full_state_dict is None:  # the reference: its own random init is everybody's
             initial = {k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
         else:
-            mcore_model.load_full_state_dict(chunks, full_state_dict)
+            mcore_weights.load_full_state_dict(chunks, full_state_dict)
         settings = OptimizerConfig(**OPTIM, use_distributed_optimizer=distopt)
         ddp = wrap_with_ddp(chunks, settings)
         optimizer = build_optimizer(ddp, settings)
@@ -145,9 +146,9 @@ def _train(
             history.append({"metrics": result.metrics, "grad_norm": result.grad_norm, "lr": result.lr})
         params = {}
         for chunk in chunks:
-            names = mcore_model.global_names(chunk)
+            names = mcore_weights.global_names(chunk)
             for name, p in chunk.named_parameters():
-                params[names[name]] = (p.detach().clone(), mcore_model.tp_partition(p))
+                params[names[name]] = (p.detach().clone(), mcore_weights.tp_partition(p))
         inspected = None
         if inspect is not None:
             inspected = inspect(ddp=ddp, optimizer=optimizer, groups=groups, model_cfg=model_cfg, parallel=parallel)
@@ -210,7 +211,7 @@ def _assert_same_history(actual: list, expected: list, what: str) -> None:
 
 def _assert_same_params(rank_result: dict, reference_params: dict, what: str) -> None:
     from megatron_empg.mcore.experts import is_expert_parameter
-    from megatron_empg.mcore.model import tp_slice
+    from megatron_empg.mcore.weights import tp_slice
 
     for name, (shard, partition) in rank_result["params"].items():
         full, _ = reference_params[name]

@@ -49,10 +49,11 @@ def _train(
     """Per (aggregation mode, KL): the full rows' old log-probs, the steps' metrics and grad norms,
     and the parameters, under ``parallel``, from the reference's ``initial`` weights (None: the
     reference itself, whose initial weights are returned under "initial")."""
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict
+    from megatron_empg.mcore.model import build_gpt_model
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, share_stats, train_step
+    from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.parallel.context_parallel import CpChunks, split_microbatch
     from megatron_empg.trainer.build import bind_loss
 
@@ -169,7 +170,7 @@ def _assert_params(ours: dict, ref: dict, tp: int, pp: int, what: str) -> None:
     """This rank's parameter shards against the same slice of the one-process parameters (1e-5: 1 %
     of lr, as test_packing)."""
     from megatron_empg.config import load_model_config as load
-    from megatron_empg.mcore.model import global_name
+    from megatron_empg.mcore.weights import global_name
 
     layers = load(MODEL).num_layers // pp
     for name, shard in ours["params"].items():

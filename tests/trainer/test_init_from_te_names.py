@@ -55,7 +55,8 @@ def _te_named_view(chunk: torch.nn.Module) -> torch.nn.Module:
 
 def _load(rank: int, world_size: int, hf_dir: str) -> dict:
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, shard_full_state_dict
+    from megatron_empg.mcore.model import build_gpt_model
+    from megatron_empg.mcore.weights import shard_full_state_dict
     from megatron_empg.trainer.start import load_initial_weights
     from megatron_empg.weight_sync import mapping
 

@@ -65,8 +65,9 @@ def single_engine(groups):
 
 def _sync_layouts(rank: int, world_size: int, layouts, hf_states: dict, probe: list) -> list:
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict, named_weight_shards
+    from megatron_empg.mcore.model import build_gpt_model
     from megatron_empg.mcore.step import score_sequences
+    from megatron_empg.mcore.weights import load_full_state_dict, named_weight_shards
     from megatron_empg.weight_sync.bridge import round_trip_errors, sync_weights
     from megatron_empg.weight_sync.transport import InProcessTransport
 

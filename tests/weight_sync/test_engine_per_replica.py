@@ -52,7 +52,8 @@ def _perturb(chunks) -> None:
 
 def _two_engines(rank: int, world_size: int, model_dir: str, hf_state: dict) -> dict:
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict
+    from megatron_empg.mcore.model import build_gpt_model
+    from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.parallel.placement import build_placement
     from megatron_empg.trainer.rollout import child_environment, engine_environment
     from megatron_empg.weight_sync.transport import SharedMemoryFileTransport

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_empg.config import MODEL_CONFIG_DIR, ConfigError, load_model_config, padded_vocab_size
-from megatron_empg.mcore.model import tp_slice
+from megatron_empg.mcore.weights import tp_slice
 from megatron_empg.weight_sync import mapping
 
 TINY = ["tiny-qwen2", "tiny-llama", "tiny-qwen3"]

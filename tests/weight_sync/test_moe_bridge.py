@@ -69,7 +69,8 @@ def sync_groups(groups, placement):
 
 def _sync_layouts(rank: int, world_size: int, layouts, hf_state: dict) -> list:
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict, named_weight_shards
+    from megatron_empg.mcore.model import build_gpt_model
+    from megatron_empg.mcore.weights import load_full_state_dict, named_weight_shards
     from megatron_empg.parallel.placement import build_placement
     from megatron_empg.weight_sync.bridge import round_trip_errors, sync_weights
     from megatron_empg.weight_sync.transport import InProcessTransport

@@ -48,7 +48,8 @@ class ExpertSwappingTransport:
 
 def _moe_in_process(rank: int, world_size: int, model_dir: str, hf_state: dict) -> dict:
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict
+    from megatron_empg.mcore.model import build_gpt_model
+    from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.rollout import vllm_weight_transfer
     from megatron_empg.rollout.vllm_engine import VllmEngine
     from megatron_empg.weight_sync import bridge

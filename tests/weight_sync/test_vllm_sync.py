@@ -45,8 +45,8 @@ def _engine(model_dir: str, in_process: bool):
 def _sgd_step(chunks, probe, groups, model) -> None:
     """One real optimizer step on the probe's negative log-likelihood (PP1; at TP2 every rank
     steps its shard, and the replicated norms get the same gradient on both ranks)."""
-    from megatron_empg.mcore.model import gather_logits
     from megatron_empg.mcore.step import causal_mask
+    from megatron_empg.mcore.weights import gather_logits
 
     (chunk,) = chunks
     params = [p for p in chunk.parameters() if p.requires_grad]
@@ -64,8 +64,8 @@ def _sync_and_check(chunks, model, groups, engine, transport, version, probe, pl
     """Gate with tolerance inf (the difference before; also fills the prefix cache), sync, gate;
     returns the numbers on the engine rank for the parent to assert. ``placement``: where the
     engines are (None: one, on rank 0)."""
-    from megatron_empg.mcore.model import named_weight_shards
     from megatron_empg.mcore.step import score_sequences
+    from megatron_empg.mcore.weights import named_weight_shards
     from megatron_empg.weight_sync.bridge import SyncGroups, round_trip_errors, sync_weights
 
     shards = named_weight_shards(chunks)
@@ -100,7 +100,8 @@ def _sync_and_check(chunks, model, groups, engine, transport, version, probe, pl
 
 def _tp1_in_process(rank: int, world_size: int, model_dir: str, hf_state: dict) -> dict:
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict
+    from megatron_empg.mcore.model import build_gpt_model
+    from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.weight_sync.transport import InProcessTransport
 
     model = vllm_model("tiny-qwen2")
@@ -174,7 +175,8 @@ def test_tp1_in_process_sync_passes_the_gate_and_the_gate_catches_bugs(qwen2_dir
 
 def _two_ranks_shm(rank: int, world_size: int, model_dir: str, hf_state: dict, layouts: list) -> list:
     from megatron_empg.mcore import parallel_state
-    from megatron_empg.mcore.model import build_gpt_model, load_full_state_dict
+    from megatron_empg.mcore.model import build_gpt_model
+    from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.weight_sync.transport import SharedMemoryFileTransport
 
     model = vllm_model("tiny-llama")
