@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_empg.trainer.metrics_log import read_metrics  # noqa: E402
+from megatron_empg.trainer.run.metrics_log import read_metrics  # noqa: E402
 
 RECIPE = REPO / "recipes" / "demo_cpu.yaml"
 WARM_START = REPO / "runs" / "demo" / "warm_start"

@@ -19,7 +19,7 @@ last one, in these configurations:
                          ``rollout.max_staleness=<k>``, for each k of ``--staleness`` (0 needed):
                          k = 0 draws each step with the weights it starts from; k >= 1 lets the
                          engine draw step t with the weights of step t - 1 - k or newer while
-                         earlier steps train (``trainer/engine_rank.py``)
+                         earlier steps train (``trainer/engines/engine_rank.py``)
     disaggregated_k<k>_partial   (``--partial``) the same for each k >= 1 with ``rollout.partial=true``:
                          the engine loads each push between decode steps, and the responses in
                          flight go on with the new weights (``staleness_token_mean`` and

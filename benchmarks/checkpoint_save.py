@@ -239,7 +239,7 @@ def build_and_step(model_cfg, dtype: torch.dtype):
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
-    from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.bind.build import bind_loss
 
     parallel = ParallelConfig()
     groups = initialize_model_parallel(parallel, seed=0)
@@ -453,7 +453,7 @@ def recipe_rows(rates: dict[str, float]) -> list[dict]:
     parallel save (the most loaded rank, if the storage gives every writer that rate)."""
     from megatron_empg.config import RunConfig, load_config, read_yaml
     from megatron_empg.mcore.checkpoint.size import checkpoint_bytes
-    from megatron_empg.trainer.build import bind
+    from megatron_empg.trainer.bind.build import bind
 
     rows = []
     paths = sorted({path for pattern in GPU_RECIPES for path in (REPO / "recipes").glob(pattern)})

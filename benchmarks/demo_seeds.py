@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_empg.trainer.metrics_log import read_metrics  # noqa: E402
+from megatron_empg.trainer.run.metrics_log import read_metrics  # noqa: E402
 
 RECIPES = {"ema_pg": REPO / "recipes" / "demo_cpu.yaml", "grpo": REPO / "recipes" / "demo_cpu_grpo.yaml"}
 WARM_START = REPO / "runs" / "demo" / "warm_start"

@@ -7,7 +7,7 @@
 
 One micro-batch of T tokens (one packed row [1, T]) of R1-Distill-Qwen-1.5B's output layer
 (V = 151,936, H = 1536, untied, bf16) and the 16k recipe's loss (``RECIPE``'s ``algorithm.loss``
-bound by ``trainer.build.bind_loss``: dual-clip PPO, the K3 KL, seq-mean-token-mean, the entropy
+bound by ``trainer.bind.build.bind_loss``: dual-clip PPO, the K3 KL, seq-mean-token-mean, the entropy
 logged), forward + backward, TP 1:
 
   unfused   what ``train.fused_output_loss: false`` runs: logits = hidden @ weight.T [1, T, V] bf16
@@ -151,7 +151,7 @@ def _head(hidden, batch, tokens: int):
 
 def _loss_fn(spec: dict):
     from megatron_empg.config import LossConfig, load_config, read_yaml
-    from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.bind.build import bind_loss
 
     section = dict(read_yaml(REPO / RECIPE)["algorithm"]["loss"])
     if spec["chunk_size"]:

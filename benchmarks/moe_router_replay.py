@@ -7,7 +7,7 @@ on the tiny Qwen3-MoE (model_configs/tiny-qwen3-moe.yaml, random weights), on th
 For each weight seed and engine dtype: the transformers engine (``HfEngine``, ``routed_experts=True``)
 samples ``PROMPTS`` random prompts x ``N`` responses (temperature 1, no top-k/top-p, so the sampler's
 log-probs are the model's own); the trainer's old pass (``mcore.step.forward_stats`` on a float32
-Megatron model of the same float32 weights, packed micro-batches built by ``trainer.batch``) runs
+Megatron model of the same float32 weights, packed micro-batches built by ``trainer.batching.batch``) runs
 twice, with the engine's routing replayed and without. Reported per run:
 
   sampler_logprob_gap   mean |log pi_old - the engine's log-prob| over the loss tokens: the
@@ -74,7 +74,7 @@ def _machine() -> dict:
 
 def _samples(engine, seed: int, vocab: int) -> list:
     from megatron_empg.rollout.trajectory import Trajectory
-    from megatron_empg.trainer.batch import Sample
+    from megatron_empg.trainer.batching.batch import Sample
 
     g = torch.Generator().manual_seed(1000 + seed)
     prompts = [
@@ -151,7 +151,7 @@ def main(argv=None) -> None:
     from megatron_empg.mcore.model import build_gpt_model
     from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.rollout.hf_engine import HfEngine
-    from megatron_empg.trainer.batch import MicroBatchPlan, micro_batches
+    from megatron_empg.trainer.batching.batch import MicroBatchPlan, micro_batches
     from megatron_empg.weight_sync import mapping
     from tools.make_tiny_model import save_tiny_hf_model
 

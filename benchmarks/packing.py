@@ -1,4 +1,4 @@
-"""Packed vs padded micro-batches (``trainer.batch``): token slots and compute per real token for
+"""Packed vs padded micro-batches (``trainer.batching.batch``): token slots and compute per real token for
 one 1.5B math step, data-parallel balance (``replica_shares``), and the update-pass time of a tiny
 model on the CPU. Writes JSON.
 
@@ -81,8 +81,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_empg.config import load_model_config  # noqa: E402
-from megatron_empg.trainer.balance import attention_quadratic, imbalance, sequence_cost  # noqa: E402
-from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares  # noqa: E402
+from megatron_empg.trainer.batching.balance import attention_quadratic, imbalance, sequence_cost  # noqa: E402
+from megatron_empg.trainer.batching.batch import MicroBatchPlan, Sample, micro_batches, replica_shares  # noqa: E402
 
 SIGMA = 0.8
 STAGES = {"early": 0.30, "late": 0.08}  # stage point -> fraction of the responses at the cap
@@ -209,7 +209,7 @@ def update_pass(repeats: int, warmup: int) -> dict:
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
-    from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.bind.build import bind_loss
 
     model = load_model_config("tiny-qwen2")
     cap, count = 192, 32

@@ -25,9 +25,9 @@ WORLD_SIZES = {
 
 def main(argv=None) -> int:
     from megatron_empg.config import RunConfig, load_config
-    from megatron_empg.trainer.build import bind
-    from megatron_empg.trainer.memory_fixes import cheapest_fixes
-    from megatron_empg.trainer.memory_plan import plan_memory
+    from megatron_empg.trainer.bind.build import bind
+    from megatron_empg.trainer.bind.memory_fixes import cheapest_fixes
+    from megatron_empg.trainer.bind.memory_plan import plan_memory
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="default: an H100 80GB (79.2 GiB)")

@@ -1,4 +1,4 @@
-"""The memory plan (``trainer.memory_plan``) against every GPU measurement of the training step in
+"""The memory plan (``trainer.bind.memory_plan``) against every GPU measurement of the training step in
 ``benchmarks/results/train_step_gpu*.json``: for each configuration that ran, the plan of the same
 configuration (the benchmark's: one process, DP 1, no distributed optimizer, a bf16 anchor with its
 fp32 master, random tokens) and, per stage, the allocator peak it predicts against the measured one
@@ -59,7 +59,7 @@ def _common(seq_len: int, sequences: int, kl: str, attention: str) -> list[str]:
 def configurations(path: Path) -> list[dict]:
     """(name, overrides, plan options, measured stage peaks in bytes) of each configuration that
     ran (and fitted) in the result file ``path``."""
-    from megatron_empg.trainer.memory_plan import PlanOptions
+    from megatron_empg.trainer.bind.memory_plan import PlanOptions
 
     run = json.loads(path.read_text())
     out = []
@@ -105,8 +105,8 @@ def configurations(path: Path) -> list[dict]:
 def compare(config: dict) -> dict:
     """The planned allocator peak per stage of one configuration against the measured one."""
     from megatron_empg.config import RunConfig, load_config
-    from megatron_empg.trainer.build import bind
-    from megatron_empg.trainer.memory_plan import plan_memory
+    from megatron_empg.trainer.bind.build import bind
+    from megatron_empg.trainer.bind.memory_plan import plan_memory
 
     run = load_config(RunConfig, RECIPE, config["overrides"])
     plan = plan_memory(bind(run, 1, check_paths=False), options=config["options"])

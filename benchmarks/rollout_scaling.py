@@ -10,7 +10,7 @@ Two gloo ranks (spawned processes, TP1 PP1 DP2, ``OMP_NUM_THREADS=1``, one torch
 sample the same global batch of ``--prompts`` P prompts (random token ids, ``--prompt-len``
 tokens), ``--n`` responses each, ``--max-tokens`` tokens per response with ``ignore_eos`` (every
 response has the same length), temperature 1, seed ``--seed``, through ``RolloutStage.sample``
-(``megatron_empg.trainer.rollout``: the trainer's own split, seeds and broadcast) in two
+(``megatron_empg.trainer.engines.rollout``: the trainer's own split, seeds and broadcast) in two
 configurations, one after the other (each configuration's engines are started, measured and shut
 down before the next starts):
 
@@ -18,7 +18,7 @@ down before the next starts):
           broadcasts them; rank 1 waits. Its engine process is bound to all the cores this process
           may use (``VLLM_CPU_OMP_THREADS_BIND="0,1"`` on 2 cores: 2 OpenMP threads).
     E=2   ``build_placement(2, ...)``: one engine per rank, each sampling its replica's P/2 prompts,
-          bound to its own share of the cores by ``trainer.rollout.engine_environment`` (``"0"`` and
+          bound to its own share of the cores by ``trainer.engines.rollout.engine_environment`` (``"0"`` and
           ``"1"``: 1 OpenMP thread each). Equal total OpenMP threads in both configurations.
 
 The engines are ``VllmEngine(model_dir, RolloutConfig(in_process=False, ...), load_format="dummy")``
@@ -155,7 +155,7 @@ def _rank_run(rank: int, spec: dict) -> dict:
     from megatron_empg.config import RunConfig, from_dict
     from megatron_empg.parallel.placement import build_placement
     from megatron_empg.rollout.vllm_engine import VllmEngine
-    from megatron_empg.trainer.rollout import RolloutStage, child_environment, engine_environment
+    from megatron_empg.trainer.engines.rollout import RolloutStage, child_environment, engine_environment
 
     num_engines = spec["engines"]
     config = from_dict(

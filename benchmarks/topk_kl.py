@@ -27,7 +27,7 @@ logits, reverse direction (q = top-k of pi_old, tail sampling, importance weight
 
 The trainer's path: what ``mcore.step`` runs for the ema-pg recipe (``TRAINER_RECIPE``: PPO clip,
 reverse Top-k KL with the sampled tail and its importance weight, token-mean, the entropy logged),
-with the loss bound by ``trainer.build.bind_loss`` from the recipe's ``algorithm.loss``:
+with the loss bound by ``trainer.bind.build.bind_loss`` from the recipe's ``algorithm.loss``:
 
   ours_rl_loss      the update pass: ``_update_loss``'s call loss_fn(logits [1, T, V], MicroBatch,
                     vocab_start=0, tp_group=None) of ``parallel.rl_loss.rl_loss`` (log_entropy and
@@ -135,7 +135,7 @@ VARIANT_DOC = {
     "logits under no_grad (log_softmax(ref.float()), gather at q and y, lse trick)",
     "ours_vp_inplace_with_anchor": "ours_vp_inplace plus, inside the measured forward, the anchor pass "
     "vocab_parallel_logprobs(ref_logits, K+1 ids) under no_grad",
-    "ours_rl_loss": "the trainer's update pass: parallel.rl_loss.rl_loss bound by trainer.build.bind_loss from the "
+    "ours_rl_loss": "the trainer's update pass: parallel.rl_loss.rl_loss bound by trainer.bind.build.bind_loss from the "
     "ema-pg recipe's algorithm.loss (ppo_clip, reverse Top-k KL with tail and importance weight, token-mean, "
     "log_entropy and inplace_backward on) and called as mcore.step._update_loss does, on logits [1, T, V] and a "
     "MicroBatch (all tokens in the loss, random advantages); backward of loss.loss_sum",
@@ -506,14 +506,14 @@ def _build_forward(spec: dict, inp: dict):
 
 def _trainer_update_pass(spec: dict, inp: dict):
     """The loss of ``mcore.step._update_loss`` with the recipe's ``algorithm.loss`` (``TRAINER_RECIPE``)
-    bound by ``trainer.build.bind_loss``, on the logits as one packed row [1, T, V]; a closure
+    bound by ``trainer.bind.build.bind_loss``, on the logits as one packed row [1, T, V]; a closure
     returning ``loss.loss_sum`` (the gradient's root). The chunk is the benchmark's; ``tp_group``
     None is a TP group of one (the same arithmetic, no collective)."""
     import torch
 
     from megatron_empg.config import LossConfig, load_config, read_yaml
     from megatron_empg.core.microbatch import MicroBatch
-    from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.bind.build import bind_loss
 
     T, V, K = spec["tokens"], spec["vocab"], spec["k"]
     section = read_yaml(REPO / TRAINER_RECIPE)["algorithm"]["loss"]

@@ -17,12 +17,12 @@ old and anchor passes' budget, ``train.max_tokens_per_forward_microbatch``; 0: t
 One process (DP 1, TP 1),
 the model with random weights (``--model``, changed by ``--model-override a=b``: e.g. a mixture of
 experts at fewer layers), the loss of ``--recipe`` (``algorithm.loss``, bound
-by ``trainer.build.bind_loss``), its EMA anchor in bf16 (fp32 master), Megatron DDP + Adam.
+by ``trainer.bind.build.bind_loss``), its EMA anchor in bf16 (fp32 master), Megatron DDP + Adam.
 
 Each step's samples are ``--tokens-per-step`` tokens of sequences of exactly ``tokens`` tokens
 (``--lengths full``: the worst case of a budget, one sequence filling each row; ``mixed``: lengths
 uniform in [tokens / 8, tokens], several per row), a quarter prompt, turned into micro-batches by
-``trainer.batch.micro_batches`` as the trainer does. The old pass computes what the bound loss
+``trainer.batching.batch.micro_batches`` as the trainer does. The old pass computes what the bound loss
 needs (``StatsPlan``: the policy's top-k for a reverse Top-k KL), the anchor pass the anchor's
 log-probs (at those ids), with the vocab kernels of ``parallel.vocab_parallel`` (the fused Triton
 ones on CUDA). Every stage is timed between two device synchronizes; medians over ``--repeats``
@@ -153,7 +153,7 @@ def step_flops(model_cfg, lengths: list[int]) -> dict:
 
 
 def _samples(vocab: int, case: Case, tokens_per_step: int, lengths_mode: str, seed: int):
-    from megatron_empg.trainer.batch import Sample
+    from megatron_empg.trainer.batching.batch import Sample
 
     g = torch.Generator().manual_seed(seed)
     lengths = []
@@ -173,7 +173,7 @@ def _samples(vocab: int, case: Case, tokens_per_step: int, lengths_mode: str, se
 
 
 def _micro_batches(samples, advantages, case: Case, device):
-    from megatron_empg.trainer.batch import MicroBatchPlan, micro_batches
+    from megatron_empg.trainer.batching.batch import MicroBatchPlan, micro_batches
 
     plan = (
         MicroBatchPlan(packing=True, max_tokens=case.tokens)
@@ -194,8 +194,8 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
     from megatron_empg.mcore.parallel_state import initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
     from megatron_empg.parallel.rl_loss import loss_units
-    from megatron_empg.trainer.build import bind_loss
-    from megatron_empg.trainer.forward_batch import ForwardPlan, forward_rows
+    from megatron_empg.trainer.batching.forward_batch import ForwardPlan, forward_rows
+    from megatron_empg.trainer.bind.build import bind_loss
 
     model_cfg = load_model_config(args.model, args.model_override)
     parallel = ParallelConfig()

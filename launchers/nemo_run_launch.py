@@ -13,7 +13,7 @@ logs go where nemo-run keeps them: ``$NEMORUN_HOME/experiments/<name>/<id>/`` (d
 
 Before anything is submitted, the resolved config is checked against the layout (world size vs
 tensor x pipeline parallel sizes, tasks per node vs GPUs per node and the tensor-parallel size, the
-prompts' split over data-parallel replicas; ``megatron_empg/trainer/launch_check.py``, shared with
+prompts' split over data-parallel replicas; ``megatron_empg/trainer/bind/launch_check.py``, shared with
 the shell launchers): exit code 2 and a message naming the field otherwise. Without GPUs (``local``
 on a machine without them, ``slurm --gpus-per-node 0``) the ranks run on gloo with
 ``rollout.in_process=false weight_sync.transport=shm_file`` unless the command line sets them.
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # megatron_empg.config and the layout check need only PyYAML
 
 from megatron_empg.config import ConfigError  # noqa: E402
-from megatron_empg.trainer.launch_check import resolve_launch  # noqa: E402
+from megatron_empg.trainer.bind.launch_check import resolve_launch  # noqa: E402
 
 PROG = "nemo_run_launch.py"
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped on the pre-emption warning after a checkpoint; run again

@@ -25,7 +25,7 @@
 #
 # Restarts: a run that ends restartable (a hang the ranks' watchdog found, a rank or node lost, exit
 # code 3, ranks killed by a signal this script did not send) is started again with --resume, up to
-# supervisor.max_restarts times within supervisor.restart_window_s (megatron_empg/trainer/restarts.py
+# supervisor.max_restarts times within supervisor.restart_window_s (megatron_empg/trainer/run/restarts.py
 # decides; <logging.dir>/restarts.jsonl keeps each attempt and its cause). A clean end, a configuration
 # error (exit 2), a crash or a signal to this script ends it.
 # Environment: PYTHON (default python) and TORCHRUN (default torchrun), e.g. from .venv/bin.
@@ -75,7 +75,7 @@ if ((gpus == 0)); then
 else
     check+=(--tasks-per-node "$nproc" --gpus-per-node "$gpus")
 fi
-resolved=$("$PYTHON" -m megatron_empg.trainer.launch_check "${check[@]}" "$config" \
+resolved=$("$PYTHON" -m megatron_empg.trainer.bind.launch_check "${check[@]}" "$config" \
     ${overrides[@]+"${overrides[@]}"}) || exit $?
 overrides=()
 [[ -z "$resolved" ]] || mapfile -t overrides <<< "$resolved"
@@ -89,7 +89,7 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 # reach it only through the traps below: SIGTERM becomes SIGUSR1, which the trainer's ranks take as
 # "checkpoint after this step and stop" and the processes they start ignore (so does SIGTERM).
 set -m
-restarts=("$PYTHON" -m megatron_empg.trainer.restarts "$config" ${overrides[@]+"${overrides[@]}"})
+restarts=("$PYTHON" -m megatron_empg.trainer.run.restarts "$config" ${overrides[@]+"${overrides[@]}"})
 signalled=0
 torchrun_pid=
 trap 'signalled=1; [[ -z "$torchrun_pid" ]] || kill -USR1 "$torchrun_pid" 2> /dev/null || true' TERM USR1

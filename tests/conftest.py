@@ -28,7 +28,7 @@ def small_demo_reference(tmp_path_factory, warm_start) -> list[dict]:
     ``REFERENCE_STEPS`` steps: what a run of it on several ranks, or pre-empted and resumed, must
     reproduce (``demo_runs.assert_same_steps``)."""
     pytest.importorskip("vllm")
-    from megatron_empg.trainer.metrics_log import read_metrics
+    from megatron_empg.trainer.run.metrics_log import read_metrics
     from tests.trainer.demo_runs import (
         LAUNCH_TIMEOUT_S,
         REFERENCE_STEPS,

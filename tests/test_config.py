@@ -478,7 +478,7 @@ def test_optimizer_and_loss_config_load_and_name_bad_fields():
         load_config(LossConfig, {"kl_coef": 0.1})
     with pytest.raises(ConfigError, match=r"^kl_args: are set \(\['iw_clip'\]\) but kl is null"):
         load_config(LossConfig, {"kl_args": {"iw_clip": [0.5, 2]}})
-    # names (kl, agg_mode, policy_loss) and the arguments' names and values: trainer.build (tests/trainer/test_build.py)
+    # names (kl, agg_mode, policy_loss) and the arguments' names and values: trainer.bind.build (tests/trainer/test_build.py)
     assert load_config(LossConfig, {"agg_mode": "token-sum", "kl": "k6", "kl_coef": 0.1}).kl == "k6"
     assert load_config(LossConfig, {"kl": "k3", "kl_coef": 0.1, "kl_args": {"importance_weight": True}}).kl == "k3"
     with pytest.raises(ConfigError, match=r"^lr_decay_steps: must exceed lr_warmup_steps=10"):

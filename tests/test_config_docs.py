@@ -143,7 +143,7 @@ CONTEXT = {
 
 
 def _bind_error(tmp_path, path: str, name: str) -> ConfigError | None:
-    from megatron_empg.trainer.build import bind
+    from megatron_empg.trainer.bind.build import bind
 
     setting = f"model_overrides=[{path.split('.', 1)[1]}={name}]" if path.startswith("model.") else f"{path}={name}"
     overrides = ["checkpoint.init_from=null", f"tokenizer={tmp_path}", *CONTEXT.get(path, []), setting]

@@ -348,7 +348,7 @@ VIOLATIONS = [
     ("megatron_empg.rollout.x", "from megatron_empg.trainer import loop", "megatron_empg.trainer"),
     ("megatron_empg.rollout.x", "from megatron_empg.tasks.arithmetic import ArithmeticTask", "megatron_empg.tasks"),
     ("megatron_empg.rollout.x", "def f():\n    from megatron_empg.tasks import registry", "megatron_empg.tasks"),
-    ("megatron_empg.tasks.x", "from megatron_empg.trainer.build import bind", "megatron_empg.trainer"),
+    ("megatron_empg.tasks.x", "from megatron_empg.trainer.bind.build import bind", "megatron_empg.trainer"),
     ("megatron_empg.tasks.x", "from megatron_empg.mcore import model", "megatron_empg.mcore"),
     ("megatron_empg.tasks.x", "from megatron_empg.weight_sync import transport", "megatron_empg.weight_sync"),
     ("megatron_empg.tasks.x", "import numpy", "numpy"),
@@ -430,3 +430,68 @@ def test_relative_imports_resolve_from_a_package_init():
     source = "from . import kl\nfrom .. import config"
     found = imports_of(source, "megatron_empg.core", is_package=True)
     assert [i.module for i in found] == ["megatron_empg.core.kl", "megatron_empg.config"]
+
+
+# --------------------------------------------------------------------------------------------
+# Inside the trainer: its groups import downward (at module level; lazy imports are free).
+
+# lowest first: a run's lifecycle (directories, signals, watchdog, restarts, logs) < the bind step
+# (config checks, layout, memory plan) < batching (samples -> micro-batches) < the engines (rollout
+# stage, placements, collection) < the loop, the policy and the command line (megatron_empg.trainer.*)
+TRAINER_GROUPS = ("run", "bind", "batching", "engines")
+
+
+def trainer_group_rank(module: str) -> int:
+    """``megatron_empg.trainer.bind.build`` -> 1; the loop, the command line -> len(TRAINER_GROUPS)."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[2] in TRAINER_GROUPS:
+        return TRAINER_GROUPS.index(parts[2])
+    return len(TRAINER_GROUPS)
+
+
+def trainer_violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Module-level imports of ``module`` (a trainer module) of a higher trainer group than its own."""
+    rank = trainer_group_rank(module)
+    found = []
+    for imp in imports_of(source, module, is_package):
+        if imp.lazy or not imp.module.startswith(f"{PACKAGE}.trainer."):
+            continue
+        if trainer_group_rank(imp.module) > rank:
+            found.append(f"{module}:{imp.line}: may not import {imp.module} at module level (a higher trainer group)")
+    return found
+
+
+def test_trainer_groups_import_downward():
+    found = []
+    for module, path in package_modules():
+        if module.startswith(f"{PACKAGE}.trainer."):
+            found += trainer_violations(path.read_text(), module, is_package=path.name == "__init__.py")
+    assert not found, "trainer group layering violated:\n" + "\n".join(found)
+
+
+def test_every_trainer_module_is_in_a_group_or_the_top():
+    top = {
+        "megatron_empg.trainer",
+        "megatron_empg.trainer.loop",
+        "megatron_empg.trainer.cli",
+        "megatron_empg.trainer.policy",
+    }
+    loose = [m for m, _ in package_modules() if m.startswith(f"{PACKAGE}.trainer") and m not in top]
+    loose = [m for m in loose if m.split(".")[2] not in TRAINER_GROUPS]
+    assert not loose, f"trainer modules outside the groups {TRAINER_GROUPS}: {loose}"
+
+
+@pytest.mark.parametrize(
+    "module, source, ok",
+    [
+        ("megatron_empg.trainer.run.x", "from megatron_empg.trainer.bind import build", False),
+        ("megatron_empg.trainer.bind.x", "from megatron_empg.trainer.batching.batch import Sample", False),
+        ("megatron_empg.trainer.batching.x", "from megatron_empg.trainer.engines import collect", False),
+        ("megatron_empg.trainer.engines.x", "from megatron_empg.trainer import loop", False),
+        ("megatron_empg.trainer.engines.x", "from megatron_empg.trainer.batching.batch import Sample", True),
+        ("megatron_empg.trainer.bind.x", "def f():\n    from megatron_empg.trainer.engines import collect", True),
+        ("megatron_empg.trainer.loop", "from megatron_empg.trainer.engines import collect", True),
+    ],
+)
+def test_the_trainer_group_check_tells_downward_from_upward(module, source, ok):
+    assert (trainer_violations(source, module) == []) == ok

@@ -1,4 +1,4 @@
-"""Every recipe binds (``trainer.build.bind``: names, arguments, layout, limits, files) at the world
+"""Every recipe binds (``trainer.bind.build.bind``: names, arguments, layout, limits, files) at the world
 size it is written for, and the r1-distill math recipes hold the published hyperparameters of the
 ema-pg math runs (github.com/LunjunZhang/ema-pg, math/examples/deepscaler/*_ema_pg.sh)."""
 
@@ -63,7 +63,7 @@ def _with_local_paths(path: Path, tmp_path: Path) -> RunConfig:
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_binds_at_its_world_size(path, tmp_path):
-    from megatron_empg.trainer.build import bind
+    from megatron_empg.trainer.bind.build import bind
 
     components = bind(_with_local_paths(path, tmp_path), WORLD_SIZES.get(path.name, 8))
     assert components.layout.world_size == WORLD_SIZES.get(path.name, 8)
@@ -73,10 +73,10 @@ def test_every_recipe_binds_at_its_world_size(path, tmp_path):
     "path", [p for p in sorted(RECIPES.glob("*.yaml")) if p.name not in CPU_RECIPES], ids=lambda p: p.name
 )
 def test_every_gpu_recipe_plans_within_an_h100_at_its_world_size(path, tmp_path):
-    """``empg plan``'s numbers (``trainer.memory_plan``) for one 80 GB H100 per rank; the recipes'
+    """``empg plan``'s numbers (``trainer.bind.memory_plan``) for one 80 GB H100 per rank; the recipes'
     comments quote them."""
-    from megatron_empg.trainer.build import bind
-    from megatron_empg.trainer.memory_plan import DEFAULT_DEVICE_BYTES, plan_memory
+    from megatron_empg.trainer.bind.build import bind
+    from megatron_empg.trainer.bind.memory_plan import DEFAULT_DEVICE_BYTES, plan_memory
 
     plan = plan_memory(bind(_with_local_paths(path, tmp_path), WORLD_SIZES.get(path.name, 8), check_paths=False))
     assert plan.device_bytes == DEFAULT_DEVICE_BYTES and plan.fits, plan.describe()
@@ -228,7 +228,7 @@ def test_rpg_recipes_have_the_papers_hyperparameters(variant):
 
 
 def test_one_step_off_recipe_puts_half_the_gpus_on_engines(tmp_path):
-    from megatron_empg.trainer.build import bind
+    from megatron_empg.trainer.bind.build import bind
 
     path = RECIPES / f"{R1}_one_step_off.yaml"
     layout = bind(_with_local_paths(path, tmp_path), 8).layout

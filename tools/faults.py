@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_empg.config import read_yaml  # noqa: E402
-from megatron_empg.trainer.metrics_log import read_metrics  # noqa: E402
+from megatron_empg.trainer.run.metrics_log import read_metrics  # noqa: E402
 from tools.faults_supervised import FAULT_STEP, HF, HOOK  # noqa: E402
 from tools.faults_supervised import cases as supervised_cases  # noqa: E402
 from tools.run_processes import processes_with  # noqa: E402

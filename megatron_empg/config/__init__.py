@@ -16,7 +16,7 @@ The machinery is generic and works for any (nested) dataclass::
 * Every config class derives from ``Config``: constructing one, from YAML or directly, checks its
   ``Literal`` fields (a ``Literal`` is the one list of a field's choices) and runs its
   ``validate()``, innermost class first. A field that names a registry entry (an advantage
-  estimator, a reward...) is a ``named_in`` field, checked by the bind step (``trainer.build``).
+  estimator, a reward...) is a ``named_in`` field, checked by the bind step (``trainer.bind.build``).
 * Each field is described by the string literal on the line after it (``field_docs``);
   ``tools/config_docs.py`` writes docs/configuration.md from them.
 * ``read_yaml`` follows a top-level ``defaults: base.yaml`` (merged under the file's own keys).

@@ -69,7 +69,7 @@ class LossConfig(Config):
     """The update-pass objective (``parallel.rl_loss.rl_loss``).
 
     loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(entropy). The names and
-    arguments are resolved and checked by ``trainer.build.bind`` (``empg check``), before anything
+    arguments are resolved and checked by ``trainer.bind.build.bind`` (``empg check``), before anything
     starts: the KL term is bound once (``core.kl_term.bind_kl``), which also decides what the old
     and anchor passes compute for it. docs/algorithms.md "KL estimators" gives every term's formula.
     """

@@ -175,7 +175,7 @@ class RolloutConfig(Config):
 
     def num_engines(self, dp: int) -> int:
         """E for a run of ``dp`` data-parallel replicas (``engines``, or disaggregated
-        ``engine_ranks / tensor_parallel_size``; E need not divide ``dp`` here: ``trainer.layout``
+        ``engine_ranks / tensor_parallel_size``; E need not divide ``dp`` here: ``trainer.bind.layout``
         checks that)."""
         if self.disaggregated:
             return self.engine_ranks // self.tensor_parallel_size

@@ -172,7 +172,7 @@ class TrainConfig(Config):
     max_tokens_per_forward_microbatch: int | None = None
     """The forward-only passes (old and anchor), which keep no activations for a backward pass, run
     on the update's packed rows concatenated in order into rows of at most this many tokens,
-    padding included (``trainer.forward_batch``; needs ``packing``, must hold the update's widest
+    padding included (``trainer.batching.forward_batch``; needs ``packing``, must hold the update's widest
     row). The logits of one such row, [tokens, V / TP] bf16, are the passes' peak. Null: on the
     update's micro-batches."""
     balance: bool = True
@@ -186,14 +186,14 @@ class TrainConfig(Config):
     of GPU memory instead of 5.4 GB, for 1.5x the output layer's and the loss's time (one more
     GEMM; H100, benchmarks/README.md). The gradient is the same up to rounding."""
     memory_check: Literal["error", "warn"] = "error"
-    """When the memory plan (``trainer.memory_plan``, ``empg plan``) exceeds the GPU, checked before
+    """When the memory plan (``trainer.bind.memory_plan``, ``empg plan``) exceeds the GPU, checked before
     anything starts: ``error`` (with the changes that would fit) or ``warn`` and start anyway."""
     skip_grad_norm_factor: float | None = 10.0
     """Refuse an optimizer step whose gradient norm exceeds this factor x the median of the last 20
     applied steps' (from the 6th applied step); null: no spike check."""
     max_consecutive_skips: int = 5
     """Refused optimizer steps in a row that stop the run with a ``BadStepsError``, the step's
-    samples saved in ``<logging.dir>/bad_step_<step>/`` (``trainer.bad_steps``)."""
+    samples saved in ``<logging.dir>/bad_step_<step>/`` (``trainer.run.bad_steps``)."""
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "micro_batch_size", "recompute_num_layers", "max_consecutive_skips"):
@@ -210,7 +210,7 @@ class TrainConfig(Config):
         if budget is not None and not self.packing:
             raise ConfigError("max_tokens_per_microbatch", "needs packing: true (a token budget fills packed rows)")
         # that it holds a sequence of max_seq_len is checked with the layout (a budget is per
-        # context-parallel rank: trainer.layout)
+        # context-parallel rank: trainer.bind.layout)
         if self.max_tokens_per_forward_microbatch is not None and not self.packing:
             raise ConfigError(
                 "max_tokens_per_forward_microbatch", "needs packing: true (forward rows are packed rows back to back)"
@@ -356,10 +356,10 @@ class DistributedConfig(Config):
 
 @dataclasses.dataclass(frozen=True)
 class PhaseTimeouts(Config):
-    """Seconds each phase of a step may last before the run is declared hung (``trainer.watchdog``):
+    """Seconds each phase of a step may last before the run is declared hung (``trainer.run.watchdog``):
     null takes the default, a floor plus seconds per token of the step's upper bound
     (``train.prompts_per_step`` x ``rollout.sampling.n`` x ``rollout.max_model_len``; the table is
-    ``trainer.watchdog.AUTO_TIMEOUTS``)."""
+    ``trainer.run.watchdog.AUTO_TIMEOUTS``)."""
 
     start: float | None = None
     """Until the first step: models loaded, engines started, the first weight sync."""

@@ -16,7 +16,7 @@ compute for it (docs/algorithms.md "KL estimators" has the formulas):
     grpo_corrected                    grpo_corrected  rpg.corrected_grpo_kl              anchor
 
 ``bind_kl`` is the only place that reads the name; the update pass (``parallel.rl_loss``) and the
-bind step (``trainer.build``) only call the term.
+bind step (``trainer.bind.build``) only call the term.
 """
 
 from __future__ import annotations

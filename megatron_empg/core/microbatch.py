@@ -1,5 +1,5 @@
 """``MicroBatch``: the tokens of one forward (and backward) call, and everything per token that
-the passes compute about them. The trainer builds it (``trainer.batch``); the Megatron passes
+the passes compute about them. The trainer builds it (``trainer.batching.batch``); the Megatron passes
 (``mcore.step``) read its ids and layout and fill in the old and anchor statistics; the update
 objective (``parallel.rl_loss``) reads the rest. Position t of a row predicts ``target_ids[t]``.
 

@@ -1,5 +1,5 @@
 """Which optimizer steps are refused: the decision, made from the step's global loss and gradient
-norm before the parameters change (``mcore.step.train_step`` applies it; ``trainer.bad_steps``
+norm before the parameters change (``mcore.step.train_step`` applies it; ``trainer.run.bad_steps``
 counts the refusals and stops the run after too many in a row).
 
 A step is refused when its loss or its gradient norm is not finite (always), or when its gradient

@@ -8,13 +8,13 @@
 
 A micro-batch is a ``core.microbatch.MicroBatch`` (padded rows, or one packed row of several
 sequences: Megatron's THD ``PackedSeqParams``), on the model's device: the caller puts it there
-(``trainer.batch``), these passes move nothing. Under pipeline parallelism every micro-batch of
+(``trainer.batching.batch``), these passes move nothing. Under pipeline parallelism every micro-batch of
 one call has the same [b, s] shape (the stages exchange fixed-size activations). The logits never
 leave the loss function: only [b, s] and [b, s, k] tensors come out, and only on the
 last pipeline stage (``None`` on the others; ``share_stats`` sends them to every stage with tensor
 broadcasts).
 
-The update pass takes its objective as a bound function (``trainer.build.bind_loss``: ``rl_loss``
+The update pass takes its objective as a bound function (``trainer.bind.build.bind_loss``: ``rl_loss``
 with the run's options), so that this module knows no loss configuration. With ``fused_output``
 (``train.fused_output_loss``) the model stops before its output layer (GPTModel's
 ``output_processor`` hook) and the objective gets an ``OutputLayerInput`` (the layer's input and

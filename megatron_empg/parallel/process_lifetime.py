@@ -7,7 +7,7 @@ GPU, the next run's engine then cannot start). Two such children: Megatron's che
 workers (``rollout.vllm_plugin``). Each calls ``die_with_parent`` when it starts.
 
 SIGKILL, not SIGTERM: the trainer starts its children with the stop signals blocked
-(``trainer.signals``), so that a pre-emption reaching the process group does not stop a child whose
+(``trainer.run.signals``), so that a pre-emption reaching the process group does not stop a child whose
 parent is alive.
 """
 

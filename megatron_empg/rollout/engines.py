@@ -3,7 +3,7 @@
 ``vllm`` (``rollout.vllm_engine.VllmEngine``) and ``hf`` (``rollout.hf_engine.HfEngine``, plain
 transformers in the trainer's process: for machines without vLLM, such as the GPU smoke test's).
 Torch-free and import-free: an engine's module is imported only when it is built, and the layout
-check (``trainer.layout``, which runs where torch may be missing) reads this registry.
+check (``trainer.bind.layout``, which runs where torch may be missing) reads this registry.
 """
 
 from __future__ import annotations

@@ -457,7 +457,7 @@ class VllmEngine:
         manager = getattr(getattr(core, "resources", None), "engine_manager", None)
         processes = list(getattr(manager, "processes", ()))
         for process in processes:  # multiprocess: vLLM stops its engine core with SIGTERM, which a
-            if process.is_alive():  # trainer keeps blocked there (trainer.signals); SIGINT takes the
+            if process.is_alive():  # trainer keeps blocked there (trainer.run.signals); SIGINT takes the
                 os.kill(process.pid, signal.SIGINT)  # same graceful path
         core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         for process in processes:  # joined, so that none is left as a zombie of this process

@@ -6,7 +6,7 @@ runs a call with a thread that checks the core processes every ``HEALTH_POLL_S``
 kills them (a stopped core would hold its memory for ever), fails what the caller may be waiting
 on (the outputs queue and pending utility calls) and the call raises ``EngineFailure``, naming
 the process and what happened to it. A core that runs but never answers is not detected here
-(``trainer.watchdog``'s phase deadline is).
+(``trainer.run.watchdog``'s phase deadline is).
 """
 
 from __future__ import annotations

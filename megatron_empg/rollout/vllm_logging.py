@@ -4,7 +4,7 @@ The layerwise weight reload warns "RotaryEmbedding: Failed to load weights" afte
 (its cos/sin cache is no checkpoint weight; vLLM puts its own back, and the sync's consistency gate
 checks the result); vLLM's CPU worker replaces ``torch.set_num_threads`` by a warning, repeated on
 every call. ``show_repeating_warnings_once`` runs in the trainer's process
-(``trainer.console.configure_logging``) and in each vLLM worker process (``vllm_weight_transfer``
+(``trainer.run.console.configure_logging``) and in each vLLM worker process (``vllm_weight_transfer``
 registers its backend there). Standard library only.
 """
 

@@ -7,8 +7,8 @@
     empg --version
 
 Bad configs and overrides exit with code 2 and a message naming the dotted field; ``train`` binds
-the config (``trainer.build.bind``) and, on rank 0, takes the run's directories
-(``trainer.run_dir``: one run per directory; ``--resume`` / ``--overwrite`` and what an earlier run
+the config (``trainer.bind.build.bind``) and, on rank 0, takes the run's directories
+(``trainer.run.run_dir``: one run per directory; ``--resume`` / ``--overwrite`` and what an earlier run
 left there) before it starts a process group, an engine or a model.
 """
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bind(config: RunConfig, world_size: int, *, check_paths: bool = True, device_bytes: int | None = None):
-    from megatron_empg.trainer.build import bind
+    from megatron_empg.trainer.bind.build import bind
 
     if world_size < 1:
         raise ConfigError("--world-size", f"must be >= 1, got {world_size}")
@@ -150,9 +150,9 @@ def _gib_bytes(gib: float) -> int:
 def _plan(components, world_size: int, device_bytes: int | None, *, as_json: bool) -> int:
     """``empg plan``: the plan, and when it does not fit the changes that would; exit 0 either way
     (``empg check --gpu-memory-gib`` is the gate)."""
-    from megatron_empg.trainer.build import bind
-    from megatron_empg.trainer.memory_fixes import cheapest_fixes
-    from megatron_empg.trainer.memory_plan import plan_memory
+    from megatron_empg.trainer.bind.build import bind
+    from megatron_empg.trainer.bind.memory_fixes import cheapest_fixes
+    from megatron_empg.trainer.bind.memory_plan import plan_memory
 
     plan = plan_memory(components, device_bytes=device_bytes)
     fixes = [] if plan.fits else cheapest_fixes(components, world_size, plan.device_bytes, bind=bind)
@@ -205,8 +205,8 @@ def _micro_batches(train, layout) -> str:
 
 
 def _train(config: RunConfig, *, resume: bool, overwrite: bool = False) -> int:
-    from megatron_empg.trainer.console import configure_logging
-    from megatron_empg.trainer.run_dir import RunDirectoryError, hold_run_directories
+    from megatron_empg.trainer.run.console import configure_logging
+    from megatron_empg.trainer.run.run_dir import RunDirectoryError, hold_run_directories
 
     rank, world_size = _rank_from_environment(), world_size_from_environment()
     configure_logging(config.logging, rank=rank, world_size=world_size)  # before vLLM and Megatron log anything
@@ -226,8 +226,8 @@ def _train(config: RunConfig, *, resume: bool, overwrite: bool = False) -> int:
 
 def _bind_and_run(config: RunConfig, world_size: int, held, *, resume: bool, overwrite: bool) -> int:
     from megatron_empg.mcore.checkpoint.files import CheckpointError, remove_leftovers
-    from megatron_empg.trainer.metrics_log import MetricsFileError
-    from megatron_empg.trainer.run_dir import RunDirectoryError, check_start
+    from megatron_empg.trainer.run.metrics_log import MetricsFileError
+    from megatron_empg.trainer.run.run_dir import RunDirectoryError, check_start
 
     try:
         components = _bind(config, world_size)  # seconds, and before anything starts
@@ -243,7 +243,7 @@ def _bind_and_run(config: RunConfig, world_size: int, held, *, resume: bool, ove
 
 
 def _run(config: RunConfig, components, *, resume: bool) -> int:
-    from megatron_empg.trainer import watchdog
+    from megatron_empg.trainer.run import watchdog
 
     role = init_distributed(
         config.distributed.timeout_minutes,
@@ -264,9 +264,9 @@ def _train_here(config: RunConfig, components, role, resume: bool) -> int:
 
     from megatron_empg.mcore.checkpoint.files import CheckpointError
     from megatron_empg.rollout.retriever.client import RetrieverError
-    from megatron_empg.trainer import watchdog
     from megatron_empg.trainer.loop import Trainer
-    from megatron_empg.trainer.metrics_log import MetricsLogger
+    from megatron_empg.trainer.run import watchdog
+    from megatron_empg.trainer.run.metrics_log import MetricsLogger
 
     failed = None
     try:
@@ -299,8 +299,8 @@ def _train_here(config: RunConfig, components, role, resume: bool) -> int:
 
 def _serve_engines(components, role) -> int:
     """An engine rank of a disaggregated job: serve the training ranks until they stop."""
-    from megatron_empg.trainer import watchdog
-    from megatron_empg.trainer.engine_rank import EngineRank
+    from megatron_empg.trainer.engines.engine_rank import EngineRank
+    from megatron_empg.trainer.run import watchdog
 
     failed = None
     try:

@@ -5,19 +5,20 @@
     -> checkpoint
 
 each stage a short method. SPMD: every rank runs the same loop. The engines are one object
-(``trainer.engines``) wherever they run: colocated on the training ranks (by default one per
-data-parallel replica, on its first rank; each samples its replicas' prompts and is synced from
-its own replica, and sleeps while the step trains) or disaggregated on ranks of their own (their
-rollouts arrive over the link; with ``rollout.max_staleness`` k >= 1 they run up to k weight
-versions ahead, drawing later steps while this one trains). The loop asks them for a step's rollout, pushes the weights into them and gates
-the push, and checkpoints what they hold between steps. The micro-batches (``trainer.batch``) are
-packed rows by default, balanced between the replicas that share an engine (each holds all their
-samples). A step uses the data cursor's next global prompt batch (with
-``algorithm.dynamic_sampling``, as many as it takes to fill the batch with informative groups);
-the cursor is checkpointed, so a resumed run continues with the same prompts.
+(``trainer.engines.placements``) wherever they run: colocated on the training ranks (by default
+one per data-parallel replica, on its first rank; each samples its replicas' prompts and is
+synced from its own replica, and sleeps while the step trains) or disaggregated on ranks of their
+own (their rollouts arrive over the link; with ``rollout.max_staleness`` k >= 1 they run up to k
+weight versions ahead, drawing later steps while this one trains). The loop asks them for a
+step's rollout, pushes the weights into them and gates the push, and checkpoints what they hold
+between steps. The micro-batches (``trainer.batching.batch``) are packed rows by default,
+balanced between the replicas that share an engine (each holds all their samples). A step uses
+the data cursor's next global prompt batch (with ``algorithm.dynamic_sampling``, as many as it
+takes to fill the batch with informative groups); the cursor is checkpointed, so a resumed run
+continues with the same prompts. The policy and its anchor are built by ``trainer.policy``.
 
-A ``Trainer`` is built from what ``trainer.build.bind`` resolved (``Components``): it branches on
-no configured name, and on no placement.
+A ``Trainer`` is built from what ``trainer.bind.build.bind`` resolved (``Components``): it
+branches on no configured name, and on no placement.
 """
 
 from __future__ import annotations
@@ -33,25 +34,24 @@ import torch
 import torch.distributed as dist
 
 from megatron_empg.config import ConfigError, to_yaml
-from megatron_empg.core.behavior_is import behavior_metrics
 from megatron_empg.core.microbatch import MicroBatch, StatsResult
 from megatron_empg.parallel.link import Link
-from megatron_empg.trainer import machine, watchdog
-from megatron_empg.trainer.bad_steps import BadSteps
-from megatron_empg.trainer.batch import Sample
-from megatron_empg.trainer.batching import BatchStage, StepBatch
-from megatron_empg.trainer.build import Components
-from megatron_empg.trainer.collect import Scorer, StepRollout, prompt_batches, validation_sets
-from megatron_empg.trainer.engines import build_engines, engine_on_this_rank, training_placement
-from megatron_empg.trainer.forward_batch import forward_rows
-from megatron_empg.trainer.metrics import all_reduce_sums, rollout_metrics, sample_means, timed
-from megatron_empg.trainer.run_dir import check_fresh_start
-from megatron_empg.trainer.signals import any_rank_signalled, ignored_in_children, stop_signals
-from megatron_empg.trainer.start import checkpoint_directory, load_initial_weights, load_tokenizer
+from megatron_empg.trainer.batching.batch import Sample
+from megatron_empg.trainer.batching.forward_batch import forward_rows
+from megatron_empg.trainer.batching.stage import BatchStage
+from megatron_empg.trainer.bind import machine
+from megatron_empg.trainer.bind.build import Components
+from megatron_empg.trainer.engines.collect import Scorer, prompt_batches, validation_sets
+from megatron_empg.trainer.engines.metrics import rollout_metrics, step_metrics, timed
+from megatron_empg.trainer.engines.placements import build_engines, engine_on_this_rank, training_placement
+from megatron_empg.trainer.policy import build_anchor, build_policy
+from megatron_empg.trainer.run import watchdog
+from megatron_empg.trainer.run.bad_steps import BadSteps
+from megatron_empg.trainer.run.run_dir import check_fresh_start
+from megatron_empg.trainer.run.signals import any_rank_signalled, ignored_in_children, stop_signals
+from megatron_empg.trainer.run.start import checkpoint_directory, load_tokenizer, old_module_names
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 @dataclasses.dataclass
@@ -64,7 +64,7 @@ class Trainer:
     """Everything one run holds. Build with ``Trainer(bind(config, world_size))`` on every training
     rank (after ``torch.distributed`` is initialised: ``parallel.link.start_worlds``), then
     ``run(resume=...)``. With disaggregated engines, ``link`` on training rank 0 (the engine ranks
-    run ``trainer.engine_rank``)."""
+    run ``trainer.engines.engine_rank``)."""
 
     def __init__(self, components: Components, *, run_dir: str | Path | None = None, link: Link | None = None) -> None:
         from megatron_empg.mcore import parallel_state
@@ -101,8 +101,9 @@ class Trainer:
         with ignored_in_children():
             start_checkpoint_writer()
         parallel_state.seed_everything(config.train.seed, groups.pp_rank)  # again: an in-process vLLM seeds globally
-        self._build_policy()
-        self.anchor = self._build_anchor()
+        policy = build_policy(components, groups)
+        self.models, self.optimizer, self.scheduler = policy.models, policy.optimizer, policy.scheduler
+        self.anchor = build_anchor(components, policy)
         self.step_index = 0
         self.optimizer_steps = 0  # applied ones (a refused step counts for nothing, the anchor's schedule included)
         self.bad_steps = BadSteps(config.train)
@@ -128,75 +129,6 @@ class Trainer:
         found = next((p for p in problems if p is not None), None)
         if found is not None:
             raise ConfigError(*found)
-
-    def _build_policy(self) -> None:
-        from megatron_empg.mcore.fusions import fusion_plan
-        from megatron_empg.mcore.model import build_gpt_model, recompute_overrides
-        from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
-
-        cfg = self.config
-        recompute = recompute_overrides(cfg.train.recompute, cfg.train.recompute_num_layers)
-        if recompute:
-            log.info("activation recompute: %s", ", ".join(f"{k}={v}" for k, v in recompute.items()))
-        fusions = fusion_plan(self.components.attention, cuda=torch.cuda.is_available())
-        log.info("attention %s; %s", self.components.attention.describe(), fusions.describe())
-        chunks = build_gpt_model(
-            self.model,
-            cfg.parallel,
-            params_dtype=DTYPES[cfg.train.params_dtype],
-            fusions=fusions,
-            **recompute,
-            **self._routing_replay(),
-        )
-        if cfg.checkpoint.init_from is not None:
-            load_initial_weights(chunks, cfg.checkpoint.init_from, self.model, cfg, self.groups)
-        self.models = wrap_with_ddp(chunks, cfg.optimizer)
-        self.optimizer = build_optimizer(self.models, cfg.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer)
-
-    def _build_anchor(self):
-        from megatron_empg.mcore.anchor import EmaAnchor
-
-        algorithm = self.config.algorithm
-        if self.components.stats.anchor_is_old:
-            log.info(
-                "iterative reference: the KL's anchor is each step's behaviour policy (tau 0 every %d optimizer "
-                "steps), so the old pass's log-probs serve it; no anchor model is kept",
-                algorithm.mini_batches,
-            )
-        if not self.components.stats.anchor:
-            return None
-        anchor = algorithm.anchor
-        te_fp8 = machine.te_fp8(self.config)
-        log.info(
-            "EMA anchor: tau %g every %d optimizer steps, %s weights%s",
-            anchor.tau,
-            anchor.period,
-            anchor.compute_dtype,
-            " (Transformer Engine FP8)"
-            if te_fp8
-            else " (emulated FP8)"
-            if anchor.compute_dtype == "float8_e4m3fn"
-            else "",
-        )
-        return EmaAnchor.from_configs(
-            self.model,
-            self.config.parallel,
-            self.models,
-            self.optimizer,
-            tau=anchor.tau,
-            period=anchor.period,
-            first_update=anchor.first_update,
-            compute_dtype=DTYPES[anchor.compute_dtype],
-            master_on_cpu=anchor.master_on_cpu,
-            te_fp8=te_fp8,
-            **self._routing_replay(),
-        )
-
-    def _routing_replay(self) -> dict[str, bool]:
-        """The model builders' switch for ``algorithm.router_replay: rollout``: routers that replay
-        the engine's experts (``mcore.router_replay``; the micro-batches carry them)."""
-        return {"routing_replay": True} if self.config.algorithm.router_replay == "rollout" else {}
 
     def _build_data(self) -> None:
         """The data cursor (global batches; with disaggregated engines a copy of the engines', kept
@@ -284,14 +216,25 @@ class Trainer:
         self.step_index += 1
         with self._phase(times, "weight_sync"):
             sync_metrics = self.sync_weights()
-        metrics = self.metrics(rollout, samples, batch, update_metrics, sync_metrics, times, behavior)
+        metrics = step_metrics(
+            rollout,
+            samples,
+            batch,
+            replica=self.batching.replica,
+            groups=self.groups,
+            dynamic_sampling=self.config.algorithm.dynamic_sampling is not None,
+            update=update_metrics,
+            sync=sync_metrics,
+            times=times,
+            behavior=behavior,
+        )
         metrics["anchor/updates"] = float(ema_updates)
         metrics.update(rollout_metrics(rollout, self.step_index - 1))
         return StepOutput(self.step_index, metrics)
 
     @contextlib.contextmanager
     def _phase(self, times: dict[str, float], name: str):
-        """A phase of the step in flight: timed into ``times[name]`` and watched (``trainer.watchdog``)."""
+        """A phase of the step in flight: timed into ``times[name]`` and watched (``trainer.run.watchdog``)."""
         with watchdog.phase(name, self.step_index + 1), timed(times, name):
             yield
 
@@ -361,7 +304,7 @@ class Trainer:
         return rows.split_stats(share_stats(outputs, rows.batches, request, self.groups))
 
     def update(self, minis: list[list[MicroBatch]]) -> dict[str, float]:
-        """One optimizer step per mini-batch (of micro-batches), unless refused (``trainer.bad_steps``);
+        """One optimizer step per mini-batch (of micro-batches), unless refused (``trainer.run.bad_steps``);
         the mean of their metrics, and ``train/skipped_steps``: how many were refused."""
         from megatron_empg.mcore.step import train_step
         from megatron_empg.parallel.rl_loss import loss_units
@@ -423,66 +366,6 @@ class Trainer:
             bucket = int(self.config.weight_sync.bucket_size_mb * 2**20)  # the diagnosis buckets as the sync did
             diagnose = lambda: bridge.round_trip_errors(shards, self.model, groups, bucket_bytes=bucket)  # noqa: E731
             metrics["sync/gate_max_logprob_diff"] = self.engines.gate(self.step_index, score, diagnose)
-        return metrics
-
-    def metrics(
-        self,
-        rollout: StepRollout,
-        samples: list[Sample],
-        batch: StepBatch,
-        update_metrics,
-        sync_metrics,
-        times,
-        behavior: dict[str, float],
-    ) -> dict[str, float]:
-        """Per-step metrics: ``sample_means`` of what this replica sampled (``rollout.sums``, all
-        generation batches) over data-parallel replicas (one all-reduce), the loss tokens per
-        trained sample (``samples``), dynamic sampling's group counts, the micro-batches' padding,
-        the mean gap between the old pass's and the engine's log-probs and their importance ratios
-        (``behavior``: ``core.behavior_is.behavior_stats``' sums), throughput, and this rank's
-        timings."""
-        local = {
-            **rollout.sums[self.batching.replica],
-            "loss_tokens": sum(s.loss_tokens for s in samples),
-            "trained": len(samples),
-            "no_loss": sum(s.loss_tokens == 0 for s in samples),
-            "batch_tokens": batch.tokens,
-            "batch_slots": batch.slots,
-            "micro_batches": sum(len(mini) for mini in batch.minis),
-            "forward_micro_batches": batch.forward_micro_batches,
-            "imbalance": batch.imbalance,
-        }
-        local["sampler_gap"], local["sampler_gap_tokens"] = batch.sampler_gap()
-        from_rows = {
-            "batch_slots": local["batch_slots"],
-            "sampler_gap": local["sampler_gap"],
-            "sampler_gap_tokens": local["sampler_gap_tokens"],
-            **behavior,
-        }
-        if self.groups.cp_size > 1:  # each context-parallel rank holds its share of every row
-            from_rows = all_reduce_sums(from_rows, self.groups.cp_group)
-        totals = all_reduce_sums({**local, **from_rows}, self.groups.dp_group)
-        seconds = sum(times.values())
-        metrics = {
-            **sample_means(totals),
-            "response/loss_tokens_mean": totals["loss_tokens"] / max(totals["trained"], 1),
-            "response/no_loss_fraction": totals["no_loss"] / max(totals["trained"], 1),
-            "batch/padding_fraction": 1.0 - totals["batch_tokens"] / max(totals["batch_slots"], 1),
-            "batch/micro_batches_mean": totals["micro_batches"] / self.groups.dp_size,
-            "batch/forward_micro_batches_mean": totals["forward_micro_batches"] / self.groups.dp_size,
-            "batch/replica_imbalance": totals["imbalance"] / self.groups.dp_size,
-            "batch/sampler_logprob_gap": totals["sampler_gap"] / max(totals["sampler_gap_tokens"], 1),
-            **behavior_metrics(totals),
-            "perf/tokens_per_second": totals["response_tokens"] / seconds if seconds > 0 else 0.0,
-            **{f"time/{k}": v for k, v in times.items()},
-            **rollout.metrics,
-            **update_metrics,
-            **sync_metrics,
-        }
-        if self.config.algorithm.dynamic_sampling is not None:
-            drawn = max(totals["dynamic_sampling/drawn_groups"], 1)
-            metrics["dynamic_sampling/informative_fraction"] = totals["dynamic_sampling/informative_groups"] / drawn
-            metrics["dynamic_sampling/filled_groups"] = totals["dynamic_sampling/filled_groups"]
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
@@ -560,7 +443,8 @@ class Trainer:
         """Policy, optimizer, scheduler, anchor and step counters from ``directory``; its ``TrainState``."""
         from megatron_empg.mcore.checkpoint import load_checkpoint
 
-        state = load_checkpoint(directory, self._checkpoint_parts(), self.groups, model_name=self.model.name)
+        with old_module_names():  # a checkpoint of before the trainer's groups
+            state = load_checkpoint(directory, self._checkpoint_parts(), self.groups, model_name=self.model.name)
         self.step_index = state.step
         self.optimizer_steps = state.optimizer_steps
         self.bad_steps.load_state_dict(state.bad_steps)  # None: a checkpoint of before the history

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.trainer.demo_runs import run_train
 from tests.trainer.hf_runs import hf_engine_config, random_demo_model
 

@@ -1,11 +1,11 @@
-"""megatron_empg/trainer/launch_check.py, the layout check every launcher runs before starting ranks:
+"""megatron_empg/trainer/bind/launch_check.py, the layout check every launcher runs before starting ranks:
 the overrides it prints and the errors it names (the launchers' own tests run it through them)."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_empg.trainer.launch_check import CPU_DEFAULTS, main
+from megatron_empg.trainer.bind.launch_check import CPU_DEFAULTS, main
 
 RECIPE = "recipes/demo_cpu.yaml"  # 16 prompts x 8 samples, micro-batches of 64, in-process engine
 MATH = "recipes/r1_distill_qwen_1.5b_math_ema_pg.yaml"  # 128 prompts x 8 samples, micro-batches of 8

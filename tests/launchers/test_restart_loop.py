@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from megatron_empg.trainer.metrics_log import read_metrics
-from megatron_empg.trainer.restarts import read_history
+from megatron_empg.trainer.run.metrics_log import read_metrics
+from megatron_empg.trainer.run.restarts import read_history
 from tests.trainer.demo_runs import (
     LAUNCH_TIMEOUT_S,
     REPO,

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from megatron_empg.mcore.checkpoint import read_checkpoint_info
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.launchers.slurm_cluster import CRED_EXPIRE_S, SlurmCluster
 from tests.trainer.demo_runs import (
     REFERENCE_STEPS,

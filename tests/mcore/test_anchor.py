@@ -263,7 +263,7 @@ def _layout(name: str, tp: int, pp: int, distopt: bool, dtype: torch.dtype, full
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
-    from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.bind.build import bind_loss
 
     model_cfg = load_model_config(MODEL)
     vpp = 2 if name.endswith("vpp2") else None

@@ -13,7 +13,7 @@ import torch
 
 from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
 from megatron_empg.mcore import checkpoint as ckpt
-from megatron_empg.trainer.batch import MicroBatchPlan, micro_batches
+from megatron_empg.trainer.batching.batch import MicroBatchPlan, micro_batches
 from tests.dist import run_distributed
 from tests.trainer.test_cp_training import BUDGET, CP, MODEL, _samples
 
@@ -26,7 +26,7 @@ class _Run:
         from megatron_empg.mcore.model import build_gpt_model
         from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
         from megatron_empg.mcore.parallel_state import initialize_model_parallel
-        from megatron_empg.trainer.build import bind_loss
+        from megatron_empg.trainer.bind.build import bind_loss
 
         self.cfg = load_model_config(MODEL)
         self.parallel = ParallelConfig(context_parallel_size=cp)

@@ -72,7 +72,7 @@ def _one_step(tp: int, tied: bool, packed: bool) -> dict:
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
-    from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.bind.build import bind_loss
 
     model_cfg = dataclasses.replace(load_model_config(MODEL), tie_word_embeddings=tied)
     parallel = ParallelConfig(tensor_model_parallel_size=tp)

@@ -49,7 +49,7 @@ class _Run:
         from megatron_empg.mcore import model as mcore_model
         from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
         from megatron_empg.mcore.parallel_state import initialize_model_parallel
-        from megatron_empg.trainer.build import bind_loss
+        from megatron_empg.trainer.bind.build import bind_loss
 
         self.config = load_model_config(MODEL)
         self.groups = initialize_model_parallel(ParallelConfig(), seed=1234)

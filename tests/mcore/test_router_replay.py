@@ -22,7 +22,7 @@ import torch
 from megatron_empg.config import RolloutConfig, SamplingConfig, load_model_config
 from megatron_empg.rollout.engine import EngineState
 from megatron_empg.rollout.trajectory import Trajectory
-from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches
+from megatron_empg.trainer.batching.batch import MicroBatchPlan, Sample, micro_batches
 from tests.dist import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]

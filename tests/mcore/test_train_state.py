@@ -143,8 +143,8 @@ def _save_old_and_load(rank: int, world_size: int, root: str) -> dict:
 
     from megatron_empg.config import TrainConfig
     from megatron_empg.mcore import checkpoint as ckpt
-    from megatron_empg.trainer.bad_steps import BadSteps
     from megatron_empg.trainer.loop import Trainer
+    from megatron_empg.trainer.run.bad_steps import BadSteps
     from tests.mcore.test_checkpoint import _Run
 
     run = _Run(1, False)
@@ -169,12 +169,12 @@ def _save_old_and_load(rank: int, world_size: int, root: str) -> dict:
                 optimizer_steps=0,
             )
             trainer._checkpoint_parts = lambda trainer=trainer: Trainer._checkpoint_parts(trainer)
-            trainer.bad_steps.in_a_row = ["left from before the load"]
+            trainer.run.bad_steps.in_a_row = ["left from before the load"]
             state = Trainer._load_training_state(trainer, path)
             out[bad_steps] = {
                 "state": state,
                 "loop": (trainer.step_index, trainer.optimizer_steps, run.anchor.num_updates),
-                "bad_steps": trainer.bad_steps.state_dict(),
+                "bad_steps": trainer.run.bad_steps.state_dict(),
             }
     finally:
         run.close()

@@ -37,8 +37,8 @@ SETTINGS = LossConfig(
 
 
 def loss_fn(vocab_size: int):
-    """``SETTINGS`` bound as the trainer binds it (``trainer.build.bind_loss``)."""
-    from megatron_empg.trainer.build import bind_loss
+    """``SETTINGS`` bound as the trainer binds it (``trainer.bind.build.bind_loss``)."""
+    from megatron_empg.trainer.bind.build import bind_loss
 
     return bind_loss(SETTINGS, vocab_size=vocab_size, topk=K)[0]
 

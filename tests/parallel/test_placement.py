@@ -81,7 +81,7 @@ def test_prompt_blocks_and_uneven_splits():
 
 
 def test_engines_on_one_node_bind_disjoint_cores(monkeypatch):
-    from megatron_empg.trainer.rollout import engine_environment
+    from megatron_empg.trainer.engines.rollout import engine_environment
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
@@ -95,7 +95,7 @@ def test_engines_on_one_node_bind_disjoint_cores(monkeypatch):
 
 
 def test_engine_children_see_their_replicas_gpus(monkeypatch):
-    from megatron_empg.trainer.rollout import child_environment, engine_environment
+    from megatron_empg.trainer.engines.rollout import child_environment, engine_environment
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")

@@ -18,7 +18,7 @@ from megatron_empg.rollout.engine import Completion
 from megatron_empg.rollout.retriever.client import RetrieverClient, RetrieverUnavailable
 from megatron_empg.rollout.search_agent import INVALID_ACTION, Episode, SearchAgent
 from megatron_empg.tasks.search_qa import qa_em_reward, qa_f1_reward
-from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches
+from megatron_empg.trainer.batching.batch import MicroBatchPlan, Sample, micro_batches
 from tests.dist import free_port
 from tests.rollout.retriever_service import serve_retriever
 from tools.make_tiny_model import char_tokenizer

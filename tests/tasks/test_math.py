@@ -18,8 +18,8 @@ from megatron_empg.rollout.rewards import RewardLimits
 from megatron_empg.tasks import math_verifier
 from megatron_empg.tasks.math import MathReward, extract_math_answer, last_boxed
 from megatron_empg.tasks.math_verifier import MathVerifierPool
-from megatron_empg.trainer.batch import Sample
-from megatron_empg.trainer.collect import RolloutCollector, Scorer
+from megatron_empg.trainer.batching.batch import Sample
+from megatron_empg.trainer.engines.collect import RolloutCollector, Scorer
 from tests.trainer.demo_runs import DEMO_RECIPE
 
 REPOSITORY = Path(__file__).resolve().parents[2]

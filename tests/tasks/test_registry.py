@@ -35,7 +35,7 @@ def test_reward_and_source_names_come_from_the_task_modules():
 
 
 def test_the_bind_step_looks_rewards_up_in_the_registry():
-    from megatron_empg.trainer import build
+    from megatron_empg.trainer.bind import build
 
     assert build.REWARDS is REWARDS
 

@@ -1,4 +1,4 @@
-"""``trainer.bad_steps.BadSteps``: the refusals in a row (a step's optimizer steps in order, an
+"""``trainer.run.bad_steps.BadSteps``: the refusals in a row (a step's optimizer steps in order, an
 applied one ends the run of them), the limit, the state a checkpoint holds (an older checkpoint
 without it loads as none), and the saved batch with its ``BadStepsError``. End to end:
 ``test_bad_steps_e2e.py``."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_empg.config import TrainConfig
-from megatron_empg.trainer.bad_steps import BadSteps, BadStepsError
-from megatron_empg.trainer.batch import Sample
+from megatron_empg.trainer.batching.batch import Sample
+from megatron_empg.trainer.run.bad_steps import BadSteps, BadStepsError
 
 
 def test_refusals_in_a_row_count_until_an_applied_step_and_stop_at_the_limit():

@@ -18,7 +18,7 @@ import math
 
 import pytest
 
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.trainer.demo_runs import LAUNCH_TIMEOUT_S, REPO, assert_same_steps, run_train, small_demo_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]

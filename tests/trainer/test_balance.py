@@ -1,4 +1,4 @@
-"""``trainer.balance``: the Karmarkar-Karp partition and its local search (coverage, order, determinism,
+"""``trainer.batching.balance``: the Karmarkar-Karp partition and its local search (coverage, order, determinism,
 equal counts, quality against the exhaustive optimum, speed), the micro-batch count search under a token
 budget, and the cost model."""
 
@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 
-from megatron_empg.trainer.balance import (
+from megatron_empg.trainer.batching.balance import (
     attention_quadratic,
     imbalance,
     micro_batch_bins,

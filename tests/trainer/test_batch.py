@@ -1,4 +1,4 @@
-"""``trainer.batch``: samples -> micro-batches. The packed row holds each sample's tokens, targets,
+"""``trainer.batching.batch``: samples -> micro-batches. The packed row holds each sample's tokens, targets,
 loss mask, advantages and sampler log-probs exactly where its padded row has them (shifted), with
 per-sequence positions and ``cu_seqlens``; a token budget bounds every row and names its field when
 a sample cannot fit; pipeline calls get one shape; ``replica_shares`` drops samples without loss
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
-from megatron_empg.trainer.balance import imbalance, micro_batch_bins
-from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
+from megatron_empg.trainer.batching.balance import imbalance, micro_batch_bins
+from megatron_empg.trainer.batching.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
 from tests.dist import run_distributed
 
 MODEL = "tiny-qwen2"
@@ -123,7 +123,7 @@ def _step(rank: int, world_size: int, agg_mode: str) -> dict:
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
-    from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.bind.build import bind_loss
 
     model = load_model_config(MODEL)
     loss = LossConfig(kl="k3", kl_coef=0.1, agg_mode=agg_mode, policy_loss_args={"clip_eps_low": 0.2})

@@ -1,4 +1,4 @@
-"""``trainer.build.bind`` and ``trainer.layout``: every setting resolved and checked before anything
+"""``trainer.bind.build.bind`` and ``trainer.bind.layout``: every setting resolved and checked before anything
 starts, each error naming the dotted field; ``empg check`` and ``empg train`` exiting 2 on them
 without importing an engine or Megatron."""
 
@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from megatron_empg.config import ConfigError, RunConfig, from_dict, load_config, load_model_config
-from megatron_empg.trainer.build import StatsPlan, bind, bind_loss
-from megatron_empg.trainer.layout import check_layout
+from megatron_empg.trainer.bind.build import StatsPlan, bind, bind_loss
+from megatron_empg.trainer.bind.layout import check_layout
 from tests.trainer.demo_runs import DEMO_RECIPE, REPO
 
 
@@ -206,7 +206,7 @@ def test_forward_budget_must_hold_the_updates_widest_row():
 
 
 def test_layout_module_imports_no_torch():
-    code = "import sys; import megatron_empg.trainer.layout, megatron_empg.trainer.launch_check; print('torch' in sys.modules)"
+    code = "import sys; import megatron_empg.trainer.bind.layout, megatron_empg.trainer.bind.launch_check; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -21,7 +21,7 @@ import sysconfig
 
 import pytest
 
-from megatron_empg.trainer.metrics_log import console_line, read_metrics
+from megatron_empg.trainer.run.metrics_log import console_line, read_metrics
 from tests.trainer.demo_runs import REPO, demo_config, run_train
 
 pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast
@@ -34,7 +34,7 @@ SCRIPT = r"""
 import json, logging, os, sys, warnings
 import torch
 from megatron_empg.config import LoggingConfig
-from megatron_empg.trainer.console import configure_logging
+from megatron_empg.trainer.run.console import configure_logging
 
 level, rank, world, with_vllm, site = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
 configure_logging(LoggingConfig(third_party_level=level), rank=rank, world_size=world)

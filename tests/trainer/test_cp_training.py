@@ -17,7 +17,7 @@ import torch
 
 from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
 from megatron_empg.core.aggregation import AGG_MODES
-from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches
+from megatron_empg.trainer.batching.batch import MicroBatchPlan, Sample, micro_batches
 from tests.dist import run_distributed
 
 MODEL = "tiny-qwen2"
@@ -55,7 +55,7 @@ def _train(
     from megatron_empg.mcore.step import StatsRequest, forward_stats, share_stats, train_step
     from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.parallel.context_parallel import CpChunks, split_microbatch
-    from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.bind.build import bind_loss
 
     model = load_model_config(MODEL)
     cp = parallel.context_parallel_size
@@ -216,7 +216,7 @@ def test_rows_pad_every_sequence_to_a_multiple_of_two_cp():
 )
 def test_bind_refuses_what_context_parallelism_cannot_split(overrides, field, words):
     from megatron_empg.config import ConfigError, RunConfig, load_config
-    from megatron_empg.trainer.build import bind
+    from megatron_empg.trainer.bind.build import bind
 
     base = [
         "parallel.context_parallel_size=2",

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.trainer.demo_runs import (
     CLOSE_ABS,
     CLOSE_REL,
@@ -227,7 +227,7 @@ def wait_for(condition, what):
 
 
 if os.environ.get("RANK") == "2":  # the engine rank: each rollout t >= 2 gets step t - 1's weights at decode step SWITCH
-    import megatron_empg.trainer.engine_rank as engine_rank
+    import megatron_empg.trainer.engines.engine_rank as engine_rank
 
     EngineRank = engine_rank.EngineRank
     _serve_ahead, _draw, _load = EngineRank._serve_ahead, EngineRank.draw, EngineRank._load_between_decode_steps
@@ -259,7 +259,7 @@ if os.environ.get("RANK") == "2":  # the engine rank: each rollout t >= 2 gets s
     EngineRank._serve_ahead, EngineRank.draw, EngineRank._load_between_decode_steps = serve_ahead, draw, load
 
 if os.environ.get("RANK") == "0":  # training rank 0: step s's weights go out once rollout s + 1 has begun
-    import megatron_empg.trainer.engines as engines
+    import megatron_empg.trainer.engines.placements as engines
 
     _push = engines.DisaggregatedEngines.push
 

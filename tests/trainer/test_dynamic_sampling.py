@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling (``trainer.dynamic_sampling``): which groups a step keeps, over how many
+"""DAPO dynamic sampling (``trainer.engines.dynamic_sampling``): which groups a step keeps, over how many
 generation batches, on one rank and on two gloo ranks that must agree on the batch count."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from megatron_empg.config import ConfigError, DynamicSamplingConfig
-from megatron_empg.trainer.batch import Sample
-from megatron_empg.trainer.dynamic_sampling import DynamicSampler, informative, split_groups
+from megatron_empg.trainer.batching.batch import Sample
+from megatron_empg.trainer.engines.dynamic_sampling import DynamicSampler, informative, split_groups
 from tests.dist import run_distributed
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.trainer.demo_runs import demo_config, run_train
 
 pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast

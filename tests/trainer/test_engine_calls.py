@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.trainer.demo_runs import REPO, train_command
 from tests.trainer.hf_runs import hf_engine_config, random_demo_model
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.trainer.demo_runs import LAUNCH_TIMEOUT_S, REPO, assert_same_steps, run_train, small_demo_config
 
 STEPS = 4

@@ -1,4 +1,4 @@
-"""The training loop asks its engines (``trainer.engines``) and never where they run: no name in
+"""The training loop asks its engines (``trainer.engines.placements``) and never where they run: no name in
 ``trainer/loop.py`` reads the placement, the engine ranks or one placement's state. The
 behaviour of both placements is tested end to end (``test_disaggregated_e2e.py``,
 ``test_trainer_e2e.py``, ``test_trainer_multirank.py``)."""

@@ -1,4 +1,4 @@
-"""``trainer.forward_batch``: the update's packed rows back to back for the forward-only passes
+"""``trainer.batching.forward_batch``: the update's packed rows back to back for the forward-only passes
 (``train.max_tokens_per_forward_microbatch``).
 
 Layout: splitting a forward row gives back every per-token field of every update row; the merged
@@ -22,8 +22,8 @@ import torch
 
 from megatron_empg.config import ParallelConfig, load_model_config
 from megatron_empg.core.microbatch import MicroBatch, StatsResult
-from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches
-from megatron_empg.trainer.forward_batch import ForwardPlan, forward_rows
+from megatron_empg.trainer.batching.batch import MicroBatchPlan, Sample, micro_batches
+from megatron_empg.trainer.batching.forward_batch import ForwardPlan, forward_rows
 from tests.dist import run_distributed
 
 MODEL = "tiny-qwen2"

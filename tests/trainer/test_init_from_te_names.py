@@ -57,7 +57,7 @@ def _load(rank: int, world_size: int, hf_dir: str) -> dict:
     from megatron_empg.mcore import parallel_state
     from megatron_empg.mcore.model import build_gpt_model
     from megatron_empg.mcore.weights import shard_full_state_dict
-    from megatron_empg.trainer.start import load_initial_weights
+    from megatron_empg.trainer.run.start import load_initial_weights
     from megatron_empg.weight_sync import mapping
 
     config = load_config(RunConfig, {"model": MODEL, "tokenizer": hf_dir, "train": {"params_dtype": "float32"}})

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_empg.config import RunConfig, load_config
-from megatron_empg.trainer.build import bind
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.bind.build import bind
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, DEMO_RECIPE, demo_config, run_train
 
 pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast

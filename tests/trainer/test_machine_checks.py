@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from megatron_empg.config import load_model_config
-from megatron_empg.trainer.machine import bucket_file_bytes
+from megatron_empg.trainer.bind.machine import bucket_file_bytes
 from megatron_empg.weight_sync.transport import check_free_space
 from tests.trainer.demo_runs import REPO, train_command
 from tests.trainer.hf_runs import hf_engine_config, random_demo_model
@@ -113,7 +113,7 @@ def test_the_fp8_anchor_from_yaml(tmp_path):
 
 def test_cuda_ipc_needs_a_gpu_on_every_engine_owner():
     from megatron_empg.config import RunConfig, load_config
-    from megatron_empg.trainer.machine import check_machine
+    from megatron_empg.trainer.bind.machine import check_machine
 
     config = load_config(
         RunConfig, REPO / "recipes" / "r1_distill_qwen_1.5b_math_ema_pg.yaml", ["weight_sync.transport=cuda_ipc"]

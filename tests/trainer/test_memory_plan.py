@@ -1,4 +1,4 @@
-"""The memory plan (``trainer.memory_plan``, ``empg plan``) against what it predicts:
+"""The memory plan (``trainer.bind.memory_plan``, ``empg plan``) against what it predicts:
 
 - the held terms (weights, gradient buffer, fp32 main parameters, Adam's m and v, the anchor's
   weights and fp32 master) against the bytes of a real Megatron model, DDP, optimizer (after a
@@ -60,7 +60,7 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import train_step
     from megatron_empg.parallel.rl_loss import loss_units
-    from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.bind.build import bind_loss
 
     out = {}
     for name in layouts:
@@ -131,8 +131,8 @@ def measured() -> dict:
 @pytest.mark.megatron
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_held_terms_are_the_bytes_of_the_real_objects(measured, name):
-    from megatron_empg.trainer.build import bind
-    from megatron_empg.trainer.memory_plan import plan_memory
+    from megatron_empg.trainer.bind.build import bind
+    from megatron_empg.trainer.bind.memory_plan import plan_memory
 
     world, overrides = LAYOUTS[name]
     plan = plan_memory(bind(load_config(RunConfig, DEMO, BASE + overrides), world, check_paths=False))
@@ -212,7 +212,7 @@ def _layer_bytes(rank: int, world_size: int) -> dict:
 @pytest.mark.megatron
 def test_layer_activations_are_what_autograd_saves_on_the_cpu():
     from megatron_empg.config import load_model_config
-    from megatron_empg.trainer.memory_terms import CPU, layer_activations
+    from megatron_empg.trainer.bind.memory_terms import CPU, layer_activations
 
     (measured,) = run_distributed(_layer_bytes, 1)
     models = {"dense": load_model_config("deepseek-r1-distill-qwen-1.5b"), "moe": _probe_model("moe", 1)}
@@ -234,8 +234,8 @@ def test_plan_is_within_ten_percent_of_every_gpu_measurement():
 
 def test_a_plan_over_the_gpu_is_refused_with_the_changes_that_fit():
     from megatron_empg.config import ConfigError
-    from megatron_empg.trainer.build import bind
-    from megatron_empg.trainer.memory_fixes import FIELD, with_overrides
+    from megatron_empg.trainer.bind.build import bind
+    from megatron_empg.trainer.bind.memory_fixes import FIELD, with_overrides
 
     recipe = "recipes/r1_distill_qwen_1.5b_math_ema_pg_16k.yaml"
     config = load_config(RunConfig, recipe, ["train.recompute=none", "train.fused_output_loss=false"])
@@ -272,8 +272,8 @@ def test_empg_plan_prints_and_writes_json(gib):
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_engines_drawing_ahead_stage_three_updates_per_owner_in_host_memory(staleness):
-    from megatron_empg.trainer.build import bind
-    from megatron_empg.trainer.memory_plan import plan_memory
+    from megatron_empg.trainer.bind.build import bind
+    from megatron_empg.trainer.bind.memory_plan import plan_memory
 
     recipe = "recipes/r1_distill_qwen_1.5b_math_ema_pg_one_step_off.yaml"  # 4 training + 4 engine ranks
     config = load_config(RunConfig, recipe, [f"rollout.max_staleness={staleness}", "rollout.tensor_parallel_size=2"])

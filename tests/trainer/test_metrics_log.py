@@ -12,7 +12,7 @@ import types
 import pytest
 
 from megatron_empg.config import RunConfig, from_dict
-from megatron_empg.trainer.metrics_log import MetricsLogger, format_number, read_metrics
+from megatron_empg.trainer.run.metrics_log import MetricsLogger, format_number, read_metrics
 
 
 def _config(tmp_path, **logging) -> RunConfig:
@@ -284,7 +284,7 @@ def test_numbers_keep_three_significant_digits_over_orders_of_magnitude(value, t
 
 
 def test_a_torn_last_line_is_dropped_and_a_bad_line_elsewhere_names_the_file_and_line(tmp_path, caplog):
-    from megatron_empg.trainer.metrics_log import MetricsFileError
+    from megatron_empg.trainer.run.metrics_log import MetricsFileError
 
     path = tmp_path / "run" / "metrics.jsonl"
     path.parent.mkdir()

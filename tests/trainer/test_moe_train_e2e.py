@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.trainer.demo_runs import demo_config, run_train, unexpected_errors
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]

@@ -1,5 +1,5 @@
 """Packed rows (``train.packing``) train exactly like padded rows: Megatron on gloo ranks in
-float32, the same samples laid out both ways (``trainer.batch.micro_batches``), through the old pass
+float32, the same samples laid out both ways (``trainer.batching.batch.micro_batches``), through the old pass
 and 3 optimizer steps (``mcore.step``), at TP1, TP2, PP2, PP2 x VPP2 and DP2, in every aggregation
 mode, with a sampled (K3) and a reverse Top-k KL.
 
@@ -17,7 +17,7 @@ import torch
 
 from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
 from megatron_empg.core.aggregation import AGG_MODES
-from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches
+from megatron_empg.trainer.batching.batch import MicroBatchPlan, Sample, micro_batches
 from tests.dist import run_distributed
 
 MODEL = "tiny-qwen2"
@@ -60,7 +60,7 @@ def _train(rank: int, world_size: int, parallel: ParallelConfig, agg_modes: list
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_empg.mcore.step import StatsRequest, forward_stats, share_stats, train_step
-    from megatron_empg.trainer.build import bind_loss
+    from megatron_empg.trainer.bind.build import bind_loss
 
     model = load_model_config(MODEL)
     pp, vpp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.dist import run_distributed
 from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, demo_config, run_train
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.trainer.demo_runs import (
     CLOSE_ABS,
     CLOSE_REL,

@@ -1,4 +1,4 @@
-"""The launchers' restart decision (``trainer.restarts``): what ends a run and what starts it again,
+"""The launchers' restart decision (``trainer.run.restarts``): what ends a run and what starts it again,
 read from the exit status, the restart request, the heartbeats and the history; and its command
 line, as the launchers call it."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_empg.trainer.restarts import HISTORY, begin, decide, read_history, record
-from megatron_empg.trainer.watchdog import REQUEST
+from megatron_empg.trainer.run.restarts import HISTORY, begin, decide, read_history, record
+from megatron_empg.trainer.run.watchdog import REQUEST
 
 REPO = Path(__file__).resolve().parents[2]
 STARTED = 1000.0
@@ -117,7 +117,7 @@ def test_the_command_line_records_each_attempt(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "megatron_empg.trainer.restarts",
+        "megatron_empg.trainer.run.restarts",
         str(REPO / "recipes/demo_cpu.yaml"),
         f"logging.dir={run_dir}",
         "supervisor.max_restarts=1",

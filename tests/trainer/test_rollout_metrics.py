@@ -8,9 +8,9 @@ import types
 import pytest
 
 from megatron_empg.rollout.trajectory import Trajectory
-from megatron_empg.trainer.batch import Sample
-from megatron_empg.trainer.collect import StepRollout
-from megatron_empg.trainer.metrics import rollout_metrics
+from megatron_empg.trainer.batching.batch import Sample
+from megatron_empg.trainer.engines.collect import StepRollout
+from megatron_empg.trainer.engines.metrics import rollout_metrics
 
 EXAMPLE = types.SimpleNamespace(prompt_ids=[1, 2])
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_empg.config import ConfigError, RunConfig, load_config
-from megatron_empg.trainer.build import bind
+from megatron_empg.trainer.bind.build import bind
 from tests.trainer.demo_runs import DEMO_RECIPE
 
 REPLAY = ("model=tiny-qwen3-moe", "algorithm.router_replay=rollout")
@@ -49,7 +49,7 @@ def test_router_replay_is_refused_where_nothing_can_be_replayed(tmp_path, monkey
 
 
 def test_router_replay_binds_for_the_transformers_engine_and_for_vllm_on_a_gpu(tmp_path, monkeypatch):
-    from megatron_empg.trainer.machine import check_machine
+    from megatron_empg.trainer.bind.machine import check_machine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     hf = bind(config(tmp_path, *REPLAY, "rollout.engine=hf"), 1)

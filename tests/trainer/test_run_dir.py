@@ -16,7 +16,7 @@ import pytest
 
 from megatron_empg.config import RunConfig, from_dict
 from megatron_empg.mcore.checkpoint import DIST_CKPT_FILES, INFO_FILE, LATEST_FILE, checkpoint_info
-from megatron_empg.trainer.run_dir import LOCK_FILE, RunDirectoryError, check_start, hold_run_directories
+from megatron_empg.trainer.run.run_dir import LOCK_FILE, RunDirectoryError, check_start, hold_run_directories
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,7 @@ def _metrics(config: RunConfig, steps) -> Path:
 HOLDER = """
 import sys, time
 from megatron_empg.config import RunConfig, from_dict
-from megatron_empg.trainer.run_dir import hold_run_directories
+from megatron_empg.trainer.run.run_dir import hold_run_directories
 config = from_dict(RunConfig, {"model": "tiny-qwen2", "tokenizer": "unused", "logging": {"dir": sys.argv[1]},
                                "checkpoint": {"dir": sys.argv[2]}})
 held = hold_run_directories(config)

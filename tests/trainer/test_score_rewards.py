@@ -1,4 +1,4 @@
-"""``trainer.collect.Scorer``: the reward function's scores, then DAPO's overlong punishment
+"""``trainer.engines.collect.Scorer``: the reward function's scores, then DAPO's overlong punishment
 (``algorithm.overlong_buffer``) added to each sample's reward, and their metric sums."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from megatron_empg.config import RunConfig, load_config
 from megatron_empg.rollout.rewards import RewardResult
-from megatron_empg.trainer.batch import Sample
-from megatron_empg.trainer.collect import Scorer
+from megatron_empg.trainer.batching.batch import Sample
+from megatron_empg.trainer.engines.collect import Scorer
 from tests.trainer.demo_runs import DEMO_RECIPE
 
 
@@ -79,7 +79,7 @@ def _breaking_scorer() -> Scorer:
 def test_a_reward_raising_on_one_sample_scores_it_0_counts_it_and_logs_once_a_step(caplog):
     scorer = _breaking_scorer()
     samples = _samples([4, 3, 5])
-    with caplog.at_level("WARNING", logger="megatron_empg.trainer.collect"):
+    with caplog.at_level("WARNING", logger="megatron_empg.trainer.engines.collect"):
         metrics = scorer(samples)
         assert [s.reward for s in samples] == [1.0, 0.0, -1.0] and [s.correct for s in samples] == [True, False, False]
         # the two good samples were scored one at a time: their metrics add up

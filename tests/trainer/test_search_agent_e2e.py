@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.dist import free_port
 from tests.rollout.retriever_service import serve_retriever
 from tests.trainer.demo_runs import CLOSE_ABS, CLOSE_REL, LAUNCH_TIMEOUT_S, run_train

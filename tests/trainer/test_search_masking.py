@@ -1,5 +1,5 @@
 """Retrieved tokens get no gradient: multi-turn samples (generated runs with observation runs between
-them, ``Sample.response_mask``) laid out by ``trainer.batch.micro_batches`` (padded and packed) and
+them, ``Sample.response_mask``) laid out by ``trainer.batching.batch.micro_batches`` (padded and packed) and
 put through the update pass's objective (``parallel.rl_loss``: policy loss + KL + entropy bonus). The gradient of the loss with
 respect to the logits is exactly zero at every position that predicts an observation token (and at
 the prompt and padding), and nonzero at every position that predicts a generated token."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_empg.parallel.rl_loss import rl_loss
-from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches
+from megatron_empg.trainer.batching.batch import MicroBatchPlan, Sample, micro_batches
 
 V = 32
 K = 4

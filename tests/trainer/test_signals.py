@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_empg.trainer.signals import STOP_SIGNALS, ignored_in_children, stop_signals
+from megatron_empg.trainer.run.signals import STOP_SIGNALS, ignored_in_children, stop_signals
 
 pytestmark = [pytest.mark.process]  # starts processes: not in make test-fast
 
@@ -68,7 +68,7 @@ def test_megatrons_checkpoint_writer_started_inside_survives_the_stop_signals(in
     )
     code = (
         "import os, time\n"
-        "from megatron_empg.trainer.signals import ignored_in_children, STOP_SIGNALS\n"
+        "from megatron_empg.trainer.run.signals import ignored_in_children, STOP_SIGNALS\n"
         "from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer\n"
         f"{start}"
         "assert start_checkpoint_writer() is None  # once per process\n"
@@ -113,7 +113,7 @@ def test_megatrons_checkpoint_writer_dies_with_a_killed_rank(ours):
     start = (
         (
             "from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer\n"
-            "from megatron_empg.trainer.signals import ignored_in_children\n"
+            "from megatron_empg.trainer.run.signals import ignored_in_children\n"
             "with ignored_in_children():\n    manager = start_checkpoint_writer()\n"
         )
         if ours

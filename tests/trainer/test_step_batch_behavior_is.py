@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_empg.core.microbatch import MicroBatch
-from megatron_empg.trainer.batching import StepBatch
+from megatron_empg.trainer.batching.stage import StepBatch
 
 
 def _micro(ratios: list[list[float]], mask: list[list[bool]]) -> MicroBatch:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_empg.tasks.arithmetic import arithmetic_reward
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.trainer.demo_runs import demo_config, run_train
 from tools.make_demo_model import evaluation_examples, hf_generate
 

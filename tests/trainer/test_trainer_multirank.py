@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_empg.mcore.checkpoint import read_checkpoint_info
-from megatron_empg.trainer.metrics_log import read_metrics
+from megatron_empg.trainer.run.metrics_log import read_metrics
 from tests.dist import run_distributed
 from tests.trainer.demo_runs import (
     LAUNCH_TIMEOUT_S,
@@ -96,7 +96,7 @@ def test_two_ranks_match_one_process(layout, small_demo_reference, tmp_path, war
 def _signalled(rank: int, world_size: int, received: list) -> list:
     import torch.distributed as dist
 
-    from megatron_empg.trainer.signals import any_rank_signalled
+    from megatron_empg.trainer.run.signals import any_rank_signalled
 
     return [any_rank_signalled(r[rank], dist.group.WORLD) for r in received]
 

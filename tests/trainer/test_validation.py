@@ -16,9 +16,9 @@ from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.rollout.data import DataError, load_validation_sets
 from megatron_empg.rollout.engine import Completion
 from megatron_empg.tasks.registry import REWARDS
-from megatron_empg.trainer.collect import Scorer
-from megatron_empg.trainer.metrics import sample_means
-from megatron_empg.trainer.rollout import RolloutStage
+from megatron_empg.trainer.engines.collect import Scorer
+from megatron_empg.trainer.engines.metrics import sample_means
+from megatron_empg.trainer.engines.rollout import RolloutStage
 from tools.make_tiny_model import char_tokenizer
 
 QA = DataConfig(

@@ -1,4 +1,4 @@
-"""The watchdog (``trainer.watchdog``): a phase past its deadline ends the process restartable with
+"""The watchdog (``trainer.run.watchdog``): a phase past its deadline ends the process restartable with
 its stacks and a diagnosis of the other ranks from their heartbeats; a restart request of another
 rank makes a process dump and exit; a failed collective with a lost peer is restartable, one with a
 crashed peer is not. The processes are real (``subprocess``), the heartbeats real files."""
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_empg.config import RunConfig, load_config
-from megatron_empg.trainer.watchdog import REQUEST, RESTARTABLE_EXIT, Beat, diagnose, phase_timeouts
+from megatron_empg.trainer.run.watchdog import REQUEST, RESTARTABLE_EXIT, Beat, diagnose, phase_timeouts
 
 REPO = Path(__file__).resolve().parents[2]
 INTERVAL = 0.1
@@ -27,7 +27,7 @@ INTERVAL = 0.1
 def run_script(body: str, run_dir: Path, timeout: float = 60) -> subprocess.CompletedProcess:
     """``body`` in a fresh interpreter, with ``RUN_DIR`` and ``watchdog`` (the module) defined."""
     script = (
-        f"import sys, time\nfrom pathlib import Path\nfrom megatron_empg.trainer import watchdog\n"
+        f"import sys, time\nfrom pathlib import Path\nfrom megatron_empg.trainer.run import watchdog\n"
         f"RUN_DIR = Path({str(run_dir)!r})\n" + textwrap.dedent(body)
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}

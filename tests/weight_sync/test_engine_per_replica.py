@@ -37,7 +37,7 @@ PROMPTS = [[5 + i, 17, 3 * i + 1, 40 + i] for i in range(4)]  # one step's globa
 
 
 def _stage(config: RunConfig, placement, engine):
-    from megatron_empg.trainer.rollout import RolloutStage
+    from megatron_empg.trainer.engines.rollout import RolloutStage
 
     stage = RolloutStage.__new__(RolloutStage)  # the engine exists already: what sample() reads
     stage.config, stage.placement, stage.engine, stage.agent = config, placement, engine, None
@@ -55,7 +55,7 @@ def _two_engines(rank: int, world_size: int, model_dir: str, hf_state: dict) -> 
     from megatron_empg.mcore.model import build_gpt_model
     from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.parallel.placement import build_placement
-    from megatron_empg.trainer.rollout import child_environment, engine_environment
+    from megatron_empg.trainer.engines.rollout import child_environment, engine_environment
     from megatron_empg.weight_sync.transport import SharedMemoryFileTransport
 
     model = vllm_model("tiny-qwen2")

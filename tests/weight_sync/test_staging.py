@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from megatron_empg.trainer.batch import version_name, version_step
+from megatron_empg.trainer.batching.batch import version_name, version_step
 from megatron_empg.weight_sync.staging import StagedUpdate, WeightStage, load_staged
 from megatron_empg.weight_sync.transport import pack_bucket, receive_weights, unpack_bucket
 

@@ -38,7 +38,7 @@ class TrainState:
         step: the steps done (the checkpoint is ``step_<step>``).
         optimizer_steps: the updates applied (a refused step is not one).
         anchor_num_updates: the EMA anchor's update count (its schedule); 0 without an anchor.
-        bad_steps: ``trainer.bad_steps.BadSteps.state_dict()``; None: no history.
+        bad_steps: ``trainer.run.bad_steps.BadSteps.state_dict()``; None: no history.
         data: the data cursor's ``state_dict()``; None: the checkpoint holds no loop state.
         engines: the rollout engines' ``state_dict()`` (rollouts drawn ahead of the step); None
             likewise.

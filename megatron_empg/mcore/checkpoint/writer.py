@@ -4,7 +4,7 @@
 too) hands its write results back through a ``multiprocessing.Manager`` queue, whose server is a
 child process started at the first save (``filesystem_async.get_write_results_queue``). A child
 started there inherits whatever the process has at that moment; the trainer starts it at its own
-start-up instead, with its stop signals ignored (``trainer.signals.ignored_in_children``), so that a
+start-up instead, with its stop signals ignored (``trainer.run.signals.ignored_in_children``), so that a
 pre-emption signal sent to the whole process group does not kill it before the save that the
 signal asks for.
 

@@ -1,4 +1,4 @@
-"""The terms of a rank's GPU memory, each a closed form of the config (``trainer.memory_plan`` adds
+"""The terms of a rank's GPU memory, each a closed form of the config (``trainer.bind.memory_plan`` adds
 them up per phase). Torch-free: the config module only.
 
 Bytes per token and layer that one transformer layer keeps for its backward (``layer_activations``;

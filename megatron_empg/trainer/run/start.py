@@ -1,8 +1,13 @@
 """What a run starts from: the tokenizer, the HF config the engine is built from, the policy's
-first weights (a HF directory or a Megatron checkpoint), and a checkpoint root's newest directory."""
+first weights (a HF directory or a Megatron checkpoint), a checkpoint root's newest directory, and
+the module names under which older checkpoints pickled the trainer's classes."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -59,3 +64,25 @@ def checkpoint_directory(path: str | Path) -> Path:
 
     found = find_latest_checkpoint(path)
     return found.path if found is not None else Path(path)
+
+
+# The trainer's modules whose classes a checkpoint pickles (rollouts drawn ahead by disaggregated
+# engines: ``StepRollout`` of ``Sample``s), under the names they had before the trainer's groups.
+RENAMED_MODULES = {
+    "megatron_empg.trainer.collect": "megatron_empg.trainer.engines.collect",
+    "megatron_empg.trainer.batch": "megatron_empg.trainer.batching.batch",
+}
+
+
+@contextlib.contextmanager
+def old_module_names() -> Iterator[None]:
+    """While loading a checkpoint: the old names of ``RENAMED_MODULES`` resolve to the modules, so a
+    checkpoint written before the move unpickles (its classes are the same)."""
+    added = [old for old in RENAMED_MODULES if old not in sys.modules]
+    for old in added:
+        sys.modules[old] = importlib.import_module(RENAMED_MODULES[old])
+    try:
+        yield
+    finally:
+        for old in added:
+            del sys.modules[old]

@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 from megatron_empg.config import TrainConfig
 from megatron_empg.core.step_guard import GradNormGuard
-from megatron_empg.trainer.batch import Sample
 
 if TYPE_CHECKING:
     from megatron_empg.mcore.parallel_state import ParallelGroups
+    from megatron_empg.trainer.batching.batch import Sample
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """What only the machine a run starts on can tell, checked before its engine starts (the config is
-``trainer.build``'s): room in ``weight_sync.shm_dir`` for a weight-sync bucket file, a GPU with
+``trainer.bind.build``'s): room in ``weight_sync.shm_dir`` for a weight-sync bucket file, a GPU with
 Transformer Engine for a TE FP8 anchor, an engine that returns its routing on this device for router
 replay, the memory plan against this GPU; and which FP8 anchor
 ``algorithm.anchor.fp8: auto`` means here.
@@ -78,12 +78,12 @@ def bucket_file_bytes(config: RunConfig, model: ModelConfig) -> int:
 
 
 def check_memory_here(components) -> None:
-    """On a GPU: the run's memory plan against this GPU's memory (``trainer.memory_fixes.check_memory``:
+    """On a GPU: the run's memory plan against this GPU's memory (``trainer.bind.memory_fixes.check_memory``:
     a ``ConfigError`` with the changes that fit, or a warning with ``train.memory_check: warn``)."""
     if not torch.cuda.is_available():
         return
-    from megatron_empg.trainer.build import bind
-    from megatron_empg.trainer.memory_fixes import check_memory
+    from megatron_empg.trainer.bind.build import bind
+    from megatron_empg.trainer.bind.memory_fixes import check_memory
 
     device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     check_memory(components, components.layout.world_size, device, bind=bind)

@@ -1,9 +1,9 @@
 """A step's rollout, collected where the engines are: on the training ranks (colocated engines)
-or on the engine ranks (disaggregated, ``trainer.engine_rank``).
+or on the engine ranks (disaggregated, ``trainer.engines.engine_rank``).
 
 ``RolloutCollector.collect`` draws the data cursor's next global prompt batch through the
 rollout stage and scores it, or with ``algorithm.dynamic_sampling`` as many batches as it takes
-(``trainer.dynamic_sampling``). ``Scorer`` is the reward of ``data.reward`` with DAPO's overlong
+(``trainer.engines.dynamic_sampling``). ``Scorer`` is the reward of ``data.reward`` with DAPO's overlong
 penalty, within the step's ``data.reward_budget_s`` (counted over all of the step's generation batches).
 
     collector = RolloutCollector(config, stage, batches, scorer, dp_size=D)
@@ -18,9 +18,9 @@ import time
 
 from megatron_empg.config import RunConfig
 from megatron_empg.rollout.rewards import RewardFn, RewardLimits, WorkerReward, overlong_penalty, score_guarded
-from megatron_empg.trainer.batch import Sample
-from megatron_empg.trainer.dynamic_sampling import DynamicSampler, dynamic_batch_prompts
-from megatron_empg.trainer.metrics import sample_sums
+from megatron_empg.trainer.batching.batch import Sample
+from megatron_empg.trainer.engines.dynamic_sampling import DynamicSampler, dynamic_batch_prompts
+from megatron_empg.trainer.engines.metrics import sample_sums
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class StepRollout:
     """A step's rollout: ``replicas`` ([R][samples], scored) of one engine's replicas (of all D
     replicas when the engines are disaggregated), each replica's ``sums`` ([R]: the
-    ``trainer.metrics.sample_sums`` of what it drew, with dynamic sampling its dropped groups too
+    ``trainer.engines.metrics.sample_sums`` of what it drew, with dynamic sampling its dropped groups too
     and the ``dynamic_sampling/*`` counts), the ``metrics`` that are the same on every rank
     (``engines/*``, ``dynamic_sampling/gen_batches``), the weight ``version`` that drew it (the
     optimizer steps' count of training steps done), and the data cursor's state after it."""
@@ -100,7 +100,7 @@ class Scorer:
 
 
 class RolloutCollector:
-    """What a step's rollout needs: the rollout stage (``trainer.rollout.RolloutStage``), the data
+    """What a step's rollout needs: the rollout stage (``trainer.engines.rollout.RolloutStage``), the data
     cursor (``rollout.data.PromptBatches``: global batches), the scorer and D, the data-parallel
     size of the training ranks. ``replica``: the one replica of the engine's whose samples this
     rank scores without dynamic sampling (None: all; the others' sums stay empty). Every rank of

@@ -1,7 +1,7 @@
 """The batching stage of a step: the samples of this rank's engine -> this replica's mini-batches
-of micro-batches on the policy's device (``trainer.batch`` does the layout).
+of micro-batches on the policy's device (``trainer.batching.batch`` does the layout).
 
-Every rank holds the samples of all R replicas its engine serves (``trainer.rollout``), but only
+Every rank holds the samples of all R replicas its engine serves (``trainer.engines.rollout``), but only
 its own replica's advantages. With ``train.balance`` and R > 1 the advantages are shared inside
 the engine group first (one all-gather), then each mini-batch's samples are split between the R
 replicas by estimated compute (``batch.replica_shares``, cost ``balance.sequence_cost`` with the
@@ -12,7 +12,7 @@ parallelism every sequence is padded to a multiple of 2 x CP, the budget is per 
 row holds CP x as many tokens), and each rank keeps its share of every row
 (``parallel.context_parallel.split_microbatch``). The forward-only passes run on them, or with
 ``max_tokens_per_forward_microbatch`` on rows of them back to back (``forward_plan``,
-``trainer.forward_batch``).
+``trainer.batching.forward_batch``).
 
     stage = BatchStage(config, model, placement, groups, pad_id=...)
     batch = stage.build(replicas, advantages, device=...)   # StepBatch
@@ -32,10 +32,10 @@ from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.parallel.context_parallel import split_microbatch
 from megatron_empg.parallel.placement import EnginePlacement
-from megatron_empg.trainer.balance import attention_quadratic, imbalance, sequence_cost
-from megatron_empg.trainer.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
-from megatron_empg.trainer.forward_batch import ForwardPlan, forward_groups
-from megatron_empg.trainer.layout import row_multiple
+from megatron_empg.trainer.batching.balance import attention_quadratic, imbalance, sequence_cost
+from megatron_empg.trainer.batching.batch import MicroBatchPlan, Sample, micro_batches, replica_shares
+from megatron_empg.trainer.batching.forward_batch import ForwardPlan, forward_groups
+from megatron_empg.trainer.bind.layout import row_multiple
 
 
 @dataclasses.dataclass

@@ -3,10 +3,10 @@
 The engine ranks form their own world (``parallel.link``); engine e runs on
 ``rollout.tensor_parallel_size`` of them and its owner holds it (``parallel.placement``). They
 draw every step's rollout (the rollout stage, rewards and dynamic sampling of
-``trainer.collect``, as colocated ranks would), receive the weights that training rank 0
+``trainer.engines.collect``, as colocated ranks would), receive the weights that training rank 0
 broadcasts after each step, probe them for the consistency gate and run the validation passes;
 their lead (engine rank 0) sends what the training ranks need over the link. The message order
-is in ``trainer.remote``.
+is in ``trainer.engines.remote``.
 
 With ``rollout.max_staleness`` k >= 1 the engines run ahead: each owner's thread
 (``TrainerListener``) stages every weight update in host memory as it is pushed; the engines
@@ -34,14 +34,15 @@ import torch.distributed as dist
 
 from megatron_empg.parallel.link import LEAD, TRAINER, Link
 from megatron_empg.parallel.placement import engine_world_placement
-from megatron_empg.trainer import machine, watchdog
-from megatron_empg.trainer.batch import version_step
-from megatron_empg.trainer.build import Components
-from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout, prompt_batches, validation_sets
-from megatron_empg.trainer.remote import Control, FromEngines, Start
-from megatron_empg.trainer.rollout import RolloutStage
-from megatron_empg.trainer.signals import stop_signals
-from megatron_empg.trainer.start import load_tokenizer
+from megatron_empg.trainer.batching.batch import version_step
+from megatron_empg.trainer.bind import machine
+from megatron_empg.trainer.bind.build import Components
+from megatron_empg.trainer.engines.collect import RolloutCollector, Scorer, StepRollout, prompt_batches, validation_sets
+from megatron_empg.trainer.engines.remote import Control, FromEngines, Start
+from megatron_empg.trainer.engines.rollout import RolloutStage
+from megatron_empg.trainer.run import watchdog
+from megatron_empg.trainer.run.signals import stop_signals
+from megatron_empg.trainer.run.start import load_tokenizer
 from megatron_empg.weight_sync.staging import WeightStage, load_staged
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ Training rank 0 is the link's end: it tells the engines where the run starts (``
 the weights (``weight_sync.transport.LinkTransport``), and after every step says whether to go on
 (``Control``); it receives what the engines' lead gathered (a step's rollout, the gate's probes, a
 validation pass) and shares it with the other training ranks (one object broadcast over the
-training world). The engines' side is ``trainer.engine_rank``.
+training world). The engines' side is ``trainer.engines.engine_rank``.
 
 With ``rollout.max_staleness`` 0 both sides keep one order, so each waits only where it needs the
 other:
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.parallel.link import LEAD, TRAINER, Link
-from megatron_empg.trainer.collect import StepRollout
+from megatron_empg.trainer.engines.collect import StepRollout
 
 
 @dataclasses.dataclass(frozen=True)

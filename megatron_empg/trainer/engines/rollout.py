@@ -31,11 +31,11 @@ from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.rollout.engine import EngineFailure
 from megatron_empg.rollout.engines import EngineKind
 from megatron_empg.rollout.trajectory import Trajectory
-from megatron_empg.trainer.batch import Sample
-from megatron_empg.trainer.metrics import add_sums, sample_means, sample_sums
-from megatron_empg.trainer.signals import ignored_in_children
-from megatron_empg.trainer.start import write_hf_config
-from megatron_empg.trainer.watchdog import RestartableError
+from megatron_empg.trainer.batching.batch import Sample
+from megatron_empg.trainer.engines.metrics import add_sums, sample_means, sample_sums
+from megatron_empg.trainer.run.signals import ignored_in_children
+from megatron_empg.trainer.run.start import write_hf_config
+from megatron_empg.trainer.run.watchdog import RestartableError
 
 log = logging.getLogger(__name__)
 

@@ -182,7 +182,7 @@ def _merge_rows(rows: Sequence[MicroBatch], width: int) -> MicroBatch:
                 padding += sum(segments)
             elif name == "position_ids":
                 padding = torch.arange(pad, dtype=padding.dtype, device=device)[None]
-            elif name == "routed_experts":  # no engine routing there: experts 0 .. k-1 (trainer.batch)
+            elif name == "routed_experts":  # no engine routing there: experts 0 .. k-1 (trainer.batching.batch)
                 padding[:] = torch.arange(padding.shape[-1], dtype=padding.dtype, device=device)
             values[name] = torch.cat([*parts, padding], dim=1)
     return MicroBatch(**values)

@@ -146,7 +146,7 @@ def check_start(config: RunConfig, *, resume: bool, overwrite: bool, previous: d
     """Apply the start rules of the module docstring (reads files; ``overwrite`` deletes the earlier
     run's checkpoints and metrics). Raises ``RunDirectoryError`` naming the directory."""
     from megatron_empg.mcore.checkpoint import find_latest_checkpoint
-    from megatron_empg.trainer.metrics_log import read_metrics
+    from megatron_empg.trainer.run.metrics_log import read_metrics
 
     checkpoint_dir, metrics_path = Path(config.checkpoint.dir), Path(config.logging.dir) / "metrics.jsonl"
     found = find_latest_checkpoint(checkpoint_dir)

@@ -40,7 +40,7 @@ from megatron_empg.core.aggregation import masked_values
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.rollout.engine import ROUTED_EXPERT_DTYPE
 from megatron_empg.rollout.trajectory import Trajectory
-from megatron_empg.trainer.balance import micro_batch_bins, partition
+from megatron_empg.trainer.batching.balance import micro_batch_bins, partition
 
 
 def version_name(step: int) -> str:

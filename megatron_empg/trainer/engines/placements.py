@@ -3,7 +3,7 @@
 ``ColocatedEngines`` live on the training ranks (``rollout.placement: colocated``): they draw a
 step's rollout when it starts, sleep while it trains (``rollout.sleep_while_training``) and wake
 for the weight push. ``DisaggregatedEngines`` run on engine ranks of their own
-(``trainer.engine_rank``), behind the link on training rank 0 (``trainer.remote``): the training
+(``trainer.engines.engine_rank``), behind the link on training rank 0 (``trainer.engines.remote``): the training
 ranks receive their rollouts and probes; with ``rollout.max_staleness`` k >= 1 the engines run
 ahead up to k weight versions, and the rollouts they drew for later steps wait on the training
 ranks (a checkpoint keeps them).
@@ -35,13 +35,13 @@ from torch import Tensor
 from megatron_empg.config import ModelConfig, RunConfig
 from megatron_empg.parallel.link import Link
 from megatron_empg.parallel.placement import EnginePlacement, build_placement
-from megatron_empg.trainer.batch import version_name
-from megatron_empg.trainer.build import Components
-from megatron_empg.trainer.collect import RolloutCollector, Scorer, StepRollout
-from megatron_empg.trainer.layout import Layout
-from megatron_empg.trainer.remote import FromEngines, RemoteEngines, Start
-from megatron_empg.trainer.rollout import EngineLost, RolloutStage
-from megatron_empg.trainer.start import write_hf_config
+from megatron_empg.trainer.batching.batch import version_name
+from megatron_empg.trainer.bind.build import Components
+from megatron_empg.trainer.bind.layout import Layout
+from megatron_empg.trainer.engines.collect import RolloutCollector, Scorer, StepRollout
+from megatron_empg.trainer.engines.remote import FromEngines, RemoteEngines, Start
+from megatron_empg.trainer.engines.rollout import EngineLost, RolloutStage
+from megatron_empg.trainer.run.start import write_hf_config
 from megatron_empg.weight_sync.bridge import SyncGroups, SyncReport
 
 Score = Callable[[list[list[int]]], Tensor]  # the trainer's log-probs of probe sequences
@@ -171,8 +171,8 @@ def _push(
 
 
 class ColocatedEngines:
-    """Engines on the training ranks (``trainer.rollout.RolloutStage``): a step's rollout is drawn
-    when it starts (``trainer.collect.RolloutCollector``), then they sleep until the push wakes
+    """Engines on the training ranks (``trainer.engines.rollout.RolloutStage``): a step's rollout is drawn
+    when it starts (``trainer.engines.collect.RolloutCollector``), then they sleep until the push wakes
     them, their weights first, their KV cache after."""
 
     signal = 0  # the training ranks' own signals are the loop's
@@ -260,7 +260,7 @@ class ColocatedEngines:
 
 class DisaggregatedEngines:
     """Engines on ranks of their own, one engine behind training rank 0 to the training ranks
-    (``trainer.remote.RemoteEngines``: rank 0 holds the link and shares what it receives).
+    (``trainer.engines.remote.RemoteEngines``: rank 0 holds the link and shares what it receives).
 
     ``rollout.max_staleness`` 0: each step's rollout is received when the step starts and the
     gate probes the weights as they are pushed. k >= 1: the engines run ahead; what they send is

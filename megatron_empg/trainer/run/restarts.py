@@ -2,14 +2,14 @@
 
 The launchers (``launchers/torchrun.sh``, ``launchers/slurm/train.sbatch``) run an attempt, then ask:
 
-    python -m megatron_empg.trainer.restarts CONFIG [overrides] --attempt N --started T --status S [--signalled]
+    python -m megatron_empg.trainer.run.restarts CONFIG [overrides] --attempt N --started T --status S [--signalled]
 
 which appends the attempt to ``<logging.dir>/restarts.jsonl`` and exits 0 when the run is to be
 started again with ``--resume``, 1 when not (it prints the reason either way). Before an attempt,
 ``--begin`` removes the previous attempt's restart request. Torch-free (it runs in the launcher).
 
 A run is restarted when it ended restartable: a rank declared a hang or a lost peer
-(``<logging.dir>/restart-request.json`` written during the attempt, ``trainer.watchdog``), the
+(``<logging.dir>/restart-request.json`` written during the attempt, ``trainer.run.watchdog``), the
 launcher's child exited with ``RESTARTABLE_EXIT`` or was killed by a signal the launcher did not
 send, or a rank's heartbeat ended without a word (a process killed with no crash reported, and no
 rank crashed). It is not restarted after a clean end (status 0), a configuration error (status 2),
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_empg.config import ConfigError, RunConfig, load_config
-from megatron_empg.trainer.watchdog import HEARTBEATS, REQUEST, RESTARTABLE_EXIT, fresh_request
+from megatron_empg.trainer.run.watchdog import HEARTBEATS, REQUEST, RESTARTABLE_EXIT, fresh_request
 
 HISTORY = "restarts.jsonl"
 CONFIG_ERROR_EXIT = 2
@@ -133,7 +133,9 @@ def begin(run_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="megatron_empg.trainer.restarts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="megatron_empg.trainer.run.restarts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")

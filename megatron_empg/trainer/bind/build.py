@@ -9,7 +9,7 @@
 every record of each data file; it starts nothing and touches no device. In order:
 
 1. ``model.attention_backend`` on this machine (``mcore.attention_backends``: ``auto`` becomes a
-   name, ``te`` without Transformer Engine is an error), then the layout on ``world_size`` ranks (``trainer.layout``: heads and groups vs TP, layers vs PP,
+   name, ``te`` without Transformer Engine is an error), then the layout on ``world_size`` ranks (``trainer.bind.layout``: heads and groups vs TP, layers vs PP,
    the prompts' split over DP, the engine and its TP);
 2. each registry name, then each argument dict bound to its function's signature
    (``core.checks.check_keywords``; the KL term by ``core.kl_term.bind_kl``), then one update-pass loss on a tiny random batch through
@@ -20,8 +20,8 @@ every record of each data file; it starts nothing and touches no device. In orde
    of CPU per million rows of DAPO-Math's shape), ``init_from`` (a HF directory's ``config.json`` must
    describe ``model``), ``continue_from``, ``tokenizer``.
 
-5. with the GPU's memory (``device_bytes``), the memory plan of every rank (``trainer.memory_plan``):
-   a run that does not fit is an error listing the changes that would (``trainer.memory_fixes``).
+5. with the GPU's memory (``device_bytes``), the memory plan of every rank (``trainer.bind.memory_plan``):
+   a run that does not fit is an error listing the changes that would (``trainer.bind.memory_fixes``).
 
 ``empg check CONFIG [overrides] --world-size N [--gpu-memory-gib M]`` runs it alone.
 """
@@ -52,7 +52,7 @@ from megatron_empg.rollout.engine import ROUTED_EXPERT_LIMIT
 from megatron_empg.rollout.engines import ENGINES, EngineKind
 from megatron_empg.rollout.rewards import RewardFn
 from megatron_empg.tasks.registry import REWARDS
-from megatron_empg.trainer.layout import Layout, check_layout, engine_kind
+from megatron_empg.trainer.bind.layout import Layout, check_layout, engine_kind
 from megatron_empg.weight_sync.transport import TRANSPORTS
 
 # Arguments the trainer passes itself: a config that sets them is an error.
@@ -96,7 +96,7 @@ def bind(
 ) -> Components:
     """Resolve and check every setting of ``config`` for a run on ``world_size`` ranks (module
     docstring). ``check_paths=False`` skips the files (a machine that cannot see them);
-    ``device_bytes`` (the GPU's memory) also checks the memory plan (``trainer.memory_fixes``).
+    ``device_bytes`` (the GPU's memory) also checks the memory plan (``trainer.bind.memory_fixes``).
 
     Raises ``ConfigError`` naming the dotted field and what was expected."""
     model = config.model_config()
@@ -128,7 +128,7 @@ def bind(
         _check_paths(config, model)
     components = Components(config, model, layout, advantage, loss_fn, stats, reward, engine, transport, attention)
     if device_bytes is not None:
-        from megatron_empg.trainer.memory_fixes import check_memory
+        from megatron_empg.trainer.bind.memory_fixes import check_memory
 
         check_memory(components, world_size, device_bytes, bind=bind)
     return components
@@ -246,7 +246,7 @@ def _field_of(field: str, message: str, sections: dict[str, dict]) -> str:
 
 def _check_router_replay(config: RunConfig, model: ModelConfig, engine: EngineKind) -> None:
     """``algorithm.router_replay: rollout`` needs experts, an engine that returns its routing on
-    some device (whether on this run's: ``trainer.machine.check_machine``, on the nodes, since a
+    some device (whether on this run's: ``trainer.bind.machine.check_machine``, on the nodes, since a
     login node without GPUs binds GPU recipes too), single-turn samples (a search episode's turns
     would need their routing spliced) drawn by one version of the weights (``rollout.partial``
     would mix them)."""

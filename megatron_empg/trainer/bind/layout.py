@@ -1,7 +1,7 @@
 """Where a run's work lands on a world of processes, checked from the config alone.
 
 Torch-free (the config module and PyYAML only): ``launch_check`` runs it on a login node before a
-job is queued, and ``trainer.build.bind`` runs it first of all its checks. Every error is a
+job is queued, and ``trainer.bind.build.bind`` runs it first of all its checks. Every error is a
 ``ConfigError`` naming the dotted field and what was expected.
 
     layout = check_layout(config, config.model_config(), world_size=8)

@@ -14,7 +14,7 @@ installed, as in unit tests). A thread of the watchdog, every ``supervisor.heart
   request (the first rank to do so names the hang directory: an exclusive create), explains the
   hang from every rank's heartbeat (``diagnose``: the ranks that did not arrive, each with its
   phase and step, or the age of its last beat), logs it in one line, writes its stacks and exits
-  with ``RESTARTABLE_EXIT`` (3). The launchers restart a run that exits so (``trainer.restarts``).
+  with ``RESTARTABLE_EXIT`` (3). The launchers restart a run that exits so (``trainer.run.restarts``).
 
 A rank that ends by an exception writes a ``crashed`` beat first, so that a peer whose collective
 then fails can tell a crash (not restartable: the same error would come back) from a rank that is
@@ -45,7 +45,7 @@ from megatron_empg.config import RunConfig
 
 log = logging.getLogger(__name__)
 
-RESTARTABLE_EXIT = 3  # the launchers restart a run that exits with it (trainer.restarts)
+RESTARTABLE_EXIT = 3  # the launchers restart a run that exits with it (trainer.run.restarts)
 
 
 class RestartableError(RuntimeError):

@@ -2,16 +2,16 @@
 ``launchers/torchrun.sh``, ``launchers/slurm/train.sbatch`` (as ``python -m``) and
 ``launchers/nemo_run_launch.py`` (imported) all call ``resolve_launch``.
 
-    python -m megatron_empg.trainer.launch_check --prog NAME --world-size N [--tasks-per-node T]
+    python -m megatron_empg.trainer.bind.launch_check --prog NAME --world-size N [--tasks-per-node T]
         [--gpus-per-node G] [--cpu] [--checked-for TEXT] CONFIG.yaml [a.b.c=value ...]
 
 prints the overrides to run with, one per line (the given ones, then the CPU defaults they do not
 set), or exits with code 2 and ``NAME: error: <field>: <what was expected> (checked for TEXT)``.
 
 Where torch is importable (the launchers in the container) it runs the whole bind step
-(``trainer.build.bind``: every name, argument and limit; the files are left to ``empg train``,
+(``trainer.bind.build.bind``: every name, argument and limit; the files are left to ``empg train``,
 which checks them first thing on the nodes that see them); without torch (a login node with just
-PyYAML, nemo-run's environment) the layout (``trainer.layout``).
+PyYAML, nemo-run's environment) the layout (``trainer.bind.layout``).
 """
 
 from __future__ import annotations
@@ -69,11 +69,11 @@ def resolve_launch(
             f"{run.rollout.tensor_parallel_size} exceeds the {gpus_per_node} GPUs per node (the engine sits on one node)",
         )
     if importlib.util.find_spec("torch") is not None:
-        from megatron_empg.trainer.build import bind
+        from megatron_empg.trainer.bind.build import bind
 
         bind(run, world_size, check_paths=False)
     else:
-        from megatron_empg.trainer.layout import check_layout
+        from megatron_empg.trainer.bind.layout import check_layout
 
         check_layout(run, run.model_config(), world_size)
     return resolved
@@ -81,7 +81,7 @@ def resolve_launch(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_empg.trainer.launch_check",
+        prog="python -m megatron_empg.trainer.bind.launch_check",
         description="Check a launch layout against a config; print the overrides to run with.",
     )
     parser.add_argument("--prog", default="launch_check", help="the launcher's name, for the error message")

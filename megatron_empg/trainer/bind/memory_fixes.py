@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from megatron_empg.config import ConfigError, RunConfig
 from megatron_empg.config.schema import apply_overrides, from_dict, to_dict
-from megatron_empg.trainer.memory_plan import MemoryPlan, PlanOptions, plan_memory
+from megatron_empg.trainer.bind.memory_plan import MemoryPlan, PlanOptions, plan_memory
 
 log = logging.getLogger(__name__)
 FIELD = "train.memory_check"

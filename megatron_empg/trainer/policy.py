@@ -1,0 +1,110 @@
+"""The policy a run trains (Megatron chunks wrapped in DDP, the optimizer, the LR scheduler) and
+its EMA anchor, built from what ``trainer.bind.build.bind`` resolved. Megatron is imported lazily
+(``mcore``), when they are built."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_empg.trainer.bind import machine
+from megatron_empg.trainer.bind.build import Components
+from megatron_empg.trainer.run.start import load_initial_weights
+
+if TYPE_CHECKING:
+    from megatron_empg.mcore.anchor import EmaAnchor
+    from megatron_empg.mcore.parallel_state import ParallelGroups
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """This rank's policy: ``models`` its model chunks (one per virtual pipeline stage) wrapped in
+    Megatron DDP, ``optimizer`` the Megatron optimizer over them, ``scheduler`` its LR schedule."""
+
+    models: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+
+
+def build_policy(components: Components, groups: ParallelGroups) -> Policy:
+    """The policy of ``components`` on this rank's share of ``groups`` (model parallelism set up):
+    its first weights from ``checkpoint.init_from`` (else random), in ``train.params_dtype``."""
+    from megatron_empg.mcore.fusions import fusion_plan
+    from megatron_empg.mcore.model import build_gpt_model, recompute_overrides
+    from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
+
+    cfg, model = components.config, components.model
+    recompute = recompute_overrides(cfg.train.recompute, cfg.train.recompute_num_layers)
+    if recompute:
+        log.info("activation recompute: %s", ", ".join(f"{k}={v}" for k, v in recompute.items()))
+    fusions = fusion_plan(components.attention, cuda=torch.cuda.is_available())
+    log.info("attention %s; %s", components.attention.describe(), fusions.describe())
+    chunks = build_gpt_model(
+        model,
+        cfg.parallel,
+        params_dtype=DTYPES[cfg.train.params_dtype],
+        fusions=fusions,
+        **recompute,
+        **_routing_replay(components),
+    )
+    if cfg.checkpoint.init_from is not None:
+        load_initial_weights(chunks, cfg.checkpoint.init_from, model, cfg, groups)
+    models = wrap_with_ddp(chunks, cfg.optimizer)
+    optimizer = build_optimizer(models, cfg.optimizer)
+    return Policy(models, optimizer, build_scheduler(optimizer, cfg.optimizer))
+
+
+def build_anchor(components: Components, policy: Policy) -> EmaAnchor | None:
+    """The EMA anchor of ``policy`` (built after its optimizer, whose main parameters its master
+    pairs with), or None when the KL needs no anchor model (no KL, or the iterative reference
+    whose anchor is the old pass's policy)."""
+    from megatron_empg.mcore.anchor import EmaAnchor
+
+    config = components.config
+    algorithm = config.algorithm
+    if components.stats.anchor_is_old:
+        log.info(
+            "iterative reference: the KL's anchor is each step's behaviour policy (tau 0 every %d optimizer "
+            "steps), so the old pass's log-probs serve it; no anchor model is kept",
+            algorithm.mini_batches,
+        )
+    if not components.stats.anchor:
+        return None
+    anchor = algorithm.anchor
+    te_fp8 = machine.te_fp8(config)
+    fp8 = (
+        " (Transformer Engine FP8)" if te_fp8 else " (emulated FP8)" if anchor.compute_dtype == "float8_e4m3fn" else ""
+    )
+    log.info(
+        "EMA anchor: tau %g every %d optimizer steps, %s weights%s",
+        anchor.tau,
+        anchor.period,
+        anchor.compute_dtype,
+        fp8,
+    )
+    return EmaAnchor.from_configs(
+        components.model,
+        config.parallel,
+        policy.models,
+        policy.optimizer,
+        tau=anchor.tau,
+        period=anchor.period,
+        first_update=anchor.first_update,
+        compute_dtype=DTYPES[anchor.compute_dtype],
+        master_on_cpu=anchor.master_on_cpu,
+        te_fp8=te_fp8,
+        **_routing_replay(components),
+    )
+
+
+def _routing_replay(components: Components) -> dict[str, bool]:
+    """The model builders' switch for ``algorithm.router_replay: rollout``: routers that replay
+    the engine's experts (``mcore.router_replay``; the micro-batches carry them)."""
+    return {"routing_replay": True} if components.config.algorithm.router_replay == "rollout" else {}
