@@ -1,6 +1,6 @@
 """The repository's documents point only inside it: every relative link of a tracked Markdown file
 resolves, every ``*.md`` a tracked file names exists, and no file names a place outside the
-repository (a fresh clone has only what is tracked)."""
+repository (a fresh clone has only what is tracked); no file holds a merge conflict marker."""
 
 from __future__ import annotations
 
@@ -57,3 +57,13 @@ def test_no_file_names_a_place_outside_the_repository():
         if OUTSIDE.search(line)
     ]
     assert not outside, outside
+
+
+def test_no_tracked_file_holds_a_merge_conflict_marker():
+    marker = re.compile(r"^(<{7} |>{7} )", re.M)
+    found = [
+        str(path.relative_to(REPO))
+        for path in _tracked()
+        if path.is_file() and marker.search(path.read_text(errors="replace"))
+    ]
+    assert not found, found
