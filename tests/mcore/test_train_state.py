@@ -169,12 +169,12 @@ def _save_old_and_load(rank: int, world_size: int, root: str) -> dict:
                 optimizer_steps=0,
             )
             trainer._checkpoint_parts = lambda trainer=trainer: Trainer._checkpoint_parts(trainer)
-            trainer.run.bad_steps.in_a_row = ["left from before the load"]
+            trainer.bad_steps.in_a_row = ["left from before the load"]
             state = Trainer._load_training_state(trainer, path)
             out[bad_steps] = {
                 "state": state,
                 "loop": (trainer.step_index, trainer.optimizer_steps, run.anchor.num_updates),
-                "bad_steps": trainer.run.bad_steps.state_dict(),
+                "bad_steps": trainer.bad_steps.state_dict(),
             }
     finally:
         run.close()
