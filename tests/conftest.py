@@ -1,12 +1,28 @@
 """Fixtures shared by the test packages, built once per session (trainer and launcher tests): the CPU
 demo's warm start, and a one-process run of the small demo config that multi-rank runs are checked
-against."""
+against; the order in which the test files run."""
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import pytest
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The files with the most expensive tests first (each file's tests in their order): ``make
+    test`` hands whole files to its workers (``--dist loadfile``) in this order, so the long ones
+    start early and the short ones fill in behind them instead of one worker finishing a long file
+    alone. A slow test weighs 3, one that starts processes or ranks 1, any other 0."""
+    weight = collections.Counter()
+    for item in items:
+        if item.get_closest_marker("slow"):
+            weight[item.path] += 3
+        elif any(item.get_closest_marker(m) for m in ("dist", "process", "vllm", "slurm")):
+            weight[item.path] += 1
+    first_seen = {path: i for i, path in reversed(list(enumerate(item.path for item in items)))}
+    items.sort(key=lambda item: (-weight[item.path], first_seen[item.path]))
 
 
 @pytest.fixture(scope="session")
