@@ -39,11 +39,11 @@ $(LAUNCH_VENV)/.installed: launchers/requirements-nemo-run.txt
 # Two pytest workers, a test file each at a time (session fixtures are built once per worker).
 TEST_WORKERS ?= 2
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The inner loop: the tests that start no process (no gloo ranks, engines, empg train, launchers or Slurm).
 test-fast: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not dist and not vllm and not slow and not slurm and not process"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not dist and not vllm and not slow and not slurm and not process"
 
 # ruff's formatter and linter, as configured in pyproject.toml (.ci/run runs it before the tests).
 lint: venv

@@ -12,9 +12,11 @@ import pytest
 
 def pytest_collection_modifyitems(config, items) -> None:
     """The files with the most expensive tests first (each file's tests in their order): ``make
-    test`` hands whole files to its workers (``--dist loadfile``) in this order, so the long ones
-    start early and the short ones fill in behind them instead of one worker finishing a long file
-    alone. A slow test weighs 3, one that starts processes or ranks 1, any other 0."""
+    test`` hands whole files to its workers in this order (``--dist loadfile
+    --no-loadscope-reorder``; xdist's own order puts the files with the most tests first, and the
+    long multi-rank files, with few tests each, last), so the long ones start early and the short
+    ones fill in behind them instead of one worker finishing a long file alone. A slow test weighs
+    3, one that starts processes or ranks 1, any other 0."""
     weight = collections.Counter()
     for item in items:
         if item.get_closest_marker("slow"):
