@@ -64,6 +64,16 @@ def test_phase_timeouts_scale_with_the_step_unless_set():
     assert phase_timeouts(set_one)["update"] == 7 and phase_timeouts(set_one)["old_pass"] == small["old_pass"]
 
 
+def test_phase_timeouts_of_an_engine_at_the_model_context_use_the_model_context():
+    """``rollout.max_model_len`` null: the engine takes the model's ``max_position_embeddings``."""
+    config = load_config(RunConfig, str(REPO / "recipes/demo_cpu.yaml"), ["rollout.max_model_len=null"])
+    context = config.model_config().max_position_embeddings
+    at_context = load_config(RunConfig, str(REPO / "recipes/demo_cpu.yaml"), [f"rollout.max_model_len={context}"])
+    assert phase_timeouts(config) == phase_timeouts(at_context)
+    tokens = config.train.prompts_per_step * config.rollout.sampling.n * context
+    assert phase_timeouts(config)["rollout"] == pytest.approx(1200 + 2e-3 * tokens)
+
+
 def test_a_phase_past_its_deadline_dumps_the_stacks_and_exits_restartable(tmp_path):
     stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:

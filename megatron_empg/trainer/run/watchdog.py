@@ -79,8 +79,10 @@ AUTO_TIMEOUTS: dict[str, tuple[float, float]] = {
 
 
 def phase_timeouts(config: RunConfig) -> dict[str, float]:
-    """Seconds each phase may last: ``supervisor.phase_timeout_s`` where set, else ``AUTO_TIMEOUTS``."""
-    tokens = config.train.prompts_per_step * config.rollout.sampling.n * config.rollout.max_model_len
+    """Seconds each phase may last: ``supervisor.phase_timeout_s`` where set, else ``AUTO_TIMEOUTS``
+    (``rollout.max_model_len`` null: the model's context, as the engine takes it)."""
+    max_model_len = config.rollout.max_model_len or config.model_config().max_position_embeddings
+    tokens = config.train.prompts_per_step * config.rollout.sampling.n * max_model_len
     timeouts = {name: floor + per_token * tokens for name, (floor, per_token) in AUTO_TIMEOUTS.items()}
     timeouts.update({k: v for k, v in dataclasses.asdict(config.supervisor.phase_timeout_s).items() if v is not None})
     return timeouts
