@@ -55,6 +55,28 @@ NEMO_RUN_LAUNCH = REPO / "launchers" / "nemo_run_launch.py"
 CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"]
 CPU_DEFAULTS = "rollout.in_process=false weight_sync.transport=shm_file"
 JOB_TIMEOUT_S = 240  # one run: ~40 s of start-up (vLLM engine, Megatron) and a few steps
+# A training rank's steps, while the file EMPG_TEST_PACE exists, each followed by a 2 s pause (and
+# the file's .used sibling touched, so that the test knows the pause took effect).
+PACE_STEPS = """
+import os
+import time
+from pathlib import Path
+
+if "SLURM_PROCID" in os.environ and os.environ.get("EMPG_TEST_PACE"):  # an srun task (empg sets RANK later)
+    import megatron_empg.trainer.loop as loop
+
+    _step = loop.Trainer.step
+
+    def step(self):
+        out = _step(self)
+        pace = Path(os.environ["EMPG_TEST_PACE"])
+        if pace.exists():
+            pace.with_suffix(".used").touch()
+            time.sleep(2.0)
+        return out
+
+    loop.Trainer.step = step
+"""
 
 
 def _write_config(tmp_path: Path, warm_start: Path, steps: int, interval: int = 1) -> tuple[Path, dict]:
@@ -166,11 +188,19 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, small
     must have survived the signal). Once the ranks report the step N they stopped after, the config
     is cut to N + 1 steps for the requeued run, which starts once its credential lifetime has passed
     (``CRED_EXPIRE_S``). Every step, before and after the requeue, equals the uninterrupted run in
-    one process (two engines, one per replica: the digests are each one's share of the samples)."""
+    one process (two engines, one per replica: the digests are each one's share of the samples).
+
+    Until the signal has landed, the ranks pause after each step (``PACE_STEPS``): the signal takes
+    its time through Slurm on a loaded machine, and the steps it lands after must be within the
+    reference run's."""
     config, data = _write_config(tmp_path, warm_start, steps=1000, interval=1)
     log = tmp_path / "job.out"
     run = tmp_path / "run"
-    job = _sbatch(slurm, log, str(config))
+    hook, pace = tmp_path / "hook", tmp_path / "pace"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PACE_STEPS)
+    pace.touch()
+    job = _sbatch(slurm, log, str(config), env={"PYTHONPATH": f"{hook}:{REPO}", "EMPG_TEST_PACE": str(pace)})
     metrics = run / "metrics.jsonl"  # two whole records: two newlines
     slurm.wait_job(
         job, lambda f: metrics.exists() and metrics.read_text().count("\n") >= 2, JOB_TIMEOUT_S, "2 steps in", log
@@ -181,6 +211,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, warm_start, small
     stops = re.findall(stop, log.read_text())
     assert sorted(rank for rank, _ in stops) == ["0", "1"] and stops[0][1] == stops[1][1], stops
     stopped = int(stops[0][1])
+    pace.unlink()  # the requeued run at full speed
+    assert pace.with_suffix(".used").exists()  # the ranks did pause
     assert stopped + 1 <= REFERENCE_STEPS, stopped
     data["train"]["steps"] = stopped + 1
     config.write_text(yaml.safe_dump(data))
