@@ -36,6 +36,7 @@ from megatron_empg.config import (  # noqa: E402
     field_docs,
     literal_choices,
 )
+from megatron_empg.config.schema import unwrap_optional  # noqa: E402
 
 OUTPUT = REPO / "docs/configuration.md"
 COMMAND = ".venv/bin/python tools/config_docs.py"
@@ -72,21 +73,12 @@ field of a config class type is a nested section."""
 # The tree of sections.
 
 
-def _unwrap(tp: Any) -> Any:
-    """``X | None`` -> ``X`` (other types as they are)."""
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
 def sections(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, type]]:
     """(dotted prefix, class) of ``cls`` and every config class under it, depth first in field order."""
     out = [(prefix, cls)]
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
-        inner = _unwrap(hints[field.name])
+        inner = unwrap_optional(hints[field.name])
         if dataclasses.is_dataclass(inner):
             out += sections(inner, f"{prefix}.{field.name}" if prefix else field.name)
     return out

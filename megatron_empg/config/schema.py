@@ -324,7 +324,8 @@ def to_yaml(obj: Any) -> str:
 # Dotted overrides.
 
 
-def _unwrap_optional(tp: Any) -> Any:
+def unwrap_optional(tp: Any) -> Any:
+    """``X | None`` -> ``X`` (other types as they are)."""
     if typing.get_origin(tp) in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
@@ -334,7 +335,7 @@ def _unwrap_optional(tp: Any) -> Any:
 
 def _is_free_form(tp: Any) -> bool:
     """A field whose keys are not fixed by the schema (``dict``, ``dict[K, V]``, ``Any``)."""
-    tp = _unwrap_optional(tp)
+    tp = unwrap_optional(tp)
     return tp is dict or typing.get_origin(tp) is dict or tp is Any
 
 
@@ -383,7 +384,7 @@ def apply_overrides(data: Mapping, overrides: Iterable[str], *, cls: type | None
                 node[part] = value
                 break
             if cls is not None and not free:
-                inner = _unwrap_optional(tp)
+                inner = unwrap_optional(tp)
                 if _is_free_form(tp):
                     tp = None  # everything below is free-form
                 elif dataclasses.is_dataclass(inner):
