@@ -5,9 +5,30 @@ against; the order in which the test files run."""
 from __future__ import annotations
 
 import collections
+import os
 from pathlib import Path
 
 import pytest
+
+
+def _cpu_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def pytest_report_header(config) -> str:
+    """The vector width torch's CPU kernels run at (``ATEN_CPU_CAPABILITY`` lowers it): summation
+    orders, and so the last bits of every float, depend on it (docs/testing.md)."""
+    return f"torch CPU capability: {_cpu_capability()} (ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY')})"
+
+
+def pytest_sessionstart(session) -> None:
+    """A capability asked for and not granted (a name torch does not know, or one above the CPU's)
+    would run the suite at the native width while claiming another: stop instead."""
+    wanted = os.environ.get("ATEN_CPU_CAPABILITY")
+    if wanted and _cpu_capability().lower() != wanted.lower():
+        pytest.exit(f"ATEN_CPU_CAPABILITY={wanted} but torch runs at {_cpu_capability()}", returncode=2)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

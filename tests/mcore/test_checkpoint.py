@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -31,15 +32,15 @@ from megatron_empg.config import OptimizerConfig, ParallelConfig, load_model_con
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.mcore import checkpoint as ckpt
 from megatron_empg.mcore.checkpoint import save as ckpt_save
+from tests.adam_bound import assert_grads_close, assert_params_within_adam_bound, named_applied_grads
 from tests.dist import run_distributed
-from tests.mcore.test_train_step import MODEL, OPTIM, K, N, S, loss_fn
+from tests.mcore.test_train_step import ADAM_EPS, MODEL, OPTIM, K, N, S, loss_fn
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
 
 STEPS = 4  # the RL step of test_train_step (model, batch shape, loss and optimizer settings)
 TAU = 0.5  # anchor EMA factor
 EXACT = dict(rtol=0.0, atol=0.0)  # resume at the same layout: the same float ops in the same order
-TOL = dict(rtol=1e-5, atol=1e-5)  # across layouts (TP regroups matmuls and reductions)
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,6 +101,8 @@ class _Run:
         )
         self.cursor = 0
         self.losses: list[float] = []
+        self.grads: list[dict] = []  # per step, the gradients Adam applied (tests.adam_bound)
+        self.lrs: list[float] = []
 
     def step(self) -> None:
         from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
@@ -120,6 +123,8 @@ class _Run:
         )
         self.anchor.update()
         self.losses.append(result.metrics["loss"])
+        self.grads.append(named_applied_grads(self.chunks, self.ddp, self.optimizer))
+        self.lrs.append(result.lr)
         self.cursor += 1
 
     def save(self, root: str, **options) -> Path:  # options: keep_last, optimizer_format
@@ -170,6 +175,8 @@ class _Run:
             "sched_steps": self.scheduler.num_steps,
             "anchor": self.anchor.full_master_state(),
             "losses": list(self.losses),
+            "grads": list(self.grads),
+            "lrs": list(self.lrs),
             "cursor": self.cursor,
             "tp_rank": self.groups.tp_rank,
             "tp": self.groups.tp_size,
@@ -416,6 +423,7 @@ def test_resume_dp2_distributed_optimizer_equals_uninterrupted_run(results):
         _assert_same_state(resumed["final"], results["dp2_straight"][rank], f"dp2 rank {rank} 2+2 vs 4 steps")
 
 
+@pytest.mark.layout
 @pytest.mark.parametrize("source", ["tp2", "pp2", "dp2"])
 def test_checkpoint_loads_at_another_layout_and_training_continues(results, source):
     """Saved at TP2, PP2 or DP2 (distributed optimizer) in a world of 2, loaded at TP1/PP1/DP1."""
@@ -441,12 +449,25 @@ def test_checkpoint_loads_at_another_layout_and_training_continues(results, sour
     # the next step at the new layout gives the loss and parameters of the old layout's next step
     next_loss = saved_ranks[-1]["after"]["losses"][-1]  # the last pipeline stage computes it
     assert target["final"]["losses"] == pytest.approx([next_loss], rel=0, abs=1e-5)
+    # (the parameters within Adam's bound for the two sides' gradients of that step, the history
+    # before it being loaded exactly: tests.adam_bound)
     for rank, saved_rank in enumerate(saved_ranks):
         after = saved_rank["after"]
         for name, (shard, partition) in after["params"].items():
-            full = target["final"]["params"][name][0]
-            piece = tp_slice(full, partition, after["tp_rank"], after["tp"])
-            torch.testing.assert_close(piece, shard, **TOL, msg=lambda m: f"{source} after one more step {name}: {m}")
+            mine = partial(tp_slice, partition=partition, tp_rank=after["tp_rank"], tp_size=after["tp"])
+            grads = [step[name] for step in after["grads"]]
+            (step,) = target["final"]["grads"]
+            target_grads = grads[:-1] + [mine(step[name])]
+            assert_grads_close(target_grads[-1], grads[-1], f"{source} step {len(grads)} gradient of {name}")
+            assert_params_within_adam_bound(
+                mine(target["final"]["params"][name][0]),
+                shard,
+                target_grads,
+                grads,
+                after["lrs"],
+                eps=ADAM_EPS,
+                what=f"{source} after one more step {name}",
+            )
 
 
 def test_crash_before_commit_leaves_only_a_temp_dir(results):

@@ -14,10 +14,11 @@ import torch
 from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig, load_model_config
 from megatron_empg.mcore import checkpoint as ckpt
 from megatron_empg.trainer.batching.batch import MicroBatchPlan, micro_batches
+from tests.adam_bound import applied_grads, assert_grads_close, assert_params_within_adam_bound
 from tests.dist import run_distributed
-from tests.trainer.test_cp_training import BUDGET, CP, MODEL, _samples
+from tests.trainer.test_cp_training import ADAM_EPS, BUDGET, CP, MODEL, _samples
 
-pytestmark = [pytest.mark.dist, pytest.mark.megatron]
+pytestmark = [pytest.mark.dist, pytest.mark.megatron, pytest.mark.layout]
 
 
 class _Run:
@@ -32,7 +33,7 @@ class _Run:
         self.parallel = ParallelConfig(context_parallel_size=cp)
         self.groups = initialize_model_parallel(self.parallel, seed=9)
         self.chunks = build_gpt_model(self.cfg, self.parallel)
-        settings = OptimizerConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6, use_distributed_optimizer=True)
+        settings = OptimizerConfig(lr=1e-3, clip_grad=1.0, adam_eps=ADAM_EPS, use_distributed_optimizer=True)
         self.ddp = wrap_with_ddp(self.chunks, settings)
         self.optimizer = build_optimizer(self.ddp, settings)
         self.scheduler = build_scheduler(self.optimizer, settings)
@@ -43,6 +44,8 @@ class _Run:
             LossConfig(kl="k3", kl_coef=0.1, agg_mode="seq-mean-token-mean"), vocab_size=self.cfg.vocab_size, topk=1
         )
         self.cursor = 0
+        self.grads: list[dict] = []  # per step, the gradients Adam applied (tests.adam_bound)
+        self.lrs: list[float] = []
 
     def step(self) -> float:
         from megatron_empg.mcore.step import StatsRequest, forward_stats, train_step
@@ -61,6 +64,9 @@ class _Run:
         result = train_step(self.ddp, self.optimizer, self.scheduler, micro, self.loss, groups=self.groups)
         self.anchor.update()
         self.cursor += 1
+        by_id = applied_grads(self.ddp, self.optimizer)
+        self.grads.append({n: by_id[id(p)] for n, p in self.chunks[0].named_parameters()})
+        self.lrs.append(result.lr)
         return result.metrics["loss"]
 
     def save(self, root: str) -> str:
@@ -85,6 +91,8 @@ class _Run:
         return {
             "params": {n: p.detach().clone() for n, p in self.chunks[0].named_parameters()},
             "anchor": self.anchor.full_master_state(),
+            "grads": list(self.grads),
+            "lrs": list(self.lrs),
         }
 
     def close(self) -> None:
@@ -129,15 +137,35 @@ def _assert_states(actual: dict, expected: dict, tol: dict, what: str) -> None:
             torch.testing.assert_close(actual[part][name], value, **tol, msg=lambda m: f"{what} {part} {name}: {m}")
 
 
+def _assert_step_after_load(actual: dict, expected: dict, what: str) -> None:
+    """One step after the same loaded state at two layouts: the gradients tightly, the parameters
+    within Adam's bound for the two steps' gradients (the history before it loaded exactly;
+    ``tests.adam_bound``), and the anchor master within the same bound: its EMA update mixes the
+    shared old master with the parameter, which moves it by at most as much."""
+    (step,) = actual["grads"]
+    for name, value in expected["params"].items():
+        history = [g[name] for g in expected["grads"]]
+        grads = history[:-1] + [step[name]]
+        assert_grads_close(grads[-1], history[-1], f"{what} gradient of {name}")
+        for got, want in (
+            (actual["params"][name], value),
+            (actual["anchor"][f"0.{name}"], expected["anchor"][f"0.{name}"]),
+        ):
+            assert_params_within_adam_bound(
+                got, want, grads, history, expected["lrs"], eps=ADAM_EPS, what=f"{what} {name}"
+            )
+    assert actual["anchor"].keys() == expected["anchor"].keys() == {f"0.{n}" for n in expected["params"]}
+
+
 def test_saved_at_cp2_loads_at_cp1_and_back(tmp_path):
-    exact, close = dict(rtol=0, atol=0), dict(rtol=1e-5, atol=1e-5)
+    exact = dict(rtol=0, atol=0)
     cp2 = run_distributed(_save_at, 2, str(tmp_path), None, timeout=300)
     for rank in (0, 1):  # the CP ranks hold the same weights and (gathered) anchor master
         _assert_states(cp2[rank]["saved"], cp2[0]["saved"], exact, f"cp2 rank {rank}")
     (cp1,) = run_distributed(_load_and_step, 1, cp2[0]["path"], timeout=300)
     _assert_states(cp1["loaded"], cp2[0]["saved"], exact, "loaded at CP 1")
     assert cp1["next_loss"] == pytest.approx(cp2[0]["next_loss"], rel=1e-5)
-    _assert_states(cp1["after"], cp2[0]["after"], close, "the step after, CP 1 vs CP 2")
+    _assert_step_after_load(cp1["after"], cp2[0]["after"], "the step after, CP 1 vs CP 2")
     # and back: saved at CP 1 (after that step), loaded at CP 2
     (saved_cp1,) = run_distributed(_save_at, 1, str(tmp_path), cp2[0]["path"], timeout=300)
     back = run_distributed(_load_and_step, 2, saved_cp1["path"], timeout=300)

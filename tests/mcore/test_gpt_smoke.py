@@ -21,7 +21,7 @@ from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.weights import global_name, layer_offset, load_full_state_dict, tp_partition, tp_slice
 from tests.dist import run_distributed
 
-pytestmark = [pytest.mark.dist, pytest.mark.megatron]
+pytestmark = [pytest.mark.dist, pytest.mark.megatron, pytest.mark.layout]
 
 VOCAB, SEQ, MICRO_BATCH, NUM_MICROBATCHES, NUM_LAYERS = 128, 16, 2, 2, 4
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (TP, PP)

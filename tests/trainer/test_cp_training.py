@@ -4,7 +4,8 @@ segment_multiple``), each CP rank with its share of every row (``parallel.contex
 split_microbatch``), through the old pass and 3 optimizer steps (``mcore.step``), against the
 one-process run on the whole rows: the old pass's per-token log-probs (each rank's share gathered
 back into the rows), each step's loss, policy loss, KL and entropy, the gradient norms and the
-parameters after the 3 steps. In every aggregation mode (the seq-mean modes divide each sequence
+parameters after the 3 steps (the first step's gradients tightly, the parameters within Adam's
+bound for the two runs' gradients: ``tests.adam_bound``). In every aggregation mode (the seq-mean modes divide each sequence
 by its tokens over the CP ranks), with K3, a reverse and a forward Top-k KL and an RPG penalty; at
 CP 2, CP 2 x TP 2 and CP 2 x PP 2. The samples have odd lengths, so the padding to 2 x CP falls
 inside the sequences' last chunks.
@@ -24,6 +25,7 @@ MODEL = "tiny-qwen2"
 STEPS = 3
 CP = 2
 BUDGET = 96  # tokens per CP rank: a full row holds CP x as many
+ADAM_EPS = 1e-6  # any eps works: the parameter bound follows from it (tests.adam_bound)
 
 
 def _samples(count: int = 8, vocab: int = 250) -> list[Sample]:
@@ -56,6 +58,7 @@ def _train(
     from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.parallel.context_parallel import CpChunks, split_microbatch
     from megatron_empg.trainer.bind.build import bind_loss
+    from tests.adam_bound import applied_grads
 
     model = load_model_config(MODEL)
     cp = parallel.context_parallel_size
@@ -68,7 +71,7 @@ def _train(
         loss, plan_stats = bind_loss(_loss(kl, agg_mode), vocab_size=model.vocab_size, topk=4)
         groups = initialize_model_parallel(parallel, seed=5)  # the same initial weights each time
         try:
-            settings = OptimizerConfig(lr=1e-3, clip_grad=0.0, adam_eps=1e-6)  # eps: see test_packing
+            settings = OptimizerConfig(lr=1e-3, clip_grad=0.0, adam_eps=ADAM_EPS)
             chunks = build_gpt_model(model, parallel)
             if initial is None:  # the reference: its own random initialization is everybody's
                 results["initial"] = {k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
@@ -95,12 +98,18 @@ def _train(
                     order = CpChunks.from_cu_seqlens(mb.cu_seqlens, cp, groups.cp_rank).full_order()
                     share = torch.cat(parts, dim=1)[:, order]
                 rows.append(share)
-            steps = [train_step(ddp, optimizer, scheduler, micro, loss, groups=groups) for _ in range(STEPS)]
+            steps, grads = [], []
+            for _ in range(STEPS):
+                steps.append(train_step(ddp, optimizer, scheduler, micro, loss, groups=groups))
+                by_id = applied_grads(ddp, optimizer)
+                grads.append({n: by_id[id(p)] for n, p in ddp[0].module.named_parameters()})
             results[agg_mode, kl] = {
                 "old": rows,
                 "masks": [mb.loss_mask for mb in full],
                 "metrics": [s.metrics for s in steps],
                 "grad_norms": [s.grad_norm for s in steps],
+                "lrs": [s.lr for s in steps],
+                "grads": grads,
                 "tp_rank": groups.tp_rank,
                 "params": {n: p.detach().clone() for n, p in ddp[0].module.named_parameters()},
                 "pp_rank": groups.pp_rank,
@@ -142,6 +151,7 @@ def reference() -> dict:
 
 @pytest.mark.dist
 @pytest.mark.megatron
+@pytest.mark.layout
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(CASES))
 def test_context_parallel_trains_like_one_rank(case, reference):
@@ -167,21 +177,32 @@ def test_context_parallel_trains_like_one_rank(case, reference):
 
 
 def _assert_params(ours: dict, ref: dict, tp: int, pp: int, what: str) -> None:
-    """This rank's parameter shards against the same slice of the one-process parameters (1e-5: 1 %
-    of lr, as test_packing)."""
+    """This rank's first-step gradients tightly, and its parameter shards within Adam's bound for
+    the two runs' gradients, against the same slice of the one-process run's (``tests.adam_bound``)."""
     from megatron_empg.config import load_model_config as load
     from megatron_empg.mcore.weights import global_name
+    from tests.adam_bound import assert_grads_close, assert_params_within_adam_bound
 
     layers = load(MODEL).num_layers // pp
     for name, shard in ours["params"].items():
         full_name = global_name(name, ours["pp_rank"] * layers)
         full = ref["params"][full_name]
-        if shard.shape != full.shape:  # a TP shard: rows (column-parallel) or columns (row-parallel)
+
+        def mine(full: torch.Tensor) -> torch.Tensor:
+            if shard.shape == full.shape:
+                return full
+            # a TP shard: rows (column-parallel) or columns (row-parallel)
             dim = next(d for d in range(full.dim()) if shard.shape[d] != full.shape[d])
             stride = 2 if "linear_fc1" in name else 1  # fc1 stacks [gate; up]
             pieces = torch.split(full, full.shape[dim] // (tp * stride), dim=dim)
-            full = torch.cat(pieces[ours["tp_rank"] :: tp], dim=dim)
-        torch.testing.assert_close(shard, full, rtol=0, atol=1e-5, msg=f"{what} {name}")
+            return torch.cat(pieces[ours["tp_rank"] :: tp], dim=dim)
+
+        grads = [step[name] for step in ours["grads"]]
+        ref_grads = [mine(step[full_name]) for step in ref["grads"]]
+        assert_grads_close(grads[0], ref_grads[0], f"{what} {name} step 1 gradient")
+        assert_params_within_adam_bound(
+            shard, mine(full), grads, ref_grads, ref["lrs"], eps=ADAM_EPS, what=f"{what} {name}"
+        )
 
 
 # ---------------------------------------------------------------------------- the layout, unit

@@ -110,11 +110,26 @@ def test_forward_rows_of_three_update_rows_train_as_the_update_rows(tmp_path, wa
         run_distributed(_parameters, 1, str(run / "checkpoints" / "step_00000003"))[0]
         for run in (tmp_path / "forward", packed_run)
     )
+    _assert_same_parameters(ours, reference, [r["actor/lr"] for r in packed])
+
+
+def _assert_same_parameters(ours: dict, reference: dict, lrs: list[float]) -> None:
+    """Two runs' checkpointed weights after the same Adam steps from the same warm start, where the
+    runs' gradients differed by rounding: no gradients are recorded here, so each element within the
+    most that Adam's updates at ``lrs`` can put between two runs, 2 lr_t R_t per step
+    (``tests.adam_bound``; ~1e-4 at the demo's warmup LRs). That finds a wrong, stale or mixed-up
+    tensor (the weights are ~1e-2); the update's fine detail per layout is what the Megatron-level
+    tests check within the tight bound (test_packing, test_cp_training)."""
+    from tests.adam_bound import adam_step_bound, rounding_slack
+
+    reach = 2 * sum(adam_step_bound(lr, step) for step, lr in enumerate(lrs, start=1))
     assert ours.keys() == reference.keys() and len(reference) > 5
-    # fp32; Adam moves a weight by up to ~lr (3e-5) on rounding-level gradient differences where its
-    # gradient is near 0 (tests/trainer/test_packing.py), so 3 steps of lr <= 3e-5 bound any difference
+    weights = torch.cat([t.double().flatten() for t in reference.values()])
+    assert 0 < reach < 1e-2 * float(weights.square().mean().sqrt())  # far below the weights' size
     for name, tensor in reference.items():
-        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-5, msg=name)
+        slack = rounding_slack(tensor, lrs)
+        excess = (ours[name].double() - tensor.double()).abs() - reach - slack
+        assert float(excess.max()) <= 0, f"{name}: {float(excess.max()):.3g} past Adam's reach {reach:.3g}"
 
 
 @pytest.mark.dist
@@ -156,6 +171,4 @@ def test_context_parallel_two_ranks_train_as_one(tmp_path, warm_start, packed_ru
         run_distributed(_parameters, 1, str(run / "checkpoints" / "step_00000003"))[0]
         for run in (tmp_path / "cp2", packed_run)
     )
-    assert ours.keys() == reference.keys() and len(reference) > 5
-    for name, tensor in reference.items():  # as above: Adam, lr <= 3e-5, 3 steps
-        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-5, msg=name)
+    _assert_same_parameters(ours, reference, [r["actor/lr"] for r in packed])
