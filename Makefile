@@ -4,7 +4,7 @@ VENV ?= .venv
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 
-.PHONY: venv launch-venv test test-fast lint demo clean-venv
+.PHONY: venv launch-venv test test-fast test-portable lint demo clean-venv
 
 venv: $(VENV)/.installed
 
@@ -44,6 +44,14 @@ test: venv
 # The inner loop: the tests that start no process (no gloo ranks, engines, empg train, launchers or Slurm).
 test-fast: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not dist and not vllm and not slow and not slurm and not process"
+
+# The layout-equality tests (marker `layout`: TP/PP/VPP/CP/EP/DP, packing, micro-batch counts, fused
+# ops against one process or the unfused path) again at a second CPU vector width, so that a
+# tolerance that holds on one CPU only cannot land (docs/testing.md, "Portable across CPUs"). The
+# width: one below this machine's (AVX-512 -> avx2, else default); PORTABLE_CAPABILITY overrides.
+PORTABLE_CAPABILITY ?= $(shell $(PY) -c "import torch; print({'AVX512': 'avx2'}.get(torch.backends.cpu.get_cpu_capability(), 'default'))" 2>/dev/null)
+test-portable: venv
+	ATEN_CPU_CAPABILITY=$(PORTABLE_CAPABILITY) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m layout
 
 # ruff's formatter and linter, as configured in pyproject.toml (.ci/run runs it before the tests).
 lint: venv
