@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from megatron_empg.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
-from megatron_empg.mcore.experts import moe_overrides
 from megatron_empg.mcore.fusions import FusionPlan, fusion_plan, install_wgrad_accumulation
+from megatron_empg.mcore.moe.layout import moe_overrides
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -79,7 +79,7 @@ def transformer_config(
     ``qk_layernorm``, dropout 0. ``attention``: the resolved ``model.attention_backend`` (None:
     resolve it here), which picks the TE or the local implementation. ``fusions``: the fusion
     switches (None: ``mcore.fusions.fusion_plan`` for this machine). ``routing_replay``: the routers
-    can replay given experts (``mcore.router_replay``; a mixture of experts only). ``overrides`` are
+    can replay given experts (``mcore.moe.replay``; a mixture of experts only). ``overrides`` are
     any other ``TransformerConfig`` fields (they win over both).
     """
     cpu_shims.import_megatron()
@@ -299,7 +299,7 @@ def build_gpt_model(
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         chunk.to(dtype=params_dtype)  # local-spec norms are created in float32
         if config.moe_enable_routing_replay:
-            from megatron_empg.mcore.router_replay import install
+            from megatron_empg.mcore.moe.replay import install
 
             install([chunk])
         if on_cuda and not meta_device:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_empg.mcore import cpu_shims
-from megatron_empg.mcore.experts import expert_offset, is_expert_parameter, shift_experts
+from megatron_empg.mcore.moe.layout import expert_offset, is_expert_parameter, shift_experts
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel

@@ -106,5 +106,5 @@ def build_anchor(components: Components, policy: Policy) -> EmaAnchor | None:
 
 def _routing_replay(components: Components) -> dict[str, bool]:
     """The model builders' switch for ``algorithm.router_replay: rollout``: routers that replay
-    the engine's experts (``mcore.router_replay``; the micro-batches carry them)."""
+    the engine's experts (``mcore.moe.replay``; the micro-batches carry them)."""
     return {"routing_replay": True} if components.config.algorithm.router_replay == "rollout" else {}

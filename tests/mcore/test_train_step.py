@@ -210,7 +210,7 @@ def _assert_same_history(actual: list, expected: list, what: str) -> None:
 
 
 def _assert_same_params(rank_result: dict, reference_params: dict, what: str) -> None:
-    from megatron_empg.mcore.experts import is_expert_parameter
+    from megatron_empg.mcore.moe.layout import is_expert_parameter
     from megatron_empg.mcore.weights import tp_slice
 
     for name, (shard, partition) in rank_result["params"].items():

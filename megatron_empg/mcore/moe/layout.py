@@ -27,7 +27,7 @@ def moe_overrides(
     gives the weights without renormalization. The router runs in float32, as HF's softmax does.
     ``expert_model_parallel_size`` must be in the config as well as in the process groups: without it
     the experts' gradients are reduced as if every rank held the same experts. ``routing_replay``:
-    a ``RouterReplay`` in every router (``mcore.router_replay``; the fused top-k, off here, bypasses it).
+    a ``RouterReplay`` in every router (``mcore.moe.replay``; the fused top-k, off here, bypasses it).
     """
     return dict(
         num_moe_experts=model.num_experts,
