@@ -46,6 +46,10 @@ def build_policy(components: Components, groups: ParallelGroups) -> Policy:
         log.info("activation recompute: %s", ", ".join(f"{k}={v}" for k, v in recompute.items()))
     fusions = fusion_plan(components.attention, cuda=torch.cuda.is_available())
     log.info("attention %s; %s", components.attention.describe(), fusions.describe())
+    if components.experts is not None:
+        bf16 = cfg.train.params_dtype == "bfloat16"
+        gemm = components.experts.gemm(cuda=torch.cuda.is_available(), bf16=bf16)
+        log.info("experts %s: %s", components.experts.describe(), gemm)
     chunks = build_gpt_model(
         model,
         cfg.parallel,
