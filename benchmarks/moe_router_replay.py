@@ -95,7 +95,7 @@ def _run(chunk, micro, groups, model, replay: bool) -> dict:
 
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_empg.mcore.router_replay import token_routing
+    from megatron_empg.mcore.moe.replay import token_routing
     from megatron_empg.mcore.step import StatsRequest, forward_stats
 
     seen: list[tuple[int, torch.Tensor]] = []

@@ -165,6 +165,7 @@ def test_the_marked_fields_are_the_registry_names():
         "weight_sync.transport",
         "data.reward",
         "model.attention_backend",
+        "model.moe_experts",
     }
 
 

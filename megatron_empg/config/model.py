@@ -124,6 +124,16 @@ class ModelConfig(Config):
     """Coefficient of the router's z-loss; null: off."""
     moe_expert_capacity_factor: float | None = None
     """Tokens an expert takes, as a factor of the balanced share; null: dropless, as HF and vLLM."""
+    moe_experts: str = named_in("megatron_empg.mcore.moe.backends:MOE_EXPERTS", "auto", also=("auto",))
+    """How the training models compute the experts, not what they are (the same weights,
+    checkpoints and weight sync): ``grouped`` keeps each projection's local experts as one stacked
+    weight and runs PyTorch's grouped GEMM (CUDA bf16; an exact per-expert fallback elsewhere),
+    ``sequential`` is Megatron's one-MLP-per-expert loop (the reference), ``te`` Transformer
+    Engine's grouped experts (needs ``attention_backend`` te). ``auto`` is ``te`` where Transformer
+    Engine imports and the layers are its spec, else ``grouped``. A run sets it with
+    ``model_overrides: [moe_experts=grouped]`` (its errors name ``model.moe_experts``); the bind
+    step resolves it, and ``empg check`` and the log say which runs and why. Unused by dense
+    families."""
 
     @property
     def is_moe(self) -> bool:

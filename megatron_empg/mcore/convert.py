@@ -2,8 +2,10 @@
 tensor in memory at a time (never the whole model).
 
 Names are the full model's Megatron parameter names (local spec, global layer indices, TP1/PP1:
-``decoder.layers.3.mlp.linear_fc1.weight``); a *full tensor* is the TP1 tensor with the padded
-vocabulary rows. In one process::
+``decoder.layers.3.mlp.linear_fc1.weight``; experts one by one, ``decoder.layers.3.mlp.experts.
+local_experts.<e>.linear_fc1.weight``, whatever ``model.moe_experts`` trains them: a stacked
+``GroupedExperts`` weight is stored as these per-expert entries); a *full tensor* is the TP1 tensor
+with the padded vocabulary rows. In one process::
 
     with megatron_session():                       # a 1-rank gloo group + Megatron's TP1/PP1 state
         shapes = full_tensor_shapes(model_cfg, parallel.padded_vocab_size(model_cfg.vocab_size))
@@ -155,7 +157,12 @@ def meta_gpt_model(model: ModelConfig, padded_vocab_size: int, dtype: torch.dtyp
     # TP1 pads to a multiple of make_vocab_size_divisible_by: padded_vocab_size itself. The token
     # dispatcher is not part of the stored layout; allgather's needs no CUDA stream on the meta build.
     parallel = ParallelConfig(make_vocab_size_divisible_by=padded_vocab_size, moe_token_dispatcher_type="allgather")
-    (chunk,) = build_gpt_model(model, parallel, params_dtype=dtype, attention_backend="unfused", meta_device=True)
+    # Experts as SequentialMLP: one tensor per expert and projection, named as HF's per-expert
+    # tensors map (weight_sync.mapping). Every model.moe_experts stores the same checkpoint entries
+    # (mcore.moe.grouped), so this reads and writes the checkpoints of grouped and TE experts too.
+    (chunk,) = build_gpt_model(
+        model, parallel, params_dtype=dtype, attention_backend="unfused", moe_experts="sequential", meta_device=True
+    )
     return chunk
 
 

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from megatron_empg.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
-from megatron_empg.mcore.experts import moe_overrides
 from megatron_empg.mcore.fusions import FusionPlan, fusion_plan, install_wgrad_accumulation
+from megatron_empg.mcore.moe.backends import ExpertsChoice, resolve_moe_experts
+from megatron_empg.mcore.moe.layout import moe_overrides
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -57,6 +58,24 @@ def resolve_attention(model: ModelConfig, override: str | None = None) -> Attent
     return choice
 
 
+def resolve_experts(
+    model: ModelConfig, attention: AttentionChoice, override: str | None = None
+) -> ExpertsChoice | None:
+    """What ``override`` (else ``model.moe_experts``) means here for layers on ``attention``'s spec
+    (``mcore.moe.backends``); ``te`` also needs megatron-core to have found Transformer Engine.
+    None for a dense model."""
+    if not model.is_moe:
+        return None
+    choice = resolve_moe_experts(override or model.moe_experts, attention)
+    if choice.name == "te" and not te_available():
+        raise ConfigError(
+            "model.moe_experts",
+            "te: transformer_engine imports, but megatron-core did not accept it "
+            "(see megatron.core.extensions.transformer_engine); use grouped",
+        )
+    return choice
+
+
 # --------------------------------------------------------------------------------------------
 # Configs and specs.
 
@@ -71,6 +90,7 @@ def transformer_config(
     attention: AttentionChoice | None = None,
     fusions: FusionPlan | None = None,
     routing_replay: bool = False,
+    experts: ExpertsChoice | None = None,
     **overrides: Any,
 ) -> TransformerConfig:
     """Megatron's ``TransformerConfig`` for ``model`` split as ``parallel``.
@@ -79,8 +99,9 @@ def transformer_config(
     ``qk_layernorm``, dropout 0. ``attention``: the resolved ``model.attention_backend`` (None:
     resolve it here), which picks the TE or the local implementation. ``fusions``: the fusion
     switches (None: ``mcore.fusions.fusion_plan`` for this machine). ``routing_replay``: the routers
-    can replay given experts (``mcore.router_replay``; a mixture of experts only). ``overrides`` are
-    any other ``TransformerConfig`` fields (they win over both).
+    can replay given experts (``mcore.moe.replay``; a mixture of experts only). ``experts``: the
+    resolved ``model.moe_experts`` (None: resolve it here). ``overrides`` are any other
+    ``TransformerConfig`` fields (they win over both).
     """
     cpu_shims.import_megatron()
     from megatron.core.transformer import TransformerConfig
@@ -143,7 +164,8 @@ def transformer_config(
     if routing_replay and not model.is_moe:
         raise ConfigError("algorithm.router_replay", f"replays experts; model {model.family!r} has none")
     if model.is_moe:
-        kwargs.update(moe_overrides(model, parallel, grouped_gemm=te, routing_replay=routing_replay))
+        experts = experts or resolve_experts(model, attention)
+        kwargs.update(moe_overrides(model, parallel, te_grouped=experts.name == "te", routing_replay=routing_replay))
     kwargs.update(overrides)
     if kwargs["gradient_accumulation_fusion"]:
         install_wgrad_accumulation()
@@ -162,26 +184,49 @@ def recompute_overrides(mode: str, num_layers: int = 1) -> dict[str, Any]:
     raise ValueError(f"recompute mode {mode!r}: expected none, selective or full")
 
 
-def layer_spec(model: ModelConfig, attention: AttentionChoice) -> ModuleSpec:
+def layer_spec(model: ModelConfig, attention: AttentionChoice, experts: ExpertsChoice | None = None) -> ModuleSpec:
     """The TE layer spec for ``te``; else Megatron's local spec with the core attention of the
     backend (``mcore.attention``: ``SdpaAttention`` or ``UnfusedAttention``, both of which also take
-    packed THD rows). A mixture of experts gets Megatron's MoE layer: TE's grouped experts with
-    ``te``, else one local MLP per expert (``mlp.experts.local_experts.<j>``)."""
+    packed THD rows). A mixture of experts gets Megatron's MoE layer with the experts of
+    ``experts`` (the resolved ``model.moe_experts``; None: resolve it here): TE's grouped experts
+    (``te``, on the TE spec), ``GroupedExperts`` (``grouped``: ``mlp.experts.linear_fc<1|2>.weight``,
+    stacked) or one MLP per expert (``sequential``: ``mlp.experts.local_experts.<j>``)."""
     cpu_shims.import_megatron()
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_empg.mcore.attention import SdpaAttention, UnfusedAttention
 
+    experts = experts or resolve_experts(model, attention)
+    te_grouped = experts is not None and experts.name == "te"
     if attention.uses_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=model.num_experts, moe_grouped_gemm=model.is_moe, qk_layernorm=model.qk_layernorm
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts, moe_grouped_gemm=te_grouped, qk_layernorm=model.qk_layernorm
         )
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=model.num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=model.qk_layernorm
-    )
-    core = {"sdpa": SdpaAttention, "unfused": UnfusedAttention}[attention.name]
-    spec.submodules.self_attention.submodules.core_attention = core
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=model.num_experts,
+            moe_grouped_gemm=False,
+            normalization="RMSNorm",
+            qk_layernorm=model.qk_layernorm,
+        )
+        core = {"sdpa": SdpaAttention, "unfused": UnfusedAttention}[attention.name]
+        spec.submodules.self_attention.submodules.core_attention = core
+    if experts is not None and experts.name == "grouped":
+        _use_grouped_experts(spec)
     return spec
+
+
+def _use_grouped_experts(spec: ModuleSpec) -> None:
+    """``spec``'s MoE layer with ``GroupedExperts`` as its experts (Megatron's ``MoELayer`` takes
+    any ``ExpertsBuilder``: ``(num_local_experts, config, *, pg_collection, name)``)."""
+    import dataclasses
+    import functools
+
+    from megatron_empg.mcore.moe.grouped import GroupedExperts
+
+    mlp = spec.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
+    submodules = dataclasses.replace(mlp.keywords["submodules"], experts=GroupedExperts)
+    spec.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
 
 
 def _rotary_base(theta: float) -> int | float:
@@ -210,6 +255,7 @@ def build_gpt_model(
     *,
     params_dtype: torch.dtype = torch.float32,
     attention_backend: str | None = None,
+    moe_experts: str | None = None,
     use_cpu_initialization: bool | None = None,
     fp8: str | None = None,
     meta_device: bool = False,
@@ -222,7 +268,8 @@ def build_gpt_model(
     vocabulary is padded (``ParallelConfig.padded_vocab_size``); logits are vocab-sharded over TP
     (``parallel_output``). Parameters are in ``params_dtype`` (norms included); on a CUDA machine
     the chunks are moved to the current device. ``attention_backend`` (None: ``model.attention_backend``)
-    picks the layer spec and core attention (``mcore.attention_backends``); the local spec's
+    picks the layer spec and core attention (``mcore.attention_backends``), ``moe_experts`` (None:
+    ``model.moe_experts``) a mixture of experts' implementation (``mcore.moe.backends``); the local spec's
     decoder gathers the RoPE table per token once per packed row (``mcore.thd``).
     ``use_cpu_initialization=None`` means: on CPU builds. ``meta_device``
     builds the chunks on the meta device (no memory, no initialization: shapes, names and
@@ -255,6 +302,7 @@ def build_gpt_model(
             f"Megatron's parallel state is (TP, PP, VPP) = {actual} but the ParallelConfig asks {wanted}"
         )
     attention = resolve_attention(model, attention_backend)
+    experts = resolve_experts(model, attention, moe_experts)
     on_cuda = torch.cuda.is_available()
     if meta_device:  # Megatron's GPU initialization names the CUDA device explicitly
         use_cpu_initialization = True
@@ -267,9 +315,10 @@ def build_gpt_model(
         use_cpu_initialization=use_cpu_initialization,
         fp8=fp8,
         attention=attention,
+        experts=experts,
         **config_overrides,
     )
-    spec = layer_spec(model, attention)
+    spec = layer_spec(model, attention, experts)
     vocab_size = parallel.padded_vocab_size(model.vocab_size)
     scaling = model.rope_scaling
     vpp = parallel.virtual_pipeline_model_parallel_size
@@ -299,7 +348,7 @@ def build_gpt_model(
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         chunk.to(dtype=params_dtype)  # local-spec norms are created in float32
         if config.moe_enable_routing_replay:
-            from megatron_empg.mcore.router_replay import install
+            from megatron_empg.mcore.moe.replay import install
 
             install([chunk])
         if on_cuda and not meta_device:

@@ -13,7 +13,7 @@ import torch
 
 from megatron_empg.config import OptimizerConfig
 from megatron_empg.mcore import cpu_shims
-from megatron_empg.mcore.moe import use_plain_aux_loss_path
+from megatron_empg.mcore.moe.routing import use_plain_aux_loss_path
 
 cpu_shims.install_pre_import()
 
@@ -60,7 +60,7 @@ def _mark_experts_expert_parallel(models: list[torch.nn.Module]) -> None:
     optimizer. With it at every EP size the optimizer is always the same chain (dense, experts), so
     its checkpoint has one structure and loads at another EP size (``mcore.checkpoint``).
     """
-    from megatron_empg.mcore.experts import is_expert_parameter
+    from megatron_empg.mcore.moe.layout import is_expert_parameter
 
     for model in models:
         for name, param in model.named_parameters():

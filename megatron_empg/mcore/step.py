@@ -37,8 +37,9 @@ from torch import Tensor
 from megatron_empg.core.aggregation import LossSum
 from megatron_empg.core.microbatch import MicroBatch, StatsResult
 from megatron_empg.core.step_guard import GradNormGuard, SkipReason
-from megatron_empg.mcore import cpu_shims, router_replay
-from megatron_empg.mcore.moe import LossUnits, router_recorder, set_aux_loss_scale
+from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore.moe import replay as router_replay
+from megatron_empg.mcore.moe.routing import LossUnits, router_recorder, set_aux_loss_scale
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.mcore.thd import thd_layout
 from megatron_empg.parallel.collectives import collective_device
@@ -112,7 +113,7 @@ def _data_iterators(microbatches: Sequence[MicroBatch], num_chunks: int):
 
 def _run_schedule(models, microbatches: Sequence[MicroBatch], forward_step, *, forward_only: bool) -> list:
     """Megatron's schedule over ``microbatches``; each forward first gives the chunk's routers the
-    micro-batch's replayed experts (``routed_experts``: ``mcore.router_replay``), dropped after."""
+    micro-batch's replayed experts (``routed_experts``: ``mcore.moe.replay``), dropped after."""
     b, s = microbatches[0].shape
     s *= microbatches[0].cp_size  # Megatron sizes the pipeline's messages as seq_length / CP
 
@@ -432,7 +433,7 @@ def train_step(
             an applied step's norm joins its history. None: non-finite steps only are refused.
         loss_units: the count ``loss_fn`` returns for a micro-batch, computed without the model
             (``parallel.rl_loss.loss_units``); needed by a mixture of experts with router losses,
-            whose scale it sets (``mcore.moe``). A mixture of experts adds ``moe/*`` metrics.
+            whose scale it sets (``mcore.moe.routing``). A mixture of experts adds ``moe/*`` metrics.
     """
     for model in ddp_models:
         model.train()

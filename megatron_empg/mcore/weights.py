@@ -3,8 +3,12 @@ pipeline and expert-parallel ranks, tensor-parallel shards, and full (TP1/PP1) s
 
 Layer names: each chunk numbers its layers ``decoder.layers.0 ..`` locally; ``layer_offset(chunk)``
 and ``global_name`` map them to the full model's indices (checkpoints and weight sync use the global
-names). Megatron is imported lazily (after the CPU shims): the pure-torch helpers (``tp_slice``,
-``global_name``) work without it.
+names). Experts are named one by one: a ``GroupedExperts`` weight stacking a rank's experts
+(``mlp.experts.linear_fc1.weight`` [E_local, ...]) is, row by row, the per-expert tensors
+``mlp.experts.local_experts.<j>.linear_fc1.weight`` that ``SequentialMLP`` holds (``split_experts``),
+so full state dicts, the weight sync and HF conversion see the same names whichever
+``model.moe_experts`` built the model. Megatron is imported lazily (after the CPU shims): the
+pure-torch helpers (``tp_slice``, ``global_name``, ``split_experts``) work without it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_empg.mcore import cpu_shims
-from megatron_empg.mcore.experts import expert_offset, is_expert_parameter, shift_experts
+from megatron_empg.mcore.moe.layout import expert_offset, is_expert_parameter, shift_experts, stacked_expert_names
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -69,7 +73,8 @@ def layer_offset(chunk: GPTModel) -> int:
 
 
 def global_names(chunk: GPTModel) -> dict[str, str]:
-    """``chunk``'s state-dict keys -> the full model's names."""
+    """``chunk``'s state-dict keys -> the full model's names. A stacked expert weight keeps its
+    own (layer-shifted) name: ``split_experts`` names its rows."""
     offset, experts = layer_offset(chunk), expert_offset(chunk)
     return {name: global_name(name, offset, experts) for name in chunk.state_dict()}
 
@@ -83,6 +88,22 @@ def tp_partition(param: torch.Tensor | None) -> tuple[int, int] | None:
     if getattr(param, "tensor_model_parallel", False):
         return param.partition_dim, param.partition_stride
     return None
+
+
+def split_experts(
+    name: str, tensor: torch.Tensor, partition: tuple[int, int] | None = None
+) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:
+    """``(name, tensor, partition)`` as per-expert entries: a stacked ``GroupedExperts`` weight
+    (``...mlp.experts.linear_fc<1|2>.weight`` [E, ...]) becomes E entries ``...mlp.experts.
+    local_experts.<j>.linear_fc<1|2>.weight`` with the views ``tensor[j]`` (no copy) and the
+    partition of one expert (the stacked one's dim - 1), exactly what ``SequentialMLP``'s
+    parameters give; any other name is returned as it is. ``name`` may be local or global (the
+    expert indices are local: ``global_name`` shifts them)."""
+    names = stacked_expert_names(name, tensor.shape[0]) if tensor.dim() == 3 else None
+    if names is None:
+        return [(name, tensor, partition)]
+    per_expert = None if partition is None else (partition[0] - 1, partition[1])
+    return [(expert, tensor[j], per_expert) for j, expert in enumerate(names)]
 
 
 def tp_slice(full: torch.Tensor, partition: tuple[int, int] | None, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -134,7 +155,9 @@ def shard_full_state_dict(
     """Load this rank's TP slice of a full state dict into ``chunk`` (layers shifted by ``layer_offset``).
 
     Experts: this rank's ``local_experts.<j>`` is the full model's expert ``j + expert_offset``,
-    split over the expert tensor-parallel ranks (``etp_rank`` of ``etp_size``) instead of TP.
+    split over the expert tensor-parallel ranks (``etp_rank`` of ``etp_size``) instead of TP; a
+    stacked ``GroupedExperts`` weight is filled from its experts' per-expert full tensors
+    (``split_experts``).
 
     The full state dict uses global layer indices; its vocabulary rows may be padded differently
     (or not at all): they are resized to the chunk's padded vocabulary (see ``resize_vocab``). With
@@ -146,6 +169,18 @@ def shard_full_state_dict(
     tied = getattr(chunk, "share_embeddings_and_output_weights", False)
     sharded = {}
     for name, local in chunk.state_dict().items():
+        experts = split_experts(name, local, tp_partition(params.get(name))) if torch.is_tensor(local) else []
+        if len(experts) > 1 or (experts and experts[0][0] != name):
+            pieces = []
+            for expert, view, partition in experts:
+                key = global_name(expert, layer_offset, expert_offset)
+                key = canonical_name(key) if canonical_name is not None else key
+                full = full_state_dict.get(key)
+                if not torch.is_tensor(full):
+                    raise KeyError(f"{key} (row of the stacked {name}) is missing from the full state dict")
+                pieces.append(_expert_piece(full, partition, etp_rank, etp_size, view, key))
+            sharded[name] = torch.stack(pieces).to(dtype=local.dtype, device=local.device)
+            continue
         key = global_name(name, layer_offset, expert_offset)
         if canonical_name is not None:
             key = canonical_name(key)
@@ -161,15 +196,25 @@ def shard_full_state_dict(
         if name in VOCAB_PARAMETERS:
             full = resize_vocab(full, local.size(0) * (tp_size if partition else 1), vocab_size)
         if is_expert_parameter(name):
-            piece = tp_slice(full, partition, etp_rank, etp_size)
+            piece = _expert_piece(full, partition, etp_rank, etp_size, local, key)
         else:
             piece = tp_slice(full, partition, tp_rank, tp_size)
-        if piece.shape != local.shape:
-            raise ValueError(
-                f"{key}: the full tensor gives a {tuple(piece.shape)} slice, the model has {tuple(local.shape)}"
-            )
+            if piece.shape != local.shape:
+                raise ValueError(
+                    f"{key}: the full tensor gives a {tuple(piece.shape)} slice, the model has {tuple(local.shape)}"
+                )
         sharded[name] = piece.to(dtype=local.dtype, device=local.device).clone()
     chunk.load_state_dict(sharded, strict=True)
+
+
+def _expert_piece(full, partition, etp_rank: int, etp_size: int, local: torch.Tensor, key: str) -> torch.Tensor:
+    """This expert-TP rank's slice of an expert's full tensor, checked against its local shape."""
+    piece = tp_slice(full, partition, etp_rank, etp_size)
+    if piece.shape != local.shape:
+        raise ValueError(
+            f"{key}: the full tensor gives a {tuple(piece.shape)} slice, the model has {tuple(local.shape)}"
+        )
+    return piece
 
 
 def load_full_state_dict(
@@ -206,15 +251,16 @@ def named_weight_shards(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, to
 
     ``chunks`` may be DDP-wrapped. The partition is ``tp_partition``'s (None: replicated over TP;
     an expert's is over the expert tensor-parallel ranks: ``is_expert_parameter``); the tensors are
-    the parameters themselves (no copy). Experts carry their global index: each expert-parallel rank
-    names only its own.
+    the parameters themselves (no copy), a stacked expert weight's rows views of it
+    (``split_experts``). Experts carry their global index: each expert-parallel rank names only its own.
     """
     out = []
     for chunk in chunks:
         module = getattr(chunk, "module", chunk)
         offset, experts = layer_offset(module), expert_offset(module)
         for name, param in module.named_parameters():
-            out.append((global_name(name, offset, experts), param, tp_partition(param)))
+            for expert, tensor, partition in split_experts(name, param, tp_partition(param)):
+                out.append((global_name(expert, offset, experts), tensor, partition))
     return out
 
 

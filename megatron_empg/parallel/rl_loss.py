@@ -171,7 +171,7 @@ def rl_loss(
 def loss_units(batch: MicroBatch, *, agg_mode: str = "token-mean", cp_group: dist.ProcessGroup | None = None) -> Tensor:
     """[] int64: the count ``rl_loss`` returns for ``batch`` under ``agg_mode`` (its loss tokens,
     or its sequences with a loss token), without the logits: what the step knows before its
-    update pass (``mcore.moe``'s router-loss scale)."""
+    update pass (``mcore.moe.routing``'s router-loss scale)."""
     mask = batch.loss_mask
     split = _context_parallel(mask, batch.seq_ids, cp_group) if agg_mode != "token-mean" else {}
     return aggregate(torch.zeros(mask.shape, device=mask.device), mask, agg_mode, batch.seq_ids, **split).count

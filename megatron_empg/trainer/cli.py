@@ -182,7 +182,17 @@ def _describe(components) -> str:
         f"{c.weight_sync.transport}, max staleness {c.rollout.max_staleness}"
         f"{' with partial rollouts' if c.rollout.partial else ''}\n"
         f"attention {components.attention.describe()}; on a GPU: {_fusions(components.attention)}\n"
+        f"{_experts(components)}"
     )
+
+
+def _experts(components) -> str:
+    """A mixture of experts' line: which experts' implementation runs, why, and its GEMMs on a GPU."""
+    experts = components.experts
+    if experts is None:
+        return ""
+    bf16 = components.config.train.params_dtype == "bfloat16"
+    return f"experts {experts.describe()}; on a GPU: {experts.gemm(cuda=True, bf16=bf16)}\n"
 
 
 def _fusions(attention) -> str:

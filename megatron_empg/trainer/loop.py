@@ -326,7 +326,7 @@ class Trainer:
                 )
             )
             self.optimizer_steps += results[-1].skipped is None
-        # a mixture of experts' routing metrics keep their own moe/ names (mcore.moe)
+        # a mixture of experts' routing metrics keep their own moe/ names (mcore.moe.routing)
         merged = {
             k if k.startswith("moe/") else f"actor/{k}": statistics.fmean(r.metrics[k] for r in results)
             for k in results[0].metrics

@@ -46,6 +46,10 @@ def build_policy(components: Components, groups: ParallelGroups) -> Policy:
         log.info("activation recompute: %s", ", ".join(f"{k}={v}" for k, v in recompute.items()))
     fusions = fusion_plan(components.attention, cuda=torch.cuda.is_available())
     log.info("attention %s; %s", components.attention.describe(), fusions.describe())
+    if components.experts is not None:
+        bf16 = cfg.train.params_dtype == "bfloat16"
+        gemm = components.experts.gemm(cuda=torch.cuda.is_available(), bf16=bf16)
+        log.info("experts %s: %s", components.experts.describe(), gemm)
     chunks = build_gpt_model(
         model,
         cfg.parallel,
@@ -106,5 +110,5 @@ def build_anchor(components: Components, policy: Policy) -> EmaAnchor | None:
 
 def _routing_replay(components: Components) -> dict[str, bool]:
     """The model builders' switch for ``algorithm.router_replay: rollout``: routers that replay
-    the engine's experts (``mcore.router_replay``; the micro-batches carry them)."""
+    the engine's experts (``mcore.moe.replay``; the micro-batches carry them)."""
     return {"routing_replay": True} if components.config.algorithm.router_replay == "rollout" else {}

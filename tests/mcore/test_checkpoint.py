@@ -80,6 +80,7 @@ class _Run:
         pp: int = 1,
         dtype: torch.dtype = torch.float32,
         model: str = MODEL,
+        model_overrides: tuple[str, ...] = (),
         **parallel_fields,
     ) -> None:
         from megatron_empg.mcore import model as mcore_model
@@ -88,7 +89,7 @@ class _Run:
         from megatron_empg.mcore.parallel_state import initialize_model_parallel
 
         self.model_name = model
-        self.cfg = load_model_config(model)
+        self.cfg = load_model_config(model, model_overrides)
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **parallel_fields)
         self.groups = initialize_model_parallel(parallel, seed=1234)
         self.chunks = mcore_model.build_gpt_model(self.cfg, parallel, params_dtype=dtype)

@@ -132,6 +132,7 @@ def _reference(model_cfg, full: dict, microbatches) -> dict:
 def _worker(rank: int, world_size: int) -> dict:
     from megatron_empg.config import ParallelConfig, load_model_config
     from megatron_empg.mcore import model as mcore_model
+    from megatron_empg.mcore import weights as mcore_weights
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
 
     base = load_model_config(MODEL)
@@ -140,10 +141,11 @@ def _worker(rank: int, world_size: int) -> dict:
     capped = dataclasses.replace(base, moe_expert_capacity_factor=1.0)
     initialize_model_parallel(ParallelConfig(), seed=3)
     try:
-        full = {
-            k: v.clone()
+        full = {  # a full state dict names experts one by one (a stacked weight row by row)
+            name: view.clone()
             for k, v in mcore_model.build_gpt_model(off, ParallelConfig())[0].state_dict().items()
             if torch.is_tensor(v)
+            for name, view, _ in mcore_weights.split_experts(k, v)
         }
         microbatches = _microbatches(base.vocab_size)
         grads_off, metrics_off = _step_grads(off, full, microbatches)

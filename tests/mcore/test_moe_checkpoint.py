@@ -6,7 +6,9 @@ The run is test_checkpoint's (``_Run``: the RL step of test_train_step, the aux 
 anchor's EMA update, tau 0.5), two steps, then a save; with the plain optimizer and with the
 distributed one (fully_reshardable; at EP 2 its dense state and anchor master are sharded over
 DP 2, the experts' over expert-DP 1: ``mcore.anchor`` mirrors the expert buffers). The optimizer
-state is compared by parameter name (the distributed one range by range).
+state is compared by parameter name (the distributed one range by range). The experts are
+``SequentialMLP``'s (one parameter per expert, so its optimizer state has per-expert names);
+``GroupedExperts``' checkpoints at another EP size and implementation: test_grouped_experts.py.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tests.mcore.test_checkpoint import _errors, _Run
 pytestmark = [pytest.mark.dist, pytest.mark.megatron]
 
 MODEL = "tiny-qwen3-moe"
+SEQUENTIAL = ("moe_experts=sequential",)
 STEPS = 2
 
 
@@ -75,7 +78,7 @@ def _snapshot(run: _Run, distopt: bool) -> dict:
 def _save(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for distopt in (False, True):
-        run = _Run(1, distopt, model=MODEL, expert_model_parallel_size=2)
+        run = _Run(1, distopt, model=MODEL, model_overrides=SEQUENTIAL, expert_model_parallel_size=2)
         try:
             for _ in range(STEPS):
                 run.step()
@@ -93,7 +96,7 @@ def _load(rank: int, world_size: int, root: str) -> dict:
 
     out = {}
     for distopt in (False, True):
-        run = _Run(1, distopt, model=MODEL)
+        run = _Run(1, distopt, model=MODEL, model_overrides=SEQUENTIAL)
         try:
             if distopt:  # refused before anything is read
                 out["dp_reshardable_error"] = _errors(run.load, os.path.join(root, "dp_reshardable", "step_00000002"))

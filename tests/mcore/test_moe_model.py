@@ -103,7 +103,7 @@ def _expert_grid(*, ddp, optimizer, groups, model_cfg, parallel) -> dict:
     the EMA anchor on these weights: its largest error after a load of master = policy + 1 and
     one EMA update (tau 0.5: policy + 0.5), in its weights and in its gathered master."""
     from megatron_empg.mcore.anchor import EmaAnchor
-    from megatron_empg.mcore.experts import is_expert_parameter
+    from megatron_empg.mcore.moe.layout import is_expert_parameter
 
     module = ddp[0]
     flags = {name: getattr(p, "allreduce", True) for name, p in module.module.named_parameters()}

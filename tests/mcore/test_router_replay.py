@@ -107,8 +107,9 @@ def _rank(rank: int, world_size: int, model_dir: str, batches: dict) -> dict:
     from safetensors.torch import load_file
 
     from megatron_empg.config import ParallelConfig, load_model_config
-    from megatron_empg.mcore import parallel_state, router_replay
+    from megatron_empg.mcore import parallel_state
     from megatron_empg.mcore.model import build_gpt_model, recompute_overrides
+    from megatron_empg.mcore.moe import replay as router_replay
     from megatron_empg.mcore.step import StatsRequest, _model_forward, forward_stats
     from megatron_empg.mcore.weights import load_full_state_dict
     from megatron_empg.weight_sync import mapping
@@ -203,7 +204,7 @@ def _rank_split(rank: int, world_size: int, model_dir: str, micro: list) -> dict
 
 def _expected_map(micro, num_experts: int) -> list[list[torch.Tensor]]:
     """[layers][micro-batches] [tokens, experts] bool of their ``routed_experts``, Megatron's token order."""
-    from megatron_empg.mcore.router_replay import token_routing
+    from megatron_empg.mcore.moe.replay import token_routing
 
     maps = []
     for layer in range(micro[0].routed_experts.shape[2]):

@@ -100,11 +100,13 @@ def _train(
     num_microbatches: int,
     *,
     model: str = MODEL,
+    model_overrides: tuple[str, ...] = (),
     inspect=None,
     **parallel_fields,
 ) -> dict:
     """Build the layout, load the weights, run STEPS RL steps; returns metrics and parameter shards.
 
+    ``model_overrides``: dotted overrides of the model config (``moe_experts=sequential``);
     ``parallel_fields``: more ``ParallelConfig`` fields (the expert grid); ``inspect(ddp=,
     optimizer=, groups=, model_cfg=, parallel=)``, if given, runs after the steps and its result is
     returned as ``inspected``."""
@@ -116,7 +118,7 @@ def _train(
     from megatron_empg.parallel.rl_loss import loss_units
     from tests.adam_bound import named_applied_grads
 
-    model_cfg = load_model_config(model)
+    model_cfg = load_model_config(model, model_overrides)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **parallel_fields)
     groups = initialize_model_parallel(parallel, seed=1234)
     try:
@@ -152,11 +154,9 @@ def _train(
             )
             history.append({"metrics": result.metrics, "grad_norm": result.grad_norm, "lr": result.lr})
             grads.append(named_applied_grads(chunks, ddp, optimizer))
-        params = {}
-        for chunk in chunks:
-            names = mcore_weights.global_names(chunk)
-            for name, p in chunk.named_parameters():
-                params[names[name]] = (p.detach().clone(), mcore_weights.tp_partition(p))
+        params = {}  # by global name, a stacked expert weight row by row (per-expert names)
+        for name, p, partition in mcore_weights.named_weight_shards(chunks):
+            params[name] = (p.detach().clone(), partition)
         inspected = None
         if inspect is not None:
             inspected = inspect(ddp=ddp, optimizer=optimizer, groups=groups, model_cfg=model_cfg, parallel=parallel)
@@ -221,7 +221,7 @@ def _assert_same_history(actual: list, expected: list, what: str) -> None:
 def _assert_same_params(rank_result: dict, reference: dict, what: str) -> None:
     """This rank's first-step gradients tightly, and its parameters within Adam's bound for the
     two runs' gradients, against the same slice of the reference run's (``tests.adam_bound``)."""
-    from megatron_empg.mcore.experts import is_expert_parameter
+    from megatron_empg.mcore.moe.layout import is_expert_parameter
     from megatron_empg.mcore.weights import tp_slice
     from tests.adam_bound import assert_grads_close, assert_params_within_adam_bound
 

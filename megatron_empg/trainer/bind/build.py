@@ -9,7 +9,8 @@
 every record of each data file; it starts nothing and touches no device. In order:
 
 1. ``model.attention_backend`` on this machine (``mcore.attention_backends``: ``auto`` becomes a
-   name, ``te`` without Transformer Engine is an error), then the layout on ``world_size`` ranks (``trainer.bind.layout``: heads and groups vs TP, layers vs PP,
+   name, ``te`` without Transformer Engine is an error), a mixture of experts' ``model.moe_experts``
+   likewise (``mcore.moe.backends``; a dense model's is only checked to be a name), then the layout on ``world_size`` ranks (``trainer.bind.layout``: heads and groups vs TP, layers vs PP,
    the prompts' split over DP, the engine and its TP);
 2. each registry name, then each argument dict bound to its function's signature
    (``core.checks.check_keywords``; the KL term by ``core.kl_term.bind_kl``), then one update-pass loss on a tiny random batch through
@@ -46,6 +47,7 @@ from megatron_empg.core.kl_term import KL_KINDS, KLTerm, StatsPlan, bind_kl
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.rpg import RPG_POLICY_LOSSES
 from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
+from megatron_empg.mcore.moe.backends import ExpertsChoice, check_moe_experts_name, resolve_moe_experts
 from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, rl_loss
 from megatron_empg.rollout.data import DataError, check_records
 from megatron_empg.rollout.engine import ROUTED_EXPERT_LIMIT
@@ -75,8 +77,9 @@ class Components:
     ``loss_fn(logits, batch, *, vocab_start, tp_group) -> RLLoss``: ``rl_loss`` with every option
     of ``algorithm.loss`` bound. ``engine``: the ``EngineKind`` of ``rollout.engine``.
     ``transport``: ``build(engine, weight_sync_config)`` of ``weight_sync.transport``.
-    ``attention``: what ``model.attention_backend`` resolved to on this machine (``model`` holds
-    the resolved name, so that every model of the run is built alike).
+    ``attention``: what ``model.attention_backend`` resolved to on this machine, ``experts`` what
+    ``model.moe_experts`` did (None for a dense model); ``model`` holds the resolved names, so that
+    every model of the run is built alike.
     """
 
     config: RunConfig
@@ -89,6 +92,7 @@ class Components:
     engine: EngineKind
     transport: Callable
     attention: AttentionChoice
+    experts: ExpertsChoice | None = None
 
 
 def bind(
@@ -102,6 +106,12 @@ def bind(
     model = config.model_config()
     attention = resolve_attention_backend(model.attention_backend)
     model = dataclasses.replace(model, attention_backend=attention.name)  # what every builder of the run uses
+    experts = None
+    if model.is_moe:
+        experts = resolve_moe_experts(model.moe_experts, attention)
+        model = dataclasses.replace(model, moe_experts=experts.name)
+    else:
+        check_moe_experts_name(model.moe_experts)
     if config.parallel.sequence_parallel and not attention.uses_te:
         raise ConfigError(
             "parallel.sequence_parallel",
@@ -126,7 +136,9 @@ def bind(
     _check_lengths(config, model)
     if check_paths:
         _check_paths(config, model)
-    components = Components(config, model, layout, advantage, loss_fn, stats, reward, engine, transport, attention)
+    components = Components(
+        config, model, layout, advantage, loss_fn, stats, reward, engine, transport, attention, experts
+    )
     if device_bytes is not None:
         from megatron_empg.trainer.bind.memory_fixes import check_memory
 

@@ -1,7 +1,9 @@
 """A mixture of experts in the Megatron build: its ``TransformerConfig`` fields and where its
 experts lie. A rank holds ``num_experts / EP`` experts as ``mlp.experts.local_experts.<j>`` (TE's
-grouped experts: ``mlp.experts.linear_fc<1|2>.weight<j>``), expert ``j + expert_offset`` of the full
-model; checkpoints and the weight sync use the global indices (``mcore.weights.global_name``)."""
+grouped experts: ``mlp.experts.linear_fc<1|2>.weight<j>``; ``GroupedExperts``: row ``j`` of the
+stacked ``mlp.experts.linear_fc<1|2>.weight``), expert ``j + expert_offset`` of the full model;
+checkpoints and the weight sync use the global indices (``mcore.weights.global_name``) and the
+per-expert names (``stacked_expert_names``: a stacked weight is named row by row)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ if TYPE_CHECKING:
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")  # TE's grouped experts
+_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12]\.weight)$")  # GroupedExperts' weights
 
 
 def moe_overrides(
-    model: ModelConfig, parallel: ParallelConfig, *, grouped_gemm: bool, routing_replay: bool = False
+    model: ModelConfig, parallel: ParallelConfig, *, te_grouped: bool, routing_replay: bool = False
 ) -> dict[str, Any]:
     """``TransformerConfig`` fields of a mixture of experts.
 
@@ -27,7 +30,9 @@ def moe_overrides(
     gives the weights without renormalization. The router runs in float32, as HF's softmax does.
     ``expert_model_parallel_size`` must be in the config as well as in the process groups: without it
     the experts' gradients are reduced as if every rank held the same experts. ``routing_replay``:
-    a ``RouterReplay`` in every router (``mcore.router_replay``; the fused top-k, off here, bypasses it).
+    a ``RouterReplay`` in every router (``mcore.moe.replay``; the fused top-k, off here, bypasses it).
+    ``te_grouped``: the experts are Transformer Engine's (``moe_grouped_gemm``, which Megatron reads
+    as TE's GroupedLinear; ``GroupedExperts`` needs no flag).
     """
     return dict(
         num_moe_experts=model.num_experts,
@@ -41,7 +46,7 @@ def moe_overrides(
         moe_z_loss_coeff=model.moe_z_loss_coeff,
         moe_expert_capacity_factor=model.moe_expert_capacity_factor,
         moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
-        moe_grouped_gemm=grouped_gemm,
+        moe_grouped_gemm=te_grouped,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tp_size,
         moe_enable_routing_replay=routing_replay,
@@ -52,6 +57,17 @@ def shift_experts(name: str, offset: int) -> str:
     """``name`` with its local expert index (if any) shifted by ``offset``."""
     name = _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}.", name)
     return _GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}", name)
+
+
+def stacked_expert_names(name: str, num_local_experts: int) -> list[str] | None:
+    """The per-expert names of a stacked ``GroupedExperts`` weight, row by row:
+    ``<...>.mlp.experts.linear_fc1.weight`` -> ``<...>.mlp.experts.local_experts.<j>.linear_fc1.weight``
+    for j < ``num_local_experts`` (local indices, as ``SequentialMLP`` names them); None for any
+    other name."""
+    match = _STACKED_EXPERTS.match(name)
+    if match is None:
+        return None
+    return [f"{match.group(1)}local_experts.{j}.{match.group(2)}" for j in range(num_local_experts)]
 
 
 def is_expert_parameter(name: str) -> bool:
