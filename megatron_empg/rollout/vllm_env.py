@@ -4,11 +4,14 @@
 from ``rollout.kv_cache_gib`` (without it vLLM claims 92 % of the machine's RAM and refuses to
 start when that much is not free), and ``VLLM_NO_USAGE_STATS`` / ``VLLM_DO_NOT_TRACK`` (no
 telemetry attempts) unless set. A value set by the user that contradicts the config is an error.
+``TORCH_COMPILE_DISABLE`` where inductor cannot compile on this CPU (``_compile_environment``).
 """
 
 from __future__ import annotations
 
 import os
+
+import torch
 
 from megatron_empg.config import RolloutConfig
 
@@ -40,13 +43,25 @@ def engine_environment(rollout: RolloutConfig, on_gpu: bool) -> dict[str, str]:
                 f"environment variable {name}={current!r} contradicts {field} (which needs "
                 f"{name}={value!r}): unset it or change {field}"
             )
-    for name in ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK"):  # no telemetry attempts
-        if name not in os.environ:
-            to_set[name] = "1"
+    for name, value in {**_compile_environment(on_gpu), "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}.items():
+        if name not in os.environ:  # no telemetry attempts; no inductor where it cannot compile
+            to_set[name] = value
     return to_set
+
+
+def _compile_environment(on_gpu: bool) -> dict[str, str]:
+    """``TORCH_COMPILE_DISABLE=1`` on a CPU whose torch kernels run without a vector unit (capability
+    ``DEFAULT``: no AVX2, or ``ATEN_CPU_CAPABILITY=default``): there inductor's generated C++ still
+    uses ``at::vec`` and does not compile (torch 2.13), and vLLM compiles its sampler's helpers with
+    inductor. Uncompiled, the engine is slower and computes the same numbers."""
+    if on_gpu or torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        return {}
+    return {"TORCH_COMPILE_DISABLE": "1"}
 
 
 def apply_environment(environment: dict[str, str]) -> None:
     """Set ``environment`` (``engine_environment``'s), each value marked as the engine's."""
     os.environ.update(environment)
     os.environ.update({SET_BY_ENGINE_PREFIX + name: value for name, value in environment.items()})
+    if environment.get("TORCH_COMPILE_DISABLE") == "1":  # this process read its dynamo config at import
+        torch._dynamo.config.disable = True

@@ -11,6 +11,7 @@ with a prompt longer than one 128-token KV block. The last test runs an engine i
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -451,10 +452,35 @@ def test_environment_keeps_the_values_the_user_set_that_agree(monkeypatch):
     monkeypatch.setenv("VLLM_NO_USAGE_STATS", "0")
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("VLLM_DO_NOT_TRACK", raising=False)
+    monkeypatch.setattr(vllm_env.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     to_set = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_DO_NOT_TRACK": "1"}
     assert vllm_env.engine_environment(ROLLOUT, on_gpu=False) == to_set
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")  # not read on GPU
     assert vllm_env.engine_environment(ROLLOUT, on_gpu=True) == to_set
+
+
+def test_a_cpu_without_a_vector_unit_runs_the_engine_uncompiled(monkeypatch):
+    """At torch's DEFAULT capability inductor's C++ does not compile (torch 2.13), and vLLM compiles
+    its sampler's helpers with it: the engine's environment turns torch.compile off, for engine
+    processes and for this one; a vector unit, a GPU or the user's own setting keep it."""
+    import torch._dynamo
+
+    from megatron_empg.rollout import vllm_env
+
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    for capability, on_gpu, wanted in (("DEFAULT", False, "1"), ("AVX2", False, None), ("DEFAULT", True, None)):
+        monkeypatch.setattr(vllm_env.torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert vllm_env.engine_environment(ROLLOUT, on_gpu=on_gpu).get("TORCH_COMPILE_DISABLE") == wanted
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
+    assert "TORCH_COMPILE_DISABLE" not in vllm_env.engine_environment(ROLLOUT, on_gpu=False)
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE")
+    environment = vllm_env.engine_environment(ROLLOUT, on_gpu=False)
+    for name in environment:  # so that monkeypatch removes them again after the test
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.setenv(vllm_env.SET_BY_ENGINE_PREFIX + name, "unset")
+    vllm_env.apply_environment(environment)
+    assert os.environ["TORCH_COMPILE_DISABLE"] == "1" and torch._dynamo.config.disable
 
 
 # --------------------------------------------------------------------------------------------
