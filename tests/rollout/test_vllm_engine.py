@@ -468,7 +468,6 @@ def test_a_cpu_without_a_vector_unit_runs_the_engine_uncompiled(monkeypatch):
     from megatron_empg.rollout import vllm_env
 
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)
     for capability, on_gpu, wanted in (("DEFAULT", False, "1"), ("AVX2", False, None), ("DEFAULT", True, None)):
         monkeypatch.setattr(vllm_env.torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert vllm_env.engine_environment(ROLLOUT, on_gpu=on_gpu).get("TORCH_COMPILE_DISABLE") == wanted
@@ -479,8 +478,12 @@ def test_a_cpu_without_a_vector_unit_runs_the_engine_uncompiled(monkeypatch):
     for name in environment:  # so that monkeypatch removes them again after the test
         monkeypatch.setenv(name, "unset")
         monkeypatch.setenv(vllm_env.SET_BY_ENGINE_PREFIX + name, "unset")
-    vllm_env.apply_environment(environment)
-    assert os.environ["TORCH_COMPILE_DISABLE"] == "1" and torch._dynamo.config.disable
+    before = torch._dynamo.config.disable  # (monkeypatch's undo would hide a config entry)
+    try:
+        vllm_env.apply_environment(environment)
+        assert os.environ["TORCH_COMPILE_DISABLE"] == "1" and torch._dynamo.config.disable
+    finally:
+        torch._dynamo.config.disable = before
 
 
 # --------------------------------------------------------------------------------------------
