@@ -55,6 +55,8 @@ def _common(
         "train.max_tokens_per_forward_microbatch=null",
         f"model_overrides=[{','.join([f'attention_backend={attention}', *model_overrides])}]",
     ]
+    if seq_len < 256:  # toy sizes (a CPU flow check): the weight-sync probe must fit the engine's rows
+        overrides.append(f"weight_sync.probe_length={seq_len // 2}")
     if kl == "topk":
         overrides += [
             "algorithm.loss.kl=topk",
