@@ -14,12 +14,13 @@
 #   m. [moe] pytest tests/gpu/test_grouped_experts_gpu.py: GroupedExperts through grouped_mm in bf16
 #      against SequentialMLP and fp32 at Qwen3-30B-A3B's expert shape, no host sync
 #                                                                      -> grouped_experts_gpu.json
-#   b3. [moe] benchmarks/train_step.py on a mixture of experts, issue 44's measurement: Qwen3-30B-A3B's
-#      dimensions at SMOKE_MOE_LAYERS (4) of its 48 layers (128 experts, top-8), bf16, EP 1 (no
-#      all-to-all), 8k-token packed rows, 32k tokens per step, the whole RL step (old, anchor,
-#      update, optimizer, EMA); grouped experts (3 timed steps) then sequential (1 timed step) in
-#      the same process: tokens/s, MFU over the active parameters, the MoE blocks' own time and MFU,
-#      the output layer's share, peak against empg plan, grouped / sequential
+#   b3. [moe] benchmarks/train_step.py on a mixture of experts (the MoE part in benchmarks/moe_step.py),
+#      issue 44's measurement: Qwen3-30B-A3B's dimensions at SMOKE_MOE_LAYERS (4) of its 48 layers
+#      (128 experts, top-8), bf16, EP 1 (no all-to-all), 8k-token packed rows, 32k tokens per step,
+#      the whole RL step (old, anchor, update, optimizer, EMA); grouped experts (3 timed steps) then
+#      sequential (1 timed step) in the same process: tokens/s, MFU over the active parameters, the
+#      MoE blocks' own time and MFU, the output layer's share, peak against empg plan, grouped /
+#      sequential
 #                                                                      -> train_step_moe_gpu.json
 #   b. [dense] benchmarks/train_step.py, R1-Distill-Qwen-1.5B bf16, DP 1, 32k tokens per step, the 8k
 #      recipe's loss, packed rows of one sequence each (the worst case of a budget)

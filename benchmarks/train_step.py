@@ -91,10 +91,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from moe_step import (  # noqa: E402  (the MoE blocks' timer, FLOPs, record fields, comparison, goals)
+    MOE_LAYERS,
+    MoeBlockTimer,
+    moe_block_flops,
+    moe_comparison,
+    moe_goals,
+    moe_record,
+    moe_summary,
+    print_comparison,
+)
+
 from megatron_empg.config import ParallelConfig, RunConfig, load_config, load_model_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-MOE_LAYERS = 4  # a mixture of experts' layers unless --num-layers / num_layers= says otherwise
 STAGES = ("old_pass", "anchor_pass", "update", "ema_update")
 GIB = 2**30
 
@@ -184,83 +194,8 @@ def step_flops(model_cfg, lengths: list[int]) -> dict:
         "output_layer_share_of_step_flops": passes * 2 * output_params * tokens / causal,
     }
     if model_cfg.is_moe:
-        moe_params = model_cfg.num_layers * (
-            model_cfg.num_experts * model_cfg.hidden_size + model_cfg.moe_router_topk * model_cfg.expert_parameters()
-        )
-        out.update(
-            moe_block_active_params=moe_params,
-            moe_block_step_flops=passes * 2 * moe_params * tokens,
-            moe_block_share_of_step_flops=passes * 2 * moe_params * tokens / causal,
-            moe_block_formula="5 x 2 tokens x layers x (router E h + top-k x 3 h F); no attention, no output layer",
-        )
+        out.update(moe_block_flops(model_cfg, tokens, passes, causal))
     return out
-
-
-class MoeBlockTimer:
-    """The MoE blocks' own time inside the step (module docstring): on every ``MoELayer`` of
-    ``models``, a marker (a CUDA event; ``time.perf_counter`` on CPU) at each call's forward start
-    and end (module hooks) and at its backward start and end (tensor hooks on the gradients of its
-    output and its input). ``collect()`` after a synchronize: the seconds of the calls since the
-    last collect, forward and backward."""
-
-    METHOD = (
-        "cuda events (perf_counter on CPU) at each MoELayer call's forward start/end (module forward pre-/post-"
-        "hooks) and backward start/end (tensor hooks on the gradients of its output and of its input), summed "
-        "over layers, micro-batches and passes inside the timed steps; median over the repeats"
-    )
-
-    def __init__(self, models) -> None:
-        self.calls: list[dict] = []
-        self.handles = []
-        self.layers = 0
-        for chunk in models:
-            for module in chunk.modules():
-                if any(c.__name__ == "MoELayer" for c in type(module).__mro__):
-                    self.layers += 1
-                    self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-                    self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
-
-    @staticmethod
-    def _mark():
-        if CUDA:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    @staticmethod
-    def _seconds(start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if CUDA else end - start
-
-    def _pre(self, module, args, kwargs):
-        call = {"forward_start": self._mark()}
-        x = args[0] if args else kwargs.get("hidden_states")
-        if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
-            x.register_hook(lambda _grad: call.__setitem__("backward_end", self._mark()))
-        module._bench_moe_call = call
-        self.calls.append(call)
-
-    def _post(self, module, args, kwargs, output):
-        call = module._bench_moe_call
-        call["forward_end"] = self._mark()
-        y = output[0] if isinstance(output, tuple) else output
-        if torch.is_grad_enabled() and isinstance(y, torch.Tensor) and y.requires_grad:
-            y.register_hook(lambda _grad: call.__setitem__("backward_start", self._mark()))
-
-    def collect(self) -> dict[str, float]:
-        out = {"forward": 0.0, "backward": 0.0}
-        for call in self.calls:
-            if "forward_end" in call:
-                out["forward"] += self._seconds(call["forward_start"], call["forward_end"])
-            if "backward_start" in call and "backward_end" in call:
-                out["backward"] += self._seconds(call["backward_start"], call["backward_end"])
-        self.calls = []
-        return out
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
 
 
 def _samples(vocab: int, case: Case, tokens_per_step: int, lengths_mode: str, seed: int):
@@ -378,7 +313,7 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         old, t_old = _timed(
             lambda: rows.split_stats(forward_stats(ddp, rows.batches, old_request, groups)), peaks, "old_pass"
         )
-        moe_step = {"old_pass": moe_timer.collect()["forward"]} if moe_timer else {}
+        moe_by_pass = {"old_pass": moe_timer.collect()["forward"]} if moe_timer else {}
         for mb, out in zip(mbs, old, strict=True):
             mb.old_logprobs = out.logprobs
             if plan.old_topk:
@@ -391,7 +326,7 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
             "anchor_pass",
         )
         if moe_timer:
-            moe_step["anchor_pass"] = moe_timer.collect()["forward"]
+            moe_by_pass["anchor_pass"] = moe_timer.collect()["forward"]
         for mb, out in zip(mbs, ref, strict=True):
             mb.anchor_logprobs = out.logprobs
             if plan.anchor_at_old_topk:
@@ -403,14 +338,14 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         )
         if moe_timer:
             update = moe_timer.collect()
-            moe_step.update(update_forward=update["forward"], update_backward=update["backward"])
+            moe_by_pass.update(update_forward=update["forward"], update_backward=update["backward"])
         progress["stage"] = "ema_update"
         _, t_ema = _timed(anchor.update, peaks, "ema_update")
         if step >= warmup:
             for stage, t in zip(STAGES, (t_old, t_anchor, t_update, t_ema)):
                 times[stage].append(t)
             if moe_timer:
-                moe_times.append(moe_step)
+                moe_times.append(moe_by_pass)
     if moe_timer:
         moe_timer.remove()
     medians = {stage: statistics.median(ts) for stage, ts in times.items()}
@@ -448,22 +383,7 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         record["mfu_megatron"] = flops["step_flops_megatron"] / step_s / 1e12 / peak
         record["peak_tflops"] = peak
     if model_cfg.is_moe:
-        moe_medians = {k: statistics.median(t[k] for t in moe_times) for k in moe_times[0]}
-        moe_s = statistics.median(sum(t.values()) for t in moe_times)
-        record.update(
-            moe_experts=model_cfg.moe_experts,
-            moe_experts_module=_experts_module(policy),
-            moe_layer_modules_hooked=moe_timer.layers,  # the policy's and the anchor's MoELayer modules
-            moe_block_timing=MoeBlockTimer.METHOD,
-            moe_block_seconds=moe_s,
-            moe_block_seconds_median_by_pass=moe_medians,
-            moe_block_share_of_step_time=moe_s / step_s,
-            moe_block_achieved_tflops=flops["moe_block_step_flops"] / moe_s / 1e12 if moe_s else None,
-            moe_block_mfu=flops["moe_block_step_flops"] / moe_s / 1e12 / peak if peak and moe_s else None,
-            expert_parallel=parallel.expert_model_parallel_size,
-            token_dispatcher=getattr(policy[0].config, "moe_token_dispatcher_type", None),
-            all_to_all="none: one GPU at EP 1, the dispatcher permutes the tokens locally",
-        )
+        record.update(moe_record(model_cfg, policy, parallel, moe_timer, moe_times, flops, step_s, peak))
     record["peak_gib"] = max(peaks.values()) / GIB if CUDA else None
     if CUDA:
         record["peak_gib_by_stage"] = {k: v / GIB for k, v in peaks.items()}
@@ -487,15 +407,6 @@ def case_overrides(args, case: Case) -> list[str]:
     return overrides
 
 
-def _experts_module(policy) -> str | None:
-    """The class of the first MoE layer's experts (GroupedExperts, SequentialMLP, ...)."""
-    for chunk in policy:
-        for name, module in chunk.named_modules():
-            if name.endswith("mlp.experts"):
-                return type(module).__name__
-    return None
-
-
 def _planned(record: dict, args) -> dict:
     """``empg plan``'s allocator peak for the record's configuration (``plan_vs_gpu``), total and
     per stage, and the measured peak against it."""
@@ -514,54 +425,6 @@ def _planned(record: dict, args) -> dict:
     if record.get("peak_gib"):
         out["peak_vs_plan"] = out["planned_peak_gib"] / record["peak_gib"] - 1
     return out
-
-
-def moe_comparison(records: list[dict]) -> list[dict]:
-    """Grouped against sequential experts for each case that ran with both (same everything else)."""
-    by_case: dict[str, dict[str, dict]] = {}
-    for r in records:
-        if r.get("ok") and r.get("moe_experts"):
-            base = r["case"].replace(f" experts={r['moe_experts']}", "")
-            by_case.setdefault(base, {})[r["moe_experts"]] = r
-    out = []
-    for base, runs in by_case.items():
-        if "grouped" in runs and "sequential" in runs:
-            g, q = runs["grouped"], runs["sequential"]
-            out.append(
-                {
-                    "case": base,
-                    "grouped_tokens_per_s": g["tokens_per_s"],
-                    "sequential_tokens_per_s": q["tokens_per_s"],
-                    "step_speedup": g["tokens_per_s"] / q["tokens_per_s"],
-                    "moe_block_speedup": q["moe_block_seconds"] / g["moe_block_seconds"]
-                    if g.get("moe_block_seconds")
-                    else None,
-                    "repeats": {"grouped": g["repeats"], "sequential": q["repeats"]},
-                }
-            )
-    return out
-
-
-def moe_goals(records: list[dict], comparison: list[dict]) -> dict | None:
-    """Issue 44's goals on one H200 without TE, against this run (None without an MoE record)."""
-    grouped = [r for r in records if r.get("ok") and r.get("moe_experts") == "grouped"]
-    if not grouped:
-        return None
-    r = grouped[0]
-
-    def goal(value, target, met):
-        return {"value": value, "target": target, "met": None if value is None else met(value)}
-
-    speedup = comparison[0]["moe_block_speedup"] if comparison else None
-    return {
-        "record": r["case"],
-        "step_mfu": goal(r.get("mfu"), 0.30, lambda v: v >= 0.30),
-        "moe_block_mfu": goal(r.get("moe_block_mfu"), 0.35, lambda v: v >= 0.35),
-        "grouped_over_sequential_moe_blocks": goal(speedup, 5.0, lambda v: v >= 5.0),
-        "grouped_over_sequential_step": comparison[0]["step_speedup"] if comparison else None,
-        "peak_vs_plan": goal(r.get("peak_vs_plan"), 0.05, lambda v: abs(v) <= 0.05),
-        "note": "one GPU at EP 1: no all-to-all (the peers' numbers are at EP 8 on 8 to 32 GPUs)",
-    }
 
 
 def time_checkpoint(state: dict, directory: Path) -> dict:
@@ -680,11 +543,7 @@ def _summary(record: dict) -> str:
     line = f"{record['case']}: {record['tokens_per_s']:.0f} tokens/s"
     if record.get("mfu") is not None:
         line += f", MFU {100 * record['mfu']:.1f}% (Megatron convention {100 * record['mfu_megatron']:.1f}%)"
-    if record.get("moe_block_seconds") is not None:
-        mfu = record.get("moe_block_mfu")
-        line += f", MoE blocks {record['moe_block_seconds'] * 1e3:.0f} ms" + (
-            f" ({100 * mfu:.1f}% MFU)" if mfu is not None else ""
-        )
+    line += moe_summary(record)
     if record.get("peak_gib") is not None:
         line += f", peak {record['peak_gib']:.1f} GiB"
     if record.get("planned_peak_gib") is not None:
@@ -794,13 +653,7 @@ def main(argv=None) -> None:
             f"({c['write_gb_per_s']:.2f} GB/s): {c['ratio_to_plain_write']:.2f}x",
             flush=True,
         )
-    for c in report.get("moe_comparison", []):
-        speedup = c["moe_block_speedup"]
-        print(
-            f"grouped / sequential ({c['case']}): step x{c['step_speedup']:.2f}"
-            + (f", MoE blocks x{speedup:.2f}" if speedup else ""),
-            flush=True,
-        )
+    print_comparison(report.get("moe_comparison", []))
     print(f"wrote {args.out}")
     if not all(r["ok"] for r in report["records"]):
         sys.exit(1)
