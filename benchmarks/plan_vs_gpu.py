@@ -10,6 +10,12 @@ Two result formats: the first run's (commit d63de0f: ``variants`` of padded micr
 sequence, Megatron's unfused local spec, no fusions, the torch vocab path) and
 ``benchmarks/train_step.py``'s (``records``: a case each, packed rows, the fusions it ran with, the
 Triton vocab kernels). The stage "update" is the update pass and the optimizer step together.
+
+Mixtures of experts (``train_step_moe_gpu*.json``, the smoke kit's step b3): the record's model and
+its overrides (``model``, ``model_override``: ``num_layers``, ``moe_experts``) go into the plan's
+``model`` and ``model_overrides``; a record from before ``model.moe_experts`` (no such field) ran
+Megatron's ``SequentialMLP`` and is planned as ``moe_experts=sequential``. ``train_step.py`` calls
+``planned_peaks`` for each record it writes (``planned_peak_gib``).
 """
 
 from __future__ import annotations
@@ -28,9 +34,13 @@ TOLERANCE = 0.10  # issue 32: within 10 % of every GPU measurement
 STAGES = {"old_pass": ("old_pass",), "anchor_pass": ("anchor_pass",), "update": ("update", "optimizer")}
 
 
-def _common(seq_len: int, sequences: int, kl: str, attention: str) -> list[str]:
-    """Overrides that turn the 8k recipe into the benchmark's configuration."""
-    overrides = [
+def _common(
+    seq_len: int, sequences: int, kl: str, attention: str, model: str | None = None, model_overrides=()
+) -> list[str]:
+    """Overrides that turn the 8k recipe into the benchmark's configuration (``model``: another
+    model than the recipe's, ``model_overrides`` its ``key=value`` changes)."""
+    overrides = [f"model={model}"] if model else []
+    overrides += [
         "train.params_dtype=bfloat16",
         "optimizer.use_distributed_optimizer=false",
         "algorithm.anchor.compute_dtype=bfloat16",
@@ -43,8 +53,10 @@ def _common(seq_len: int, sequences: int, kl: str, attention: str) -> list[str]:
         "rollout.sampling.n=8",
         f"train.prompts_per_step={max(1, sequences // 8)}",
         "train.max_tokens_per_forward_microbatch=null",
-        f"model_overrides=[attention_backend={attention}]",
+        f"model_overrides=[{','.join([f'attention_backend={attention}', *model_overrides])}]",
     ]
+    if seq_len < 256:  # toy sizes (a CPU flow check): the weight-sync probe must fit the engine's rows
+        overrides.append(f"weight_sync.probe_length={seq_len // 2}")
     if kl == "topk":
         overrides += [
             "algorithm.loss.kl=topk",
@@ -86,24 +98,41 @@ def configurations(path: Path) -> list[dict]:
     for r in run.get("records", []):
         if not r.get("ok") or "peak_gib_by_stage" not in r or r["kl"] not in ("k3", "topk"):
             continue
-        tokens = r["tokens_per_microbatch"]
-        overrides = _common(tokens, r["tokens_per_step"] // tokens, r["kl"], r["attention_backend"]) + [
-            f"train.recompute={r['recompute']}",
-            f"train.packing={str(r['packed']).lower()}",
-            f"train.max_tokens_per_microbatch={tokens if r['packed'] else 'null'}",
-            "train.micro_batch_size=1",
-            f"train.max_tokens_per_forward_microbatch={r['forward_tokens_per_microbatch']}",
-        ]
-        options = PlanOptions(fused_swiglu=bool(r["fusions"].get("bias_activation_fusion")))
-        measured = {s: int(v * 2**30) for s, v in r["peak_gib_by_stage"].items() if s in STAGES}
-        out.append(
-            {"name": f"{path.name}: {r['case']}", "overrides": overrides, "options": options, "measured": measured}
-        )
+        config = record_configuration(r, run.get("params", {}))
+        out.append({**config, "name": f"{path.name}: {config['name']}"})
     return out
 
 
-def compare(config: dict) -> dict:
-    """The planned allocator peak per stage of one configuration against the measured one."""
+def record_configuration(record: dict, params: dict) -> dict:
+    """(name, overrides, plan options, measured stage peaks in bytes) of one ``train_step.py``
+    record, ``params`` its report's (the model and the overrides of records written before the
+    record carried its own)."""
+    from megatron_empg.config import load_model_config
+    from megatron_empg.trainer.bind.memory_plan import PlanOptions
+
+    r = record
+    tokens = r["tokens_per_microbatch"]
+    model = r.get("model", params.get("model"))
+    model_overrides = list(r.get("model_override", params.get("model_override") or []))
+    if model and load_model_config(model, model_overrides).is_moe and "moe_experts" not in r:
+        if not any(o.startswith("moe_experts=") for o in model_overrides):
+            model_overrides.append("moe_experts=sequential")  # before model.moe_experts: SequentialMLP
+    overrides = _common(
+        tokens, r["tokens_per_step"] // tokens, r["kl"], r["attention_backend"], model, model_overrides
+    ) + [
+        f"train.recompute={r['recompute']}",
+        f"train.packing={str(r['packed']).lower()}",
+        f"train.max_tokens_per_microbatch={tokens if r['packed'] else 'null'}",
+        "train.micro_batch_size=1",
+        f"train.max_tokens_per_forward_microbatch={r['forward_tokens_per_microbatch']}",
+    ]
+    options = PlanOptions(fused_swiglu=bool(r["fusions"].get("bias_activation_fusion")))
+    measured = {s: int(v * 2**30) for s, v in r.get("peak_gib_by_stage", {}).items() if s in STAGES}
+    return {"name": r["case"], "overrides": overrides, "options": options, "measured": measured}
+
+
+def planned_peaks(config: dict) -> dict[str, int]:
+    """The plan's allocator peak (bytes) per stage of ``STAGES`` for one configuration."""
     from megatron_empg.config import RunConfig, load_config
     from megatron_empg.trainer.bind.build import bind
     from megatron_empg.trainer.bind.memory_plan import plan_memory
@@ -111,20 +140,34 @@ def compare(config: dict) -> dict:
     run = load_config(RunConfig, RECIPE, config["overrides"])
     plan = plan_memory(bind(run, 1, check_paths=False), options=config["options"])
     (rank,) = plan.ranks
+    return {stage: max(rank.allocated(phase) for phase in phases) for stage, phases in STAGES.items()}
+
+
+def compare(config: dict) -> dict:
+    """The planned allocator peak per stage of one configuration against the measured one."""
+    planned = planned_peaks(config)
     stages = {}
     for stage, measured in config["measured"].items():
-        predicted = max(rank.allocated(phase) for phase in STAGES[stage])
+        predicted = planned[stage]
         stages[stage] = {"measured_bytes": measured, "predicted_bytes": predicted, "ratio": predicted / measured}
     return {"name": config["name"], "overrides": config["overrides"], "stages": stages}
 
 
+def result_files(results: Path = RESULTS) -> list[Path]:
+    """The step measurements in ``results``: dense (``train_step_gpu*.json``) and mixtures of
+    experts (``train_step_moe_gpu*.json``)."""
+    return sorted({*results.glob("train_step_gpu*.json"), *results.glob("train_step_moe_gpu*.json")})
+
+
 def comparisons(results: Path = RESULTS) -> list[dict]:
-    return [compare(c) for path in sorted(results.glob("train_step_gpu*.json")) for c in configurations(path)]
+    return [compare(c) for path in result_files(results) for c in configurations(path)]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", default=str(RESULTS), help="the folder of train_step_gpu*.json files")
+    p.add_argument(
+        "--results", default=str(RESULTS), help="the folder of train_step_gpu*.json and train_step_moe_gpu*.json files"
+    )
     p.add_argument("--out", default=str(RESULTS / "plan_vs_gpu.json"), help="'' to print only (the smoke kit)")
     args = p.parse_args(argv)
     rows = comparisons(Path(args.results))
@@ -150,7 +193,7 @@ def main(argv=None) -> int:
             + "\n"
         )
     if not rows:
-        print(f"no train_step_gpu*.json with measured peaks in {args.results}")
+        print(f"no train_step_gpu*.json or train_step_moe_gpu*.json with measured peaks in {args.results}")
     else:
         print(
             f"worst {100 * worst:.1f} % over {len(rows)} configurations (tolerance {100 * TOLERANCE:.0f} %)"

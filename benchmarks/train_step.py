@@ -37,6 +37,28 @@ halved in ``mfu_megatron`` (Megatron-LM's ``num_floating_point_operations`` conv
 13.6 % measured earlier); the step is two forward passes (old, anchor) and one update. Recompute
 is not counted (model FLOPs). MFU = achieved / ``--peak-tflops``.
 
+A mixture of experts (a model with ``num_experts``, e.g. ``--model qwen3-30b-a3b``): ``--num-layers N``
+(default 4 of its layers; ``--model-override num_layers=N`` as well), ``--moe-experts
+grouped,sequential`` (``model.moe_experts`` per case: each ``--case`` runs once per name, in that
+order, in the same process; ``--sequential-repeats R`` runs the sequential cases at fewer steps,
+stated in each record's ``repeats``). Each record then also carries ``moe_experts``, ``num_layers``,
+``moe_block_mfu`` and ``moe_block_seconds``: the MoE blocks alone (each layer's ``MoELayer``:
+router, token permutation, experts, unpermutation) timed *inside* the same steps by CUDA events
+(``time.perf_counter`` on CPU) recorded at each ``MoELayer`` call's forward start and end (module
+forward pre-/post-hooks) and at its backward start and end (tensor hooks on the gradient of its
+output and of its input, which only the MoE block consumes), summed over layers, micro-batches and
+passes (old, anchor, update), median over the repeats (``moe_block_timing`` says so); their FLOPs
+are the router and the ``moe_router_topk`` experts' GEMMs, x5 as above. ``flops`` states the output
+layer's share (``output_layer_share_of_matmul_flops``, ``..._of_step_flops``) and the MoE blocks'.
+One GPU at EP 1: the dispatcher permutes tokens locally, there is no all-to-all (``expert_parallel``,
+``all_to_all`` in the record). ``moe_comparison`` (grouped against sequential, same case) and
+``goals`` (issue 44: step MFU >= 30 %, MoE blocks >= 35 %, grouped >= 5x sequential, peak within 5 %
+of the plan) are written at the report's top level; nothing asserts them.
+
+Every record carries ``planned_peak_gib`` (and per stage): ``empg plan``'s allocator peak for the
+same configuration (``benchmarks/plan_vs_gpu.py``'s ``record_configuration`` and
+``planned_peaks``), and ``peak_vs_plan`` = planned / measured - 1 on CUDA.
+
 ``--checkpoint``: after the first case that fits, one save (``mcore.checkpoint.save_checkpoint``:
 policy, optimizer, anchor master, RNG) into ``--checkpoint-dir``, then a plain sequential write of
 the same number of bytes to a file in the same directory (``checkpoint_save.plain_write``: 8 MiB
@@ -69,6 +91,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from moe_step import (  # noqa: E402  (the MoE blocks' timer, FLOPs, record fields, comparison, goals)
+    MOE_LAYERS,
+    MoeBlockTimer,
+    moe_block_flops,
+    moe_comparison,
+    moe_goals,
+    moe_record,
+    moe_summary,
+    print_comparison,
+)
+
 from megatron_empg.config import ParallelConfig, RunConfig, load_config, load_model_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -85,6 +118,9 @@ class Case:
     packed: bool = True
     fusions: str = "auto"
     forward_tokens: int = 0
+    experts: str = ""  # model.moe_experts ("": the model's setting); --moe-experts fills it in
+    warmup: int = -1  # -1: --warmup
+    repeats: int = 0  # 0: --repeats (--sequential-repeats for sequential experts)
 
     @classmethod
     def parse(cls, text: str) -> Case:
@@ -96,7 +132,7 @@ class Case:
                 raise SystemExit(f"--case {text!r}: unknown key {key!r}; expected {sorted(fields)}")
             values[key] = (
                 int(value)
-                if key in ("tokens", "forward_tokens")
+                if key in ("tokens", "forward_tokens", "warmup", "repeats")
                 else value in ("1", "true")
                 if key == "packed"
                 else value
@@ -106,9 +142,10 @@ class Case:
     def name(self) -> str:
         layout = "packed" if self.packed else "padded"
         forward = f" forward={self.forward_tokens}" if self.forward_tokens else ""
+        experts = f" experts={self.experts}" if self.experts else ""
         return (
             f"{self.attention} {layout} {self.tokens}{forward} recompute={self.recompute} kl={self.kl} "
-            f"fusions={self.fusions}"
+            f"fusions={self.fusions}{experts}"
         )
 
 
@@ -134,7 +171,8 @@ def _timed(fn, peaks: dict, stage: str):
 
 def step_flops(model_cfg, lengths: list[int]) -> dict:
     """Model FLOPs of one step (two forward passes and one update) over sequences of ``lengths``
-    tokens (module docstring); with and without the causal halving of attention."""
+    tokens (module docstring); with and without the causal halving of attention; the output layer's
+    share and, for a mixture of experts, the MoE blocks' (router and the experts a token uses)."""
     embedding = model_cfg.vocab_size * model_cfg.hidden_size
     active = model_cfg.num_parameters(active=True)  # a mixture of experts: the experts a token uses
     matmul_params = active - embedding + (embedding if model_cfg.tie_word_embeddings else 0)
@@ -143,13 +181,21 @@ def step_flops(model_cfg, lengths: list[int]) -> dict:
     attention_full = sum(4 * length * length * d_attn for length in lengths) * model_cfg.num_layers
     linear = 2 * matmul_params * tokens
     passes = 2 + 3  # old + anchor forward, update forward + backward (2x)
-    return {
+    causal = passes * (linear + attention_full / 2)
+    output_params = model_cfg.vocab_size * model_cfg.hidden_size  # the output layer (tied or not)
+    out = {
         "matmul_params": matmul_params,
-        "step_flops_causal": passes * (linear + attention_full / 2),
+        "step_flops_causal": causal,
         "step_flops_megatron": passes * (linear + attention_full),
         "formula": "5 x (2 N tokens + sum_seq 4 L^2 heads head_dim layers [x 1/2 causal]); N = layer and "
         "output-layer matmul parameters; 5 = old + anchor forward + update (forward + 2x backward)",
+        "output_layer_params": output_params,
+        "output_layer_share_of_matmul_flops": output_params / matmul_params,
+        "output_layer_share_of_step_flops": passes * 2 * output_params * tokens / causal,
     }
+    if model_cfg.is_moe:
+        out.update(moe_block_flops(model_cfg, tokens, passes, causal))
+    return out
 
 
 def _samples(vocab: int, case: Case, tokens_per_step: int, lengths_mode: str, seed: int):
@@ -197,7 +243,7 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
     from megatron_empg.trainer.batching.forward_batch import ForwardPlan, forward_rows
     from megatron_empg.trainer.bind.build import bind_loss
 
-    model_cfg = load_model_config(args.model, args.model_override)
+    model_cfg = load_model_config(args.model, case_overrides(args, case))
     parallel = ParallelConfig()
     groups = initialize_model_parallel(parallel, seed=0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -238,6 +284,13 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         fusions=fusions,
     )
     built_bytes = torch.cuda.memory_allocated() if CUDA else None
+    moe_timer = MoeBlockTimer([*ddp, *anchor.models]) if model_cfg.is_moe else None
+    warmup = args.warmup if case.warmup < 0 else case.warmup
+    repeats = case.repeats or (
+        args.sequential_repeats if model_cfg.is_moe and model_cfg.moe_experts == "sequential" else None
+    )
+    repeats = repeats or args.repeats
+    moe_times: list[dict[str, float]] = []
     vocab = model_cfg.vocab_size
     old_request = StatsRequest(vocab_size=vocab, k=plan.old_topk, with_entropy=False)
     anchor_request = StatsRequest(
@@ -248,16 +301,19 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
     )
     times: dict[str, list[float]] = {stage: [] for stage in STAGES}
     lengths: list[int] = []
-    for step in range(args.warmup + args.repeats):
+    for step in range(warmup + repeats):
         progress.update(step=step, stage="batch")
         samples, advantages = _samples(vocab, case, args.tokens_per_step, args.lengths, seed=step)
         lengths = [s.length for s in samples]
         mbs = _micro_batches(samples, advantages, case, device)
         rows = forward_rows(mbs, ForwardPlan(max_tokens=case.forward_tokens or None))
         progress["stage"] = "old_pass"
+        if moe_timer:
+            moe_timer.collect()  # nothing before the step's first pass
         old, t_old = _timed(
             lambda: rows.split_stats(forward_stats(ddp, rows.batches, old_request, groups)), peaks, "old_pass"
         )
+        moe_by_pass = {"old_pass": moe_timer.collect()["forward"]} if moe_timer else {}
         for mb, out in zip(mbs, old, strict=True):
             mb.old_logprobs = out.logprobs
             if plan.old_topk:
@@ -269,6 +325,8 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
             peaks,
             "anchor_pass",
         )
+        if moe_timer:
+            moe_by_pass["anchor_pass"] = moe_timer.collect()["forward"]
         for mb, out in zip(mbs, ref, strict=True):
             mb.anchor_logprobs = out.logprobs
             if plan.anchor_at_old_topk:
@@ -278,11 +336,18 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         _, t_update = _timed(
             lambda: train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups, loss_units=units), peaks, "update"
         )
+        if moe_timer:
+            update = moe_timer.collect()
+            moe_by_pass.update(update_forward=update["forward"], update_backward=update["backward"])
         progress["stage"] = "ema_update"
         _, t_ema = _timed(anchor.update, peaks, "ema_update")
-        if step >= args.warmup:
+        if step >= warmup:
             for stage, t in zip(STAGES, (t_old, t_anchor, t_update, t_ema)):
                 times[stage].append(t)
+            if moe_timer:
+                moe_times.append(moe_by_pass)
+    if moe_timer:
+        moe_timer.remove()
     medians = {stage: statistics.median(ts) for stage, ts in times.items()}
     step_s = sum(medians.values())
     flops = step_flops(model_cfg, lengths)
@@ -301,21 +366,65 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         "topk": plan.old_topk or plan.anchor_topk,
         "fusions": {f: v for f, v in fusions.overrides.items() if v},
         "tokens_per_step": sum(lengths),
+        "warmup": warmup,
+        "repeats": repeats,
+        "model": args.model,
+        "model_override": case_overrides(args, case),
+        "num_layers": model_cfg.num_layers,
         "stage_seconds_median": medians,
         "step_seconds": step_s,
         "tokens_per_s": sum(lengths) / step_s,
         "achieved_tflops": flops["step_flops_causal"] / step_s / 1e12,
         "flops": flops,
     }
-    if args.peak_tflops:
-        record["mfu"] = flops["step_flops_causal"] / step_s / 1e12 / args.peak_tflops
-        record["mfu_megatron"] = flops["step_flops_megatron"] / step_s / 1e12 / args.peak_tflops
-        record["peak_tflops"] = args.peak_tflops
+    peak = args.peak_tflops
+    record["mfu"] = flops["step_flops_causal"] / step_s / 1e12 / peak if peak else None
+    if peak:
+        record["mfu_megatron"] = flops["step_flops_megatron"] / step_s / 1e12 / peak
+        record["peak_tflops"] = peak
+    if model_cfg.is_moe:
+        record.update(moe_record(model_cfg, policy, parallel, moe_timer, moe_times, flops, step_s, peak))
+    record["peak_gib"] = max(peaks.values()) / GIB if CUDA else None
     if CUDA:
-        record["peak_gib"] = max(peaks.values()) / GIB
         record["peak_gib_by_stage"] = {k: v / GIB for k, v in peaks.items()}
         record["allocated_after_build_gib"] = built_bytes / GIB
+    record.update(_planned(record, args))
     return record, {"models": ddp, "optimizer": optimizer, "scheduler": scheduler, "anchor": anchor, "groups": groups}
+
+
+def case_overrides(args, case: Case) -> list[str]:
+    """The model overrides of ``case``: ``--model-override``, ``--num-layers`` (a mixture of
+    experts: 4 unless given), ``moe_experts`` of the case."""
+    overrides = list(args.model_override)
+    layers = args.num_layers
+    if layers is None and not any(o.startswith("num_layers=") for o in overrides):
+        if load_model_config(args.model, overrides).is_moe:
+            layers = MOE_LAYERS
+    if layers is not None:
+        overrides.append(f"num_layers={layers}")
+    if case.experts:
+        overrides.append(f"moe_experts={case.experts}")
+    return overrides
+
+
+def _planned(record: dict, args) -> dict:
+    """``empg plan``'s allocator peak for the record's configuration (``plan_vs_gpu``), total and
+    per stage, and the measured peak against it."""
+    from plan_vs_gpu import STAGES as PLAN_STAGES
+    from plan_vs_gpu import planned_peaks, record_configuration
+
+    try:
+        planned = planned_peaks(record_configuration(record, {"model": args.model}))
+    except Exception as err:  # noqa: BLE001 - the measurement stands without its plan
+        return {"planned_peak_gib": None, "planned_peak_error": f"{type(err).__name__}: {err}"[:500]}
+    out = {
+        "planned_peak_gib": max(planned.values()) / GIB,
+        "planned_peak_gib_by_stage": {k: v / GIB for k, v in planned.items()},
+        "planned_stages": {k: list(v) for k, v in PLAN_STAGES.items()},
+    }
+    if record.get("peak_gib"):
+        out["peak_vs_plan"] = out["planned_peak_gib"] / record["peak_gib"] - 1
+    return out
 
 
 def time_checkpoint(state: dict, directory: Path) -> dict:
@@ -372,6 +481,7 @@ def _failure(case: Case, err: BaseException, progress: dict) -> dict:
         "tokens_per_microbatch": case.tokens,
         "recompute": case.recompute,
         "packed": case.packed,
+        "moe_experts": case.experts or None,
         "oom": isinstance(err, torch.cuda.OutOfMemoryError),
         "failed_at": dict(progress),
         "error": f"{type(err).__name__}: {err}"[:1500],
@@ -431,10 +541,13 @@ def _summary(record: dict) -> str:
         )
     stages = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in record["stage_seconds_median"].items())
     line = f"{record['case']}: {record['tokens_per_s']:.0f} tokens/s"
-    if "mfu" in record:
+    if record.get("mfu") is not None:
         line += f", MFU {100 * record['mfu']:.1f}% (Megatron convention {100 * record['mfu_megatron']:.1f}%)"
-    if "peak_gib" in record:
+    line += moe_summary(record)
+    if record.get("peak_gib") is not None:
         line += f", peak {record['peak_gib']:.1f} GiB"
+    if record.get("planned_peak_gib") is not None:
+        line += f" (plan {record['planned_peak_gib']:.1f} GiB)"
     return f"{line} | {stages}"
 
 
@@ -446,6 +559,23 @@ def main(argv=None) -> None:
         action="append",
         default=[],
         help="a dotted override of the model config (repeatable), e.g. num_layers=4",
+    )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help=f"the model's layers (default: the model's; a mixture of experts: {MOE_LAYERS})",
+    )
+    p.add_argument(
+        "--moe-experts",
+        default=None,
+        help="comma-separated model.moe_experts names (grouped,sequential): every case runs once per name",
+    )
+    p.add_argument(
+        "--sequential-repeats",
+        type=int,
+        default=None,
+        help="timed steps of the sequential-experts cases (default: --repeats)",
     )
     p.add_argument("--recipe", default=str(REPO / "recipes/r1_distill_qwen_1.5b_math_ema_pg.yaml"))
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16" if CUDA else "fp32")
@@ -463,6 +593,9 @@ def main(argv=None) -> None:
     recipe = load_config(RunConfig, args.recipe)
     args.model = args.model or (recipe.model if CUDA else "tiny-qwen2")
     cases = args.case or [Case(tokens=2048 if CUDA else 128)]
+    if args.moe_experts:
+        names = [n for n in args.moe_experts.split(",") if n]
+        cases = [dataclasses.replace(c, experts=n) for c in cases for n in names]
 
     from megatron_empg.mcore.parallel_state import destroy_model_parallel
 
@@ -478,6 +611,7 @@ def main(argv=None) -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": _machine(),
         "params": {k: v for k, v in vars(args).items() if k != "case"},
+        "cases": [c.name() for c in cases],
         "records": [],
     }
     try:
@@ -502,6 +636,12 @@ def main(argv=None) -> None:
             record.update(device=report["machine"]["device"], commit=report["commit"])
             report["records"].append(record)
             print(_summary(record), flush=True)
+            comparison = moe_comparison(report["records"])
+            if comparison:
+                report["moe_comparison"] = comparison
+            goals = moe_goals(report["records"], comparison)
+            if goals:
+                report["goals"] = goals
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     finally:
@@ -513,6 +653,7 @@ def main(argv=None) -> None:
             f"({c['write_gb_per_s']:.2f} GB/s): {c['ratio_to_plain_write']:.2f}x",
             flush=True,
         )
+    print_comparison(report.get("moe_comparison", []))
     print(f"wrote {args.out}")
     if not all(r["ok"] for r in report["records"]):
         sys.exit(1)
