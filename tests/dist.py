@@ -72,8 +72,23 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     Raises ``RankError`` with the rank numbers and tracebacks if any rank raised, and fails the test
-    (after killing every rank) if the ranks have not all finished within ``timeout`` seconds.
+    (after killing every rank) if the ranks have not all finished within ``timeout`` seconds. A
+    rendezvous port taken between ``free_port`` and rank 0's listen (another test's gloo sockets
+    bind ephemeral ports too) is retried on a new port: ``fn`` had not started.
     """
+    for attempt in range(1, _PORT_ATTEMPTS + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except RankError as error:
+            taken = "EADDRINUSE" in str(error) and "init_process_group" in str(error)
+            if not taken or attempt == _PORT_ATTEMPTS:
+                raise
+
+
+_PORT_ATTEMPTS = 3
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="run_distributed_") as out_dir:
         out = Path(out_dir)

@@ -569,6 +569,7 @@ def test_experts_module_equals_sequential_with_empty_experts(ep1):
 
 @pytest.mark.megatron
 @pytest.mark.dist
+@pytest.mark.layout
 def test_three_rl_steps_grouped_equal_sequential(ep1):
     grouped, sequential = ep1["train"]
     for step, (a, b) in enumerate(zip(grouped["history"], sequential["history"], strict=True)):
@@ -596,6 +597,7 @@ def _assert_swap(result: dict, what: str) -> None:
 
 @pytest.mark.megatron
 @pytest.mark.dist
+@pytest.mark.layout
 @pytest.mark.parametrize("direction", ["g2s", "s2g"], ids=["grouped_to_sequential", "sequential_to_grouped_distopt"])
 def test_checkpoint_loads_across_implementations(ep1, direction):
     _assert_swap(ep1[direction], direction)
@@ -644,6 +646,7 @@ def test_expert_parallel_layouts_equal_ep1(ep1, ep2, layout):
 
 @pytest.mark.megatron
 @pytest.mark.dist
+@pytest.mark.layout
 def test_grouped_ep2_checkpoint_loads_into_sequential_at_ep1(ep2):
     for rank, result in enumerate(r["ep2_to_ep1"] for r in ep2):
         saved = result["saved"]["params"]
