@@ -98,13 +98,15 @@ def moe_block_flops(model_cfg, tokens: int, passes: int, step_flops_causal: floa
     }
 
 
-def experts_module(policy) -> str | None:
-    """The class of the first MoE layer's experts (GroupedExperts, SequentialMLP, ...)."""
+def moe_modules(policy) -> tuple[str | None, str | None]:
+    """The classes of the first MoE layer's experts (GroupedExperts, SequentialMLP, ...) and token
+    dispatcher (LocalTokenDispatcher, MoEAlltoAllTokenDispatcher, ...)."""
     for chunk in policy:
         for name, module in chunk.named_modules():
             if name.endswith("mlp.experts"):
-                return type(module).__name__
-    return None
+                dispatcher = getattr(chunk.get_submodule(name.rsplit(".", 1)[0]), "token_dispatcher", None)
+                return type(module).__name__, type(dispatcher).__name__
+    return None, None
 
 
 def moe_record(
@@ -115,9 +117,11 @@ def moe_record(
     ran (experts module, EP, dispatcher)."""
     moe_medians = {k: statistics.median(t[k] for t in times) for k in times[0]}
     moe_s = statistics.median(sum(t.values()) for t in times)
+    experts, dispatcher = moe_modules(policy)
     return {
         "moe_experts": model_cfg.moe_experts,
-        "moe_experts_module": experts_module(policy),
+        "moe_experts_module": experts,
+        "token_dispatcher_module": dispatcher,
         "moe_layer_modules_hooked": timer.layers,  # the policy's and the anchor's MoELayer modules
         "moe_block_timing": MoeBlockTimer.METHOD,
         "moe_block_seconds": moe_s,

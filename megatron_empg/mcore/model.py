@@ -217,16 +217,19 @@ def layer_spec(model: ModelConfig, attention: AttentionChoice, experts: ExpertsC
 
 
 def _use_grouped_experts(spec: ModuleSpec) -> None:
-    """``spec``'s MoE layer with ``GroupedExperts`` as its experts (Megatron's ``MoELayer`` takes
-    any ``ExpertsBuilder``: ``(num_local_experts, config, *, pg_collection, name)``)."""
+    """``spec``'s MoE layer as ``GroupedMoELayer`` (Megatron's ``MoELayer``, whose dispatcher reads
+    nothing on the host where the expert grid is one rank: ``mcore.moe.dispatch``) with
+    ``GroupedExperts`` as its experts (``MoELayer`` takes any ``ExpertsBuilder``:
+    ``(num_local_experts, config, *, pg_collection, name)``)."""
     import dataclasses
     import functools
 
+    from megatron_empg.mcore.moe.dispatch import GroupedMoELayer
     from megatron_empg.mcore.moe.grouped import GroupedExperts
 
     mlp = spec.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
     submodules = dataclasses.replace(mlp.keywords["submodules"], experts=GroupedExperts)
-    spec.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    spec.submodules.mlp = functools.partial(GroupedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules})
 
 
 def _rotary_base(theta: float) -> int | float:

@@ -5,7 +5,8 @@ one packed 8k-token micro-batch routed top-8 (65,536 rows sorted by expert, unev
 experts without a token). Outputs and the gradients of the input, the routing weights and both
 stacked weights; an expert without tokens gets an exactly zero weight gradient. The grouped
 module's forward and backward make no host sync (``torch.cuda.set_sync_debug_mode("error")``,
-token counts on the device as the dispatcher hands them). Both modules are the layer-0 experts of
+token counts on the device as the dispatcher hands them), nor does the whole MoE layer (router,
+``LocalTokenDispatcher``, experts, combine) on an 8k micro-batch. Both modules are the layer-0 experts of
 one-layer builds (``mcore.model.build_gpt_model``, the sdpa spec, CUDA's fusion plan: the grouped
 module's compiled weighted SwiGLU, Megatron's fused one in SequentialMLP), as the trainer builds
 them, except that ``gradient_accumulation_fusion`` is off: without DDP's fp32 ``main_grad`` buffers
@@ -52,6 +53,7 @@ NORMWISE = 1e-2
 BETWEEN = 2 * NORMWISE
 LARGEST = 2.0**-5
 RESULTS: dict = {}
+LAYER: dict = {}
 
 
 def _counts(rows: int, experts: int) -> torch.Tensor:
@@ -98,6 +100,8 @@ def experts():
             fusions=fusions,
         )
         built[name] = chunk.decoder.layers[0].mlp.experts
+        if name == "grouped":
+            LAYER["grouped"] = chunk.decoder.layers[0].mlp  # the whole MoE layer: router, dispatch, experts
         del chunk
     grouped, sequential = built["grouped"], built["sequential"]
     assert type(grouped).__name__ == "GroupedExperts" and type(sequential).__name__ == "SequentialMLP"
@@ -244,6 +248,32 @@ def test_grouped_experts_make_no_host_sync(experts, inputs):
     torch.cuda.synchronize()
     assert run["x"] is not None and run["fc1"] is not None
     RESULTS["host_sync_free"] = True
+
+
+def test_grouped_moe_layer_makes_no_host_sync(experts):
+    """The whole MoE layer at EP 1 (router in fp32, ``LocalTokenDispatcher``'s permutation, the
+    experts, the combine), forward and backward on one 8k micro-batch."""
+    layer = LAYER["grouped"]
+    assert type(layer.token_dispatcher).__name__ == "LocalTokenDispatcher"
+    g = torch.Generator(device="cuda").manual_seed(46)
+    x = torch.randn(TOKENS, 1, layer.config.hidden_size, device="cuda", generator=g).bfloat16()
+
+    def step():
+        inp = x.detach().clone().requires_grad_()
+        out, _ = layer(inp)
+        out.float().square().mean().backward()
+        return inp.grad
+
+    step()  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grad = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(grad).all()
+    RESULTS["moe_layer_host_sync_free"] = True
 
 
 def test_time_grouped_against_sequential(experts, inputs):

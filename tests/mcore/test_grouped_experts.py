@@ -12,7 +12,9 @@ One spawned rank (EP 1):
       experts with no tokens) and the whole model (padded rows, a packed row) give bit-equal
       outputs and gradients on the per-expert fallback path, and equal ones (1e-6) through torch's
       grouped_mm and the fused SwiGLU; the grouped module's forward and backward read nothing on
-      the host on the grouped_mm path;
+      the host on the grouped_mm path, nor does the whole MoE layer (``GroupedMoELayer`` with
+      ``LocalTokenDispatcher``: no scalar read, no op of a data-dependent shape), while Megatron's
+      dispatcher with SequentialMLP does; Megatron's allgather setting gives the same model;
     - the checkpoint entries (``sharded_state_dict``, factories built) and the weight sync's
       per-expert tensors (``named_weight_shards``) are those of SequentialMLP;
     - three RL steps (test_train_step's ``_train``) give sequential's losses, metrics, grad norms
@@ -33,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_empg.mcore.moe import gemm
 from tests.adam_bound import assert_grads_close, assert_params_within_adam_bound
@@ -86,12 +89,13 @@ def test_both_gemm_paths_equal_a_per_expert_loop(counts):
 HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy")
 
 
-def _refuse_host_reads(monkeypatch) -> None:
-    def refuse(*_args, **_kwargs):
-        raise AssertionError("a host read of a tensor's values")
+def _refuse(*_args, **_kwargs):
+    raise AssertionError("a host read of a tensor's values")
 
+
+def _refuse_host_reads(monkeypatch) -> None:
     for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, refuse)
+        monkeypatch.setattr(torch.Tensor, name, _refuse)
 
 
 def test_grouped_mm_path_reads_nothing_on_the_host(monkeypatch):
@@ -329,6 +333,58 @@ def _experts_module_checks(grouped, sequential) -> dict:
     return out
 
 
+class _DataDependentOps(TorchDispatchMode):
+    """Records the ATen ops whose output shape or value the host must read on CUDA (a sync each):
+    a scalar read, nonzero and its kin, indexing by a mask."""
+
+    OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name in self.OPS:
+            self.seen.append(name)
+        elif name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.seen.append("index by a mask")
+        return func(*args, **(kwargs or {}))
+
+
+def _layer_checks(grouped, sequential) -> dict:
+    """Layer 0's whole MoE layer (router, dispatch, experts, combine) forward and backward with
+    every host read refused (on CUDA, ``.cpu()`` of a device tensor is one too) and the ops of a
+    data-dependent shape recorded: the grouped layer's dispatcher, what each layer read."""
+    import _pytest.monkeypatch
+
+    out = {}
+    g = torch.Generator().manual_seed(13)
+    for name, layer in (("grouped", grouped), ("sequential", sequential)):
+        x = torch.randn(16, 1, layer.config.hidden_size, generator=g).requires_grad_()
+        if name == "grouped":
+            layer.experts.gemm_path, layer.experts.swiglu_backend = "grouped_mm", "eager"
+        patch, ops = _pytest.monkeypatch.MonkeyPatch(), _DataDependentOps()
+        try:
+            for method in (*HOST_READS, "cpu"):
+                patch.setattr(torch.Tensor, method, _refuse)
+            with ops:
+                y, _ = layer(x)
+                y.sum().backward()
+            out[name] = ops.seen or "no host read"
+        except AssertionError as error:
+            out[name] = str(error)
+        finally:
+            patch.undo()
+            layer.experts.gemm_path, layer.experts.swiglu_backend = "auto", None
+    with _DataDependentOps() as control:  # the recorder sees a mask index
+        x[x > 0]
+    out["control"] = control.seen
+    out["layer"] = type(grouped).__name__
+    out["dispatcher"] = type(grouped.token_dispatcher).__name__
+    return out
+
+
 def _ckpt_snapshot(run) -> dict:
     return {
         "params": _expert_tensors(run.chunks),
@@ -468,6 +524,13 @@ def _ep1_worker(rank: int, world_size: int, work: str) -> dict:
         out["module"] = _experts_module_checks(
             grouped[0].decoder.layers[0].mlp.experts, sequential[0].decoder.layers[0].mlp.experts
         )
+        out["layer"] = _layer_checks(grouped[0].decoder.layers[0].mlp, sequential[0].decoder.layers[0].mlp)
+        # the allgather dispatcher's setting at EP 1: grouped experts route locally all the same
+        allgather = _models(ParallelConfig(moe_token_dispatcher_type="allgather"))
+        out["allgather"] = {
+            "dispatchers": [type(m[0].decoder.layers[0].mlp.token_dispatcher).__name__ for m in allgather],
+            "padded": [_forward_backward(m, batches["padded"], batches["weights"], cfg.vocab_size) for m in allgather],
+        }
     finally:
         destroy_model_parallel()
     full = out["full"]
@@ -501,6 +564,7 @@ def _ep2_worker(rank: int, world_size: int, work: str, full: dict) -> dict:
                 "params": _expert_tensors(grouped),
                 "padded": _forward_backward(grouped, batches["padded"], batches["weights"], cfg.vocab_size),
                 "etp": (groups.etp_rank, groups.etp_size),
+                "dispatcher": type(grouped[0].decoder.layers[0].mlp.token_dispatcher).__name__,
             }
         finally:
             destroy_model_parallel()
@@ -569,6 +633,28 @@ def test_experts_module_equals_sequential_with_empty_experts(ep1):
 
 @pytest.mark.megatron
 @pytest.mark.dist
+def test_grouped_moe_layer_reads_nothing_on_the_host_at_ep1(ep1):
+    layer = ep1["layer"]
+    assert (layer["layer"], layer["dispatcher"]) == ("GroupedMoELayer", "LocalTokenDispatcher")
+    assert layer["grouped"] == "no host read"  # router, dispatch, grouped_mm experts, combine; and backward
+    # the controls: Megatron's dispatcher and SequentialMLP read the counts; the recorder sees a mask
+    assert "host read" in layer["sequential"] and layer["sequential"] != "no host read"
+    assert layer["control"] == ["index by a mask"]
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_local_dispatch_equals_megatrons_allgather_dispatcher_at_ep1(ep1):
+    allgather = ep1["allgather"]
+    assert allgather["dispatchers"] == ["LocalTokenDispatcher", "MoEAllGatherTokenDispatcher"]
+    grouped, sequential = allgather["padded"]
+    torch.testing.assert_close(grouped["logits"], sequential["logits"], **EXACT)
+    _assert_tensors(grouped["grads"], sequential["grads"], EXACT, "allgather gradient")
+    torch.testing.assert_close(grouped["logits"], ep1["padded"][0]["logits"], **EXACT)  # alltoall's setting
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
 @pytest.mark.layout
 def test_three_rl_steps_grouped_equal_sequential(ep1):
     grouped, sequential = ep1["train"]
@@ -626,6 +712,7 @@ def test_expert_parallel_layouts_equal_ep1(ep1, ep2, layout):
     seen = set()
     for rank, result in enumerate(r[layout] for r in ep2):
         assert result["entries"] == [], f"rank {rank}"
+        assert result["dispatcher"] == "MoEAlltoAllTokenDispatcher"  # the expert grid spans 2 ranks
         etp_rank, etp = result["etp"]
         torch.testing.assert_close(result["padded"]["logits"], reference["logits"], **TOL)
         for name, (grad, partition) in result["padded"]["grads"].items():

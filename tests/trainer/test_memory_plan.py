@@ -156,17 +156,21 @@ MOE_PROBE = [
     "moe_router_topk=4",
     "moe_ffn_hidden_size=128",
     "vocab_size=1024",
-    # the formula's experts (memory_terms.moe_activations): grouped experts keep 2F less per
-    # routed copy on the CPU (measured 10F, not 12F), which the plan does not model yet
-    "moe_experts=sequential",
 ]
+# (model.moe_experts, the fused weighted SwiGLU): each a term of memory_terms.moe_activations
+MOE_EXPERTS = {
+    "moe_sequential": ("sequential", False),
+    "moe_grouped": ("grouped", False),
+    "moe_fused": ("grouped", True),
+}
 
 
 def _probe_model(name: str, layers: int):
     from megatron_empg.config import load_model_config
 
-    if name == "moe":
-        return load_model_config("tiny-qwen3-moe", [f"num_layers={layers}", *MOE_PROBE])
+    if name in MOE_EXPERTS:
+        experts = MOE_EXPERTS[name][0]
+        return load_model_config("tiny-qwen3-moe", [f"num_layers={layers}", *MOE_PROBE, f"moe_experts={experts}"])
     return load_model_config(
         "deepseek-r1-distill-qwen-1.5b",
         [f"num_layers={layers}", "vocab_size=1024", "bos_token_id=null", "eos_token_id=null", "pad_token_id=null"],
@@ -186,6 +190,9 @@ def _saved_bytes(layers: int, attention: str, seq: int, name: str = "dense") -> 
     initialize_model_parallel(parallel, seed=0)
     try:
         (model,) = build_gpt_model(cfg, parallel, params_dtype=torch.bfloat16, attention_backend=attention)
+        if MOE_EXPERTS.get(name, (None, False))[1]:
+            for layer in model.decoder.layers:  # CUDA's fused weighted SwiGLU, uncompiled on the CPU
+                layer.mlp.experts.fused_swiglu, layer.mlp.experts.swiglu_backend = True, "eager"
         ids = torch.randint(0, 1000, (1, seq), generator=torch.Generator().manual_seed(0))
         storages: dict[int, int] = {}
 
@@ -207,7 +214,8 @@ def _layer_bytes(rank: int, world_size: int) -> dict:
         for attention in ("sdpa", "unfused")
         for seq in (256, 512)
     }
-    out["moe", "sdpa", 256] = _saved_bytes(2, "sdpa", 256, "moe") - _saved_bytes(1, "sdpa", 256, "moe")
+    for name in MOE_EXPERTS:
+        out[name, "sdpa", 256] = _saved_bytes(2, "sdpa", 256, name) - _saved_bytes(1, "sdpa", 256, name)
     return out
 
 
@@ -218,11 +226,13 @@ def test_layer_activations_are_what_autograd_saves_on_the_cpu():
     from megatron_empg.trainer.bind.memory_terms import CPU, layer_activations
 
     (measured,) = run_distributed(_layer_bytes, 1)
-    models = {"dense": load_model_config("deepseek-r1-distill-qwen-1.5b"), "moe": _probe_model("moe", 1)}
+    models = {"dense": load_model_config("deepseek-r1-distill-qwen-1.5b")}
+    models.update({name: _probe_model(name, 1) for name in MOE_EXPERTS})
     for (name, attention, seq), saved in measured.items():
-        linear, quadratic = layer_activations(models[name], 1, attention, fused_swiglu=False, cal=CPU)
+        fused = MOE_EXPERTS.get(name, (None, False))[1]
+        linear, quadratic = layer_activations(models[name], 1, attention, fused_swiglu=fused, cal=CPU)
         # what remains is the RoPE table's rows and the position ids: tens of bytes per token
-        assert linear * seq + quadratic * seq * seq == pytest.approx(saved, rel=0.02), (attention, seq, saved)
+        assert linear * seq + quadratic * seq * seq == pytest.approx(saved, rel=0.02), (name, attention, seq, saved)
 
 
 def test_plan_is_within_ten_percent_of_every_gpu_measurement():

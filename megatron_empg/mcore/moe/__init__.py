@@ -8,6 +8,8 @@
                  through PyTorch's grouped GEMM (``model.moe_experts: grouped``)
     gemm.py      its arithmetic: the grouped GEMM and its exact per-expert fallback, the
                  device-side group offsets, the weighted SwiGLU (fused and compiled once)
+    dispatch.py  ``GroupedMoELayer``: Megatron's MoE layer whose dispatcher reads nothing on the
+                 host where the expert grid is one rank (``LocalTokenDispatcher``)
     routing.py   the router losses' scale and the ``moe/*`` metrics of the update pass
     replay.py    router replay (R3): each micro-batch's engine routing handed to Megatron's
                  RouterReplay in every pass

@@ -14,12 +14,16 @@ bf16, h = hidden, q = heads x head_dim and kv = groups x head_dim of this TP ran
                                 and 6 heads x L per token of a sequence of L (fp32 softmax + bf16 copy)
     SwiGLU                      10f (fc1 output 4f, silu output 2f, the up half + 0.0 2f, fc2 input 2f);
                                 6f fused (fc1 output, fc2 input)
-    mixture of experts          in place of the SwiGLU, per token: k x (12 F + 2h + 32) + 11 E, for top-k
+    mixture of experts          in place of the SwiGLU, per token: k x (S + 2h + 32) + 11 E, for top-k
                                 routing to E experts of F = moe_ffn / ETP (each routed copy keeps its
-                                permuted input 2h, its expert's SwiGLU 12F and its probability and
-                                indices; the router its fp32 logits and probabilities); 8F fused (an
-                                estimate: 12F less the 4F the dense fusion saves). Measured on the CPU
-                                (tests/trainer/test_memory_plan.py). Routing is taken as balanced: an
+                                permuted input 2h, its expert's SwiGLU S and its probability and
+                                indices; the router its fp32 logits and probabilities). S by
+                                ``model.moe_experts``: grouped 10F (fc1 output 4F, silu output 2F, the
+                                product before the probs 2F, fc2 input 2F), 6F fused (the fused weighted
+                                SwiGLU keeps fc1's output only, and fc2 its input); sequential and te 12F,
+                                8F fused (an estimate: 12F less the 4F the dense fusion saves). Measured
+                                on the CPU, grouped fused included (tests/trainer/test_memory_plan.py).
+                                Routing is taken as balanced: an
                                 expert-parallel rank receives, on average, k copies of as many tokens as
                                 it sends; a capacity factor bounds the imbalance, dropless runs can exceed it.
 
@@ -99,7 +103,11 @@ def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> Ra
 def moe_activations(model: ModelConfig, etp: int, *, fused_swiglu: bool) -> float:
     """Bytes per token a mixture-of-experts MLP keeps for backward (module docstring)."""
     f, k = model.moe_ffn_hidden_size // etp, model.moe_router_topk
-    return k * ((8 if fused_swiglu else 12) * f + BF16 * model.hidden_size + 32) + 11 * model.num_experts
+    if model.moe_experts == "grouped":
+        swiglu = 6 if fused_swiglu else 10
+    else:
+        swiglu = 8 if fused_swiglu else 12
+    return k * (swiglu * f + BF16 * model.hidden_size + 32) + 11 * model.num_experts
 
 
 def moe_forward_bytes(model: ModelConfig, etp: int, *, fused_swiglu: bool) -> float:
