@@ -180,7 +180,8 @@ def _gathered_shards(opt) -> dict[int, Tensor]:
 
 def named_applied_grads(chunks, ddp_models, optimizer) -> dict[str, Tensor]:
     """``applied_grads`` under the global names ``mcore.weights.named_weight_shards`` gives the
-    parameters (a stacked expert weight's gradient row by row, per expert)."""
+    parameters (a stacked expert weight's gradient row by row, per expert); a frozen parameter
+    (a LoRA policy's base) has none."""
     from megatron_empg.mcore import weights as mcore_weights
 
     by_id = applied_grads(ddp_models, optimizer)
@@ -189,6 +190,8 @@ def named_applied_grads(chunks, ddp_models, optimizer) -> dict[str, Tensor]:
         module = getattr(chunk, "module", chunk)
         layers, experts = mcore_weights.layer_offset(module), mcore_weights.expert_offset(module)
         for name, param in module.named_parameters():
+            if not param.requires_grad:
+                continue
             for expert, grad, _ in mcore_weights.split_experts(name, by_id[id(param)]):
                 named[mcore_weights.global_name(expert, layers, experts)] = grad
     return named

@@ -210,14 +210,18 @@ def _summary(cls: type) -> str:
 def render() -> str:
     """The text of docs/configuration.md."""
     tree = sections()
-    links = {cls: _anchor(_heading(prefix)) for prefix, cls in tree}
+    model_tree = [(f"model.{prefix}", cls) for prefix, cls in sections(ModelConfig)[1:]]  # its nested sections
+    links = {cls: _anchor(_heading(prefix)) for prefix, cls in tree + model_tree}
     links[ModelConfig] = _anchor(MODEL_HEADING)
     lines = [INTRO, "", "## Sections", ""]
     lines += [f"- [{_heading(prefix)}](#{links[cls]}): `{cls.__name__}`" for prefix, cls in tree]
     lines.append(f"- [{MODEL_HEADING}](#{links[ModelConfig]}): `ModelConfig`")
+    lines += [f"- [{prefix}](#{links[cls]}): `{cls.__name__}`" for prefix, cls in model_tree]
     for prefix, cls in tree:
         lines += ["", f"## {_heading(prefix)}", "", f"{_source(cls)}: {_summary(cls)}", "", *table(cls, links)]
     lines += ["", f"## {MODEL_HEADING}", "", *_model_intro(), "", *table(ModelConfig, links)]
+    for prefix, cls in model_tree:
+        lines += ["", f"## {prefix}", "", f"{_source(cls)}: {_summary(cls)}", "", *table(cls, links)]
     return "\n".join(lines) + "\n"
 
 

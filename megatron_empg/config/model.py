@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
+from megatron_empg.config.lora import ATTENTION_TARGETS, LoraConfig
 from megatron_empg.config.schema import Config, ConfigError, load_config, named_in
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
@@ -135,6 +136,11 @@ class ModelConfig(Config):
     step resolves it, and ``empg check`` and the log say which runs and why. Unused by dense
     families."""
 
+    lora: LoraConfig | None = None
+    """Low-rank adapters on the linear layers, the base frozen (docs/lora.md); null: full
+    fine-tuning. A run turns them on with ``model_overrides: [lora.rank=64]`` (its errors name
+    ``model.lora.*``)."""
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
@@ -191,6 +197,14 @@ class ModelConfig(Config):
             raise ConfigError("head_dim", "family 'qwen2' has no head_dim: leave it null (= hidden_size // heads)")
         self._validate_rope_scaling()
         self._validate_moe()
+        if self.lora is not None and self.is_moe:
+            mlp = [t for t in self.lora.targets if t not in ATTENTION_TARGETS and t != "all-linear"]
+            if mlp:
+                raise ConfigError(
+                    "lora.targets",
+                    f"{mlp}: a mixture of experts has no dense MLP and its experts take no adapters; "
+                    f"adapt the attention projections {list(ATTENTION_TARGETS)} (or all-linear)",
+                )
         for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
             value = getattr(self, name)
             for token in value if isinstance(value, list) else [value]:

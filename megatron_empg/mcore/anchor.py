@@ -385,6 +385,15 @@ class EmaAnchor:
     def tau(self) -> float:
         return self.schedule.tau
 
+    def averages(self, name: str) -> bool:
+        """Whether the master holds the parameter ``name`` (a chunk's local name): every one."""
+        return True
+
+    @contextlib.contextmanager
+    def forward_models(self) -> Iterator[list[GPTModel]]:
+        """The chunks the anchor pass runs: the anchor's own."""
+        yield self.models
+
     def maybe_update(self, step: int) -> bool:
         """``update()`` if the schedule says so after the optimizer step numbered ``step`` (from 1)."""
         if not self.schedule.should_update(step):

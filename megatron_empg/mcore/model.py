@@ -20,6 +20,7 @@ from megatron_empg.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
 from megatron_empg.mcore.fusions import FusionPlan, fusion_plan, install_wgrad_accumulation
+from megatron_empg.mcore.lora import model as lora_model
 from megatron_empg.mcore.moe.backends import ExpertsChoice, resolve_moe_experts
 from megatron_empg.mcore.moe.layout import moe_overrides
 
@@ -213,6 +214,14 @@ def layer_spec(model: ModelConfig, attention: AttentionChoice, experts: ExpertsC
         spec.submodules.self_attention.submodules.core_attention = core
     if experts is not None and experts.name == "grouped":
         _use_grouped_experts(spec)
+    if model.lora is not None:
+        if attention.uses_te:
+            raise ConfigError(
+                "model.lora",
+                f"the adapters wrap Megatron's local linears; attention is {attention.describe()}: set "
+                "model.attention_backend sdpa (or unfused)",
+            )
+        lora_model.use_lora(spec, model.lora, moe=model.is_moe)
     return spec
 
 
@@ -262,6 +271,7 @@ def build_gpt_model(
     use_cpu_initialization: bool | None = None,
     fp8: str | None = None,
     meta_device: bool = False,
+    lora_seed: int = 0,
     **config_overrides: Any,
 ) -> list[GPTModel]:
     """This rank's model chunks: one ``GPTModel`` per virtual pipeline stage (one without VPP).
@@ -276,8 +286,9 @@ def build_gpt_model(
     decoder gathers the RoPE table per token once per packed row (``mcore.thd``).
     ``use_cpu_initialization=None`` means: on CPU builds. ``meta_device``
     builds the chunks on the meta device (no memory, no initialization: shapes, names and
-    ``sharded_state_dict`` only; implies CPU initialization, stays off CUDA). ``config_overrides``
-    go to ``transformer_config``.
+    ``sharded_state_dict`` only; implies CPU initialization, stays off CUDA). With ``model.lora``
+    the base is frozen and the adapters drawn from ``lora_seed`` (``mcore.lora.model``).
+    ``config_overrides`` go to ``transformer_config``.
     """
     cpu_shims.import_megatron()
     import torch.distributed as dist
@@ -350,6 +361,8 @@ def build_gpt_model(
         for param in chunk.parameters():  # as Megatron-LM's get_model: TP attributes on every param
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         chunk.to(dtype=params_dtype)  # local-spec norms are created in float32
+        if model.lora is not None:
+            lora_model.finish(chunk, model.lora)
         if config.moe_enable_routing_replay:
             from megatron_empg.mcore.moe.replay import install
 
@@ -357,4 +370,6 @@ def build_gpt_model(
         if on_cuda and not meta_device:
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
+    if model.lora is not None and config.perform_initialization and not meta_device:
+        lora_model.initialize_adapters(chunks, model.lora, lora_seed)
     return chunks

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_empg.mcore import cpu_shims
+from megatron_empg.mcore.lora.model import is_adapter
+from megatron_empg.mcore.lora.weights import merged_weights
 from megatron_empg.mcore.moe.layout import expert_offset, is_expert_parameter, shift_experts, stacked_expert_names
 
 if TYPE_CHECKING:
@@ -188,9 +190,9 @@ def shard_full_state_dict(
         if full is None and tied and key == "output_layer.weight":
             full = full_state_dict.get("embedding.word_embeddings.weight")
         if not torch.is_tensor(full):
-            if torch.is_tensor(local) and not name.endswith("_extra_state"):
+            if torch.is_tensor(local) and not name.endswith("_extra_state") and not is_adapter(name):
                 raise KeyError(f"{key} (local {name}) is missing from the full state dict")
-            sharded[name] = local  # `_extra_state` entries: keep the chunk's own
+            sharded[name] = local  # `_extra_state` entries, adapters a base does not have: the chunk's own
             continue
         partition = tp_partition(params.get(name))
         if name in VOCAB_PARAMETERS:
@@ -253,14 +255,20 @@ def named_weight_shards(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, to
     an expert's is over the expert tensor-parallel ranks: ``is_expert_parameter``); the tensors are
     the parameters themselves (no copy), a stacked expert weight's rows views of it
     (``split_experts``). Experts carry their global index: each expert-parallel rank names only its own.
+    A LoRA policy's adapted linears give their merged weights (new tensors; ``mcore.lora.weights``)
+    under the base's names, and the adapters nothing: the engine serves the merged model.
     """
     out = []
     for chunk in chunks:
         module = getattr(chunk, "module", chunk)
         offset, experts = layer_offset(module), expert_offset(module)
+        merged = merged_weights(module)
         for name, param in module.named_parameters():
-            for expert, tensor, partition in split_experts(name, param, tp_partition(param)):
-                out.append((global_name(expert, offset, experts), tensor, partition))
+            if is_adapter(name):
+                continue
+            tensor = merged.get(name, param)
+            for expert, view, partition in split_experts(name, tensor, tp_partition(param)):
+                out.append((global_name(expert, offset, experts), view, partition))
     return out
 
 

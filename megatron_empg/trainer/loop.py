@@ -287,7 +287,9 @@ class Trainer:
             extra_ids_key="topk_ids" if plan.anchor_at_old_topk else None,
             chunk_size=self.config.algorithm.loss.chunk_size,
         )
-        for mb, out in zip(micro, self._forward_stats(self.anchor.models, micro, request)):
+        with self.anchor.forward_models() as models:
+            outs = self._forward_stats(models, micro, request)
+        for mb, out in zip(micro, outs):
             mb.anchor_logprobs = out.logprobs
             if plan.anchor_at_old_topk:
                 mb.topk_anchor_logprobs = out.extra_logprobs

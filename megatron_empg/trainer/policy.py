@@ -16,6 +16,7 @@ from megatron_empg.trainer.run.start import load_initial_weights
 
 if TYPE_CHECKING:
     from megatron_empg.mcore.anchor import EmaAnchor
+    from megatron_empg.mcore.lora.anchor import AdapterAnchor
     from megatron_empg.mcore.parallel_state import ParallelGroups
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,19 @@ def build_policy(components: Components, groups: ParallelGroups) -> Policy:
         cfg.parallel,
         params_dtype=DTYPES[cfg.train.params_dtype],
         fusions=fusions,
+        lora_seed=cfg.train.seed,
         **recompute,
         **_routing_replay(components),
     )
+    if model.lora is not None:
+        lora = model.lora
+        log.info(
+            "LoRA: rank %d, alpha %g, targets %s; the base is frozen (%s trainable parameters on this rank)",
+            lora.rank,
+            lora.alpha,
+            ", ".join(lora.resolved_targets(moe=model.is_moe)),
+            f"{sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad):,}",
+        )
     if cfg.checkpoint.init_from is not None:
         load_initial_weights(chunks, cfg.checkpoint.init_from, model, cfg, groups)
     models = wrap_with_ddp(chunks, cfg.optimizer)
@@ -65,7 +76,7 @@ def build_policy(components: Components, groups: ParallelGroups) -> Policy:
     return Policy(models, optimizer, build_scheduler(optimizer, cfg.optimizer))
 
 
-def build_anchor(components: Components, policy: Policy) -> EmaAnchor | None:
+def build_anchor(components: Components, policy: Policy) -> EmaAnchor | AdapterAnchor | None:
     """The EMA anchor of ``policy`` (built after its optimizer, whose main parameters its master
     pairs with), or None when the KL needs no anchor model (no KL, or the iterative reference
     whose anchor is the old pass's policy)."""
@@ -82,6 +93,17 @@ def build_anchor(components: Components, policy: Policy) -> EmaAnchor | None:
     if not components.stats.anchor:
         return None
     anchor = algorithm.anchor
+    if components.model.lora is not None:
+        from megatron_empg.mcore.lora.anchor import AdapterAnchor
+
+        log.info(
+            "EMA anchor: tau %g every %d optimizer steps over the adapters (the policy's base with averaged adapters)",
+            anchor.tau,
+            anchor.period,
+        )
+        return AdapterAnchor(
+            policy.models, policy.optimizer, tau=anchor.tau, period=anchor.period, first_update=anchor.first_update
+        )
     te_fp8 = machine.te_fp8(config)
     fp8 = (
         " (Transformer Engine FP8)" if te_fp8 else " (emulated FP8)" if anchor.compute_dtype == "float8_e4m3fn" else ""

@@ -161,7 +161,7 @@ def anchor_sharded_state(anchor, master: Mapping[str, torch.Tensor] | None) -> d
         part = {}
         for key, sharded in chunk.sharded_state_dict(prefix=ANCHOR_PREFIX).items():
             name = key[len(ANCHOR_PREFIX) :]
-            if name not in params:  # _extra_state and buffers: not part of the master
+            if name not in params or not anchor.averages(name):  # _extra_state, buffers, a frozen base
                 continue
             param = params[name]
             if master is None:

@@ -133,6 +133,7 @@ def bind(
     _check_router_replay(config, model, engine)
     transport = _registered("weight_sync.transport", config.weight_sync.transport, TRANSPORTS)
     _check_anchor(config)
+    _check_lora(config, model, attention)
     _check_lengths(config, model)
     if check_paths:
         _check_paths(config, model)
@@ -298,6 +299,32 @@ def _check_anchor(config: RunConfig) -> None:
             "algorithm.anchor.fp8",
             "te with optimizer.use_distributed_optimizer would need the policy in FP8 parameters too; "
             "use fp8: emulated, or turn the distributed optimizer off",
+        )
+
+
+def _check_lora(config: RunConfig, model: ModelConfig, attention: AttentionChoice) -> None:
+    """A LoRA policy (``model.lora``): the local spec's linears, the plain optimizer, an anchor over
+    the adapters in their own dtype."""
+    if model.lora is None:
+        return
+    if attention.uses_te:
+        raise ConfigError(
+            "model.lora",
+            f"the adapters wrap Megatron's local linears; attention is {attention.describe()}: set "
+            "model.attention_backend sdpa (or unfused)",
+        )
+    if config.optimizer.use_distributed_optimizer:
+        raise ConfigError(
+            "optimizer.use_distributed_optimizer",
+            "a LoRA policy trains only its adapters, whose optimizer state is small: set it false",
+        )
+    anchor = config.algorithm.anchor
+    if anchor.compute_dtype == "float8_e4m3fn" or anchor.master_on_cpu:
+        field = "compute_dtype" if anchor.compute_dtype == "float8_e4m3fn" else "master_on_cpu"
+        raise ConfigError(
+            f"algorithm.anchor.{field}",
+            "a LoRA policy's anchor is its base with averaged adapters (the adapters' dtype, on the "
+            "device: a few MB); leave it at its default",
         )
 
 

@@ -1,0 +1,313 @@
+"""LoRA policies (``model.lora``, ``mcore.lora``) on tiny-qwen2, fp32 on CPU.
+
+One spawned rank:
+    - adapters with B = 0 give the base model's logits bit for bit (the same seed builds the same
+      base); only the adapters require a gradient, and the optimizer holds them alone;
+    - with random adapters, the merged weights (``named_weight_shards``: what the weight sync pushes)
+      loaded into the plain model give the adapted model's logits; an adapter on k_proj and one on
+      up_proj change exactly the k rows of every query group of the fused QKV and the up rows of
+      fc1 (Megatron's fused layouts);
+    - the anchor over the adapters follows the EMA formula from the optimizer's main parameters,
+      and its pass runs the policy's base with the anchor's adapters (the policy's are back after);
+    - three RL steps (test_train_step's ``_train``) train the adapters and leave every base weight
+      bit-identical.
+Two spawned ranks: the same three steps at TP 2 and at PP 2 give TP 1's adapters (first-step
+gradients tightly, parameters within Adam's bound) and the same untouched base.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.adam_bound import assert_grads_close, assert_params_within_adam_bound
+from tests.dist import run_distributed
+from tests.mcore.test_train_step import ADAM_EPS, TOL
+
+MODEL = "tiny-qwen2"
+LORA = ("lora.rank=4", "lora.alpha=8", "lora.targets=[all-linear]")
+EXACT = dict(rtol=0, atol=0)
+
+
+def _build(overrides, seed: int = 3):
+    from megatron.core import tensor_parallel
+
+    from megatron_empg.config import ParallelConfig, load_model_config
+    from megatron_empg.mcore.model import build_gpt_model
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return build_gpt_model(load_model_config(MODEL, overrides), ParallelConfig(), lora_seed=7)
+
+
+def _logits(chunks, ids):
+    from megatron_empg.mcore.step import causal_mask
+
+    with torch.no_grad():
+        return chunks[0](ids, torch.arange(ids.shape[1]).expand_as(ids), causal_mask(ids.shape[1]))
+
+
+def _randomize_adapters(chunk, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in chunk.named_parameters():
+            if ".lora." in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.2)
+
+
+def _merged_state(chunks) -> dict:
+    from megatron_empg.mcore.weights import named_weight_shards
+
+    return {name: tensor.detach().clone() for name, tensor, _ in named_weight_shards(chunks)}
+
+
+def _module_checks() -> dict:
+    from megatron_empg.mcore import weights
+
+    out = {}
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    base, lora = _build(()), _build(LORA)
+    out["trainable"] = sorted(n for n, p in lora[0].named_parameters() if p.requires_grad)
+    out["frozen_count"] = sum(not p.requires_grad for p in lora[0].parameters())
+    out["layers"] = lora[0].config.num_layers
+    out["zero_b"] = (_logits(lora, ids), _logits(base, ids))
+    _randomize_adapters(lora[0], 11)
+    merged = _merged_state(lora)
+    out["merged_names"] = sorted(merged) == sorted(n for n, _, _ in weights.named_weight_shards(base))
+    adapted = _logits(lora, ids)
+    weights.load_full_state_dict(base, merged)
+    out["merged"] = (adapted, _logits(base, ids))
+    # an adapter on k_proj and one on up_proj: which rows of the fused weights move
+    plain = _merged_state(_build(()))
+    partial = _build(("lora.rank=4", "lora.targets=[k_proj,up_proj]"))
+    _randomize_adapters(partial[0], 12)
+    moved = {}
+    for name, tensor in _merged_state(partial).items():
+        if name.startswith("decoder.layers.0.") and name.endswith(("linear_qkv.weight", "linear_fc1.weight")):
+            moved[name.split(".")[-2]] = (tensor != plain[name]).any(dim=1)
+    out["moved_rows"] = moved
+    out["config"] = {
+        k: getattr(partial[0].config, k) for k in ("num_query_groups", "num_attention_heads", "kv_channels")
+    }
+    out["ffn"] = partial[0].config.ffn_hidden_size
+    return out
+
+
+def _anchor_checks() -> dict:
+    """An AdapterAnchor on a LoRA policy with the plain optimizer: the EMA over two updates, and
+    the anchor pass against the base with the expected adapters loaded by hand."""
+    from megatron_empg.config import OptimizerConfig
+    from megatron_empg.mcore.lora.anchor import AdapterAnchor
+    from megatron_empg.mcore.optimizer import build_optimizer, wrap_with_ddp
+
+    chunks = _build(LORA)
+    ddp = wrap_with_ddp(chunks, OptimizerConfig())
+    optimizer = build_optimizer(ddp, OptimizerConfig())
+    anchor = AdapterAnchor(ddp, optimizer, tau=0.75, period=1)
+    adapters = {n: p for n, p in chunks[0].named_parameters() if ".lora." in n}
+    start = {n: p.detach().clone() for n, p in adapters.items()}
+    expected = dict(start)
+    g = torch.Generator().manual_seed(21)
+    for _ in range(2):  # stand-in optimizer steps: new values written into the main (fp32: the params)
+        with torch.no_grad():
+            for name, param in adapters.items():
+                param.add_(torch.randn(param.shape, generator=g))
+        anchor.update()
+        expected = {n: 0.75 * expected[n] + 0.25 * adapters[n].detach() for n in adapters}
+    master = {k.split(".", 1)[1]: v for k, v in anchor.full_master_state().items()}
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
+    policy_before = {n: p.detach().clone() for n, p in adapters.items()}
+    with anchor.forward_models() as models:
+        anchor_logits = _logits([models[0].module], ids)
+    restored = all(torch.equal(p, policy_before[n]) for n, p in adapters.items())
+    by_hand = _build(LORA)
+    with torch.no_grad():
+        for name, param in by_hand[0].named_parameters():
+            if name in expected:
+                param.copy_(expected[name])
+            else:
+                param.copy_(dict(chunks[0].named_parameters())[name])
+    return {
+        "master": master,
+        "expected": expected,
+        "anchor_logits": anchor_logits,
+        "by_hand_logits": _logits(by_hand, ids),
+        "restored": restored,
+        "num_updates": anchor.num_updates,
+    }
+
+
+def _lora_state(ddp, optimizer, groups, model_cfg, parallel) -> dict:
+    """``_train``'s inspection: adapters and base weights by global name (with TP partitions),
+    and the optimizer's parameter count."""
+    from megatron_empg.mcore import weights
+
+    adapters, base = {}, {}
+    for chunk in ddp:
+        module = chunk.module
+        offset = weights.layer_offset(module)
+        for name, param in module.named_parameters():
+            entry = (param.detach().clone(), weights.tp_partition(param))
+            (adapters if ".lora." in name else base)[weights.global_name(name, offset)] = entry
+    held = sum(len(g["params"]) for g in optimizer.param_groups)
+    return {"adapters": adapters, "base": base, "optimizer_params": held}
+
+
+def _reference_worker(rank: int, world_size: int) -> dict:
+    from megatron_empg.config import ParallelConfig
+    from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from tests.mcore.test_train_step import _train
+
+    initialize_model_parallel(ParallelConfig(), seed=3)
+    try:
+        out = {"module": _module_checks(), "anchor": _anchor_checks()}
+    finally:
+        destroy_model_parallel()
+    out["train"] = _train(1, 1, False, None, 2, model=MODEL, model_overrides=LORA, inspect=_lora_state)
+    return out
+
+
+def _layouts_worker(rank: int, world_size: int, full: dict) -> dict:
+    from tests.mcore.test_train_step import _train
+
+    return {
+        name: _train(tp, pp, False, full, 2, model=MODEL, model_overrides=LORA, inspect=_lora_state)
+        for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2))
+    }
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return run_distributed(_reference_worker, 1, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def layouts(reference) -> list[dict]:
+    return run_distributed(_layouts_worker, 2, reference["train"]["initial"], timeout=300)
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_zero_adapters_give_the_base_and_only_adapters_train(reference):
+    module = reference["module"]
+    lora, base = module["zero_b"]
+    torch.testing.assert_close(lora, base, **EXACT)
+    # layers x (q, k, v, o, gate, up, down) x (A, B); everything else frozen
+    adapters = module["layers"] * 7 * 2
+    assert len(module["trainable"]) == adapters and all(".lora." in n for n in module["trainable"])
+    assert module["frozen_count"] > 0
+    assert reference["train"]["inspected"]["optimizer_params"] == adapters
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_merged_weights_give_the_adapted_logits(reference):
+    module = reference["module"]
+    assert module["merged_names"]  # the base's names, no adapter among them
+    adapted, merged = module["merged"]
+    assert (adapted - _base_only(reference)).abs().max() > 1e-2  # the adapters do change the logits
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+
+
+def _base_only(reference):
+    return reference["module"]["zero_b"][1]
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_part_adapters_move_their_rows_of_the_fused_linears(reference):
+    module = reference["module"]
+    cfg, ffn = module["config"], module["ffn"]
+    groups, d = cfg["num_query_groups"], cfg["kv_channels"]
+    per_group = cfg["num_attention_heads"] // groups
+    qkv = torch.zeros(groups, (per_group + 2) * d, dtype=torch.bool)
+    qkv[:, per_group * d : (per_group + 1) * d] = True  # the k rows of every group
+    fc1 = torch.zeros(2 * ffn, dtype=torch.bool)
+    fc1[ffn:] = True  # the up half
+    moved = module["moved_rows"]
+    assert torch.equal(moved["linear_qkv"], qkv.flatten())
+    assert torch.equal(moved["linear_fc1"], fc1)
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_anchor_over_the_adapters_follows_the_ema(reference):
+    anchor = reference["anchor"]
+    assert anchor["num_updates"] == 2 and anchor["restored"]
+    assert anchor["master"].keys() == anchor["expected"].keys()
+    for name, value in anchor["expected"].items():
+        torch.testing.assert_close(anchor["master"][name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    # the anchor pass: the policy's base with the averaged adapters, as a model built by hand
+    torch.testing.assert_close(anchor["anchor_logits"], anchor["by_hand_logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_rl_steps_train_the_adapters_and_leave_the_base(reference):
+    run = reference["train"]
+    initial, state = run["initial"], run["inspected"]
+    for name, (value, _) in state["base"].items():
+        assert torch.equal(value, initial[name]), name  # bit-identical after three steps
+    moved = [n for n, (v, _) in state["adapters"].items() if not torch.equal(v, initial[n])]
+    assert len(moved) == len(state["adapters"])  # every adapter trained (A after B left zero)
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@pytest.mark.layout
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_layouts_equal_tp1(reference, layouts, layout):
+    from megatron_empg.mcore.weights import tp_slice
+
+    ref = reference["train"]
+    lrs = [h["lr"] for h in ref["history"]]
+    seen = set()
+    for rank, result in enumerate(r[layout] for r in layouts):
+        tp_rank, tp = result["tp_rank"], result["tp"]
+        for step, (a, b) in enumerate(zip(result["history"], ref["history"], strict=True)):
+            torch.testing.assert_close(a["grad_norm"], b["grad_norm"], **TOL, msg=lambda m: f"step {step}: {m}")
+        state = result["inspected"]
+        for name, (value, partition) in state["base"].items():
+            assert torch.equal(value, tp_slice(ref["initial"][name], partition, tp_rank, tp)), name
+        for name, (value, partition) in state["adapters"].items():
+            mine = lambda t: tp_slice(t, partition, tp_rank, tp)  # noqa: E731
+            ref_grads = [mine(step[name]) for step in ref["grads"]]
+            grads = [step[name] for step in result["grads"]]
+            assert_grads_close(grads[0], ref_grads[0], f"rank {rank} {name} step 1 gradient")
+            reference_value = mine(ref["inspected"]["adapters"][name][0])
+            assert_params_within_adam_bound(
+                value, reference_value, grads, ref_grads, lrs, eps=ADAM_EPS, what=f"rank {rank} {name}"
+            )
+            seen.add(name)
+    assert seen == ref["inspected"]["adapters"].keys()
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["model_overrides=[lora.rank=0]"], "model.lora.rank"),
+        (['model_overrides=["lora.targets=[q_proj,qkv]"]'], "model.lora.targets"),
+        (["model=tiny-qwen3-moe", 'model_overrides=["lora.targets=[up_proj]"]'], "model.lora.targets"),
+        (
+            ["model_overrides=[lora.rank=4]", "optimizer.use_distributed_optimizer=true"],
+            "optimizer.use_distributed_optimizer",
+        ),
+        (["model_overrides=[lora.rank=4]", "algorithm.anchor.master_on_cpu=true"], "algorithm.anchor.master_on_cpu"),
+        (["model_overrides=[lora.rank=4]"], None),  # the control: accepted
+    ],
+)
+def test_bind_checks_lora_settings_naming_the_field(tmp_path, overrides, field):
+    from megatron_empg.config import ConfigError, RunConfig, load_config
+    from megatron_empg.trainer.bind.build import bind
+    from tests.trainer.demo_runs import DEMO_RECIPE
+
+    def bound():
+        base = ["checkpoint.init_from=null", f"tokenizer={tmp_path}", f"model={MODEL}"]
+        return bind(load_config(RunConfig, DEMO_RECIPE, [*base, *overrides]), world_size=1, check_paths=False)
+
+    if field is None:
+        assert bound().model.lora.rank == 4
+        return
+    with pytest.raises(ConfigError) as error:
+        bound()
+    assert error.value.field == field
