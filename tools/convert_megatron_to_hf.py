@@ -5,7 +5,9 @@ Face model directory, one tensor in memory at a time.
 
 CKPT is a checkpoint directory of ``megatron_empg.mcore.checkpoint`` (or a training run's root:
 its newest complete checkpoint is taken). Only the model is read: optimizer, scheduler, anchor
-and RNG parts are ignored, and the layout it was saved at does not matter. OUT gets safetensors
+and RNG parts are ignored, and the layout it was saved at does not matter. A LoRA policy's
+checkpoint (its adapters) becomes a PEFT adapter, or with ``--merge`` the base (``--base``, default
+the one it records) with the adapters merged in (``tools/lora_export.py``). OUT gets safetensors
 (sharded with ``model.safetensors.index.json`` above ``--max-shard-size``), config.json,
 generation_config.json and the tokenizer files, such that ``AutoModelForCausalLM`` and
 ``AutoTokenizer.from_pretrained(OUT)`` load it. The model config comes from the checkpoint's
@@ -81,6 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="directory with the HF config and tokenizer files (default: the checkpoint's hf/)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA checkpoint: write the base with the adapters merged in (default: a PEFT adapter)",
+    )
+    parser.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="a LoRA checkpoint's base HF directory (default: the one the checkpoint records)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -159,6 +172,17 @@ def _write(args: argparse.Namespace, ckpt: Path, model: ModelConfig, assets: Pat
             reader = ModelCheckpointReader(ckpt, model)
         except ConversionError as e:
             raise ArgumentProblem("CKPT", str(e)) from e
+        if reader.adapters_only:  # a LoRA policy's checkpoint: tools/lora_export.py
+            from tools import lora_export
+
+            write = lora_export.write_merged if args.merge else lora_export.write_peft
+            try:
+                print(write(args, reader, model))
+            except OutputDirError as e:
+                raise ArgumentProblem("OUT", str(e)) from e
+            return
+        if args.merge or args.base is not None:
+            raise ArgumentProblem("--merge" if args.merge else "--base", f"{ckpt} holds no LoRA adapters")
         dtype = resolve_dtype(args.dtype, reader.dtypes.values(), f"checkpoint {ckpt}")
         plan = hf_plan(model, reader.shapes, dtype)
         try:

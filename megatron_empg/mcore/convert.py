@@ -59,6 +59,7 @@ from megatron_empg.mcore.checkpoint import (
     read_checkpoint_info,
     read_model_config,
 )
+from megatron_empg.mcore.lora.model import is_adapter
 from megatron_empg.mcore.model import build_gpt_model
 from megatron_empg.mcore.parallel_state import ParallelGroups, destroy_model_parallel, initialize_model_parallel
 
@@ -435,18 +436,27 @@ class ModelCheckpointReader:
         self.info = read_checkpoint_info(self.path)
         self.model = model if model is not None else read_model_config(self.path)
         stored = dist_checkpointing.load_tensors_metadata(str(self.path))  # key -> ShardedTensor without data
-        if EMBEDDING not in stored:
+        # a LoRA policy's checkpoint holds its adapters only (mcore.lora): those are the tensors read
+        self.adapters_only = self.info.get("lora_base") is not None
+        if self.adapters_only and self.model.lora is None:
+            raise ConversionError(f"checkpoint {self.path} holds LoRA adapters, but its model config has no lora")
+        if self.adapters_only:
+            self.padded_vocab_size = ParallelConfig().padded_vocab_size(self.model.vocab_size)  # no vocab stored
+        elif EMBEDDING not in stored:
             raise ConversionError(f"checkpoint {self.path} has no {EMBEDDING}: not a model checkpoint")
-        self.padded_vocab_size = stored[EMBEDDING].global_shape[0]
+        else:
+            self.padded_vocab_size = stored[EMBEDDING].global_shape[0]
         if self.padded_vocab_size < self.model.vocab_size:
             raise ConversionError(
                 f"checkpoint {self.path} has {self.padded_vocab_size} vocabulary rows, fewer than the model config's "
                 f"vocab_size={self.model.vocab_size} ({self.model.name}): it holds another model"
             )
-        chunk = meta_gpt_model(self.model, self.padded_vocab_size, stored[EMBEDDING].dtype)
-        self.shapes: dict[str, torch.Size] = {name: p.shape for name, p in _parameters(chunk).items()}
+        dtype = torch.float32 if self.adapters_only else stored[EMBEDDING].dtype
+        chunk = meta_gpt_model(self.model, self.padded_vocab_size, dtype)
+        wanted = {name for name in _parameters(chunk) if is_adapter(name) == self.adapters_only}
+        self.shapes: dict[str, torch.Size] = {name: p.shape for name, p in _parameters(chunk).items() if name in wanted}
         self.dtypes: dict[str, torch.dtype] = {}
-        self._chunks = _chunks(chunk)
+        self._chunks = {name: chunks for name, chunks in _chunks(chunk).items() if name in wanted}
         missing, mismatched = [], []
         for name, chunks in self._chunks.items():
             for sharded in {c.sharded.key: c.sharded for c in chunks}.values():  # fc1: two chunks, one key

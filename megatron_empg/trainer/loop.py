@@ -104,6 +104,11 @@ class Trainer:
         policy = build_policy(components, groups)
         self.models, self.optimizer, self.scheduler = policy.models, policy.optimizer, policy.scheduler
         self.anchor = build_anchor(components, policy)
+        self.lora_base = None  # a LoRA policy's base as its checkpoints record it (mcore.lora.base)
+        if self.model.lora is not None:
+            from megatron_empg.mcore.lora.base import base_path, base_record
+
+            self.lora_base = base_record(base_path(config.checkpoint.init_from))
         self.step_index = 0
         self.optimizer_steps = 0  # applied ones (a refused step counts for nothing, the anchor's schedule included)
         self.bad_steps = BadSteps(config.train)
@@ -398,7 +403,7 @@ class Trainer:
             options=SaveOptions(
                 keep_last=cfg.keep_last, checksums=cfg.verify == "checksum", optimizer_format=cfg.optimizer_format
             ),
-            model=ModelMetadata(config=self.model, hf_assets=self.engines.hf_assets()),  # hf: the tokenizer
+            model=ModelMetadata(config=self.model, hf_assets=self.engines.hf_assets(), base=self.lora_base),
         )
 
     def _checkpoint_parts(self):
@@ -442,8 +447,17 @@ class Trainer:
         log.info("continuing from %s at step %d (data: this run's order)", directory, self.step_index)
 
     def _load_training_state(self, directory: Path):
-        """Policy, optimizer, scheduler, anchor and step counters from ``directory``; its ``TrainState``."""
-        from megatron_empg.mcore.checkpoint import load_checkpoint
+        """Policy, optimizer, scheduler, anchor and step counters from ``directory``; its ``TrainState``.
+        A LoRA policy's checkpoint must have been trained on this run's base (``checkpoint.init_from``)."""
+        from megatron_empg.mcore.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_info
+
+        saved_base = read_checkpoint_info(directory).get("lora_base")
+        if saved_base is not None and self.lora_base is not None:
+            if saved_base["fingerprint"] != self.lora_base["fingerprint"]:
+                raise CheckpointError(
+                    f"checkpoint.init_from: {self.lora_base['path']} is not the base the adapters of {directory} "
+                    f"were trained on ({saved_base['path']}, another fingerprint)"
+                )
 
         with old_module_names():  # a checkpoint of before the trainer's groups
             state = load_checkpoint(directory, self._checkpoint_parts(), self.groups, model_name=self.model.name)

@@ -70,6 +70,9 @@ def _split(batch: dict, dp_rank: int, dp_size: int, num_microbatches: int = 2) -
     return [{k: v[i * size : (i + 1) * size] for k, v in mine.items()} for i in range(num_microbatches)]
 
 
+LORA_BASE = {"path": "/bases/tiny", "fingerprint": "0" * 64}  # what a LoRA run's checkpoints record
+
+
 class _Run:
     """One layout's policy, optimizer, scheduler and anchor in this process."""
 
@@ -97,9 +100,14 @@ class _Run:
         self.ddp = wrap_with_ddp(self.chunks, settings)
         self.optimizer = build_optimizer(self.ddp, settings)
         self.scheduler = build_scheduler(self.optimizer, settings)
-        self.anchor = EmaAnchor.from_configs(
-            self.cfg, parallel, self.ddp, self.optimizer, tau=TAU, period=1, compute_dtype=dtype
-        )
+        if self.cfg.lora is not None:  # a LoRA policy's anchor: its base with averaged adapters
+            from megatron_empg.mcore.lora.anchor import AdapterAnchor
+
+            self.anchor = AdapterAnchor(self.ddp, self.optimizer, tau=TAU, period=1)
+        else:
+            self.anchor = EmaAnchor.from_configs(
+                self.cfg, parallel, self.ddp, self.optimizer, tau=TAU, period=1, compute_dtype=dtype
+            )
         self.cursor = 0
         self.losses: list[float] = []
         self.grads: list[dict] = []  # per step, the gradients Adam applied (tests.adam_bound)
@@ -135,7 +143,7 @@ class _Run:
             self.parts(),
             self.groups,
             options=ckpt.SaveOptions(**options),
-            model=ckpt.ModelMetadata(name=self.model_name),
+            model=ckpt.ModelMetadata(name=self.model_name, base=LORA_BASE if self.cfg.lora is not None else None),
         )
 
     def parts(self, anchor=True) -> ckpt.CheckpointParts:

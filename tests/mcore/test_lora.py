@@ -153,7 +153,56 @@ def _lora_state(ddp, optimizer, groups, model_cfg, parallel) -> dict:
     return {"adapters": adapters, "base": base, "optimizer_params": held}
 
 
-def _reference_worker(rank: int, world_size: int) -> dict:
+def _checkpoint_checks(work: str) -> dict:
+    """A LoRA run (adapters, Adam, the adapter anchor) steps twice, saves, steps once more; a fresh
+    build of the same run loads the checkpoint and steps once: their snapshots, the checkpoint's
+    bytes and keys against the model's, and a plain model refused the adapter checkpoint."""
+    import math
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_empg.mcore import checkpoint as ckpt
+    from tests.mcore.test_checkpoint import _Run
+
+    saver = _Run(1, False, model=MODEL, model_overrides=LORA)
+    try:
+        saver.step()
+        saver.step()
+        path = saver.save(os.path.join(work, "lora"))
+        saver.step()
+        out = {"continued": saver.snapshot()}
+        out["model_bytes"] = sum(p.numel() * p.element_size() for p in saver.chunks[0].parameters())
+        out["adapter_bytes"] = sum(
+            p.numel() * p.element_size() for n, p in saver.chunks[0].named_parameters() if ".lora." in n
+        )
+    finally:
+        saver.close()
+    loader = _Run(1, False, model=MODEL, model_overrides=LORA)
+    try:
+        loader.load(path)
+        loader.step()
+        out["resumed"] = loader.snapshot()
+        tensors = dist_checkpointing.load_tensors_metadata(str(path))
+        out["keys"] = sorted(tensors)
+        itemsize = lambda t: torch.empty((), dtype=t.dtype).element_size()  # noqa: E731
+        out["tensor_bytes"] = sum(math.prod(t.global_shape) * itemsize(t) for t in tensors.values())
+    finally:
+        loader.close()
+    out["bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    out["info"] = ckpt.read_checkpoint_info(path)
+    plain = _Run(1, False, model=MODEL)
+    try:
+        plain.load(path)
+        out["plain"] = "loaded"
+    except ckpt.CheckpointError as error:
+        out["plain"] = str(error)
+    finally:
+        plain.close()
+    return out
+
+
+def _reference_worker(rank: int, world_size: int, work: str) -> dict:
     from megatron_empg.config import ParallelConfig
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
     from tests.mcore.test_train_step import _train
@@ -164,6 +213,7 @@ def _reference_worker(rank: int, world_size: int) -> dict:
     finally:
         destroy_model_parallel()
     out["train"] = _train(1, 1, False, None, 2, model=MODEL, model_overrides=LORA, inspect=_lora_state)
+    out["checkpoint"] = _checkpoint_checks(work)
     return out
 
 
@@ -177,8 +227,8 @@ def _layouts_worker(rank: int, world_size: int, full: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    return run_distributed(_reference_worker, 1, timeout=300)[0]
+def reference(tmp_path_factory) -> dict:
+    return run_distributed(_reference_worker, 1, str(tmp_path_factory.mktemp("lora")), timeout=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +332,48 @@ def test_layouts_equal_tp1(reference, layouts, layout):
     assert seen == ref["inspected"]["adapters"].keys()
 
 
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_checkpoint_holds_the_adapters_and_resumes_exactly(reference):
+    from tests.mcore.test_checkpoint import LORA_BASE
+
+    result = reference["checkpoint"]
+    continued, resumed = result["continued"], result["resumed"]
+    for part in ("params", "anchor"):  # same layout, same process: bit for bit
+        assert continued[part].keys() == resumed[part].keys()
+        for name, value in continued[part].items():
+            a = value[0] if part == "params" else value
+            b = resumed[part][name][0] if part == "params" else resumed[part][name]
+            assert torch.equal(a, b), f"{part} {name}"
+    assert resumed["losses"][-1] == continued["losses"][-1] and resumed["lr"] == continued["lr"]
+    assert result["info"]["lora_base"] == LORA_BASE
+    model_keys = [k for k in result["keys"] if not k.startswith(("optimizer.", "anchor", "rng_state"))]
+    assert model_keys and all(".lora." in k for k in model_keys), model_keys[:4]  # no base weight saved
+    # the tensors: the adapters, Adam's two moments and the anchor's master, nothing else (fp32)
+    assert result["tensor_bytes"] == 4 * result["adapter_bytes"]
+    assert result["bytes"] < result["model_bytes"]  # with the per-shard overhead of tiny tensors
+    assert "holds LoRA adapters only" in result["plain"]  # a model without adapters is refused
+
+
+def test_base_fingerprint_tells_bases_apart(tmp_path):
+    from megatron_empg.mcore.lora.base import base_fingerprint, base_record
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(bytes(range(256)) * 10_000)  # past the 1 MiB pieces
+    same = base_fingerprint(base)
+    assert base_fingerprint(base) == same and base_record(base)["fingerprint"] == same
+    with open(base / "model.safetensors", "r+b") as f:  # one byte in the last MiB
+        f.seek(2_000_000)
+        f.write(b"\xff")
+    assert base_fingerprint(base) != same
+    (base / "model.safetensors").write_bytes(bytes(range(256)) * 10_000)
+    assert base_fingerprint(base) == same  # restored
+    (base / "extra.safetensors").write_bytes(b"x")
+    assert base_fingerprint(base) != same  # a shard added
+
+
 @pytest.mark.parametrize(
     "overrides, field",
     [
@@ -293,6 +385,7 @@ def test_layouts_equal_tp1(reference, layouts, layout):
             "optimizer.use_distributed_optimizer",
         ),
         (["model_overrides=[lora.rank=4]", "algorithm.anchor.master_on_cpu=true"], "algorithm.anchor.master_on_cpu"),
+        (["model_overrides=[lora.rank=4]", "checkpoint.init_from=null"], "checkpoint.init_from"),
         (["model_overrides=[lora.rank=4]"], None),  # the control: accepted
     ],
 )
@@ -302,7 +395,7 @@ def test_bind_checks_lora_settings_naming_the_field(tmp_path, overrides, field):
     from tests.trainer.demo_runs import DEMO_RECIPE
 
     def bound():
-        base = ["checkpoint.init_from=null", f"tokenizer={tmp_path}", f"model={MODEL}"]
+        base = [f"checkpoint.init_from={tmp_path}", f"tokenizer={tmp_path}", f"model={MODEL}"]
         return bind(load_config(RunConfig, DEMO_RECIPE, [*base, *overrides]), world_size=1, check_paths=False)
 
     if field is None:

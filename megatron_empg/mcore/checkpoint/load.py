@@ -20,9 +20,11 @@ from megatron_empg.mcore.checkpoint.parts import CheckpointParts
 from megatron_empg.mcore.checkpoint.state import (
     ANCHOR_PREFIX,
     anchor_sharded_state,
+    has_adapters,
     init_fresh_torch_adam_state,
     is_distributed,
     layout_of,
+    load_model_entries,
     load_optimizer_state,
     model_parallel,
     model_sharded_state,
@@ -99,7 +101,15 @@ def load_checkpoint(
     same_layout = layout == info["layout"]
     restore_rng = same_layout and held_parts.get("rng", True)
     chunks = unwrap(parts.models)
-    state = model_sharded_state(chunks)
+    # a LoRA policy: its adapters from a checkpoint of adapters (which records their base), else its
+    # base from a checkpoint of a whole model (the adapters keep their first values)
+    adapters = None if not has_adapters(chunks) else info.get("lora_base") is not None
+    if adapters is None and info.get("lora_base") is not None:
+        raise CheckpointError(
+            f"{where} holds LoRA adapters only (their base: {info['lora_base']['path']}); "
+            "this model has no adapters (model.lora)"
+        )
+    state = model_sharded_state(chunks, adapters=adapters)
     load_optimizer = optimizer is not None and held_parts["optimizer"] == "saved"
     if load_optimizer:
         kind = held_parts["optimizer_format"]
@@ -157,7 +167,7 @@ def load_checkpoint(
     # a train state this code cannot read fails before the loaded state is applied
     train_state = TrainState.from_saved(loaded.get(SAVED_KEY), step=info["step"], source=where)
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded[f"model{i}"], strict=strict)
+        load_model_entries(chunk, loaded[f"model{i}"], strict=strict, adapters=adapters)
     if load_optimizer:
         load_optimizer_state(optimizer, loaded["optimizer"])
     elif optimizer is not None:  # fresh: its float32 main params (bf16/fp16 models) follow the loaded weights

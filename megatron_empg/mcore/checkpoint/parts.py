@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from megatron_empg.config import OPTIMIZER_FORMATS  # noqa: F401 (exported: checkpoint.optimizer_format's choices)
@@ -77,11 +77,15 @@ class ModelMetadata:
             tools/convert_megatron_to_hf.py can convert the checkpoint on its own.
         hf_assets: a HF model directory whose config and tokenizer files (no weights) are copied
             into ``hf/`` (``files.copy_hf_assets``).
+        base: a LoRA policy's base, ``{"path": ..., "fingerprint": ...}`` (``mcore.lora.base``),
+            recorded as ``lora_base`` in ``empg_checkpoint.json``: the checkpoint holds the adapters
+            only, and a resume checks that its base is the same.
     """
 
     name: str | None = None
     config: ModelConfig | None = None
     hf_assets: str | os.PathLike | None = None
+    base: Mapping[str, str] | None = None
 
     @property
     def model_name(self) -> str | None:

@@ -51,6 +51,7 @@ from megatron_empg.mcore.checkpoint.parts import OPTIMIZER_FORMATS, CheckpointPa
 from megatron_empg.mcore.checkpoint.state import (
     anchor_sharded_state,
     get_rng_state,
+    has_adapters,
     is_distributed,
     layout_of,
     model_sharded_state,
@@ -313,7 +314,10 @@ def save_checkpoint(
 
     optimizer, scheduler, anchor = parts.optimizer, parts.scheduler, parts.anchor
     chunks = unwrap(parts.models)
-    sharded = model_sharded_state(chunks)
+    lora = has_adapters(chunks)  # a LoRA policy saves its adapters; its base is referenced (model.base)
+    if lora and model.base is None:
+        raise CheckpointError("a LoRA policy's checkpoint needs its base recorded (ModelMetadata.base)")
+    sharded = model_sharded_state(chunks, adapters=True if lora else None)
     optimizer_status = optimizer_kind = None
     if optimizer is not None:
         optimizer_kind = optimizer_format if is_distributed(optimizer) else "per_parameter"
@@ -353,7 +357,10 @@ def save_checkpoint(
         "model_config": model.config is not None,
         "hf_assets": model.hf_assets is not None,
     }
-    info = checkpoint_info(step=step, model_name=model.model_name, layout=layout, model_chunks=len(chunks), parts=held)
+    extra = {"lora_base": dict(model.base)} if lora else {}
+    info = checkpoint_info(
+        step=step, model_name=model.model_name, layout=layout, model_chunks=len(chunks), parts=held, **extra
+    )
     try:
         removed = rank0_then_share(
             lambda: _commit(root, tmp, final, info, keep_last, nonce, model, files, options.checksums),

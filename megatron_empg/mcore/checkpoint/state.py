@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_empg.mcore.checkpoint.files import CheckpointError
+from megatron_empg.mcore.lora.model import is_adapter
 from megatron_empg.mcore.parallel_state import ParallelGroups
 from megatron_empg.parallel.collectives import collective_device
 
@@ -224,8 +225,33 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def model_sharded_state(chunks: Sequence[torch.nn.Module]) -> dict:
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+def has_adapters(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether the chunks are a LoRA policy's (``mcore.lora``)."""
+    return any(is_adapter(name) for chunk in chunks for name, _ in chunk.named_parameters())
+
+
+def model_sharded_state(chunks: Sequence[torch.nn.Module], *, adapters: bool | None = None) -> dict:
+    """The chunks' checkpoint entries: all of them (``adapters`` None), a LoRA policy's adapters
+    only (True: what its checkpoints hold), or all but the adapters (False: its base)."""
+    out = {}
+    for i, chunk in enumerate(chunks):
+        entries = chunk.sharded_state_dict()
+        if adapters is not None:
+            entries = {k: v for k, v in entries.items() if is_adapter(k) == adapters}
+        out[f"model{i}"] = entries
+    return out
+
+
+def load_model_entries(chunk: torch.nn.Module, state: Mapping, *, strict: bool, adapters: bool | None) -> None:
+    """``chunk.load_state_dict`` of the entries ``model_sharded_state(adapters=...)`` asked for: the
+    others (a LoRA policy's base, or its adapters) must be all that is left out."""
+    if adapters is None:
+        chunk.load_state_dict(state, strict=strict)
+        return
+    missing, unexpected = chunk.load_state_dict(state, strict=False)
+    wrong = [k for k in missing if is_adapter(k) == adapters and not k.endswith("_extra_state")] + list(unexpected)
+    if wrong:
+        raise CheckpointError(f"the model's {'adapter' if adapters else 'base'} entries do not match: {wrong[:8]}")
 
 
 def part_of(key: str) -> str:

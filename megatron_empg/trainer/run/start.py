@@ -37,25 +37,40 @@ def write_hf_config(model: ModelConfig, out_dir: Path) -> None:
 
 
 def load_initial_weights(chunks, init_from: str, model, config: RunConfig, groups) -> None:
-    """The policy's first weights from a HF directory (``config.json`` + safetensors) or a
-    Megatron checkpoint (converted or from training: its model part only)."""
-    path = Path(init_from)
-    if (path / "config.json").is_file():
-        from safetensors import safe_open
+    """The policy's first weights from a HF directory (``config.json`` + safetensors), a PEFT LoRA
+    adapter directory (its base's weights and the adapters: ``mcore.lora.peft``), or a Megatron
+    checkpoint (converted or from training: its model part only)."""
+    from megatron_empg.mcore.lora.base import base_path, peft_adapter
 
+    path = Path(init_from)
+    adapter = peft_adapter(path)
+    if adapter is not None or (path / "config.json").is_file():
         from megatron_empg.mcore.weights import load_full_state_dict
         from megatron_empg.weight_sync import mapping
 
-        hf: dict[str, torch.Tensor] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                hf.update({name: f.get_tensor(name) for name in f.keys()})
+        base = base_path(path)
+        hf = _safetensors(base)
         full = mapping.to_megatron_state_dict(hf, model, config.parallel.padded_vocab_size(model.vocab_size))
+        if adapter is not None:
+            from megatron_empg.mcore.lora.peft import megatron_name
+
+            full.update({megatron_name(key): tensor for key, tensor in _safetensors(path).items()})
         load_full_state_dict(chunks, full, vocab_size=model.vocab_size, canonical_name=mapping.canonical_name)
         return
     from megatron_empg.mcore.checkpoint import CheckpointParts, load_checkpoint
 
     load_checkpoint(checkpoint_directory(path), CheckpointParts(chunks), groups, strict=False)
+
+
+def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``directory``."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})
+    return out
 
 
 def checkpoint_directory(path: str | Path) -> Path:
