@@ -44,6 +44,11 @@ LAYOUTS = {  # name: (world size, overrides)
         2,
         ["model=tiny-qwen3-moe", "parallel.expert_model_parallel_size=2", "optimizer.use_distributed_optimizer=true"],
     ),
+    # a frozen bf16 base; the adapters' gradients, float32 mains, Adam and anchor only
+    "lora_tp2": (
+        2,
+        ["parallel.tensor_model_parallel_size=2", 'model_overrides=[lora.rank=8, "lora.targets=[all-linear]"]'],
+    ),
 }
 
 
@@ -71,9 +76,16 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
             chunks = build_gpt_model(model, config.parallel, params_dtype=torch.bfloat16)
             ddp = wrap_with_ddp(chunks, config.optimizer)
             optimizer = build_optimizer(ddp, config.optimizer)
-            anchor = EmaAnchor.from_configs(
-                model, config.parallel, ddp, optimizer, tau=0.9, period=1, compute_dtype=torch.bfloat16
-            )
+            if model.lora is not None:
+                from megatron_empg.mcore.lora.anchor import AdapterAnchor
+
+                anchor = AdapterAnchor(ddp, optimizer, tau=0.9, period=1)
+                anchor_weights = anchor.weight_bytes()
+            else:
+                anchor = EmaAnchor.from_configs(
+                    model, config.parallel, ddp, optimizer, tau=0.9, period=1, compute_dtype=torch.bfloat16
+                )
+                anchor_weights = _bytes(p for c in anchor.models for p in c.parameters())
             ids = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
             mb = MicroBatch(
                 ids,
@@ -110,7 +122,7 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
                 "gradients": _bytes(b.grad_data for d in ddp for b in d.buffers + d.expert_parallel_buffers),
                 "main_parameters": _bytes(p for inner in inners for g in inner.param_groups for p in g["params"]),
                 "adam": _bytes(state),
-                "anchor_weights": _bytes(p for c in anchor.models for p in c.parameters()),
+                "anchor_weights": anchor_weights,
                 "anchor_master": _bytes(t for t, _, _ in anchor.master_shards().values()),
             }
         finally:
@@ -121,7 +133,8 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def measured() -> dict:
     results = {"tp1": run_distributed(_measure, 1, ["tp1"])[0]["tp1"]}
-    for rank_result in run_distributed(_measure, 2, ["tp2", "pp2", "dp2_distopt", "moe_ep2_distopt"], timeout=300):
+    two = ["tp2", "pp2", "dp2_distopt", "moe_ep2_distopt", "lora_tp2"]
+    for rank_result in run_distributed(_measure, 2, two, timeout=300):
         for name, values in rank_result.items():
             results.setdefault(name, []).append(values)
     return results
@@ -171,9 +184,17 @@ def _probe_model(name: str, layers: int):
     if name in MOE_EXPERTS:
         experts = MOE_EXPERTS[name][0]
         return load_model_config("tiny-qwen3-moe", [f"num_layers={layers}", *MOE_PROBE, f"moe_experts={experts}"])
+    lora = ["lora.rank=8", "lora.targets=[all-linear]"] if name == "dense_lora" else []
     return load_model_config(
         "deepseek-r1-distill-qwen-1.5b",
-        [f"num_layers={layers}", "vocab_size=1024", "bos_token_id=null", "eos_token_id=null", "pad_token_id=null"],
+        [
+            f"num_layers={layers}",
+            "vocab_size=1024",
+            "bos_token_id=null",
+            "eos_token_id=null",
+            "pad_token_id=null",
+            *lora,
+        ],
     )
 
 
@@ -195,9 +216,10 @@ def _saved_bytes(layers: int, attention: str, seq: int, name: str = "dense") -> 
                 layer.mlp.experts.fused_swiglu, layer.mlp.experts.swiglu_backend = True, "eager"
         ids = torch.randint(0, 1000, (1, seq), generator=torch.Generator().manual_seed(0))
         storages: dict[int, int] = {}
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # views of them too
 
         def pack(t):
-            if not isinstance(t, torch.nn.Parameter):
+            if t.untyped_storage().data_ptr() not in weights:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
@@ -214,7 +236,7 @@ def _layer_bytes(rank: int, world_size: int) -> dict:
         for attention in ("sdpa", "unfused")
         for seq in (256, 512)
     }
-    for name in MOE_EXPERTS:
+    for name in (*MOE_EXPERTS, "dense_lora"):
         out[name, "sdpa", 256] = _saved_bytes(2, "sdpa", 256, name) - _saved_bytes(1, "sdpa", 256, name)
     return out
 
@@ -227,7 +249,7 @@ def test_layer_activations_are_what_autograd_saves_on_the_cpu():
 
     (measured,) = run_distributed(_layer_bytes, 1)
     models = {"dense": load_model_config("deepseek-r1-distill-qwen-1.5b")}
-    models.update({name: _probe_model(name, 1) for name in MOE_EXPERTS})
+    models.update({name: _probe_model(name, 1) for name in (*MOE_EXPERTS, "dense_lora")})
     for (name, attention, seq), saved in measured.items():
         fused = MOE_EXPERTS.get(name, (None, False))[1]
         linear, quadratic = layer_activations(models[name], 1, attention, fused_swiglu=fused, cal=CPU)

@@ -115,6 +115,14 @@ class AdapterAnchor:
                 for key, param in self._params.items():
                     param.data, self._values[key] = self._values[key], param.data
 
+    def master_shards(self) -> dict[str, tuple[Tensor, int, int]]:
+        """key -> (this rank's float32 master, 1-D, 0, numel): every adapter whole (``EmaAnchor``'s)."""
+        return {key: (master, 0, master.numel()) for key, master in self._master.items()}
+
+    def weight_bytes(self) -> int:
+        """The bytes of the anchor's adapter values (its only weights: the base is the policy's)."""
+        return sum(v.numel() * v.element_size() for v in self._values.values())
+
     def full_master_state(self, *, copy: bool = True) -> dict[str, Tensor]:
         """key ``"<chunk>.<name>"`` -> float32 master in the adapter's local shape."""
         views = {key: master.view(self._params[key].shape) for key, master in self._master.items()}

@@ -211,8 +211,17 @@ def _optimizer_shards(config: RunConfig, layout) -> tuple[int, int]:
 
 
 def _sharded_elements(shape, dp_shard: int, expert_dp: int) -> int:
-    """This rank's elements of the fp32 optimizer state (and the anchor's master)."""
+    """This rank's elements of the fp32 optimizer state (and the anchor's master): a LoRA policy's
+    adapters (never sharded), else its parameters over the optimizer's ranks."""
+    if shape.adapters:
+        return shape.adapters
     return (shape.params - shape.expert_params) // dp_shard + shape.expert_params // expert_dp
+
+
+def _trained_dtype(model, train) -> str:
+    """The dtype of what the optimizer steps: a LoRA policy's adapters (``model.lora.dtype``, else
+    the parameters'), or the parameters."""
+    return (model.lora.dtype if model.lora is not None else None) or train.params_dtype
 
 
 def _training_stage(components, pp_rank: int, device: int, options: PlanOptions) -> RankPlan:
@@ -228,9 +237,9 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
     heads = model.num_attention_heads // layout.tp
     anchor = config.algorithm.anchor
     resident = {
-        "weights": shape.params * params_bytes,
-        "gradients": shape.params * FP32,
-        "main_parameters": sharded * FP32 if params_bytes != FP32 else 0,
+        "weights": shape.params * params_bytes + shape.adapters * DTYPE_BYTES[_trained_dtype(model, train)],
+        "gradients": shape.trainable * FP32,
+        "main_parameters": sharded * FP32 if DTYPE_BYTES[_trained_dtype(model, train)] != FP32 else 0,
         "adam": 2 * sharded * FP32,
         "anchor_weights": 0,
         "anchor_master": 0,
@@ -243,7 +252,9 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
     }
     if stats.anchor:
         anchor_bytes = {"bfloat16": BF16, "float32": FP32, "float8_e4m3fn": 1 + BF16}[anchor.compute_dtype]
-        resident["anchor_weights"] = shape.params * anchor_bytes
+        if shape.adapters:  # the base with averaged adapters: the adapters' own dtype
+            anchor_bytes = DTYPE_BYTES[_trained_dtype(model, train)]
+        resident["anchor_weights"] = shape.trainable * anchor_bytes
         resident["anchor_master"] = 0 if anchor.master_on_cpu else sharded * FP32
     linear, quadratic = terms.layer_activations(
         model,
@@ -291,14 +302,14 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
             "activations": int(activations),
             "logits": update_logits,
             "vocab_scratch": 2 * scratch,
-            "weight_gradient": BF16 * shape.largest_weight,
+            "weight_gradient": 0 if shape.adapters else BF16 * shape.largest_weight,  # a frozen base: none
             "moe_dispatch": terms.moe_dispatch_bytes(model, tokens),
         },
         "optimizer": {"adam_temporaries": sharded * FP32},
         # the save gathers a sharded anchor master whole (EmaAnchor.full_master_state); the rest
         # goes to the host one tensor at a time (mcore.checkpoint.stream)
         "checkpoint": {
-            "anchor_master_gathered": shape.params * FP32
+            "anchor_master_gathered": shape.trainable * FP32
             if stats.anchor and (dp_shard > 1 or expert_dp > 1) and not anchor.master_on_cpu
             else 0
         },

@@ -27,6 +27,10 @@ bf16, h = hidden, q = heads x head_dim and kv = groups x head_dim of this TP ran
                                 expert-parallel rank receives, on average, k copies of as many tokens as
                                 it sends; a capacity factor bounds the imbalance, dropless runs can exceed it.
 
+A LoRA policy (frozen base) keeps 4 bytes less per norm element (the float32 normalized copy only
+the norm weight's gradient needs; measured on the CPU, taken to hold on CUDA) and each adapter's
+``x A^T``, 2r per token and adapted projection.
+
 c_norm (``Calibration.norm_bytes_per_element``) is what torch's RMSNorm keeps per element: 8 on the
 CPU (its composite form keeps two float32 copies: measured with ``saved_tensors_hooks``,
 ``tests/trainer/test_memory_plan.py``), 6 on CUDA, fitted to the one GPU run of the step (H100,
@@ -78,6 +82,31 @@ class RankShape:
     last_stage: bool
     largest_weight: int
     expert_params: int = 0
+    adapters: int = 0  # a LoRA policy's adapter elements on this rank (beside ``params``, its frozen base)
+
+    @property
+    def trainable(self) -> int:
+        """The elements that get gradients, optimizer state and an anchor master: the adapters of a
+        LoRA policy, else every parameter."""
+        return self.adapters or self.params
+
+
+def lora_layer_parameters(model: ModelConfig, tp: int) -> int:
+    """A layer's adapter elements on one of ``tp`` ranks (``mcore.lora.layers``: a column-parallel
+    linear's B and a row-parallel one's A split over TP, the other matrix whole)."""
+    lora = model.lora
+    h, d, f = model.hidden_size, model.kv_channels, model.ffn_hidden_size
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    shapes = {  # target: (A's input columns on the rank, B's output rows on the rank)
+        "q_proj": (h, q // tp),
+        "k_proj": (h, kv // tp),
+        "v_proj": (h, kv // tp),
+        "o_proj": (q // tp, h),
+        "gate_proj": (h, f // tp),
+        "up_proj": (h, f // tp),
+        "down_proj": (f // tp, h),
+    }
+    return sum(lora.rank * (a + b) for a, b in (shapes[t] for t in lora.resolved_targets(moe=model.is_moe)))
 
 
 def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> RankShape:
@@ -90,6 +119,7 @@ def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> Ra
     if last and model.tie_word_embeddings and pp > 1:
         tensors.append(vocab_rows * model.hidden_size)
     layers = model.num_layers // pp
+    adapters = layers * lora_layer_parameters(model, tp) if model.lora is not None else 0
     return RankShape(
         params=sum(tensors),
         layers=layers,
@@ -97,6 +127,7 @@ def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> Ra
         last_stage=last,
         largest_weight=max(tensors),
         expert_params=layers * sum(local_experts(model, parallel)),
+        adapters=adapters,
     )
 
 
@@ -142,6 +173,8 @@ def layer_activations(
     groups = max(1, model.num_query_groups // tp)
     q, kv, f = heads * d, groups * d, model.ffn_hidden_size // tp
     norm = cal.norm_bytes_per_element
+    if model.lora is not None:  # a frozen norm weight: its gradient's float32 normalized copy is not kept
+        norm -= FP32
     linear = 2 * (norm * h + 4) + BF16 * h + BF16 * h + 8 * d
     if model.qk_layernorm:
         linear += norm * (q + kv) + 4 * (heads + groups)
@@ -155,6 +188,8 @@ def layer_activations(
         linear += moe_activations(model, etp or tp, fused_swiglu=fused_swiglu)
     else:
         linear += (6 if fused_swiglu else 10) * f
+    if model.lora is not None:  # each adapter's x A^T [r], kept for B's gradient (x is the base's input)
+        linear += BF16 * model.lora.rank * len(model.lora.resolved_targets(moe=model.is_moe))
     return linear, quadratic
 
 
