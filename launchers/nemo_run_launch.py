@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             gpus_per_node=gpus,
             cpu=gpus == 0,
         )
-    except (ConfigError, FileNotFoundError) as error:
+    except ConfigError as error:
         checked = f"{nodes} nodes x {args.ntasks} tasks, {gpus} GPUs per node"
         sys.stderr.write(f"{PROG}: error: {error} (checked for {checked})\n")
         return 2

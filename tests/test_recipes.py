@@ -39,8 +39,8 @@ def _record(config: RunConfig) -> dict:
 
 def _with_local_paths(path: Path, tmp_path: Path) -> RunConfig:
     """The recipe with its files (data, validation, init_from, continue_from, tokenizer) replaced by
-    local stand-ins of the same kind: one-record JSONL files, model directories with the model's
-    HF config.json."""
+    local stand-ins of the same kind: one-record JSONL files, HF directories with the model's
+    config.json and tensors, a checkpoint of the model."""
     config = load_config(RunConfig, path)
     overrides = []
     if config.data.train_files:
@@ -51,12 +51,27 @@ def _with_local_paths(path: Path, tmp_path: Path) -> RunConfig:
         val = tmp_path / "val.jsonl"
         val.write_text(json.dumps(_record(config)) + "\n")
         overrides.append(f"validation.files=[{val}]")
+    import torch
+    from safetensors.torch import save_file
+
+    from megatron_empg.config import to_yaml
+    from megatron_empg.mcore.checkpoint.files import MODEL_CONFIG_FILE
+    from megatron_empg.weight_sync import mapping
+    from tests.trainer.test_run_dir import _checkpoint
+
+    model = config.model_config()
     for field in ("checkpoint.init_from", "checkpoint.continue_from", "tokenizer"):
         section, _, name = field.rpartition(".")
         if getattr(getattr(config, section) if section else config, name) is not None:
             directory = tmp_path / field
-            directory.mkdir()
-            (directory / "config.json").write_text(json.dumps(config.model_config().to_hf_config()))
+            if field == "checkpoint.continue_from":  # a checkpoint of the model
+                _checkpoint(directory, 1)
+                (directory / "step_00000001" / MODEL_CONFIG_FILE).write_text(to_yaml(model))
+            else:  # a HF directory: its tensors of one element (the check reads names and sizes)
+                directory.mkdir()
+                (directory / "config.json").write_text(json.dumps(model.to_hf_config()))
+                tensors = {n: torch.zeros(1) for n in mapping.hf_tensor_names(model)}
+                save_file(tensors, str(directory / "model.safetensors"))
             overrides.append(f"{field}={directory}")
     return load_config(RunConfig, read_yaml(path), overrides)
 

@@ -1,11 +1,12 @@
 """What the two converters (convert_hf_to_megatron.py, convert_megatron_to_hf.py) share: the dtype
-option, refusals that name a command-line argument, the HF tensors of each Megatron tensor, and
-the comparison of two model configs' architectures."""
+option, refusals that name a command-line argument, the HF tensors of each Megatron tensor (the
+checks of a HF directory and the comparison of two model configs are
+``megatron_empg.weight_sync.hf_files``'s, which the bind step shares)."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -15,24 +16,6 @@ from tools.safetensors_stream import PlannedTensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
-# ModelConfig fields that decide the tensors' names, shapes and meaning.
-ARCHITECTURE_FIELDS = (
-    "family",
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "vocab_size",
-    "rope_theta",
-    "rope_scaling",
-    "norm_epsilon",
-    "add_qkv_bias",
-    "qk_layernorm",
-    "tie_word_embeddings",
-)
-MAX_LISTED = 12  # names listed in one message
 
 
 class ArgumentProblem(Exception):
@@ -41,12 +24,6 @@ class ArgumentProblem(Exception):
     def __init__(self, argument: str, message: str) -> None:
         self.argument, self.message = argument, message
         super().__init__(f"{argument}: {message}")
-
-
-def listed(names: Sequence[str]) -> str:
-    """The first ``MAX_LISTED`` names, and how many more."""
-    more = f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
-    return ", ".join(names[:MAX_LISTED]) + more
 
 
 def run_cli(
@@ -89,10 +66,3 @@ def hf_plan(model: ModelConfig, shapes: Mapping[str, torch.Size], dtype: torch.d
         meta = torch.empty(shapes[name], dtype=dtype, device="meta")
         plan[name] = [PlannedTensor(hf_name, tuple(t.shape), dtype) for hf_name, t in mapping.to_hf(name, meta, model)]
     return plan
-
-
-def architecture_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
-    """``"field: a != b"`` for every architecture field in which ``a`` and ``b`` differ."""
-    return [
-        f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}" for f in ARCHITECTURE_FIELDS if getattr(a, f) != getattr(b, f)
-    ]

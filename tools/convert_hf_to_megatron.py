@@ -21,7 +21,6 @@ safetensors, missing HF tensors (named), shapes that differ from what config.jso
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +29,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_empg.config import ConfigError, ParallelConfig  # noqa: E402
-from tools.conversion import DTYPE_CHOICES, ArgumentProblem, hf_plan, listed, resolve_dtype, run_cli  # noqa: E402
+from megatron_empg.weight_sync.hf_files import listed  # noqa: E402
+from tools.conversion import DTYPE_CHOICES, ArgumentProblem, hf_plan, resolve_dtype, run_cli  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -92,19 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
 def convert(args: argparse.Namespace) -> None:
     from megatron_empg.mcore.convert import output_dir_problem
     from megatron_empg.weight_sync import mapping
-    from tools.safetensors_stream import SafetensorsDirectory, SafetensorsError
+    from megatron_empg.weight_sync.hf_files import HFDirectoryError, check_hf_directory
 
     problem = output_dir_problem(args.out)
     if problem is not None:
         raise ArgumentProblem("OUT", f"refusing to write: {problem}")
-    config_path = args.hf_dir / "config.json"
-    if not config_path.is_file():
-        raise ArgumentProblem("HF_DIR", f"{args.hf_dir} has no config.json (expected a Hugging Face model directory)")
-    try:
-        hf_config = json.loads(config_path.read_text())
-        model = mapping.model_config_from_hf(hf_config, name=args.name or args.hf_dir.resolve().name)
-    except (ValueError, ConfigError) as e:  # ConfigError: unknown architecture or unsupported field
-        raise ArgumentProblem("HF_DIR", f"{config_path}: {e}") from e
+    try:  # the bind step's check of checkpoint.init_from too
+        model, stored = check_hf_directory(args.hf_dir, args.name)
+    except HFDirectoryError as e:
+        raise ArgumentProblem("HF_DIR", str(e)) from e
     try:
         parallel = ParallelConfig(
             tensor_model_parallel_size=args.tp,
@@ -115,17 +111,7 @@ def convert(args: argparse.Namespace) -> None:
         parallel.validate_for(model)
     except ConfigError as e:
         raise ArgumentProblem(PARALLEL_OPTIONS.get(e.field, "--tp/--pp"), e.reason) from e
-    try:
-        stored = SafetensorsDirectory(args.hf_dir)
-    except SafetensorsError as e:
-        raise ArgumentProblem("HF_DIR", str(e)) from e
-
     needed = mapping.hf_tensor_names(model)
-    missing = [name for name in needed if name not in stored.tensors]
-    if missing:
-        raise ArgumentProblem(
-            "HF_DIR", f"tensors missing from the safetensors ({len(missing)} of {len(needed)}): {listed(missing)}"
-        )
     unused = sorted(set(stored.tensors) - set(needed))
     if unused:
         print(f"note: ignoring {len(unused)} tensors the model does not use: {listed(unused)}", file=sys.stderr)

@@ -32,14 +32,8 @@ from typing import TYPE_CHECKING
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.conversion import (  # noqa: E402
-    DTYPE_CHOICES,
-    ArgumentProblem,
-    architecture_differences,
-    hf_plan,
-    resolve_dtype,
-    run_cli,
-)
+from megatron_empg.weight_sync.hf_files import architecture_differences  # noqa: E402
+from tools.conversion import DTYPE_CHOICES, ArgumentProblem, hf_plan, resolve_dtype, run_cli  # noqa: E402
 from tools.safetensors_stream import PlannedTensor, parse_size  # noqa: E402
 
 if TYPE_CHECKING:

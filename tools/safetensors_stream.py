@@ -1,7 +1,8 @@
 """Read and write Hugging Face safetensors checkpoints one tensor at a time (for the converters).
 
-``SafetensorsDirectory(hf_dir)`` reads only the headers up front; ``read(name)`` reads one tensor's
-bytes with plain file I/O into a fresh tensor (no memory map stays behind). ``SafetensorsShardWriter``
+``SafetensorsDirectory(hf_dir)`` (``megatron_empg.weight_sync.hf_files``, which the bind step shares)
+reads only the headers up front; ``read(name)`` reads one tensor's bytes with plain file I/O into a
+fresh tensor (no memory map stays behind). ``SafetensorsShardWriter``
 takes the list of (name, shape, dtype) in the order the tensors will come, splits it into shards
 of at most ``max_shard_size`` bytes (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
 with ``model.safetensors.index.json``), writes each shard's header first and each tensor's bytes
@@ -26,20 +27,9 @@ from typing import BinaryIO
 
 import torch
 
-INDEX_FILE = "model.safetensors.index.json"
+from megatron_empg.weight_sync.hf_files import DTYPES, INDEX_FILE, SafetensorsDirectory, SafetensorsError  # noqa: F401
+
 SINGLE_FILE = "model.safetensors"
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -55,10 +45,6 @@ _UNITS = {
 }
 
 
-class SafetensorsError(ValueError):
-    """A safetensors file or directory is unreadable, incomplete or inconsistent."""
-
-
 def parse_size(text: str) -> int:
     """``"5GB"`` -> 5 * 10**9 bytes (units B, KB, MB, GB, TB and KiB .. TiB; a bare number is bytes)."""
     match = _SIZE.match(text)
@@ -68,95 +54,6 @@ def parse_size(text: str) -> int:
     if value < 1:
         raise ValueError(f"the size must be at least 1 byte, got {text!r}")
     return int(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredTensor:
-    """One tensor of a safetensors file: its bytes are ``[begin, end)`` of ``path``."""
-
-    path: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-def read_header(path: Path) -> dict[str, StoredTensor]:
-    """The tensors listed in the header of the safetensors file ``path`` (absolute byte ranges),
-    checked against the file's size."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise SafetensorsError(f"{path} is truncated: no header")
-        (header_len,) = struct.unpack("<Q", raw)
-        if 8 + header_len > size:
-            raise SafetensorsError(f"{path} is truncated: its header needs {header_len} bytes")
-        try:
-            header = json.loads(f.read(header_len))
-        except ValueError as e:
-            raise SafetensorsError(f"{path} has an unreadable header ({e})") from e
-    start = 8 + header_len
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry.get("dtype") not in DTYPES:
-            raise SafetensorsError(f"{path}: tensor {name} has the unsupported dtype {entry.get('dtype')!r}")
-        begin, end = entry["data_offsets"]
-        tensors[name] = StoredTensor(path, DTYPES[entry["dtype"]], tuple(entry["shape"]), start + begin, start + end)
-    end = max((t.end for t in tensors.values()), default=start)
-    if end > size:
-        raise SafetensorsError(f"{path} is truncated: {size} bytes, its header describes {end}")
-    return tensors
-
-
-class SafetensorsDirectory:
-    """The tensors of a HF model directory: ``model.safetensors.index.json`` and its shards, or
-    every ``*.safetensors`` file when there is no index."""
-
-    def __init__(self, directory: str | os.PathLike) -> None:
-        self.directory = Path(directory)
-        index_path = self.directory / INDEX_FILE
-        self.tensors: dict[str, StoredTensor] = {}
-        if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise SafetensorsError(f"{index_path} is not a safetensors index ({e!r})") from e
-            files = sorted(set(weight_map.values()))
-            missing_files = [f for f in files if not (self.directory / f).is_file()]
-            if missing_files:
-                raise SafetensorsError(f"{index_path} names shard files that do not exist: {missing_files}")
-        else:
-            weight_map = None
-            files = sorted(p.name for p in self.directory.glob("*.safetensors"))
-            if not files:
-                raise SafetensorsError(f"{self.directory} has no *.safetensors files (and no {INDEX_FILE})")
-        for file in files:
-            for name, tensor in read_header(self.directory / file).items():
-                if name in self.tensors:
-                    raise SafetensorsError(f"tensor {name} is in both {self.tensors[name].path.name} and {file}")
-                self.tensors[name] = tensor
-        if weight_map is not None:
-            absent = [n for n, f in weight_map.items() if n not in self.tensors or self.tensors[n].path.name != f]
-            if absent:
-                raise SafetensorsError(f"{index_path} lists tensors that its shard files do not hold: {absent[:10]}")
-
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name``, read from disk into new memory."""
-        stored = self.tensors[name]
-        tensor = torch.empty(stored.shape, dtype=stored.dtype)
-        nbytes = stored.end - stored.begin
-        if nbytes != tensor.numel() * tensor.element_size():
-            raise SafetensorsError(f"{stored.path}: {name} has {nbytes} bytes for {stored.dtype} {stored.shape}")
-        if nbytes:
-            buffer = tensor.reshape(-1).view(torch.uint8).numpy()
-            with open(stored.path, "rb") as f:
-                f.seek(stored.begin)
-                if f.readinto(buffer) != nbytes:
-                    raise SafetensorsError(f"{stored.path} is truncated inside {name}")
-        return tensor
 
 
 @dataclasses.dataclass(frozen=True)

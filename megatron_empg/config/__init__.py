@@ -24,7 +24,7 @@ The machinery is generic and works for any (nested) dataclass::
   ``true``, ``[1, 2]``, ``null``, ``{a: 1}``). A key that does not exist is an error, except under a
   free-form ``dict`` field.
 
-The modules: ``schema`` (the machinery above), ``model`` (``ModelConfig``, ``ParallelConfig``),
+The modules: ``schema`` (the machinery above; ``errors`` and ``yaml_files`` under it), ``model`` (``ModelConfig``, ``ParallelConfig``),
 ``algorithm``, ``rollout`` and ``run`` (the sections of ``RunConfig``). Import from the package.
 
 Cross-field checks live on the dataclasses as ``validate()`` methods that raise
@@ -90,8 +90,7 @@ from megatron_empg.config.schema import (  # noqa: F401
     load_config,
     named_in,
     parse_override,
-    parse_yaml,
-    read_yaml,
     to_dict,
     to_yaml,
 )
+from megatron_empg.config.yaml_files import parse_yaml, read_yaml  # noqa: F401

@@ -62,6 +62,15 @@ class OptimizerConfig(Config):
             )
         if self.clip_grad < 0:
             raise ConfigError("clip_grad", f"must be >= 0 (0 disables clipping), got {self.clip_grad!r}")
+        if self.weight_decay < 0:
+            raise ConfigError("weight_decay", f"must be >= 0, got {self.weight_decay!r}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)!r}")
+        if not self.adam_eps > 0:
+            raise ConfigError("adam_eps", f"must be > 0, got {self.adam_eps!r}")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ConfigError("bucket_size", f"must be >= 1 or null (Megatron's default), got {self.bucket_size!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,5 +244,5 @@ class AlgorithmConfig(Config):
             raise ConfigError("overlong_buffer", f"must be >= 0 (0: off), got {self.overlong_buffer!r}")
         if self.overlong_penalty < 0:
             raise ConfigError("overlong_penalty", f"must be >= 0, got {self.overlong_penalty!r}")
-        if not self.behavior_is_cap >= 1:  # also rejects NaN
+        if self.behavior_is_cap < 1:
             raise ConfigError("behavior_is_cap", f"must be >= 1, got {self.behavior_is_cap!r}")

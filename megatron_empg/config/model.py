@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -165,9 +164,8 @@ class ModelConfig(Config):
         if self.head_dim is not None and self.head_dim <= 0:
             raise ConfigError("head_dim", f"must be positive or null, got {self.head_dim}")
         for name in ("rope_theta", "norm_epsilon", "initializer_range"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigError(name, f"must be a positive finite number, got {value}")
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 "num_attention_heads",
@@ -212,19 +210,29 @@ class ModelConfig(Config):
                     raise ConfigError(name, f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
 
     def _validate_moe(self) -> None:
+        # the values first, whatever the family: a dense model's are unused, not meaningless
+        if self.moe_router_topk < 1:
+            raise ConfigError("moe_router_topk", f"must be >= 1, got {self.moe_router_topk}")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError("moe_aux_loss_coeff", f"must be >= 0, got {self.moe_aux_loss_coeff}")
+        for name in ("moe_z_loss_coeff", "moe_expert_capacity_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(name, f"must be > 0 or null, got {value}")
         if self.family not in MOE_FAMILIES:
-            if self.num_experts is not None or self.moe_ffn_hidden_size is not None:
-                raise ConfigError(
-                    "num_experts",
-                    f"family {self.family!r} is dense: leave num_experts and "
-                    f"moe_ffn_hidden_size null (mixtures of experts: {list(MOE_FAMILIES)})",
-                )
+            for name in ("num_experts", "moe_ffn_hidden_size"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        name,
+                        f"family {self.family!r} is dense: leave num_experts and "
+                        f"moe_ffn_hidden_size null (mixtures of experts: {list(MOE_FAMILIES)})",
+                    )
             return
         for name in ("num_experts", "moe_ffn_hidden_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if value is None or value <= 0:
                 raise ConfigError(name, f"family {self.family!r} needs a positive int, got {value!r}")
-        if not 1 <= self.moe_router_topk <= self.num_experts:
+        if self.moe_router_topk > self.num_experts:
             raise ConfigError(
                 "moe_router_topk", f"must be in [1, num_experts={self.num_experts}], got {self.moe_router_topk}"
             )
@@ -234,12 +242,6 @@ class ModelConfig(Config):
                 f"family {self.family!r} routes with softmax (its HF "
                 f"implementation), got {self.moe_router_score_function!r}",
             )
-        if not (math.isfinite(self.moe_aux_loss_coeff) and self.moe_aux_loss_coeff >= 0):
-            raise ConfigError("moe_aux_loss_coeff", f"must be a finite number >= 0, got {self.moe_aux_loss_coeff}")
-        for name in ("moe_z_loss_coeff", "moe_expert_capacity_factor"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ConfigError(name, f"must be a positive finite number or null, got {value}")
 
     def _validate_rope_scaling(self) -> None:
         if self.rope_scaling is None:

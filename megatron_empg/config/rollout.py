@@ -7,7 +7,7 @@ import dataclasses
 from typing import ClassVar, Literal
 
 from megatron_empg.config.model import Dtype
-from megatron_empg.config.schema import Config, ConfigError, named_in
+from megatron_empg.config.schema import Config, ConfigError, check_duration, named_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,11 @@ class SamplingConfig(Config):
             raise ConfigError("max_tokens", f"must be >= 1, got {self.max_tokens!r}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ConfigError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for i, token in enumerate(self.stop_token_ids):
+            if token < 0:
+                raise ConfigError(f"stop_token_ids[{i}]", f"must be a token id >= 0, got {token!r}")
+        if self.seed is not None and self.seed < 0:
+            raise ConfigError("seed", f"must be >= 0 or null (a fresh seed per request), got {self.seed!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +97,7 @@ class SearchAgentConfig(Config):
             raise ConfigError("max_turns", f"must be >= 0 (0: answer without searching), got {self.max_turns!r}")
         if self.max_obs_tokens < 1:
             raise ConfigError("max_obs_tokens", f"must be >= 1, got {self.max_obs_tokens!r}")
-        if not self.timeout_s > 0:
-            raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s!r}")
+        check_duration("timeout_s", self.timeout_s)
         if self.retries < 0:
             raise ConfigError("retries", f"must be >= 0, got {self.retries!r}")
 
@@ -214,6 +218,8 @@ class RolloutConfig(Config):
                 "engine_ranks",
                 f"needs placement disaggregated (colocated engines use training ranks), got {self.engine_ranks!r}",
             )
+        if self.seed < 0:
+            raise ConfigError("seed", f"must be >= 0, got {self.seed!r}")
         if self.engine_restarts < 0:
             raise ConfigError("engine_restarts", f"must be >= 0, got {self.engine_restarts!r}")
         if self.max_staleness < 0:
@@ -282,3 +288,5 @@ class WeightSyncConfig(Config):
             raise ConfigError("probe_length", f"must be >= 2, got {self.probe_length!r}")
         if self.probe_continuation < 0:
             raise ConfigError("probe_continuation", f"must be >= 0, got {self.probe_continuation!r}")
+        if self.probe_seed < 0:
+            raise ConfigError("probe_seed", f"must be >= 0, got {self.probe_seed!r}")

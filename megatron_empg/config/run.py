@@ -4,14 +4,13 @@ whole of it."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from typing import Literal
 
 from megatron_empg.config.algorithm import AlgorithmConfig, OptimizerConfig
 from megatron_empg.config.model import ModelConfig, ParallelConfig, load_model_config
 from megatron_empg.config.rollout import RolloutConfig, SamplingConfig, WeightSyncConfig
-from megatron_empg.config.schema import Config, ConfigError, join_path, named_in
+from megatron_empg.config.schema import Config, ConfigError, check_duration, join_path, named_in
 
 # The names of tasks.registry.PROMPT_SOURCES (config imports no task; a test keeps them equal).
 DataSource = Literal["files", "arithmetic"]
@@ -124,12 +123,8 @@ class DataConfig(Config):
             )
         if self.reward_workers < 1:
             raise ConfigError("reward_workers", f"expected a number of processes >= 1, got {self.reward_workers!r}")
-        if not 0 < self.reward_timeout_s < math.inf:
-            raise ConfigError("reward_timeout_s", f"expected finite seconds > 0, got {self.reward_timeout_s!r}")
-        if self.reward_budget_s is not None and not 0 < self.reward_budget_s < math.inf:
-            raise ConfigError(
-                "reward_budget_s", f"expected finite seconds > 0, or null for no budget, got {self.reward_budget_s!r}"
-            )
+        check_duration("reward_timeout_s", self.reward_timeout_s)
+        check_duration("reward_budget_s", self.reward_budget_s, "seconds (or null for no budget)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,12 +194,17 @@ class TrainConfig(Config):
         for name in ("steps", "prompts_per_step", "micro_batch_size", "recompute_num_layers", "max_consecutive_skips"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)!r}")
+        for name in ("max_tokens_per_microbatch", "max_tokens_per_forward_microbatch"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1 or null, got {getattr(self, name)!r}")
+        if self.seed < 0:
+            raise ConfigError("seed", f"must be >= 0, got {self.seed!r}")
         if self.max_seq_len < 2:
             raise ConfigError("max_seq_len", f"must be >= 2, got {self.max_seq_len!r}")
         factor = self.skip_grad_norm_factor
-        if factor is not None and not 1 < factor < math.inf:
+        if factor is not None and not factor > 1:
             raise ConfigError(
-                "skip_grad_norm_factor", f"expected a finite number > 1, or null for no spike check, got {factor!r}"
+                "skip_grad_norm_factor", f"expected a number > 1, or null for no spike check, got {factor!r}"
             )
         budget = self.max_tokens_per_microbatch
         if budget is not None and not self.packing:
@@ -350,8 +350,7 @@ class DistributedConfig(Config):
     within it."""
 
     def validate(self) -> None:
-        if not self.timeout_minutes > 0:
-            raise ConfigError("timeout_minutes", f"must be > 0, got {self.timeout_minutes!r}")
+        check_duration("timeout_minutes", self.timeout_minutes, "minutes", per_second=1 / 60)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,9 +389,7 @@ class PhaseTimeouts(Config):
 
     def validate(self) -> None:
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is not None and not value > 0:
-                raise ConfigError(field.name, f"must be > 0 seconds or null (the default), got {value!r}")
+            check_duration(field.name, getattr(self, field.name), "seconds (or null: the default)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,12 +411,10 @@ class SupervisorConfig(Config):
     """The window, in seconds, that ``max_restarts`` counts restarts in."""
 
     def validate(self) -> None:
-        if not self.heartbeat_interval_s > 0:
-            raise ConfigError("heartbeat_interval_s", f"must be > 0, got {self.heartbeat_interval_s!r}")
+        check_duration("heartbeat_interval_s", self.heartbeat_interval_s)
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", f"must be >= 0, got {self.max_restarts!r}")
-        if not self.restart_window_s > 0:
-            raise ConfigError("restart_window_s", f"must be > 0, got {self.restart_window_s!r}")
+        check_duration("restart_window_s", self.restart_window_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,7 +458,7 @@ class RunConfig(Config):
         try:
             return load_model_config(self.model, self.model_overrides)
         except ConfigError as e:
-            raise ConfigError(join_path("model", e.field) if e.field != "model" else "model", e.reason) from None
+            raise ConfigError("model" if e.field in ("", "model") else join_path("model", e.field), e.reason) from None
 
     def validate(self) -> None:
         if self.tokenizer is None and self.checkpoint.init_from is None and self.checkpoint.continue_from is None:

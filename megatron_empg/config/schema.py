@@ -1,7 +1,8 @@
-"""The config machinery: ``ConfigError``, the base of every config class (``Config``: choices and
-``validate()`` checked on construction; ``named_in`` marks a field that names a registry entry;
-``field_docs`` reads the fields' descriptions), YAML reading, typed dataclasses from dicts
-(``from_dict``, ``to_dict``), dotted overrides (``apply_overrides``, ``load_config``)."""
+"""The config machinery: the base of every config class (``Config``: choices, the rules of each
+type and ``validate()`` checked on construction; ``named_in`` marks a field that names a registry
+entry; ``field_docs`` reads the fields' descriptions), typed dataclasses from dicts (``from_dict``,
+``to_dict``), dotted overrides (``apply_overrides``, ``load_config``). ``ConfigError`` is
+``errors``'s, YAML reading ``yaml_files``'s."""
 
 from __future__ import annotations
 
@@ -10,26 +11,20 @@ import copy
 import dataclasses
 import functools
 import inspect
+import math
 import os
-import re
 import textwrap
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from megatron_empg.config.errors import ConfigError, describe
+from megatron_empg.config.yaml_files import parse_yaml, read_yaml, yaml11_hint, yaml_error_line
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong. ``field`` is its dotted path ('' for the whole config)."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        self.field, self.reason = field, reason
-        super().__init__(f"{field}: {reason}" if field else reason)
 
 
 # --------------------------------------------------------------------------------------------
@@ -39,19 +34,30 @@ class ConfigError(ValueError):
 class Config:
     """The base of every config dataclass (``@dataclasses.dataclass(frozen=True)``): constructing
     one, from YAML or directly, checks every field whose type holds a ``Literal`` (the one list of
-    its choices), then runs the class's ``validate()``. A ``ConfigError`` names the field relative
-    to the class; ``from_dict`` prefixes the class's dotted path.
+    its choices), the rules every value of a type obeys (``_coerce``: a float is finite, a str is
+    not empty), then runs the class's ``validate()`` (ranges, cross-field checks). A ``ConfigError``
+    names the field relative to the class; ``from_dict`` prefixes the class's dotted path.
 
     Each field is described by a string literal on the line after it (an attribute docstring, read
     by ``field_docs``; ``tools/config_docs.py`` writes docs/configuration.md from them)."""
 
     def __post_init__(self) -> None:
-        for name, tp in _choice_fields(type(self)):
+        for name, tp in _checked_fields(type(self)):
             _coerce(tp, getattr(self, name), name)
         self.validate()
 
     def validate(self) -> None:
         """Cross-field checks: raise ``ConfigError(field, reason)``. None by default."""
+
+
+MAX_SECONDS = 1e9  # about 31 years: longer waits overflow timedelta and the OS's timers
+
+
+def check_duration(field: str, value: float | None, unit: str = "seconds", *, per_second: float = 1.0) -> None:
+    """A duration field (``value`` in ``unit``, ``per_second`` of them a second; None: not set)
+    is > 0 and at most ``MAX_SECONDS``: a longer one passes as a number, then overflows a timer."""
+    if value is not None and not 0 < value <= MAX_SECONDS * per_second:
+        raise ConfigError(field, f"expected {unit} > 0 and <= {MAX_SECONDS * per_second:.3g}, got {value!r}")
 
 
 REGISTRY = "registry"  # field metadata: "package.module:NAME" of the registry a str field names an entry of
@@ -73,9 +79,19 @@ def literal_choices(tp: Any) -> tuple:
 
 
 @functools.cache
-def _choice_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+def _checked_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    """The fields a directly constructed ``cls`` checks against their type: those whose type holds
+    a ``Literal``, a float or a str (ints and bools have no value their type's rules refuse)."""
     hints = _hints(cls)
-    return tuple((name, hints[name]) for name in _init_fields(cls) if literal_choices(hints[name]))
+    return tuple(
+        (name, hints[name])
+        for name in _init_fields(cls)
+        if literal_choices(hints[name]) or _holds_text_or_float(hints[name])
+    )
+
+
+def _holds_text_or_float(tp: Any) -> bool:
+    return tp in (float, str) or any(_holds_text_or_float(a) for a in typing.get_args(tp) if a is not Ellipsis)
 
 
 @functools.cache
@@ -94,74 +110,11 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------
-# YAML: PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string; accept it as a float.
-
-
-class _Loader(yaml.SafeLoader):
-    pass
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def parse_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that also reads ``1e-6`` as a float."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
-
-
-def read_yaml(path: str | os.PathLike, *, _seen: tuple[Path, ...] = ()) -> dict:
-    """A YAML file's top-level mapping. ``defaults: base.yaml`` in it (a path relative to the file)
-    names a base config that the file's own keys are merged over: mappings key by key, any other
-    value (and an empty mapping ``{}``, which clears one) replaces the base's. Bases may have bases
-    (as in NeMo-RL's recipes); a cycle is an error."""
-    path = Path(path).resolve()
-    if path in _seen:
-        raise ConfigError("defaults", f"{path}: a cycle of defaults files: {' -> '.join(map(str, (*_seen, path)))}")
-    data = parse_yaml(path.read_text())
-    if not isinstance(data, dict):
-        raise ConfigError("", f"{path}: expected a mapping at the top level, got {_describe(data)}")
-    base_name = data.pop("defaults", None)
-    if base_name is None:
-        return data
-    if not isinstance(base_name, str):
-        raise ConfigError("defaults", f"{path}: expected the path of a YAML file, got {_describe(base_name)}")
-    base_path = path.parent / base_name
-    if not base_path.is_file():
-        raise ConfigError("defaults", f"{path}: the base config {base_path} does not exist")
-    return _merged(read_yaml(base_path, _seen=(*_seen, path)), data)
-
-
-def _merged(base: Mapping, update: Mapping) -> dict:
-    out = dict(base)
-    for key, value in update.items():
-        merge = isinstance(value, Mapping) and len(value) > 0 and isinstance(out.get(key), Mapping)
-        out[key] = _merged(out[key], value) if merge else value
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # Building dataclasses from dicts.
 
 
 def join_path(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, (list, tuple)):
-        return f"a list ({_short_repr(value)})"
-    return _short_repr(value)
-
-
-def _short_repr(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _type_name(tp: Any) -> str:
@@ -212,41 +165,48 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 errors.append(e)
         if len(candidates) == 1:  # `X | None`: X's own error is the most precise
             raise errors[0]
-        raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {describe(value)}")
     if origin is Literal:
         for option in args:
             if value == option and type(value) is type(option):
                 return option
-        raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {describe(value)}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
-            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {describe(value)}")
         return _build(tp, value, path)
     if tp is type(None):
         if value is not None:
-            raise ConfigError(path, f"expected None, got {_describe(value)}")
+            raise ConfigError(path, f"expected None, got {describe(value)}")
         return None
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(path, f"expected bool (true/false), got {_describe(value)}")
+            raise ConfigError(path, f"expected bool (true/false), got {describe(value)}{yaml11_hint(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"expected int, got {_describe(value)}")
+            raise ConfigError(path, f"expected int, got {describe(value)}{yaml11_hint(value)}")
         return value
     if tp is float:
+        # the one check of every float field: NaN passes `x < 0` and infinity `x > 0`, so no
+        # field's own range check would catch them
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"expected float, got {_describe(value)}")
-        return float(value)
+            raise ConfigError(path, f"expected float, got {describe(value)}{yaml11_hint(value)}")
+        number = float(value) if isinstance(value, float) or abs(value) < 2**1023 else math.inf
+        if not math.isfinite(number):
+            raise ConfigError(path, f"expected a finite number, got {describe(value)}")
+        return number
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(path, f"expected str, got {_describe(value)}")
+            raise ConfigError(path, f"expected str, got {describe(value)}")
+        if not value:  # never meant: `dir: ""` would be the current directory, `tokenizer: ""` none
+            raise ConfigError(path, "expected a non-empty str, got ''")
         return value
     if tp in (list, tuple) or origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {describe(value)}")
         if (tp is tuple or origin is tuple) and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(path, f"expected {_type_name(tp)} ({len(args)} items), got {len(value)} items")
@@ -257,7 +217,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return tuple(items) if (tp is tuple or origin is tuple) else items
     if tp is dict or origin is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {describe(value)}")
         key_type, value_type = args if args else (Any, Any)
         return {
             _coerce(key_type, k, join_path(path, k)): _coerce(value_type, v, join_path(path, k))
@@ -301,7 +261,7 @@ def from_dict(cls: type[T], data: Mapping, *, path: str = "") -> T:
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
     if not isinstance(data, Mapping):
-        raise ConfigError(path, f"expected a mapping ({cls.__name__}), got {_describe(data)}")
+        raise ConfigError(path, f"expected a mapping ({cls.__name__}), got {describe(data)}")
     return _build(cls, data, path)
 
 
@@ -350,7 +310,7 @@ def parse_override(override: str) -> tuple[list[str], Any]:
     try:
         value = parse_yaml(text)
     except yaml.YAMLError as e:
-        raise ConfigError(key.strip(), f"cannot parse override value {text!r} as YAML: {e}") from None
+        raise ConfigError(key.strip(), f"cannot parse override value {text!r} as YAML: {yaml_error_line(e)}") from None
     return parts, value
 
 
@@ -395,7 +355,7 @@ def apply_overrides(data: Mapping, overrides: Iterable[str], *, cls: type | None
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(where, f"is {_describe(child)}, not a mapping; cannot set {'.'.join(parts)}")
+                raise ConfigError(where, f"is {describe(child)}, not a mapping; cannot set {'.'.join(parts)}")
             node = child
     return result
 

@@ -6,10 +6,14 @@
     empg print-config CONFIG.yaml [a.b.c=value ...]       # the resolved config as YAML
     empg --version
 
-Bad configs and overrides exit with code 2 and a message naming the dotted field; ``train`` binds
-the config (``trainer.bind.build.bind``) and, on rank 0, takes the run's directories
+The input contract (docs/faults-and-restarts.md): a bad config file, override, option, path or run
+directory exits with code 2 and one line naming the field or the file, before anything starts and
+before anything is written. Overrides may come before or after the options. ``train`` binds the
+config (``trainer.bind.build.bind``) and, on rank 0, takes the run's directories
 (``trainer.run.run_dir``: one run per directory; ``--resume`` / ``--overwrite`` and what an earlier run
-left there) before it starts a process group, an engine or a model.
+left there) before it starts a process group, an engine or a model; ``--resume`` from a checkpoint
+at or past ``train.steps`` says "nothing to do" and exits 0. Ctrl-C stops at once, without a
+checkpoint, and says so in one line (SIGTERM is the signal that checkpoints first).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 from megatron_empg.config import ConfigError, RunConfig, load_config, to_yaml
 
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     check.add_argument("--skip-paths", action="store_true", help="do not read data files or model directories")
     plan.add_argument("--json", action="store_true", help="the plan as JSON (bytes)")
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         config = load_run_config(args.config, args.overrides)
         if args.command in ("check", "plan"):
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_paths=check_paths,
                 device_bytes=device if args.command == "check" else None,
             )
-    except (ConfigError, FileNotFoundError) as e:
+    except ConfigError as e:
         parser.exit(2, f"empg: error: {e}\n")
     if args.command == "print-config":
         sys.stdout.write(to_yaml(config))
@@ -130,7 +135,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "plan":
         return _plan(components, args.world_size, device, as_json=args.json)
-    return _train(config, resume=args.resume, overwrite=args.overwrite)
+    try:
+        return _train(config, resume=args.resume, overwrite=args.overwrite)
+    except KeyboardInterrupt:  # the stack of every thread is no help to a person who pressed Ctrl-C
+        sys.stderr.write(
+            "empg: interrupted (Ctrl-C): stopped without a checkpoint of this step; --resume continues from the "
+            "newest checkpoint (SIGTERM, kill -TERM PID, checkpoints after the current step first)\n"
+        )
+        return 130
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, the overrides before and after the options alike (``empg check RECIPE
+    --world-size 16 a.b=c``: argparse alone ends the positionals at the first option)."""
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *rest]
+    return args
 
 
 def _bind(config: RunConfig, world_size: int, *, check_paths: bool = True, device_bytes: int | None = None):
@@ -142,8 +165,8 @@ def _bind(config: RunConfig, world_size: int, *, check_paths: bool = True, devic
 
 
 def _gib_bytes(gib: float) -> int:
-    if not gib > 0:
-        raise ConfigError("--gpu-memory-gib", f"must be > 0, got {gib}")
+    if not 1 <= gib <= 2**20:  # below 1 GiB no GPU this runs on: a unit mistaken (bytes, MiB?)
+        raise ConfigError("--gpu-memory-gib", f"expected one GPU's memory in GiB, from 1 to {2**20}, got {gib}")
     return int(gib * 2**30)
 
 
@@ -220,11 +243,16 @@ def _train(config: RunConfig, *, resume: bool, overwrite: bool = False) -> int:
 
     rank, world_size = _rank_from_environment(), world_size_from_environment()
     configure_logging(config.logging, rank=rank, world_size=world_size)  # before vLLM and Megatron log anything
+    done = _nothing_to_do(config) if resume else None
+    if done is not None:  # every rank reads the same checkpoint directory, so all stop here
+        if rank == 0:
+            sys.stdout.write(f"empg: nothing to do: {done}\n")
+        return 0
     held = None
     if rank == 0:  # one run per directory: a second one is refused at once (before torch is imported)
         try:
             held = hold_run_directories(config)
-        except RunDirectoryError as error:
+        except (RunDirectoryError, ConfigError) as error:
             sys.stderr.write(f"empg: error: {error}\n")
             return 2
     try:
@@ -244,12 +272,24 @@ def _bind_and_run(config: RunConfig, world_size: int, held, *, resume: bool, ove
         if held is not None:  # what an earlier run left there (after the bind: --overwrite deletes it)
             check_start(config, resume=resume, overwrite=overwrite, previous=held.previous)
             remove_leftovers(config.checkpoint.dir)  # of crashed saves: this run holds the directory
+            held.claim()  # the first write of this run: every check passed
     except (ConfigError, RunDirectoryError, CheckpointError, MetricsFileError, OSError) as error:
         if held is not None:  # rank 0 speaks for all, and leaves no directory it created
             sys.stderr.write(f"empg: error: {error}\n")
             held.release(undo=True)
         return 2
     return _run(config, components, resume=resume)
+
+
+def _nothing_to_do(config: RunConfig) -> str | None:
+    """Why a ``--resume`` has no step left to train (its checkpoint is at or past ``train.steps``),
+    or None. Reads files only."""
+    from megatron_empg.mcore.checkpoint import find_latest_checkpoint
+
+    found = find_latest_checkpoint(config.checkpoint.dir) if Path(config.checkpoint.dir).is_dir() else None
+    if found is None or found.step < config.train.steps:
+        return None
+    return f"the newest checkpoint, {found.path}, is at step {found.step} and train.steps is {config.train.steps}"
 
 
 def _run(config: RunConfig, components, *, resume: bool) -> int:

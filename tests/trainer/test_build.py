@@ -571,7 +571,10 @@ def test_bind_reads_every_record_of_each_file_and_the_init_from_config(tmp_path)
     init = tmp_path / "init"
     init.mkdir()
     (init / "config.json").write_text(json.dumps({**model.to_hf_config(), "hidden_size": 2 * model.hidden_size}))
-    with pytest.raises(ConfigError, match=r"^checkpoint.init_from: .* has hidden_size=256 but model 'demo-qwen2' has"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^checkpoint.init_from: .*/config.json describes another model than 'demo-qwen2': hidden_size: 256 != 128",
+    ):
         bind(demo(tmp_path, f"checkpoint.init_from={init}", "tokenizer=null"), 1)
     with pytest.raises(ConfigError, match=r"^checkpoint.init_from: /nonexistent is not a directory"):
         bind(demo(tmp_path, "checkpoint.init_from=/nonexistent"), 1)

@@ -316,3 +316,42 @@ def test_engines_drawing_ahead_stage_three_updates_per_owner_in_host_memory(stal
     host = plan_memory(components, ranks_per_node=8).host
     # 4 engine ranks at engine TP 2: 2 owners, each up to 3 whole bf16 updates (loading, newest, arriving)
     assert host["staged_weight_updates"] == staleness * 2 * 3 * components.model.num_parameters() * 2
+
+
+def test_when_no_single_change_fits_a_combination_is_found_and_each_part_is_needed():
+    """R1-Distill-Qwen-1.5B's math recipe on 8 x 16 GiB: no single change fits (issue 46), TP 2,
+    full recompute and a smaller KV cache together do. Each fix fits when applied, and none of its
+    changes can be left out; on 80 GiB nothing needs fixing (the negative control)."""
+    from megatron_empg.trainer.bind.build import bind
+    from megatron_empg.trainer.bind.memory_fixes import cheapest_fixes, with_overrides
+    from megatron_empg.trainer.bind.memory_plan import plan_memory
+
+    config = load_config(RunConfig, "recipes/r1_distill_qwen_1.5b_math_ema_pg.yaml")
+    components = bind(config, 8, check_paths=False)
+    assert plan_memory(components, device_bytes=80 * 2**30).fits
+    device = 16 * 2**30
+    fixes = cheapest_fixes(components, 8, device, bind=bind)
+    assert fixes, "no combination found"
+    first = fixes[0]
+    for part in ("parallel.tensor_model_parallel_size=2", "train.recompute=full", "rollout.gpu_memory_utilization="):
+        assert any(o.startswith(part) for o in first.overrides), first
+    fitting = plan_memory(bind(with_overrides(config, first.overrides), 8, check_paths=False), device_bytes=device)
+    assert fitting.fits and fitting.peak.peak_bytes == first.peak_bytes
+    for label in first.label.split(" + "):  # leave one change out: over the GPU again
+        kept = [o for o in first.overrides if not _override_of(label, o)]
+        fewer = plan_memory(bind(with_overrides(config, tuple(kept)), 8, check_paths=False), device_bytes=device)
+        assert not fewer.fits, label
+
+
+def _override_of(label: str, override: str) -> bool:
+    """Whether ``override`` belongs to the change labelled ``label`` (memory_fixes' labels)."""
+    keys = {
+        "forward passes": ("train.max_tokens_per_forward_microbatch",),
+        "logits one chunk": ("train.fused_output_loss",),
+        "a smaller KV cache": ("rollout.gpu_memory_utilization",),
+        "full recompute": ("train.recompute",),
+        "tensor parallelism": ("parallel.tensor_model_parallel_size", "rollout.tensor_parallel_size"),
+        "the anchor's master": ("algorithm.anchor.master_on_cpu",),
+        "context parallelism": ("parallel.context_parallel_size", "train.max_tokens_per_microbatch"),
+    }
+    return any(override.startswith(key) for prefix, ks in keys.items() if label.startswith(prefix) for key in ks)

@@ -58,6 +58,7 @@ from megatron_empg.trainer.run.run_dir import hold_run_directories
 config = from_dict(RunConfig, {"model": "tiny-qwen2", "tokenizer": "unused", "logging": {"dir": sys.argv[1]},
                                "checkpoint": {"dir": sys.argv[2]}})
 held = hold_run_directories(config)
+held.claim()
 print("held", flush=True)
 time.sleep(600)
 """

@@ -17,9 +17,10 @@ every record of each data file; it starts nothing and touches no device. In orde
    ``rl_loss`` with exactly the run's settings, forward and backward: the loss functions' own
    value checks (a clip of -5, ``tail_grad: bogus``) run here instead of at the first update;
 3. the length limits (the probe in the engine's context, a whole sample in ``train.max_seq_len``);
-4. the paths: data and validation files (every record, streamed: ``rollout.data.check_records``; 5-7 s
-   of CPU per million rows of DAPO-Math's shape), ``init_from`` (a HF directory's ``config.json`` must
-   describe ``model``), ``continue_from``, ``tokenizer``.
+4. the paths (``trainer.bind.paths``): data and validation files (every record, streamed:
+   ``rollout.data.check_records``; 5-7 s of CPU per million rows of DAPO-Math's shape),
+   ``init_from`` and ``continue_from`` (their model field by field, their files as the converters
+   check them), ``tokenizer``, and the run's directories;
 
 5. with the GPU's memory (``device_bytes``), the memory plan of every rank (``trainer.bind.memory_plan``):
    a run that does not fit is an error listing the changes that would (``trainer.bind.memory_fixes``).
@@ -31,9 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,25 +48,16 @@ from megatron_empg.core.rpg import RPG_POLICY_LOSSES
 from megatron_empg.mcore.attention_backends import AttentionChoice, resolve_attention_backend
 from megatron_empg.mcore.moe.backends import ExpertsChoice, check_moe_experts_name, resolve_moe_experts
 from megatron_empg.parallel.rl_loss import ALL_POLICY_LOSSES, rl_loss
-from megatron_empg.rollout.data import DataError, check_records
 from megatron_empg.rollout.engine import ROUTED_EXPERT_LIMIT
 from megatron_empg.rollout.engines import ENGINES, EngineKind
 from megatron_empg.rollout.rewards import RewardFn
 from megatron_empg.tasks.registry import REWARDS
 from megatron_empg.trainer.bind.layout import Layout, check_layout, engine_kind
+from megatron_empg.trainer.bind.paths import check_paths_of
 from megatron_empg.weight_sync.transport import TRANSPORTS
 
 # Arguments the trainer passes itself: a config that sets them is an error.
 _POLICY_LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "validate")
-# The HF config.json fields that must equal the model config's (what a wrong init_from gets wrong).
-_HF_DIMENSIONS = {
-    "hidden_size": "hidden_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_query_groups",
-    "intermediate_size": "ffn_hidden_size",
-    "vocab_size": "vocab_size",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +126,7 @@ def bind(
     _check_lora(config, model, attention)
     _check_lengths(config, model)
     if check_paths:
-        _check_paths(config, model)
+        check_paths_of(config, model)
     components = Components(
         config, model, layout, advantage, loss_fn, stats, reward, engine, transport, attention, experts
     )
@@ -399,34 +389,3 @@ def _check_lengths(config: RunConfig, model: ModelConfig) -> None:
             f"{train.max_seq_len} is shorter than the longest sample, min(data.max_prompt_tokens + "
             f"rollout.sampling.max_tokens, rollout.max_model_len) = {longest}",
         )
-
-
-def _check_paths(config: RunConfig, model: ModelConfig) -> None:
-    for field, files in (("data.train_files", config.data.train_files), ("validation.files", config.validation.files)):
-        for i, path in enumerate(files):
-            try:
-                check_records(path, config.data)
-            except (DataError, ImportError) as error:
-                raise ConfigError(f"{field}[{i}]", str(error)) from None
-    checkpoint = config.checkpoint
-    for field, path in (
-        ("checkpoint.init_from", checkpoint.init_from),
-        ("checkpoint.continue_from", checkpoint.continue_from),
-        ("tokenizer", config.tokenizer),
-    ):
-        if path is not None and not Path(path).is_dir():
-            raise ConfigError(field, f"{path} is not a directory")
-    if checkpoint.init_from is not None and (Path(checkpoint.init_from) / "config.json").is_file():
-        _check_hf_config(Path(checkpoint.init_from) / "config.json", model)
-
-
-def _check_hf_config(path: Path, model: ModelConfig) -> None:
-    """A HF ``config.json`` (``checkpoint.init_from``) must have the model config's dimensions."""
-    hf = json.loads(path.read_text())
-    for hf_key, ours in _HF_DIMENSIONS.items():
-        if hf_key in hf and hf[hf_key] != getattr(model, ours):
-            raise ConfigError(
-                "checkpoint.init_from",
-                f"{path} has {hf_key}={hf[hf_key]} but model {model.name!r} has {ours}={getattr(model, ours)}: "
-                "a different model",
-            )

@@ -40,8 +40,8 @@ def resolve_launch(
     node, each with one of ``gpus_per_node`` GPUs; ``cpu``: gloo ranks, the CPU defaults added where
     the overrides do not set them), after checking that the resolved config fits that layout.
 
-    Raises ``ConfigError`` naming the field (or the launcher option) that does not fit, and
-    ``FileNotFoundError`` for a missing config."""
+    Raises ``ConfigError`` naming the field (or the launcher option) that does not fit, or the
+    config file that cannot be read."""
     from megatron_empg.trainer.cli import load_run_config
 
     if cpu and gpus_per_node:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checked-for", default="", help="what the error message says was checked")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before and after the options
     try:
         if args.world_size < 1:
             raise ConfigError("world size", f"must be >= 1, got {args.world_size}")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             gpus_per_node=args.gpus_per_node,
             cpu=args.cpu,
         )
-    except (ConfigError, FileNotFoundError) as error:
+    except ConfigError as error:
         where = f" (checked for {args.checked_for})" if args.checked_for else ""
         sys.stderr.write(f"{args.prog}: error: {error}{where}\n")
         return 2

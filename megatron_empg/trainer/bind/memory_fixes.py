@@ -1,14 +1,20 @@
 """When a run does not fit its GPUs: the cheapest changes that make it fit, each planned, and the
 check that ``empg check`` and ``empg train`` run before anything starts.
 
-Candidates, cheapest first (what each costs in time, roughly): the fused output loss (~2 % of a
-step), the forward passes on the update's rows, the engine asleep while training, a lower
-``gpu_memory_utilization`` (a smaller KV cache), the sdpa attention (faster, not slower), the
-distributed optimizer, the anchor's master in host memory (a copy each EMA update), selective then
-full recompute (one more forward of the attention / of every layer), a smaller token budget (more,
-shorter micro-batches), context parallelism (each row over more ranks), more tensor parallelism
-(fewer data-parallel replicas). Each is planned alone; if none fits, they are added up in that order
-(each only if it lowers the peak) until the plan fits, and those the others do without are dropped.
+The kinds of change, cheapest first (what each costs in time, roughly): the fused output loss (~2 %
+of a step), the forward passes on the update's rows, the engine asleep while training, a smaller KV
+cache (a lower ``gpu_memory_utilization``), the sdpa attention (faster, not slower), the
+distributed optimizer, the anchor's master in host memory (a copy each EMA update), recompute
+(selective: one more forward of the attention; full: of every layer), one sequence per
+micro-batch, a smaller token budget (more, shorter micro-batches), context parallelism (each row
+over more ranks), more tensor parallelism (fewer data-parallel replicas, the engines split alike).
+Some kinds have steps (the KV cache, the budget, CP and TP sizes), mildest first.
+
+Changes are combined: a kind costs more than all the cheaper kinds together, so the cheapest
+combination that fits is found from every kind at its strongest step by dropping, the dearest
+first, each kind the others do without, then easing each kept kind to its mildest step that still
+fits (``_cheapest``). The next few do without one kind of a combination found. At most
+``MAX_PLANS`` distinct plans are made (each is a bind and a plan, ~30 ms).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from megatron_empg.trainer.bind.memory_plan import MemoryPlan, PlanOptions, plan
 
 log = logging.getLogger(__name__)
 FIELD = "train.memory_check"
+MAX_PLANS = 150
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +44,9 @@ class Fix:
         return f"{self.label}: {' '.join(self.overrides)} -> {self.peak_bytes / 2**30:.1f} GiB"
 
 
+Step = tuple[str, tuple[str, ...]]  # (label, overrides) of one step of a kind of change
+
+
 def with_overrides(config: RunConfig, overrides: tuple[str, ...]) -> RunConfig:
     """``config`` with dotted overrides applied (as on the command line), validated."""
     new = from_dict(RunConfig, apply_overrides(to_dict(config), overrides, cls=RunConfig))
@@ -44,51 +54,66 @@ def with_overrides(config: RunConfig, overrides: tuple[str, ...]) -> RunConfig:
     return new
 
 
-def _candidates(components, plan: MemoryPlan) -> list[tuple[str, tuple[str, ...]]]:
+def _kinds(components) -> list[list[Step]]:
+    """Each kind of change that applies to ``components``: its steps, mildest first; cheapest kind
+    first."""
     config, model, layout = components.config, components.model, components.layout
     train, rollout, anchor = config.train, config.rollout, config.algorithm.anchor
-    out: list[tuple[str, tuple[str, ...]]] = []
+    kinds: list[list[Step]] = []
     if not train.fused_output_loss:
-        out.append(("logits one chunk at a time", ("train.fused_output_loss=true",)))
+        kinds.append([("logits one chunk at a time", ("train.fused_output_loss=true",))])
     if train.max_tokens_per_forward_microbatch is not None:
-        out.append(("forward passes on the update's rows", ("train.max_tokens_per_forward_microbatch=null",)))
+        kinds.append([("forward passes on the update's rows", ("train.max_tokens_per_forward_microbatch=null",))])
     if not rollout.sleep_while_training and not layout.engine_ranks:
-        out.append(("the engine asleep while training", ("rollout.sleep_while_training=true",)))
+        kinds.append([("the engine asleep while training", ("rollout.sleep_while_training=true",))])
     if rollout.engine == "vllm" and not layout.engine_ranks:
-        rank = plan.ranks[0]
-        others = rank.total("rollout") - rank.device["rollout"].get("engine_awake", 0)
-        utilization = int((plan.device_bytes - others) / plan.device_bytes * 20) / 20
-        if 0.1 <= utilization < rollout.gpu_memory_utilization:
-            out.append(("a smaller KV cache", (f"rollout.gpu_memory_utilization={utilization:.2f}",)))
+        lower = [u / 20 for u in range(int(rollout.gpu_memory_utilization * 20 - 1e-9), 1, -1)]  # 0.05 apart
+        kinds.append([("a smaller KV cache", (f"rollout.gpu_memory_utilization={u:.2f}",)) for u in lower])
     if model.attention_backend == "unfused":
-        out.append(("the sdpa attention", (f"model_overrides={[*config.model_overrides, 'attention_backend=sdpa']}",)))
+        kinds.append(
+            [("the sdpa attention", (f"model_overrides={[*config.model_overrides, 'attention_backend=sdpa']}",))]
+        )
     if layout.dp > 1 and not config.optimizer.use_distributed_optimizer:
-        out.append(("the distributed optimizer", ("optimizer.use_distributed_optimizer=true",)))
+        kinds.append([("the distributed optimizer", ("optimizer.use_distributed_optimizer=true",))])
     if components.stats.anchor and not anchor.master_on_cpu:
-        out.append(("the anchor's master in host memory", ("algorithm.anchor.master_on_cpu=true",)))
-    if train.recompute == "none" and model.attention_backend == "unfused":
-        out.append(("selective recompute", ("train.recompute=selective",)))
+        kinds.append([("the anchor's master in host memory", ("algorithm.anchor.master_on_cpu=true",))])
+    recompute = (
+        [("selective recompute", ("train.recompute=selective",))] if model.attention_backend == "unfused" else []
+    )
     if train.recompute != "full":
-        out.append(("full recompute", ("train.recompute=full",)))
+        kinds.append([*(recompute if train.recompute == "none" else []), ("full recompute", ("train.recompute=full",))])
     if train.max_tokens_per_microbatch is None and train.micro_batch_size > 1:
-        out.append(("one sequence per micro-batch", ("train.micro_batch_size=1",)))
+        kinds.append([("one sequence per micro-batch", ("train.micro_batch_size=1",))])
     budget = train.max_tokens_per_microbatch
     if budget is not None:
         step = 1024
-        for smaller in range((budget - 1) // step * step, train.max_seq_len - 1, -step):
-            out.append((f"micro-batches of {smaller} tokens", (f"train.max_tokens_per_microbatch={smaller}",)))
+        smaller = range((budget - 1) // step * step, train.max_seq_len - 1, -step)
+        if smaller:
+            kinds.append([(f"micro-batches of {n} tokens", (f"train.max_tokens_per_microbatch={n}",)) for n in smaller])
     cp = config.parallel.context_parallel_size
     if train.packing and model.attention_backend in ("sdpa", "te"):
+        split = []
         for more in (2 * cp, 4 * cp):  # the same rows over more ranks: the per-rank budget shrinks
-            split = [f"parallel.context_parallel_size={more}"]
+            overrides = [f"parallel.context_parallel_size={more}"]
             if budget is not None:
-                split.append(f"train.max_tokens_per_microbatch={-(-budget * cp // more)}")
-            out.append((f"context parallelism {more}", tuple(split)))
+                overrides.append(f"train.max_tokens_per_microbatch={-(-budget * cp // more)}")
+            split.append((f"context parallelism {more}", tuple(overrides)))
+        kinds.append(split)
     tp = config.parallel.tensor_model_parallel_size
-    for more in (2 * tp, 4 * tp):
-        if more <= 8:
-            out.append((f"tensor parallelism {more}", (f"parallel.tensor_model_parallel_size={more}",)))
-    return out
+    # engines on their owners' GPUs are split as the training ranks are (trainer.bind.layout)
+    engines_follow = not layout.engine_ranks and rollout.engines == "per_replica" and rollout.tensor_parallel_size == tp
+    wider = [
+        (
+            f"tensor parallelism {more}",
+            (f"parallel.tensor_model_parallel_size={more}",)
+            + ((f"rollout.tensor_parallel_size={more}",) if engines_follow else ()),
+        )
+        for more in (2 * tp, 4 * tp)
+        if more <= 8
+    ]
+    if wider:
+        kinds.append(wider)
+    return kinds
 
 
 def cheapest_fixes(
@@ -100,56 +125,73 @@ def cheapest_fixes(
     bind: Callable,
     limit: int = 5,
 ) -> list[Fix]:
-    """Up to ``limit`` single changes that make ``components``' plan fit ``device_bytes`` (one per
-    kind: the largest token budget, the least tensor parallelism), cheapest first; if none does,
-    the candidates added up in order until one fits (one combined ``Fix``), or []."""
-    base = plan_memory(components, device_bytes=device_bytes, options=options)
-    candidates = _candidates(components, base)
-    fixes: list[Fix] = []
-    kinds: set[str] = set()
-    for label, overrides in candidates:
-        kind = overrides[0].split("=", 1)[0]
-        if kind in kinds:
-            continue
-        planned = _plan(components.config, overrides, world_size, device_bytes, options, bind)
-        if planned is not None and planned.fits:
-            kinds.add(kind)
-            fixes.append(Fix(label, overrides, planned.peak.peak_bytes))
-    if fixes:
-        return fixes[:limit]
-    return _together(components.config, candidates, _overflow(base), world_size, device_bytes, options, bind)
+    """Up to ``limit`` combinations of changes that make ``components``' plan fit ``device_bytes``,
+    cheapest first (module docstring), or []."""
+    config = components.config
+    kinds = _kinds(components)
+    planned: dict[tuple[str, ...], MemoryPlan | None] = {}
+
+    def plan(steps: dict[int, int]) -> MemoryPlan | None:
+        overrides = _joined(kinds, steps)
+        if overrides not in planned:
+            if len(planned) == MAX_PLANS:
+                raise _OutOfPlans
+            planned[overrides] = _plan(config, overrides, world_size, device_bytes, options, bind)
+        return planned[overrides]
+
+    fixes: dict[tuple[int, ...], Fix] = {}
+    try:
+        for k, steps in enumerate(kinds):  # a step this run cannot take (TP 4 of 2 KV heads) is none
+            while steps and plan({k: len(steps) - 1}) is None:
+                steps.pop()
+        todo: list[frozenset[int]] = [frozenset()]
+        while todo and len(fixes) < limit:
+            found = _cheapest(kinds, plan, forbidden=todo.pop(0))
+            if found is None or tuple(sorted(found[0])) in fixes:
+                continue
+            steps, fitting = found
+            label = " + ".join(kinds[k][steps[k]][0] for k in sorted(steps))
+            fixes[tuple(sorted(steps))] = Fix(label, _joined(kinds, steps), fitting.peak.peak_bytes)
+            # the next cheapest do without one of its kinds, the dearest first
+            todo += [frozenset({k}) for k in sorted(steps, reverse=True)]
+    except _OutOfPlans:
+        log.info("memory fixes: stopped after %d plans", MAX_PLANS)
+    return [fixes[combo] for combo in sorted(fixes, key=lambda combo: sum(2**k for k in combo))][:limit]
 
 
-def _overflow(plan: MemoryPlan) -> int:
-    """Bytes over the device, summed over every rank kind and phase."""
-    return sum(max(0, r.total(p) - plan.device_bytes) for r in plan.ranks for p in r.phases)
+def _cheapest(kinds: list[list[Step]], plan: Callable, *, forbidden: frozenset[int]):
+    """The cheapest combination of kinds (not ``forbidden``) that fits, each kind at its mildest step
+    that does: (steps, plan), or None. Every kind at its strongest step first (each that keeps the
+    plan possible); then, the dearest first, each kind the others do without is dropped; then each
+    kind is eased. Assumes a change never adds memory, so a plan that does not fit stays so when
+    a change is dropped or eased."""
+    steps: dict[int, int] = {}
+    for k in range(len(kinds)):
+        if k not in forbidden and plan({**steps, k: len(kinds[k]) - 1}) is not None:
+            steps[k] = len(kinds[k]) - 1
+    fitting = plan(steps) if steps else None
+    if fitting is None or not fitting.fits:
+        return None
+    for k in sorted(steps, reverse=True):
+        rest = {c: s for c, s in steps.items() if c != k}
+        trial = plan(rest) if rest else None
+        if trial is not None and trial.fits:
+            steps, fitting = rest, trial
+    for k in sorted(steps):
+        for milder in range(steps[k]):
+            trial = plan({**steps, k: milder})
+            if trial is not None and trial.fits:
+                steps, fitting = {**steps, k: milder}, trial
+                break
+    return steps, fitting
 
 
-def _together(config, candidates, overflow: int, world_size, device_bytes, options, bind) -> list[Fix]:
-    """Candidates added in order, each one that lowers the overflow, until the plan fits; then,
-    the dearest first, each one the others do without is dropped. One ``Fix``, or []."""
-    chosen: list[tuple[str, tuple[str, ...]]] = []
-    for label, overrides in candidates:
-        kind = overrides[0].split("=", 1)[0]
-        if any(o[0].split("=", 1)[0] == kind for _, o in chosen):
-            continue
-        trial = _plan(config, _joined([*chosen, (label, overrides)]), world_size, device_bytes, options, bind)
-        if trial is None or _overflow(trial) >= overflow:
-            continue
-        chosen.append((label, overrides))
-        overflow, fitting = _overflow(trial), trial
-        if trial.fits:
-            for candidate in reversed(list(chosen)):
-                rest = [c for c in chosen if c is not candidate]
-                smaller = _plan(config, _joined(rest), world_size, device_bytes, options, bind) if rest else None
-                if smaller is not None and smaller.fits:
-                    chosen, fitting = rest, smaller
-            return [Fix(" + ".join(label for label, _ in chosen), _joined(chosen), fitting.peak.peak_bytes)]
-    return []
+class _OutOfPlans(Exception):
+    """``MAX_PLANS`` plans were made."""
 
 
-def _joined(chosen) -> tuple[str, ...]:
-    return tuple(o for _, overrides in chosen for o in overrides)
+def _joined(kinds: list[list[Step]], steps: dict[int, int]) -> tuple[str, ...]:
+    return tuple(o for k in sorted(steps) for o in kinds[k][steps[k]][1])
 
 
 def _plan(config: RunConfig, overrides, world_size, device_bytes, options, bind) -> MemoryPlan | None:

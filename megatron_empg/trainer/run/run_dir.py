@@ -4,8 +4,14 @@ process group, an engine or a model starts:
 
     held = hold_run_directories(config)                    # RunDirectoryError if another run holds one
     check_start(config, resume=..., overwrite=..., previous=held.previous)
+    held.claim()                                           # only now: the lock files say who holds them
     ...                                                    # the run
     held.release()                                         # (or the process ends: the OS releases it)
+
+A refused start changes nothing on disk: taking the locks writes nothing into an existing lock file
+(``claim`` does, after every check), and ``release(undo=True)`` removes the directories and lock
+files that taking them created. ``check_run_directories`` (also ``empg check``'s) says in one line
+why a directory cannot be used, before anything is created.
 
 The lock is an OS lock (``fcntl.flock``) on ``<dir>/.empg.lock``: released when the process dies,
 however it dies, so a killed run never blocks the next one. The file also says who holds it
@@ -37,7 +43,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_empg.config import RunConfig
+from megatron_empg.config import ConfigError, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +63,22 @@ class HeldDirectories:
     files: list = field(default_factory=list)
     previous: dict | None = None
     created: list[Path] = field(default_factory=list)  # directories that did not exist before, outermost first
+    created_files: list[Path] = field(default_factory=list)  # lock files that did not exist before
+    holder: dict = field(default_factory=dict)  # what ``claim`` writes into the lock files
+
+    def claim(self) -> None:
+        """Write this run (``holder``) into the lock files: after every check of the start passed."""
+        for f in self.files:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(self.holder) + "\n")
+            f.flush()
 
     def release(self, *, undo: bool = False) -> None:
         """Release the locks; ``undo``: also remove what taking them created (a run refused before it
-        started leaves no directory behind)."""
+        started leaves no directory or lock file behind)."""
         for f in self.files:
-            if undo and any(d in Path(f.name).parents for d in self.created):  # a lock file of ours alone
+            if undo and Path(f.name) in self.created_files:
                 Path(f.name).unlink(missing_ok=True)
             f.close()  # closing the descriptor releases the flock
         self.files.clear()
@@ -96,9 +112,28 @@ def _read_holder(path: Path) -> dict | None:
     return holder if isinstance(holder, dict) else None
 
 
+def check_run_directories(config: RunConfig) -> None:
+    """A ``ConfigError`` naming ``logging.dir`` or ``checkpoint.dir`` if it is not a directory, or
+    cannot be created (a file on its path, no permission to write where it would be). Reads only."""
+    for directory, name in _directories(config).items():
+        if directory.exists():
+            if not directory.is_dir():
+                raise ConfigError(name, f"{directory} is a file, not a directory")
+            existing = directory
+        else:
+            existing = next(p for p in directory.parents if p.exists())
+            if not existing.is_dir():
+                raise ConfigError(name, f"{directory} cannot be created: {existing} is a file, not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            what = "is not writable" if existing == directory else f"cannot be created: {existing} is not writable"
+            raise ConfigError(name, f"{directory} {what}")
+
+
 def hold_run_directories(config: RunConfig) -> HeldDirectories:
     """Lock ``logging.dir`` and ``checkpoint.dir`` (created if missing) for this process, or raise
-    ``RunDirectoryError`` naming the directory and the run that holds it. Never waits."""
+    ``RunDirectoryError`` naming the directory and the run that holds it (``ConfigError`` for one
+    that cannot be used). Never waits; writes nothing into an existing lock file (``claim`` does)."""
+    check_run_directories(config)
     me = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -107,7 +142,7 @@ def hold_run_directories(config: RunConfig) -> HeldDirectories:
         "logging_dir": str(Path(config.logging.dir).resolve()),
         "command": " ".join(sys.argv),
     }
-    held = HeldDirectories()
+    held = HeldDirectories(holder=me)
     logging_dir = Path(config.logging.dir).resolve()
     try:
         for directory, name in _directories(config).items():
@@ -118,6 +153,8 @@ def hold_run_directories(config: RunConfig) -> HeldDirectories:
                 held.created.append(missing)
             directory.mkdir(parents=True, exist_ok=True)
             path = directory / LOCK_FILE
+            if not path.exists():
+                held.created_files.append(path)
             f = open(path, "a+")  # noqa: SIM115 (kept open: the lock lives as long as the descriptor)
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -132,10 +169,9 @@ def hold_run_directories(config: RunConfig) -> HeldDirectories:
             held.files.append(f)
             if directory == logging_dir:
                 held.previous = _read_holder(path)
-            f.seek(0)
-            f.truncate()
-            f.write(json.dumps(me) + "\n")
-            f.flush()
+    except OSError as error:  # created meanwhile, or a filesystem that refuses: said in one line
+        held.release(undo=True)
+        raise RunDirectoryError(f"cannot take the run's directories: {error}") from None
     except BaseException:
         held.release(undo=True)
         raise
@@ -144,7 +180,8 @@ def hold_run_directories(config: RunConfig) -> HeldDirectories:
 
 def check_start(config: RunConfig, *, resume: bool, overwrite: bool, previous: dict | None) -> None:
     """Apply the start rules of the module docstring (reads files; ``overwrite`` deletes the earlier
-    run's checkpoints and metrics). Raises ``RunDirectoryError`` naming the directory."""
+    run's checkpoints and metrics). Raises ``RunDirectoryError`` naming the directory, or
+    ``ConfigError`` for a checkpoint to resume of another model's shapes."""
     from megatron_empg.mcore.checkpoint import find_latest_checkpoint
     from megatron_empg.trainer.run.metrics_log import read_metrics
 
@@ -153,7 +190,10 @@ def check_start(config: RunConfig, *, resume: bool, overwrite: bool, previous: d
     steps = [r.get("step") for r in read_metrics(metrics_path)] if metrics_path.is_file() else []
     earlier = f"{len(steps)} records, steps {min(steps)}-{max(steps)}" if steps else ""
     if resume:
-        if found is not None:
+        if found is not None:  # of this run's model: other shapes would fail deep inside Megatron's load
+            from megatron_empg.trainer.bind.paths import check_checkpoint_model
+
+            check_checkpoint_model("checkpoint.dir", found.path, config.model_config())
             return
         same_run = previous is not None and previous.get("checkpoint_dir") == str(checkpoint_dir.resolve())
         if steps and not same_run:
