@@ -27,6 +27,7 @@ BASE = {
     "tokenizer": "/tmp/tokenizer",
     "rollout": {"search_agent": {"retriever_url": "http://127.0.0.1:8000"}},
     "algorithm": {"dynamic_sampling": {}},
+    "model_overrides": ["lora.rank=4"],  # the model's optional section
 }
 MAPPING, LIST, TEXT = "{a: 1}", "[1]", "text"
 NOT_NUMBERS = (".nan", ".inf", "-.inf", "true", TEXT, "''", MAPPING, LIST)
@@ -94,7 +95,8 @@ def _out_of_range(tp: Any):
 def _load(path: str, text: str) -> RunConfig:
     """The config with ``path=text`` (a model field through ``model_overrides``), resolved."""
     if path.startswith("model."):
-        config = load_config(RunConfig, {**BASE, "model_overrides": [f"{path.removeprefix('model.')}={text}"]})
+        overrides = [*BASE["model_overrides"], f"{path.removeprefix('model.')}={text}"]
+        config = load_config(RunConfig, {**BASE, "model_overrides": overrides})
     else:
         config = load_config(RunConfig, BASE, [f"{path}={text}"])
     config.model_config()
@@ -115,7 +117,14 @@ def _own_value(path: str) -> str:
 
 def test_the_walk_reaches_every_config_class():
     classes = {unwrap_optional(tp).__name__ for _, tp in FIELDS if dataclasses.is_dataclass(unwrap_optional(tp))}
-    assert classes >= {"SearchAgentConfig", "DynamicSamplingConfig", "PhaseTimeouts", "LossConfig", "ParallelConfig"}
+    assert classes >= {
+        "SearchAgentConfig",
+        "DynamicSamplingConfig",
+        "PhaseTimeouts",
+        "LossConfig",
+        "ParallelConfig",
+        "LoraConfig",
+    }
     assert len(FIELDS) > 150
 
 
