@@ -34,7 +34,11 @@
 #      not repeated by default
 #   then a summary table (last in the output).
 #
-# Parts. SMOKE_PARTS (comma-separated, default tests,kernels,moe,dense: all, in that order) picks the
+#   d. [lora] benchmarks/train_step.py: the 8k sdpa case with LoRA adapters (rank 64, every linear;
+#      train_step_lora_gpu.json): step time, tokens/s, peak against the plan, beside the dense part's
+#      full fine-tuning (MFU counts the frozen base's backward once: 4 passes, not 5)
+#
+# Parts. SMOKE_PARTS (comma-separated, default tests,kernels,moe,dense,lora: all, in that order) picks the
 # steps by their [part]; each part runs alone, e.g. the MoE measurement by itself (~3-4 min):
 #     SMOKE_PARTS=moe bash benchmarks/gpu_smoke.sh
 # and the rest in another call:  SMOKE_PARTS=tests,kernels,dense bash benchmarks/gpu_smoke.sh
@@ -132,6 +136,10 @@ TRAIN_CASES=(--case attention=unfused,tokens=2048 --case attention=sdpa,tokens=2
 MOE_ARGS=(--model qwen3-30b-a3b --num-layers "${SMOKE_MOE_LAYERS:-4}" --moe-experts "${SMOKE_MOE_EXPERTS:-grouped,sequential}"
     --dtype bf16 --tokens-per-step 32768 --warmup 1 --repeats 3 --sequential-repeats 1 ${PEAK:+--peak-tflops "$PEAK"})
 MOE_CASES=(--case attention=sdpa,tokens=8192)
+# LoRA (docs/lora.md): the dense part's sdpa 8k case with adapters of rank 64 on every linear
+LORA_ARGS=(--model "$MODEL" --dtype bf16 --tokens-per-step 32768 --warmup 1 --repeats 2 ${PEAK:+--peak-tflops "$PEAK"}
+    --model-override lora.rank=64 --model-override lora.alpha=128 --model-override "lora.targets=[all-linear]")
+LORA_CASES=(--case attention=sdpa,tokens=8192)
 if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
     # the kernels under Triton's interpreter (vocab_kernel.py also sets it for --device cpu)
     VK_ARGS=(--device cpu --tokens 16 --vocab 512 --ids 33 --warmup 1 --repeats 1 --copy-gb 0.01 --sweep 256:4)
@@ -148,6 +156,9 @@ if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
     MOE_ARGS=(--model tiny-qwen3-moe --num-layers 4 --moe-experts grouped,sequential --dtype fp32
         --tokens-per-step 256 --warmup 1 --repeats 1 --sequential-repeats 1)
     MOE_CASES=(--case attention=sdpa,tokens=128)
+    LORA_ARGS=(--model tiny-qwen2 --dtype fp32 --tokens-per-step 512 --warmup 1 --repeats 1
+        --model-override lora.rank=4 --model-override "lora.targets=[all-linear]")
+    LORA_CASES=(--case attention=sdpa,tokens=128)
 fi
 
 # ---------------------------------------------------------------- steps
@@ -175,11 +186,11 @@ step() {  # step NAME CAP_S CMD...: run with a time cap (within the budget), out
     STEPS+=("$name|$status|$((SECONDS - t0))")
 }
 
-SMOKE_PARTS=${SMOKE_PARTS:-tests,kernels,moe,dense}
+SMOKE_PARTS=${SMOKE_PARTS:-tests,kernels,moe,dense,lora}
 PARTS=",$SMOKE_PARTS,"
 part() { [[ "$PARTS" == *",$1,"* ]]; }
 for p in ${SMOKE_PARTS//,/ }; do
-    [[ "$p" =~ ^(tests|kernels|moe|dense)$ ]] || { log "SMOKE_PARTS: unknown part '$p' (tests, kernels, moe, dense)"; exit 2; }
+    [[ "$p" =~ ^(tests|kernels|moe|dense|lora)$ ]] || { log "SMOKE_PARTS: unknown part '$p' (tests, kernels, moe, dense, lora)"; exit 2; }
 done
 log "== parts: ${PARTS:1:${#PARTS}-2}"
 pytest_counts() {  # pytest's own count (a skip on the GPU machine is no pass): appended to the last step's status
@@ -216,7 +227,12 @@ if part dense; then
         env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
         "$PY" benchmarks/train_step.py "${TRAIN_ARGS[@]}" "${TRAIN_CASES[@]}" --out "$OUT_DIR/train_step_gpu.json"
 fi
-if part dense || part moe; then
+if part lora; then
+    step "train_step: LoRA r64 all-linear, sdpa 8k (against the dense part's full fine-tuning)" 150 \
+        env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
+        "$PY" benchmarks/train_step.py "${LORA_ARGS[@]}" "${LORA_CASES[@]}" --out "$OUT_DIR/train_step_lora_gpu.json"
+fi
+if part dense || part moe || part lora; then
     # the memory plan against the peaks just measured (dense and MoE): printed only
     step "plan_vs_gpu (the memory plan against this run's peaks)" 40 \
         "$PY" benchmarks/plan_vs_gpu.py --results "$OUT_DIR" --out ""

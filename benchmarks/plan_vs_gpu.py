@@ -53,7 +53,7 @@ def _common(
         "rollout.sampling.n=8",
         f"train.prompts_per_step={max(1, sequences // 8)}",
         "train.max_tokens_per_forward_microbatch=null",
-        f"model_overrides=[{','.join([f'attention_backend={attention}', *model_overrides])}]",
+        f"model_overrides={json.dumps([f'attention_backend={attention}', *model_overrides])}",  # quoted items
     ]
     if seq_len < 256:  # toy sizes (a CPU flow check): the weight-sync probe must fit the engine's rows
         overrides.append(f"weight_sync.probe_length={seq_len // 2}")
@@ -154,9 +154,10 @@ def compare(config: dict) -> dict:
 
 
 def result_files(results: Path = RESULTS) -> list[Path]:
-    """The step measurements in ``results``: dense (``train_step_gpu*.json``) and mixtures of
-    experts (``train_step_moe_gpu*.json``)."""
-    return sorted({*results.glob("train_step_gpu*.json"), *results.glob("train_step_moe_gpu*.json")})
+    """The step measurements in ``results``: dense (``train_step_gpu*.json``), mixtures of experts
+    (``train_step_moe_gpu*.json``) and LoRA policies (``train_step_lora_gpu*.json``)."""
+    patterns = ("train_step_gpu*.json", "train_step_moe_gpu*.json", "train_step_lora_gpu*.json")
+    return sorted({path for pattern in patterns for path in results.glob(pattern)})
 
 
 def comparisons(results: Path = RESULTS) -> list[dict]:
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
             + "\n"
         )
     if not rows:
-        print(f"no train_step_gpu*.json or train_step_moe_gpu*.json with measured peaks in {args.results}")
+        print(f"no train_step_{{,moe_,lora_}}gpu*.json with measured peaks in {args.results}")
     else:
         print(
             f"worst {100 * worst:.1f} % over {len(rows)} configurations (tolerance {100 * TOLERANCE:.0f} %)"

@@ -180,15 +180,19 @@ def step_flops(model_cfg, lengths: list[int]) -> dict:
     d_attn = model_cfg.num_attention_heads * model_cfg.kv_channels
     attention_full = sum(4 * length * length * d_attn for length in lengths) * model_cfg.num_layers
     linear = 2 * matmul_params * tokens
-    passes = 2 + 3  # old + anchor forward, update forward + backward (2x)
+    # old + anchor forward, update forward + backward (2x); a LoRA policy's frozen base takes no weight
+    # gradients (backward 1x; the adapters' own FLOPs, 2 r (in + out) per token and projection, left out)
+    lora = model_cfg.lora is not None
+    passes = 2 + (2 if lora else 3)
     causal = passes * (linear + attention_full / 2)
     output_params = model_cfg.vocab_size * model_cfg.hidden_size  # the output layer (tied or not)
     out = {
         "matmul_params": matmul_params,
         "step_flops_causal": causal,
         "step_flops_megatron": passes * (linear + attention_full),
-        "formula": "5 x (2 N tokens + sum_seq 4 L^2 heads head_dim layers [x 1/2 causal]); N = layer and "
-        "output-layer matmul parameters; 5 = old + anchor forward + update (forward + 2x backward)",
+        "formula": f"{passes} x (2 N tokens + sum_seq 4 L^2 heads head_dim layers [x 1/2 causal]); N = layer "
+        "and output-layer matmul parameters; 5 = old + anchor forward + update (forward + 2x backward)"
+        + ("; LoRA: 4, the frozen base's backward computes input gradients only" if lora else ""),
         "output_layer_params": output_params,
         "output_layer_share_of_matmul_flops": output_params / matmul_params,
         "output_layer_share_of_step_flops": passes * 2 * output_params * tokens / causal,
@@ -272,17 +276,22 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
     ddp = wrap_with_ddp(policy, settings)
     optimizer = build_optimizer(ddp, settings)
     scheduler = build_scheduler(optimizer, settings)
-    anchor = EmaAnchor.from_configs(
-        model_cfg,
-        parallel,
-        ddp,
-        optimizer,
-        tau=0.95,
-        period=1,
-        compute_dtype=dtype,
-        attention_backend=attention.name,
-        fusions=fusions,
-    )
+    if model_cfg.lora is not None:  # the base with averaged adapters
+        from megatron_empg.mcore.lora.anchor import AdapterAnchor
+
+        anchor = AdapterAnchor(ddp, optimizer, tau=0.95, period=1)
+    else:
+        anchor = EmaAnchor.from_configs(
+            model_cfg,
+            parallel,
+            ddp,
+            optimizer,
+            tau=0.95,
+            period=1,
+            compute_dtype=dtype,
+            attention_backend=attention.name,
+            fusions=fusions,
+        )
     built_bytes = torch.cuda.memory_allocated() if CUDA else None
     moe_timer = MoeBlockTimer([*ddp, *anchor.models]) if model_cfg.is_moe else None
     warmup = args.warmup if case.warmup < 0 else case.warmup
@@ -320,11 +329,12 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
                 mb.topk_ids = out.topk_ids
         rows = forward_rows(mbs, ForwardPlan(max_tokens=case.forward_tokens or None))  # with the old pass's ids
         progress["stage"] = "anchor_pass"
-        ref, t_anchor = _timed(
-            lambda: rows.split_stats(forward_stats(anchor.models, rows.batches, anchor_request, groups)),
-            peaks,
-            "anchor_pass",
-        )
+        with anchor.forward_models() as anchor_models:
+            ref, t_anchor = _timed(
+                lambda: rows.split_stats(forward_stats(anchor_models, rows.batches, anchor_request, groups)),
+                peaks,
+                "anchor_pass",
+            )
         if moe_timer:
             moe_by_pass["anchor_pass"] = moe_timer.collect()["forward"]
         for mb, out in zip(mbs, ref, strict=True):
@@ -371,6 +381,9 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         "model": args.model,
         "model_override": case_overrides(args, case),
         "num_layers": model_cfg.num_layers,
+        "lora": None
+        if model_cfg.lora is None
+        else {"rank": model_cfg.lora.rank, "targets": list(model_cfg.lora.targets)},
         "stage_seconds_median": medians,
         "step_seconds": step_s,
         "tokens_per_s": sum(lengths) / step_s,
@@ -389,7 +402,8 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         record["peak_gib_by_stage"] = {k: v / GIB for k, v in peaks.items()}
         record["allocated_after_build_gib"] = built_bytes / GIB
     record.update(_planned(record, args))
-    return record, {"models": ddp, "optimizer": optimizer, "scheduler": scheduler, "anchor": anchor, "groups": groups}
+    state = {"models": ddp, "optimizer": optimizer, "scheduler": scheduler, "anchor": anchor, "groups": groups}
+    return record, {**state, "lora": model_cfg.lora is not None}
 
 
 def case_overrides(args, case: Case) -> list[str]:
@@ -433,7 +447,13 @@ def time_checkpoint(state: dict, directory: Path) -> dict:
     writer process is started first, as the trainer does at start-up."""
     from checkpoint_save import plain_write
 
-    from megatron_empg.mcore.checkpoint import CheckpointParts, SaveOptions, TrainState, save_checkpoint
+    from megatron_empg.mcore.checkpoint import (
+        CheckpointParts,
+        ModelMetadata,
+        SaveOptions,
+        TrainState,
+        save_checkpoint,
+    )
     from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer
 
     start_checkpoint_writer()
@@ -445,7 +465,11 @@ def time_checkpoint(state: dict, directory: Path) -> dict:
         parts = CheckpointParts(
             state["models"], optimizer=state["optimizer"], scheduler=state["scheduler"], anchor=state["anchor"]
         )
-        saved = save_checkpoint(root, TrainState(1), parts, state["groups"], options=SaveOptions(keep_last=1))
+        lora_base = {"path": "(a random base)", "fingerprint": "-"} if state["lora"] else None  # adapters only
+        meta = ModelMetadata(base=lora_base)
+        saved = save_checkpoint(
+            root, TrainState(1), parts, state["groups"], options=SaveOptions(keep_last=1), model=meta
+        )
         _sync()
         save_s = time.perf_counter() - start
         num_bytes = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file())

@@ -253,3 +253,22 @@ def test_one_step_off_recipe_puts_half_the_gpus_on_engines(tmp_path):
     assert (config.algorithm.behavior_is, config.algorithm.behavior_is_cap) == ("tis", 2.0)
     base = load_config(RunConfig, RECIPES / f"{R1}.yaml")
     assert (config.algorithm.loss, config.optimizer, config.train) == (base.algorithm.loss, base.optimizer, base.train)
+
+
+def test_the_lora_recipe_fits_where_full_fine_tuning_does_not(tmp_path):
+    """Qwen3-8B on 8 H100s: with LoRA the frozen base needs no gradients, optimizer state or second
+    anchor model; full fine-tuning of the same recipe does not fit, the distributed optimizer
+    notwithstanding."""
+    from megatron_empg.trainer.bind.build import bind
+    from megatron_empg.trainer.bind.memory_plan import plan_memory
+
+    path = RECIPES / "qwen3_8b_dapo_math_ema_pg_lora.yaml"
+    components = bind(_with_local_paths(path, tmp_path), 8, check_paths=False)
+    lora = plan_memory(components)
+    assert components.model.lora.rank == 64 and lora.fits, lora.describe()
+    full_overrides = ["model_overrides=[attention_backend=sdpa]", "optimizer.use_distributed_optimizer=true"]
+    full = plan_memory(bind(load_config(RunConfig, read_yaml(path), full_overrides), 8, check_paths=False))
+    assert not full.fits
+    ours, theirs = lora.ranks[0].resident, full.ranks[0].resident
+    for term in ("gradients", "adam", "anchor_weights"):  # where the frozen base saves
+        assert theirs[term] > 5 * ours[term], term
