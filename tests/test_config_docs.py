@@ -163,6 +163,7 @@ def test_the_marked_fields_are_the_registry_names():
         "algorithm.behavior_is",
         "rollout.engine",
         "weight_sync.transport",
+        "weight_sync.lora_mode",
         "data.reward",
         "model.attention_backend",
         "model.moe_experts",

@@ -45,7 +45,7 @@ def base_directory(args: argparse.Namespace, info: dict) -> Path:
 
 def adapters(reader: ModelCheckpointReader) -> dict[str, torch.Tensor]:
     """PEFT key -> the full adapter tensor, from an adapter checkpoint."""
-    from megatron_empg.mcore.lora.peft import peft_name
+    from megatron_empg.config.peft import peft_name
 
     return {peft_name(name): reader.read(name) for name in reader.names}
 
@@ -54,8 +54,8 @@ def write_peft(args: argparse.Namespace, reader: ModelCheckpointReader, model: M
     """OUT as a PEFT adapter (module docstring); a one-line summary."""
     from safetensors.torch import save_file
 
+    from megatron_empg.config.peft import CONFIG_FILE, WEIGHTS_FILE, adapter_config
     from megatron_empg.mcore.convert import atomic_output_dir
-    from megatron_empg.mcore.lora.peft import CONFIG_FILE, WEIGHTS_FILE, adapter_config
 
     dtype = resolve_dtype(args.dtype, reader.dtypes.values(), f"checkpoint {reader.path}")
     tensors = {key: t.to(dtype).contiguous() for key, t in adapters(reader).items()}

@@ -276,6 +276,10 @@ class WeightSyncConfig(Config):
     too."""
     probe_seed: int = 0
     """Seed of the probe's random tokens and of the continuation's sampling."""
+    lora_mode: str = named_in("megatron_empg.mcore.lora.sync:LORA_SYNC_MODES", "merged")
+    """What a LoRA policy (``model.lora``) pushes: ``merged`` every weight with ``W + (alpha / r) B A``
+    (any engine; the whole model's bytes), ``adapter`` the adapters only, which the engine serves on
+    the base it started from as a LoRA adapter (``rollout.engine`` vllm; the adapters' bytes)."""
 
     def validate(self) -> None:
         if not self.bucket_size_mb > 0:

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_empg.config import RolloutConfig, SamplingConfig
+from megatron_empg.config.lora import LoraConfig
 from megatron_empg.rollout.engine import (
     FINISH_REASONS,
     ROUTED_EXPERT_DTYPE,
@@ -76,6 +77,7 @@ from megatron_empg.rollout.engine import (
 )
 from megatron_empg.rollout.vllm_env import apply_environment, engine_environment
 from megatron_empg.rollout.vllm_health import watched
+from megatron_empg.rollout.vllm_lora import VLLM_LORA_MODULES, AdapterSlot, max_lora_rank
 from megatron_empg.rollout.vllm_plugin import DIES_WITH_PARENT_ENV
 from megatron_empg.rollout.vllm_weight_transfer import BACKEND_NAME, WORKER_EXTENSION
 
@@ -156,12 +158,17 @@ class VllmEngine:
     update). ``rollout``: dtype, context length, parallelism, memory and process settings.
     ``skip_tokenizer_init``: start without a tokenizer (token ids in and out; stop strings then
     cannot be used). ``routed_experts``: return each completion's routing (``Completion.routed_experts``;
-    a mixture of experts, vLLM's GPU model runner).
+    a mixture of experts, vLLM's GPU model runner). ``lora``: serve a LoRA policy's adapters, which
+    weight updates of PEFT-named tensors bring (``rollout.vllm_lora``; ``weight_sync.lora_mode``
+    adapter: the engine starts from the base's weights).
 
     Attributes: ``vocab_size`` (the model's; valid ids are ``[0, vocab_size)``), ``max_model_len``
     (prompts and scored sequences may have at most ``max_model_len - 1`` tokens: vLLM keeps room for
     one output token), ``weight_version``.
     """
+
+    _adapters: AdapterSlot | None = None  # the LoRA adapter served (lora=)
+    _weights_open = False  # a full weight update (vLLM's layerwise reload) has started
 
     def __init__(
         self,
@@ -171,6 +178,7 @@ class VllmEngine:
         load_format: str = "auto",
         skip_tokenizer_init: bool = False,
         routed_experts: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
         if not isinstance(rollout, RolloutConfig):
             raise TypeError(f"rollout: expected a RolloutConfig, got {type(rollout).__name__}")
@@ -209,6 +217,14 @@ class VllmEngine:
         if routed_experts:
             engine_args["enable_return_routed_experts"] = True
         self._routed_experts = routed_experts
+        if lora is not None:
+            self._adapters = AdapterSlot(lora, Path(model_dir) / "lora_adapters")
+            engine_args.update(
+                enable_lora=True,
+                max_lora_rank=max_lora_rank(lora.rank),
+                max_loras=1,
+                lora_target_modules=VLLM_LORA_MODULES,
+            )
         if on_gpu:
             engine_args.update(
                 gpu_memory_utilization=rollout.gpu_memory_utilization, enable_sleep_mode=self._sleep_mode
@@ -264,7 +280,7 @@ class VllmEngine:
         version = self.weight_version  # before the call's updates, if any
         with self._watched("generate"):
             if between_steps is None:
-                outputs = llm.generate(requests, params, use_tqdm=False)
+                outputs = llm.generate(requests, params, use_tqdm=False, **self._adapter())
             else:
                 outputs = self._step_until_done(requests, params, between_steps)
         return [
@@ -286,7 +302,7 @@ class VllmEngine:
         """``LLM.generate``'s loop, with ``between_steps`` before every step but the first:
         ``[P]`` final ``RequestOutput`` s in request order."""
         llm, engine = self._llm, self._llm.llm_engine
-        ids = llm.enqueue(requests, params, use_tqdm=False)  # vLLM's internal request ids
+        ids = llm.enqueue(requests, params, use_tqdm=False, **self._adapter())  # vLLM's request ids
         self._stepping = True
         finished: list = []
         try:
@@ -347,24 +363,39 @@ class VllmEngine:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         with self._watched("score"):
             outputs = llm.generate(
-                [{"prompt_token_ids": sequence} for sequence in token_sequences], params, use_tqdm=False
+                [{"prompt_token_ids": sequence} for sequence in token_sequences],
+                params,
+                use_tqdm=False,
+                **self._adapter(),
             )
         return [
             [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], sequence[1:])]
             for out, sequence in zip(outputs, token_sequences)
         ]
 
+    def _adapter(self) -> dict:
+        """``generate``'s keyword for the LoRA adapter served (a ``LoRARequest``), or none."""
+        request = None if self._adapters is None else self._adapters.request
+        return {} if request is None else {"lora_request": request}
+
     # ----------------------------------------------------------------------------------------
     # Weight updates.
 
     def begin_weight_update(self) -> None:
-        """Start a weight update (vLLM's layerwise reload); ``generate`` / ``score`` wait for its end."""
+        """Start a weight update (vLLM's layerwise reload); ``generate`` / ``score`` wait for its end.
+        An engine serving LoRA adapters starts the reload at the first bucket of weights (an update
+        of adapters loads none)."""
         self._state.check_update("begin_weight_update", opening=True)
         with self._watched("begin_weight_update"):
             if self._stepping:  # requests in flight: no step until the update is finished
                 self._state.update_phase("begin_weight_update", lambda: self._llm.sleep(level=0, mode="keep"))
-            self._state.update_phase("begin_weight_update", self._llm.start_weight_update)
+            if self._adapters is None:
+                self._open_weights()
         self._state.update_open = True
+
+    def _open_weights(self) -> None:
+        self._state.update_phase("begin_weight_update", self._llm.start_weight_update)
+        self._weights_open = True
 
     def update_weights(
         self,
@@ -394,6 +425,12 @@ class VllmEngine:
                 "cannot map an IPC buffer in the process that exported it; an in-process engine takes named_tensors"
             )
         pairs = check_update_arguments(named_tensors, path, ipc)
+        if self._adapters is not None:  # an engine serving adapters opens the reload at the first weights
+            if self._adapter_bucket(pairs, path):
+                return
+            if not self._weights_open:
+                with self._watched("begin_weight_update"):
+                    self._open_weights()
         update_info: dict[str, Any]
         if pairs is not None:
             update_info = {"named_tensors": pairs}
@@ -405,6 +442,24 @@ class VllmEngine:
         with self._watched("update_weights"):
             self._state.update_phase("update_weights", lambda: llm.update_weights({"update_info": update_info}))
 
+    def _adapter_bucket(self, pairs, path) -> bool:
+        """Keep a bucket of adapter tensors (``rollout.vllm_lora``); False for a bucket of weights."""
+        if path is not None:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())
+                if not self._adapters.takes(names):
+                    return False
+                self._adapters.add((name, f.get_tensor(name)) for name in names)
+            return True
+        if pairs is None or not self._adapters.takes([name for name, _ in pairs]):
+            return False  # an ipc bucket: weights (adapters go by named tensors or files)
+        if self._stepping:
+            raise ValueError("a LoRA adapter update inside a draw: running requests keep their adapter")
+        self._adapters.add(pairs)
+        return True
+
     def finish_weight_update(self, version: str) -> None:
         """Finalize the update, reset the prefix cache and set ``weight_version = version``."""
         self._state.check("finish_weight_update", needs=("weights",))
@@ -415,8 +470,15 @@ class VllmEngine:
 
         stepping = self._stepping
 
+        adapters, weights_open = self._adapters, self._weights_open
+
         def finish_and_reset_prefix_cache() -> None:
-            llm.finish_weight_update(weight_version=version)
+            if weights_open or adapters is None:
+                llm.finish_weight_update(weight_version=version)
+                if adapters is not None:
+                    adapters.clear(llm)  # new weights: the engine serves what it was last sent
+            if adapters is not None and adapters.pending:
+                adapters.finish(llm, version)
             # refused while requests run, unless they are preempted (their KV recomputed: stepping)
             if not llm.reset_prefix_cache(reset_running_requests=stepping):
                 raise RuntimeError("vLLM could not reset its prefix cache")
@@ -426,6 +488,7 @@ class VllmEngine:
         with self._watched("finish_weight_update"):
             self._state.update_phase("finish_weight_update", finish_and_reset_prefix_cache)
         self._state.update_open = False
+        self._weights_open = False
         self.weight_version = version
 
     # ----------------------------------------------------------------------------------------

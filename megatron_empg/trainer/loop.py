@@ -104,6 +104,9 @@ class Trainer:
         policy = build_policy(components, groups)
         self.models, self.optimizer, self.scheduler = policy.models, policy.optimizer, policy.scheduler
         self.anchor = build_anchor(components, policy)
+        from megatron_empg.mcore.lora.sync import LORA_SYNC_MODES
+
+        self.synced_weights = LORA_SYNC_MODES[config.weight_sync.lora_mode]()  # what sync_weights pushes
         self.lora_base = None  # a LoRA policy's base as its checkpoints record it (mcore.lora.base)
         if self.model.lora is not None:
             from megatron_empg.mcore.lora.base import base_path, base_record
@@ -353,7 +356,6 @@ class Trainer:
     def sync_weights(self) -> dict[str, float]:
         """Push the policy into the engine, then the consistency gate (raises on a mismatch)."""
         from megatron_empg.mcore.step import score_sequences
-        from megatron_empg.mcore.weights import named_weight_shards
         from megatron_empg.weight_sync import bridge
 
         groups = bridge.SyncGroups(
@@ -363,7 +365,7 @@ class Trainer:
             ep_group=self.groups.ep_group,
             etp_group=self.groups.etp_group,
         )
-        shards = named_weight_shards(self.models)
+        shards = self.synced_weights.shards(self.models)
         report = self.engines.push(shards, groups, self.step_index)
         metrics = {"sync/seconds": report.seconds, "sync/gbytes": report.num_bytes / 1e9}
         if self.config.weight_sync.gate_tolerance is not None:

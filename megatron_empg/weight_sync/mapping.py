@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 
 from megatron_empg.config import FAMILIES, ConfigError, ModelConfig, from_dict
+from megatron_empg.config.lora import LORA_TARGETS
+from megatron_empg.config.peft import templates as peft_templates
 
 Layout = Literal["copy", "qkv", "gate_up", "vocab"]
 
@@ -116,6 +118,14 @@ MOE_RULES = (
 _DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 SPARSE_RULES = tuple(r for r in DENSE_RULES if not r.megatron.endswith(_DENSE_MLP)) + MOE_RULES
 
+# A LoRA policy's adapters (mcore.lora), named as PEFT names them: matched by every architecture,
+# never part of a HF checkpoint's tensors (megatron_tensor_names leaves them out).
+LORA_RULES = tuple(
+    TensorRule(ours, (peft,), "copy", f"lora.{target}")
+    for target in LORA_TARGETS
+    for ours, peft in (peft_templates(target, matrix) for matrix in "AB")
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": Architecture("qwen2", DENSE_RULES + QKV_BIAS_RULES),
     "llama": Architecture("llama", DENSE_RULES),
@@ -176,7 +186,7 @@ _RULE_REGEX: dict[str, re.Pattern] = {}
 
 def _find_rule(megatron_name: str, model: ModelConfig) -> _Match:
     name = canonical_name(megatron_name)
-    for rule in architecture(model).rules:
+    for rule in architecture(model).rules + LORA_RULES:
         regex = _RULE_REGEX.setdefault(rule.megatron, _template_regex(rule.megatron))
         match = regex.match(name)
         if match is None:

@@ -386,6 +386,13 @@ def test_base_fingerprint_tells_bases_apart(tmp_path):
         ),
         (["model_overrides=[lora.rank=4]", "algorithm.anchor.master_on_cpu=true"], "algorithm.anchor.master_on_cpu"),
         (["model_overrides=[lora.rank=4]", "checkpoint.init_from=null"], "checkpoint.init_from"),
+        (["weight_sync.lora_mode=adapter"], "weight_sync.lora_mode"),  # no adapters to push
+        (
+            ["model_overrides=[lora.rank=4]", "weight_sync.lora_mode=adapter", "rollout.engine=hf"],
+            "weight_sync.lora_mode",
+        ),
+        (["model_overrides=[lora.rank=4]", "weight_sync.lora_mode=bogus"], "weight_sync.lora_mode"),
+        (["model_overrides=[lora.rank=4]", "weight_sync.lora_mode=adapter"], None),  # accepted
         (["model_overrides=[lora.rank=4]"], None),  # the control: accepted
     ],
 )
@@ -404,3 +411,27 @@ def test_bind_checks_lora_settings_naming_the_field(tmp_path, overrides, field):
     with pytest.raises(ConfigError) as error:
         bound()
     assert error.value.field == field
+
+
+def test_adapter_sync_refuses_partial_rollouts(tmp_path):
+    from megatron_empg.config import ConfigError, RunConfig, load_config
+    from megatron_empg.trainer.bind.build import _check_lora_sync
+    from tests.trainer.demo_runs import DEMO_RECIPE
+
+    base = [f"model={MODEL}", "model_overrides=[lora.rank=4]", "weight_sync.lora_mode=adapter"]
+    partial = load_config(
+        RunConfig,
+        DEMO_RECIPE,
+        [
+            *base,
+            "rollout.partial=true",
+            "rollout.max_staleness=1",
+            "rollout.placement=disaggregated",
+            "rollout.engine_ranks=1",
+        ],
+    )
+    with pytest.raises(ConfigError) as error:
+        _check_lora_sync(partial, partial.model_config())
+    assert error.value.field == "weight_sync.lora_mode" and "partial" in error.value.reason
+    whole = load_config(RunConfig, DEMO_RECIPE, base)
+    _check_lora_sync(whole, whole.model_config())  # the control

@@ -37,7 +37,7 @@ def peft_adapter(path: str | Path) -> dict | None:
     """``path``'s PEFT ``adapter_config.json`` when ``path`` is a PEFT adapter directory, else None."""
     import json
 
-    from megatron_empg.mcore.lora.peft import CONFIG_FILE
+    from megatron_empg.config.peft import CONFIG_FILE
 
     config = Path(path) / CONFIG_FILE
     return json.loads(config.read_text()) if config.is_file() else None

@@ -124,6 +124,7 @@ def bind(
     transport = _registered("weight_sync.transport", config.weight_sync.transport, TRANSPORTS)
     _check_anchor(config)
     _check_lora(config, model, attention)
+    _check_lora_sync(config, model)
     _check_lengths(config, model)
     if check_paths:
         check_paths_of(config, model)
@@ -321,11 +322,31 @@ def _check_lora(config: RunConfig, model: ModelConfig, attention: AttentionChoic
         )
 
 
+def _check_lora_sync(config: RunConfig, model: ModelConfig) -> None:
+    """``weight_sync.lora_mode: adapter``: a LoRA policy, vLLM (its LoRA adapters), no weight
+    update inside a draw (a running request keeps the adapter it started with)."""
+    from megatron_empg.mcore.lora.sync import LORA_SYNC_MODES
+
+    field = "weight_sync.lora_mode"
+    if _registered(field, config.weight_sync.lora_mode, LORA_SYNC_MODES).name != "adapter":
+        return
+    if model.lora is None:
+        raise ConfigError(field, "adapter pushes a LoRA policy's adapters: set model.lora (or lora_mode merged)")
+    if config.rollout.engine != "vllm":
+        raise ConfigError(
+            field, f"adapter needs an engine that serves LoRA adapters (vllm), not {config.rollout.engine!r}"
+        )
+    if config.rollout.partial:
+        raise ConfigError(
+            field, "adapter cannot take rollout.partial (a running request keeps its adapter); use merged"
+        )
+
+
 def _check_peft_init(config: RunConfig, model: ModelConfig) -> None:
     """A PEFT adapter as ``checkpoint.init_from``: adapters this model takes, the same as
     ``model.lora``'s, on a local base."""
+    from megatron_empg.config.peft import lora_overrides
     from megatron_empg.mcore.lora.base import base_path, peft_adapter
-    from megatron_empg.mcore.lora.peft import lora_overrides
 
     field = "checkpoint.init_from"
     try:

@@ -80,11 +80,16 @@ class RolloutStage:
     # ------------------------------------------------------------------ setup
 
     def _start(self, model: ModelConfig, tokenizer, engine_kind: EngineKind):
-        """This owner's engine, from dummy weights (the first sync brings the policy's)."""
+        """This owner's engine, from dummy weights (the first sync brings the policy's); with
+        ``weight_sync.lora_mode: adapter``, from the base's weights (syncs bring adapters only)."""
         self.model_dir.mkdir(parents=True, exist_ok=True)
         write_hf_config(model, self.model_dir)
         tokenizer.save_pretrained(self.model_dir)
         rollout = self.config.rollout
+        start = {"load_format": "dummy"}
+        if self.config.weight_sync.lora_mode == "adapter":
+            _link_base_weights(self.config.checkpoint.init_from, self.model_dir)
+            start = {"load_format": "auto", "lora": model.lora}
         environment = (
             {}
             if rollout.in_process
@@ -103,7 +108,7 @@ class RolloutStage:
         # SIGINT (VllmEngine.shutdown).
         with ignored_in_children(), child_environment(environment):
             routing = {"routed_experts": True} if self.config.algorithm.router_replay == "rollout" else {}
-            return engine_kind.load()(self.model_dir, rollout, load_format="dummy", **routing)
+            return engine_kind.load()(self.model_dir, rollout, **start, **routing)
 
     def _build_agent(self, model: ModelConfig, tokenizer):
         """The multi-turn search agent of ``rollout.search_agent``, after checking that its retriever
@@ -347,3 +352,15 @@ def child_environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _link_base_weights(init_from: str, model_dir: Path) -> None:
+    """The base's safetensors (and index) in ``model_dir``, as links: an engine that serves LoRA
+    adapters starts from them (``mcore.lora.base.base_path``: the base of a PEFT ``init_from`` too)."""
+    from megatron_empg.mcore.lora.base import base_path
+
+    for file in sorted(base_path(init_from).iterdir()):
+        if file.name.endswith((".safetensors", ".safetensors.index.json")):
+            link = model_dir / file.name
+            link.unlink(missing_ok=True)
+            link.symlink_to(file.resolve())

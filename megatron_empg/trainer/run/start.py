@@ -38,7 +38,7 @@ def write_hf_config(model: ModelConfig, out_dir: Path) -> None:
 
 def load_initial_weights(chunks, init_from: str, model, config: RunConfig, groups) -> None:
     """The policy's first weights from a HF directory (``config.json`` + safetensors), a PEFT LoRA
-    adapter directory (its base's weights and the adapters: ``mcore.lora.peft``), or a Megatron
+    adapter directory (its base's weights and the adapters: ``config.peft``), or a Megatron
     checkpoint (converted or from training: its model part only)."""
     from megatron_empg.mcore.lora.base import base_path, peft_adapter
 
@@ -52,7 +52,7 @@ def load_initial_weights(chunks, init_from: str, model, config: RunConfig, group
         hf = _safetensors(base)
         full = mapping.to_megatron_state_dict(hf, model, config.parallel.padded_vocab_size(model.vocab_size))
         if adapter is not None:
-            from megatron_empg.mcore.lora.peft import megatron_name
+            from megatron_empg.config.peft import megatron_name
 
             full.update({megatron_name(key): tensor for key, tensor in _safetensors(path).items()})
         load_full_state_dict(chunks, full, vocab_size=model.vocab_size, canonical_name=mapping.canonical_name)

@@ -19,27 +19,46 @@ from megatron_empg.config.lora import ATTENTION_TARGETS, LORA_TARGETS, LoraConfi
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_OURS = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.linear_\w+\.lora\.([a-z_]+)\.lora_(A|B)$")
-_PEFT = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_(A|B)\.weight$")
+
+
+def templates(target: str, matrix: str) -> tuple[str, str]:
+    """(our name, PEFT's key) of ``target``'s ``matrix`` (A or B), ``{i}`` the layer (the weight
+    mapping's rules: ``weight_sync.mapping.LORA_RULES``)."""
+    module = "self_attn" if target in ATTENTION_TARGETS else "mlp"
+    ours = f"decoder.layers.{{i}}.{LORA_TARGETS[target][0]}.lora.{target}.lora_{matrix}"
+    return ours, f"base_model.model.model.layers.{{i}}.{module}.{target}.lora_{matrix}.weight"
+
+
+_NAMES = [(*templates(t, m), t) for t in LORA_TARGETS for m in "AB"]
+
+
+def _regex(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+
+
+_OURS = [(_regex(ours), peft) for ours, peft, _ in _NAMES]
+_PEFT = [(_regex(peft), ours) for ours, peft, _ in _NAMES]
 
 
 def peft_name(name: str) -> str:
     """Our adapter's global name -> PEFT's key (ValueError for any other name)."""
-    match = _OURS.match(name)
-    if match is None or match.group(3) not in LORA_TARGETS:
-        raise ValueError(f"{name!r} is not an adapter's name")
-    layer, _, target, matrix = match.groups()
-    module = "self_attn" if target in ATTENTION_TARGETS else "mlp"
-    return f"base_model.model.model.layers.{layer}.{module}.{target}.lora_{matrix}.weight"
+    for regex, peft in _OURS:
+        if match := regex.match(name):
+            return peft.format(i=match.group("i"))
+    raise ValueError(f"{name!r} is not an adapter's name")
 
 
 def megatron_name(key: str) -> str:
     """PEFT's key -> our adapter's global name (ValueError for a key of another module)."""
-    match = _PEFT.match(key)
-    if match is None or match.group(3) not in LORA_TARGETS:
-        raise ValueError(f"{key!r} is not a LoRA key of an adapted projection ({list(LORA_TARGETS)})")
-    layer, _, target, matrix = match.groups()
-    return f"decoder.layers.{layer}.{LORA_TARGETS[target][0]}.lora.{target}.lora_{matrix}"
+    for regex, ours in _PEFT:
+        if match := regex.match(key):
+            return ours.format(i=match.group("i"))
+    raise ValueError(f"{key!r} is not a LoRA key of an adapted projection ({list(LORA_TARGETS)})")
+
+
+def is_peft_key(key: str) -> bool:
+    """Whether ``key`` is a PEFT LoRA tensor of an adapted projection."""
+    return any(regex.match(key) for regex, _ in _PEFT)
 
 
 def adapter_config(lora: LoraConfig, targets: tuple[str, ...], base: str | None) -> dict[str, Any]:
