@@ -111,11 +111,12 @@ def ping(client, processes: list, state: EngineState, timeout_s: float = PING_TI
     thread = threading.Thread(target=ask, name="empg-engine-ping", daemon=True)
     with watched(client, processes, state, "health request"):  # dead or stopped: named as in a call
         thread.start()
-        if answered.wait(timeout_s) and errors:
+        timed_out = not answered.wait(timeout_s)  # once: killing the core wakes the asking thread
+        if errors and not timed_out:
             raise errors[0]
-        if not answered.is_set():
+        if timed_out:
             _kill(client, processes)  # the asking thread wakes with EngineDeadError
-    if not answered.is_set():
+    if timed_out:
         thread.join(timeout=timeout_s)
         state.broken = f"did not answer a health request within {timeout_s:g} s"
         raise EngineFailure(f"health request: the vLLM engine core {state.broken}")

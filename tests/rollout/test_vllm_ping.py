@@ -5,6 +5,7 @@ synchronous engine-core client (its utility calls wait on a future, as vLLM 0.32
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import subprocess
@@ -70,6 +71,7 @@ def test_a_core_that_answers_passes_and_runs_on(core):
 
 def test_a_stopped_core_is_named_without_asking(core):
     core.proc.send_signal(signal.SIGSTOP)
+    os.waitpid(core.pid, os.WUNTRACED)  # the stop has taken effect (a signal is delivered asynchronously)
     with pytest.raises(EngineFailure, match=rf"health request: the vLLM engine core process {core.pid} is stopped"):
         ping(Client(answers=True), [core], EngineState(), timeout_s=0.5)
 
