@@ -163,11 +163,12 @@ class RolloutConfig(Config):
     earlier steps train (1: one step off, step t drawn by step t - 1's starting weights); each
     sample carries the version that drew it."""
     engine_restarts: int = 2
-    """How many times in an attempt of the run the colocated engines may be started again after an
-    engine in its own process (``in_process: false``) died or stopped inside a rollout; the
-    rollout is then drawn again with the same prompts and seeds from the weights pushed before
-    it. Past it (or on an engine rank of a
-    disaggregated run, at the first loss) the run exits restartable (``supervisor``)."""
+    """How many times in the whole run (all its attempts: ``logging.dir/engine-restarts.json``
+    keeps the count) the colocated engines may be started again after an engine in its own process
+    (``in_process: false``) died, stopped or did not answer its health request inside a rollout;
+    the rollout is then drawn again with the same prompts and seeds from the weights pushed before
+    it. Past it (or on an engine rank of a disaggregated run, at the first loss) the run exits
+    restartable (``supervisor``)."""
     partial: bool = False
     """Partial rollouts (max_staleness >= 1, an engine that updates mid generation, no search
     agent): an engine loads each pushed update between decode steps, and the responses in flight go

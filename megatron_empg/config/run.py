@@ -355,13 +355,18 @@ class DistributedConfig(Config):
 
 @dataclasses.dataclass(frozen=True)
 class PhaseTimeouts(Config):
-    """Seconds each phase of a step may last before the run is declared hung (``trainer.run.watchdog``):
-    null takes the default, a floor plus seconds per token of the step's upper bound
-    (``train.prompts_per_step`` x ``rollout.sampling.n`` x ``rollout.max_model_len``; the table is
-    ``trainer.run.watchdog.AUTO_TIMEOUTS``)."""
+    """Seconds each phase of a step may last before the run is declared hung (``trainer.run.watchdog``).
+    A value set here always holds. Null: learned from the run's own history once the phase was seen
+    ``supervisor.learn_after`` times (``supervisor.safety_factor`` x the slowest time seen, at least
+    ``supervisor.learned_floor_s``), and until then a default, a floor plus seconds per token of the
+    step's upper bound (``train.prompts_per_step`` x ``rollout.sampling.n`` x
+    ``rollout.max_model_len``; the table is ``trainer.run.phase_limits.AUTO_TIMEOUTS``)."""
 
     start: float | None = None
     """Until the first step: models loaded, engines started, the first weight sync."""
+    step: float | None = None
+    """A step's time outside its other phases: its metrics, the log, the ranks' stop vote, the
+    engines' end-of-step message."""
     rollout: float | None = None
     """A step's rollout: generation and rewards."""
     advantages: float | None = None
@@ -404,6 +409,15 @@ class SupervisorConfig(Config):
     """Seconds each phase of a step may last."""
     heartbeat_interval_s: float = 5.0
     """Seconds between a process's beats into ``logging.dir/heartbeats``."""
+    learn_after: int = 3
+    """How many times a phase must have ended (in this attempt or earlier ones of the run: the
+    times are kept in ``logging.dir/phase-times/``) before its limit is learned from them; 0: never
+    (each phase keeps its default)."""
+    safety_factor: float = 5.0
+    """A learned limit is this many times the slowest time seen of the phase (>= 1)."""
+    learned_floor_s: float = 60.0
+    """The least a learned limit may be, in seconds: a phase of a second is not declared hung for
+    a pause of a few (a collection, a slow file system)."""
     max_restarts: int = 3
     """Restarts the launchers make within ``restart_window_s`` (``logging.dir/restarts.jsonl``
     keeps the history)."""
@@ -412,6 +426,11 @@ class SupervisorConfig(Config):
 
     def validate(self) -> None:
         check_duration("heartbeat_interval_s", self.heartbeat_interval_s)
+        if self.learn_after < 0:
+            raise ConfigError("learn_after", f"must be >= 0 (0: never learn), got {self.learn_after!r}")
+        if not 1 <= self.safety_factor <= 1e6:
+            raise ConfigError("safety_factor", f"must be in [1, 1e6], got {self.safety_factor!r}")
+        check_duration("learned_floor_s", self.learned_floor_s)
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", f"must be >= 0, got {self.max_restarts!r}")
         check_duration("restart_window_s", self.restart_window_s)

@@ -167,6 +167,11 @@ class RolloutEngine(Protocol):
         weight update the weights."""
         ...
 
+    def check_health(self) -> None:
+        """A cheap health request between calls: ``EngineFailure`` if an engine in its own process
+        does not answer (``rollout.vllm_health.ping``); nothing to ask of one in this process."""
+        ...
+
     def shutdown(self) -> None:
         """Release the engine and its processes; it cannot be used afterwards."""
         ...

@@ -486,6 +486,9 @@ class HfEngine:
                     parameter.data = torch.empty(self._shapes[name], dtype=parameter.dtype, device=self._device)
         self._state.asleep -= wanted
 
+    def check_health(self) -> None:
+        """Nothing to ask: the engine runs in this process (a hang in it is the watchdog's)."""
+
     def shutdown(self) -> None:
         """Free the model; every method but ``shutdown`` raises afterwards."""
         if self._state.shut_down:

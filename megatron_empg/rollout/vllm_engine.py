@@ -76,7 +76,7 @@ from megatron_empg.rollout.engine import (
     check_update_arguments,
 )
 from megatron_empg.rollout.vllm_env import apply_environment, engine_environment
-from megatron_empg.rollout.vllm_health import watched
+from megatron_empg.rollout.vllm_health import ping, watched
 from megatron_empg.rollout.vllm_lora import VLLM_LORA_MODULES, AdapterSlot, max_lora_rank
 from megatron_empg.rollout.vllm_plugin import DIES_WITH_PARENT_ENV
 from megatron_empg.rollout.vllm_weight_transfer import BACKEND_NAME, WORKER_EXTENSION
@@ -328,6 +328,9 @@ class VllmEngine:
     def _watched(self, call: str):
         """``call`` under the health thread (``vllm_health.watched``; module docstring)."""
         return watched(self._llm.llm_engine.engine_core, self._core_processes(), self._state, call)
+
+    def check_health(self) -> None:
+        ping(self._llm.llm_engine.engine_core, self._core_processes(), self._state)
 
     def _sampling_params(self, sampling: SamplingConfig, seed: int | None) -> SamplingParams:
         from vllm import SamplingParams

@@ -5,8 +5,12 @@ client down without waking the caller) or is stopped (SIGSTOP, a frozen containe
 runs a call with a thread that checks the core processes every ``HEALTH_POLL_S``: on a problem it
 kills them (a stopped core would hold its memory for ever), fails what the caller may be waiting
 on (the outputs queue and pending utility calls) and the call raises ``EngineFailure``, naming
-the process and what happened to it. A core that runs but never answers is not detected here
-(``trainer.run.watchdog``'s phase deadline is).
+the process and what happened to it.
+
+Between calls, ``ping`` is the cheap health request (one utility round trip, ``is_sleeping``) the
+trainer makes before each rollout: a core that runs but no longer answers fails it within
+``PING_TIMEOUT_S`` and is killed, so that the rollout's engine restart takes over instead of the
+watchdog's rollout deadline. A core that stops answering inside a call is left to that deadline.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from megatron_empg.rollout.engine import EngineFailure, EngineState
 
 HEALTH_POLL_S = 0.5
+PING_TIMEOUT_S = 10.0  # a utility call answers in milliseconds; a core busy with nothing else
 
 
 def core_problem(processes) -> str | None:
@@ -58,15 +63,7 @@ def watched(client, processes: list, state: EngineState, call: str):
             if problem is None:
                 continue
             failure.append(problem)
-            for process in processes:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGKILL)
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            client.outputs_queue.put_nowait(EngineDeadError())  # wakes a caller waiting for outputs
-            for future in list(client.utility_results.values()):  # or for a utility call
-                if not future.done():
-                    future.set_exception(EngineDeadError())
+            _kill(client, processes)
             return
 
     thread = threading.Thread(target=watch, name="empg-engine-health", daemon=True)
@@ -81,3 +78,45 @@ def watched(client, processes: list, state: EngineState, call: str):
     finally:
         done.set()
         thread.join()
+
+
+def _kill(client, processes: list) -> None:
+    """Kill the core ``processes`` and fail what a caller of ``client`` may wait on."""
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    client.outputs_queue.put_nowait(EngineDeadError())  # wakes a caller waiting for outputs
+    for future in list(client.utility_results.values()):  # or for a utility call
+        if not future.done():
+            future.set_exception(EngineDeadError())
+
+
+def ping(client, processes: list, state: EngineState, timeout_s: float = PING_TIMEOUT_S) -> None:
+    """The health request between calls (module docstring): ``EngineFailure`` (the core killed,
+    ``state`` broken) unless the core processes run and answer within ``timeout_s``. Nothing is
+    asked of an engine in this process (no ``processes``)."""
+    if not processes:
+        return
+    answered, errors = threading.Event(), []
+
+    def ask() -> None:
+        try:
+            client.call_utility("is_sleeping")
+        except Exception as error:  # noqa: BLE001 (the core died meanwhile: raised below, named by watched)
+            errors.append(error)
+        answered.set()
+
+    thread = threading.Thread(target=ask, name="empg-engine-ping", daemon=True)
+    with watched(client, processes, state, "health request"):  # dead or stopped: named as in a call
+        thread.start()
+        timed_out = not answered.wait(timeout_s)  # once: killing the core wakes the asking thread
+        if errors and not timed_out:
+            raise errors[0]
+        if timed_out:
+            _kill(client, processes)  # the asking thread wakes with EngineDeadError
+    if timed_out:
+        thread.join(timeout=timeout_s)
+        state.broken = f"did not answer a health request within {timeout_s:g} s"
+        raise EngineFailure(f"health request: the vLLM engine core {state.broken}")

@@ -174,27 +174,35 @@ class Trainer:
                 outputs.append(StepOutput(self.step_index, self.validate()))
                 if logger is not None:
                     logger.log(self.step_index, outputs[-1].metrics)
-            while self.step_index < steps:
-                out = self.step()
-                if validation.interval and self.step_index % validation.interval == 0:
-                    out.metrics.update(self.validate())
-                outputs.append(out)
-                if logger is not None:
-                    logger.log(out.step, out.metrics)
-                watchdog.step_done(out.step)
-                interval = self.config.checkpoint.interval
-                last = self.step_index == steps
-                # A local decision (the handler may set _stop_signal again at any time): every rank
-                # stops after the same step; the engine ranks' signals come with their messages.
-                signalled = max(self._stop_signal or 0, self.engines.signal)
-                stop = any_rank_signalled(signalled or None, dist.group.WORLD)
-                if last or (interval and self.step_index % interval == 0) or stop is not None:
-                    self.save()
-                self.engines.end_of_step(stop=stop is not None or last)
-                if stop is not None:
-                    log.warning("signal %d: checkpointed at step %d, stopping", stop, self.step_index)
-                    break
+            stop = None
+            while self.step_index < steps and stop is None:
+                # the whole step watched: its time outside the named phases too (the stop vote is a collective)
+                with watchdog.phase("step", self.step_index + 1):
+                    stop = self._step_and_after(outputs, logger)
         return outputs
+
+    def _step_and_after(self, outputs: list[StepOutput], logger) -> int | None:
+        """One step, its validation, its log record and checkpoint; the stop signal agreed on, or None."""
+        validation, steps = self.config.validation, self.config.train.steps
+        out = self.step()
+        if validation.interval and self.step_index % validation.interval == 0:
+            out.metrics.update(self.validate())
+        outputs.append(out)
+        if logger is not None:
+            logger.log(out.step, out.metrics)
+        watchdog.step_done(out.step)
+        interval = self.config.checkpoint.interval
+        last = self.step_index == steps
+        # A local decision (the handler may set _stop_signal again at any time): every rank
+        # stops after the same step; the engine ranks' signals come with their messages.
+        signalled = max(self._stop_signal or 0, self.engines.signal)
+        stop = any_rank_signalled(signalled or None, dist.group.WORLD)
+        if last or (interval and self.step_index % interval == 0) or stop is not None:
+            self.save()
+        self.engines.end_of_step(stop=stop is not None or last)
+        if stop is not None:
+            log.warning("signal %d: checkpointed at step %d, stopping", stop, self.step_index)
+        return stop
 
     def step(self) -> StepOutput:
         times: dict[str, float] = {}

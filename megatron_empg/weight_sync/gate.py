@@ -196,7 +196,7 @@ def verify_probes(
     the same verdict; above ``tolerance`` every rank runs ``diagnose()`` and raises the same
     ``ConsistencyError`` naming the worst engine. Returns the max difference over the engines."""
     results = [max_difference(trainer_score(sequences).cpu(), logprobs) for sequences, logprobs in probes]
-    return _worst_engine(results, version, tolerance, diagnose)
+    return _worst_engine(results, version, tolerance, diagnose, range(len(results)))
 
 
 def _worst_engine(
@@ -204,13 +204,14 @@ def _worst_engine(
     version: str,
     tolerance: float,
     diagnose: Callable[[], dict[str, float]] | None,
+    names: Sequence[int],
 ) -> float:
     """The largest of the engines' ``max_difference`` results; above ``tolerance``, ``diagnose()``
-    and a ``ConsistencyError`` naming the worst engine."""
+    and a ``ConsistencyError`` naming the worst engine (``names[e]``: result e's engine)."""
     worst = max(range(len(results)), key=lambda e: results[e][0])
     if not results[worst][0] <= tolerance:
         family_errors = diagnose() if diagnose else None
-        raise ConsistencyError(mismatch_message(version, results[worst], tolerance, family_errors, worst))
+        raise ConsistencyError(mismatch_message(version, results[worst], tolerance, family_errors, names[worst]))
     return results[worst][0]
 
 
@@ -236,6 +237,7 @@ def verify_staged_probes(
     *,
     tolerance: float,
     diagnose: Callable[[], dict[str, float]] | None = None,
+    engines: Sequence[int] | None = None,
 ) -> float:
     """The gate of engines that load pushed weights later (``rollout.max_staleness`` >= 1), on the
     training ranks, once the engines' probes of those weights arrive: ``trainer_logprobs`` [N, L-1]
@@ -243,15 +245,21 @@ def verify_staged_probes(
     teacher-forced log-probs of the probe (the first L-1 of ``probes[e]``) must match them, and its
     ``self_checks[e]`` (``engine_self_check``) must be within ``tolerance`` too. Above it every
     rank runs ``diagnose()`` (on the trainer's current weights: a layout fault shows on any) and
-    raises the same ``ConsistencyError`` naming the worst engine. Returns the max difference."""
+    raises the same ``ConsistencyError`` naming the worst engine (``engines``: the indices of
+    ``probes``' engines in the run, default 0, 1, ...) and ``version``. Returns the max difference."""
     width = trainer_logprobs.size(1)
+    names = list(engines) if engines is not None else list(range(len(probes)))
     difference = _worst_engine(
-        [max_difference(trainer_logprobs, logprobs[:, :width]) for _, logprobs in probes], version, tolerance, diagnose
+        [max_difference(trainer_logprobs, logprobs[:, :width]) for _, logprobs in probes],
+        version,
+        tolerance,
+        diagnose,
+        names,
     )
     stale = max(range(len(self_checks)), key=lambda e: self_checks[e], default=None)
     if stale is not None and not self_checks[stale] <= tolerance:
         raise ConsistencyError(
-            f"weight sync {version}: engine {stale}'s sampler and its own scoring disagree by up to "
+            f"weight sync {version}: engine {names[stale]}'s sampler and its own scoring disagree by up to "
             f"{self_checks[stale]:.3g} (tolerance {tolerance:g}) on the continuation it sampled after the probe, "
             f"while its scoring matches the trainer: KV computed with older weights is the suspect (a prefix "
             f"cache not reset by the update)"

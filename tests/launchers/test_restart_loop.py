@@ -1,8 +1,9 @@
 """``launchers/torchrun.sh`` restarts a hung run by itself: rank 1 of 2 stops (SIGSTOP) inside a
-collective of step 4's update; rank 0's watchdog finds the update past its limit, writes its stacks
-and a diagnosis naming rank 1, kills the stopped rank and exits restartable; the launcher restarts
-the run with ``--resume`` from step 3's checkpoint, and it ends with every step logged once and
-equal to an uninterrupted run's, no process of either attempt left (the transformers engine, 2 ranks)."""
+collective of step 4's update; rank 0's watchdog finds the update past the limit it learned from
+steps 1-3 (no supervisor setting given), writes its stacks and a diagnosis naming rank 1, kills the
+stopped rank and exits restartable; the launcher restarts the run with ``--resume`` from step 3's
+checkpoint, and it ends with every step logged once and equal to an uninterrupted run's, no process
+of either attempt left (the transformers engine, 2 ranks)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ from tests.trainer.demo_runs import (
 
 STEPS = 6
 HF = ("rollout.engine=hf", "rollout.in_process=true", "weight_sync.transport=in_process")
-WATCHED = ("supervisor.phase_timeout_s.update=10", "supervisor.heartbeat_interval_s=1")
+# Issue 46: a stopped rank of the CPU demo found within 3 minutes with no setting given. The learned
+# limit is the 60 s floor (updates of about a second); a 5 s heartbeat adds at most 5 s. The bound is
+# the issue's requirement itself, with 2 minutes to spare for a loaded machine.
+DETECTED_WITHIN_S = 180
 
 STOP_RANK_1 = """
 import os
@@ -71,7 +75,6 @@ def test_a_stopped_rank_is_found_and_the_run_restarts_itself(tmp_path, warm_star
         tmp_path,
         "hung",
         *HF,
-        *WATCHED,
         nproc=2,
         timeout=2 * LAUNCH_TIMEOUT_S,
         env=env,
@@ -82,13 +85,17 @@ def test_a_stopped_rank_is_found_and_the_run_restarts_itself(tmp_path, warm_star
 
     run = tmp_path / "hung"
     (attempt,) = read_history(run)
-    assert attempt["restart"] and attempt["cause"].startswith("hang: phase update of step 4 outlasted 10 s")
+    assert attempt["restart"] and attempt["cause"].startswith("hang: phase update of step 4 outlasted 60 s")
     (hang,) = run.glob("hang-*")
+    detected_s = (hang / "summary-rank0.txt").stat().st_mtime - (tmp_path / "stopped").stat().st_mtime
+    print(f"a stopped rank detected {detected_s:.1f} s after it stopped")
+    assert detected_s < DETECTED_WITHIN_S
     summary = (hang / "summary-rank0.txt").read_text()
     assert "rank 1 on " in summary and "did not arrive (no heartbeat for" in summary and "killed (SIGKILL)" in summary
     assert "last step logged: 3" in summary
     assert "File " in (hang / "rank0.txt").read_text()  # rank 0's stacks (rank 1 was stopped: none)
     assert "hang: rank 0 spent" in done.stderr and "restarting after attempt 0" in done.stderr
+    assert "learned: max(60 s, 5 x the slowest" in done.stderr
 
     ours, full = read_metrics(run / "metrics.jsonl"), read_metrics(tmp_path / "full" / "metrics.jsonl")
     assert [r["step"] for r in ours] == list(range(1, STEPS + 1))  # step 4 redone once, nothing lost

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from megatron_empg.config import RunConfig, load_config
-from megatron_empg.trainer.run.watchdog import REQUEST, RESTARTABLE_EXIT, Beat, diagnose, phase_timeouts
+from megatron_empg.trainer.run.phase_limits import phase_timeouts
+from megatron_empg.trainer.run.watchdog import REQUEST, RESTARTABLE_EXIT, Beat, diagnose
 
 REPO = Path(__file__).resolve().parents[2]
 INTERVAL = 0.1
@@ -28,6 +29,7 @@ def run_script(body: str, run_dir: Path, timeout: float = 60) -> subprocess.Comp
     """``body`` in a fresh interpreter, with ``RUN_DIR`` and ``watchdog`` (the module) defined."""
     script = (
         f"import sys, time\nfrom pathlib import Path\nfrom megatron_empg.trainer.run import watchdog\n"
+        "from megatron_empg.trainer.run.phase_limits import PhaseLimits\n"
         f"RUN_DIR = Path({str(run_dir)!r})\n" + textwrap.dedent(body)
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -81,7 +83,7 @@ def test_a_phase_past_its_deadline_dumps_the_stacks_and_exits_restartable(tmp_pa
         write_beat(tmp_path, rank=2, phase="old_pass", time=time.time() + 60)  # rank 2 beats, a phase behind
         done = run_script(
             f"""
-            w = watchdog.Watchdog(RUN_DIR, 0, 3, {{"update": 0.5}}, {INTERVAL})
+            w = watchdog.Watchdog(RUN_DIR, 0, 3, PhaseLimits({{"update": 0.5}}, explicit=frozenset({{"update"}})), {INTERVAL})
             w.step_done(3)
             def stuck_in_the_update():
                 with w.phase("update", 4):
@@ -113,7 +115,7 @@ def test_another_ranks_request_makes_a_rank_dump_and_exit(tmp_path):
     done = run_script(
         f"""
         import json
-        w = watchdog.Watchdog(RUN_DIR, 1, 2, {{"update": 600}}, {INTERVAL})
+        w = watchdog.Watchdog(RUN_DIR, 1, 2, PhaseLimits({{"update": 600}}), {INTERVAL})
         request = {{"cause": "hang", "rank": 0, "phase": "update", "step": 4, "detail": "planted",
                     "time": time.time(), "dir": "hang-planted"}}
         (RUN_DIR / "restart-request.json").write_text(json.dumps(request))
@@ -143,7 +145,7 @@ def test_an_earlier_attempts_request_is_ignored(tmp_path):
     )
     done = run_script(
         f"""
-        w = watchdog.Watchdog(RUN_DIR, 1, 2, {{"update": 600}}, {INTERVAL})
+        w = watchdog.Watchdog(RUN_DIR, 1, 2, PhaseLimits({{"update": 600}}), {INTERVAL})
         with w.phase("update", 4):
             time.sleep(1)
         w.close()

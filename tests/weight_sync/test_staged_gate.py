@@ -134,3 +134,14 @@ def test_self_check_without_a_continuation_is_zero_and_scores_nothing():
     engine = FakeEngine({(0, 0): 1.0, (1, L - 2): 1.0})
     assert engine_self_check(engine, PROBE, logprobs, L) == 0.0
     assert engine.scored == 0
+
+
+@pytest.mark.parametrize("engines, named", [([2], "engine 2"), (None, "engine 0")], ids=["named", "default"])
+def test_the_deferred_gate_names_the_engine_and_the_version_that_failed(engines, named):
+    """The trainer gates one engine's probe at a time (``DisaggregatedEngines._check_probes``):
+    the error names that engine's index in the run, not its place in a list of one."""
+    with pytest.raises(ConsistencyError) as error:
+        verify_staged_probes([engine_result({(0, 0): 1.0})], [0.0], TRAINER, "step-6", tolerance=1e-4, engines=engines)
+    assert str(error.value).startswith(f"weight sync step-6: {named} and trainer log-probs differ")
+    with pytest.raises(ConsistencyError, match=f"weight sync step-6: {named}'s sampler"):
+        verify_staged_probes([engine_result()], [0.5], TRAINER, "step-6", tolerance=1e-4, engines=engines)

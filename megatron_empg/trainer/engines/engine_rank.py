@@ -185,8 +185,11 @@ class EngineRank:
 
     def _load_between_decode_steps(self) -> None:
         """``rollout.partial``, inside a draw (this engine alone: no collective): the newest staged
-        update, if one came since the last load; its probes follow the rollout (``_serve_ahead``)."""
-        if self._load_staged():
+        update, if one came since the last load; its probes follow the rollout (``_serve_ahead``).
+        One update per draw: the gate can probe only the weights the engine holds after the draw,
+        so a second push landing in the same draw waits for the load after it (and its own probe);
+        a sample's staleness is its first token's, which this does not change."""
+        if not self.loaded_in_flight and self._load_staged():
             self.loaded_in_flight = True
 
     def _wait_staged(self, need: int) -> bool:

@@ -212,7 +212,7 @@ class ColocatedEngines:
                 if self.stage.engine is not None:
                     self.transport = self._make_transport(self.stage.engine)
                 resync()
-        rollout.metrics["rollout/engine_restarts"] = float(self.stage.restarts)
+        rollout.metrics["rollout/engine_restarts"] = float(self.stage.restarts.used)
         self.stage.sleep()
         return rollout
 
@@ -379,6 +379,7 @@ class DisaggregatedEngines:
                         version_name(version),
                         tolerance=tolerance,
                         diagnose=diagnose,
+                        engines=[engine],  # one engine's probe at a time: named by its index in the run
                     )
                 )
         self.unchecked.clear()

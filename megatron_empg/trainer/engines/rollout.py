@@ -33,6 +33,7 @@ from megatron_empg.rollout.engines import EngineKind
 from megatron_empg.rollout.trajectory import Trajectory
 from megatron_empg.trainer.batching.batch import Sample
 from megatron_empg.trainer.engines.metrics import add_sums, sample_means, sample_sums
+from megatron_empg.trainer.engines.restart_budget import RestartBudget
 from megatron_empg.trainer.run.signals import ignored_in_children
 from megatron_empg.trainer.run.start import write_hf_config
 from megatron_empg.trainer.run.watchdog import RestartableError
@@ -75,7 +76,7 @@ class RolloutStage:
         self._engine_args = (model, tokenizer, engine_kind)
         self.engine = self._start(*self._engine_args) if placement.is_owner else None
         self.asleep = False
-        self.restarts = 0  # engines started again in this process (rollout.engine_restarts)
+        self.restarts = RestartBudget(run_dir, config.rollout.engine_restarts)  # over the run's attempts
 
     # ------------------------------------------------------------------ setup
 
@@ -145,6 +146,7 @@ class RolloutStage:
         if self.engine is not None:
             start, tokens = time.perf_counter(), 0
             try:
+                self.engine.check_health()  # between calls: a core that no longer answers fails here, not in generate
                 payload = self.generate([examples[p].prompt_ids for p in prompts], sampling, self.between_steps)
                 tokens = sum(len(t.token_ids) for group in payload for t in group)
             except EngineFailure as error:
@@ -171,17 +173,14 @@ class RolloutStage:
     def restart_engines(self, lost: EngineLost) -> None:
         """Start the engines of ``lost`` again (every rank calls it; the owners of those engines
         start theirs, from dummy weights: the caller pushes the weights they held), or re-raise
-        ``lost`` past ``rollout.engine_restarts``."""
-        limit = self.config.rollout.engine_restarts
-        if self.restarts >= limit:
-            raise RestartableError(f"{lost} (rollout.engine_restarts={limit} spent)") from lost
-        self.restarts += 1
+        ``lost`` past ``rollout.engine_restarts`` (counted over the run's attempts)."""
+        self.restarts.spend(lost)
         if self.engine is not None and self.placement.engine in lost.engines:
             log.warning(
                 "engine %d: starting it again (%d of rollout.engine_restarts=%d)",
                 self.placement.engine,
-                self.restarts,
-                limit,
+                self.restarts.used,
+                self.restarts.limit,
             )
             with contextlib.suppress(Exception):  # what is left of it: its processes are gone or killed
                 self.engine.shutdown()

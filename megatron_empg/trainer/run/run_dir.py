@@ -44,6 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_empg.config import ConfigError, RunConfig
+from megatron_empg.trainer.run.phase_limits import PHASE_TIMES
+
+RESTARTS_FILE = "engine-restarts.json"  # rollout.engine_restarts spent (trainer.engines.restart_budget)
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +236,9 @@ def check_start(config: RunConfig, *, resume: bool, overwrite: bool, previous: d
         _delete_checkpoints(checkpoint_dir)
     if steps:
         metrics_path.unlink()
+        run_dir = Path(config.logging.dir)  # the earlier run's phase times and engine restarts go too
+        shutil.rmtree(run_dir / PHASE_TIMES, ignore_errors=True)
+        (run_dir / RESTARTS_FILE).unlink(missing_ok=True)
 
 
 def _delete_checkpoints(root: Path) -> None:

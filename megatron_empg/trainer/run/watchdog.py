@@ -10,7 +10,8 @@ installed, as in unit tests). A thread of the watchdog, every ``supervisor.heart
 * looks for a restart request ``<run_dir>/restart-request.json`` newer than its process: another
   rank declared a hang, so this one writes all its Python stacks (``faulthandler``, every thread)
   to ``<run_dir>/hang-<time>/rank<R>.txt`` and exits with ``RESTARTABLE_EXIT``.
-* checks its phase's deadline (``supervisor.phase_timeout_s``): past it, the rank writes the
+* checks its phase's deadline (``trainer.run.phase_limits``: set, learned from the run's own history,
+  or a default until there is history): past it, the rank writes the
   request (the first rank to do so names the hang directory: an exclusive create), explains the
   hang from every rank's heartbeat (``diagnose``: the ranks that did not arrive, each with its
   phase and step, or the age of its last beat), logs it in one line, writes its stacks and exits
@@ -38,10 +39,11 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_empg.config import RunConfig
+from megatron_empg.trainer.run.phase_limits import PhaseLimits
 
 log = logging.getLogger(__name__)
 
@@ -56,36 +58,6 @@ class RestartableError(RuntimeError):
 REQUEST = "restart-request.json"
 HEARTBEATS = "heartbeats"
 STALE_BEATS = 3  # a heartbeat older than this many intervals: the process is stopped or dead
-
-# The phase deadlines when supervisor.phase_timeout_s leaves them unset: a floor in seconds, plus
-# seconds per token of the step's upper bound (prompts x samples x max_model_len) at pessimistic
-# rates (500 tokens/s for the rollout, 2,000 per forward pass, 700 for the update), so that a large
-# recipe gets room in proportion and a small one is still caught within minutes.
-AUTO_TIMEOUTS: dict[str, tuple[float, float]] = {
-    "start": (3600.0, 0.0),  # models loaded, engines started, the first weight sync
-    "rollout": (1200.0, 2e-3),
-    "advantages": (600.0, 0.0),
-    "batching": (600.0, 0.0),
-    "old_pass": (600.0, 5e-4),
-    "anchor_pass": (600.0, 5e-4),
-    "update": (900.0, 1.5e-3),
-    "ema_update": (600.0, 0.0),
-    "weight_sync": (1200.0, 0.0),
-    "validation": (1800.0, 2e-3),
-    "checkpoint": (3600.0, 0.0),
-    "draw": (1200.0, 2e-3),  # an engine rank generating a rollout
-    "load": (1200.0, 0.0),  # an engine rank loading pushed weights
-}
-
-
-def phase_timeouts(config: RunConfig) -> dict[str, float]:
-    """Seconds each phase may last: ``supervisor.phase_timeout_s`` where set, else ``AUTO_TIMEOUTS``
-    (``rollout.max_model_len`` null: the model's context, as the engine takes it)."""
-    max_model_len = config.rollout.max_model_len or config.model_config().max_position_embeddings
-    tokens = config.train.prompts_per_step * config.rollout.sampling.n * max_model_len
-    timeouts = {name: floor + per_token * tokens for name, (floor, per_token) in AUTO_TIMEOUTS.items()}
-    timeouts.update({k: v for k, v in dataclasses.asdict(config.supervisor.phase_timeout_s).items() if v is not None})
-    return timeouts
 
 
 @dataclasses.dataclass
@@ -108,19 +80,20 @@ class Watchdog:
     """The heartbeat and the phase deadlines of one process (module docstring).
 
     ``run_dir``: ``logging.dir``; ``rank`` / ``world_size``: in the job (engine ranks included);
-    ``timeouts``: seconds per phase name (``phase_timeouts``); ``interval_s``: between beats."""
+    ``limits``: each phase's deadline, which learns from the phases that end here (saved into
+    ``run_dir`` by the thread); ``interval_s``: between beats."""
 
     def __init__(
         self,
         run_dir: Path,
         rank: int,
         world_size: int,
-        timeouts: Mapping[str, float],
+        limits: PhaseLimits,
         interval_s: float,
         role: str = "training",
     ) -> None:
         self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
-        self.timeouts, self.interval_s, self.role = dict(timeouts), interval_s, role
+        self.limits, self.interval_s, self.role = limits, interval_s, role
         self.started = time.time()
         self._lock = threading.Lock()
         self._phase: str | None = None
@@ -139,22 +112,30 @@ class Watchdog:
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int) -> Iterator[None]:
-        """Mark ``name`` of ``step`` (a key of ``timeouts``) while inside; phases nest (the outer
-        one's deadline comes back on exit)."""
-        if name not in self.timeouts:
-            raise KeyError(f"watchdog: unknown phase {name!r}; known: {sorted(self.timeouts)}")
+        """Mark ``name`` of ``step`` (a phase of ``limits``) while inside. Phases nest: the outer
+        one's deadline comes back on exit, and its clock counts only its time outside the inner
+        ones (their time has its own limits). A phase that ends normally teaches ``limits``."""
+        if name not in self.limits:
+            raise KeyError(f"watchdog: unknown phase {name!r}; known: {self.limits.names()}")
         with self._lock:
             outer = (self._phase, self._step, self._phase_started)
             self._phase, self._step, self._phase_started = name, step, time.time()
         self._beat()
+        ended = False
         try:
             yield
+            ended = True
         except BaseException:
             self.failed_in = self.failed_in or (name, step)  # the innermost phase an exception left
             raise
         finally:
             with self._lock:
-                self._phase, self._step, self._phase_started = outer
+                now, began = time.time(), self._phase_started
+                phase, step_, started = outer
+                self._phase, self._step = phase, step_
+                self._phase_started = None if started is None else started + (now - began)
+            if ended:
+                self.limits.observe(name, now - began)
 
     def step_done(self, step: int) -> None:
         """``step`` is trained and logged (the last step a hang report names)."""
@@ -169,6 +150,7 @@ class Watchdog:
         """Stop the thread; the last beat says ``done`` (a clean end) unless it said ``crashed``."""
         self._stop.set()
         self._thread.join(timeout=10 * self.interval_s)
+        self._save_limits()
         if self._crashed is None:
             self._beat(state="done")
 
@@ -180,13 +162,20 @@ class Watchdog:
             request = fresh_request(self.run_dir, self.started)
             if request is not None:  # another rank found a hang: this one's stacks, then out
                 self._dump_and_exit(request)
+            self._save_limits()
             with self._lock:
                 phase, step, began = self._phase, self._step, self._phase_started
-            if phase is not None and time.time() - began > self.timeouts[phase]:
+            if phase is not None and time.time() - began > self.limits.limit(phase):
                 self._declare_hang(phase, step, began)
 
+    def _save_limits(self) -> None:
+        try:
+            self.limits.save(self.run_dir, self.rank)
+        except OSError as error:  # as a beat: a full disk must not end the run from this thread
+            log.warning("watchdog: could not save the phase times: %s", error)
+
     def _declare_hang(self, phase: str, step: int, began: float) -> None:
-        limit = self.timeouts[phase]
+        limit, source = self.limits.explain(phase)
         request = claim_request(
             self.run_dir,
             self.started,
@@ -200,14 +189,14 @@ class Watchdog:
         lines += _kill_stopped_peers(self.run_dir, self.world_size, self.rank, self.interval_s)
         behind = [line for line in lines if "did not arrive" in line]
         log.error(
-            "hang: rank %d spent %.0f s in phase %s of step %d (limit %.0f s, supervisor.phase_timeout_s.%s); "
+            "hang: rank %d spent %.0f s in phase %s of step %d (limit %.0f s, %s); "
             "%s; last step logged %s; stacks in %s",
             self.rank,
             time.time() - began,
             phase,
             step,
             limit,
-            phase,
+            source,
             "; ".join(behind) or "every rank arrived (a collective or an engine stopped answering)",
             self._last_step,
             self.run_dir / request["dir"],
@@ -382,9 +371,9 @@ def install(config: RunConfig, rank: int, world_size: int, role: str = "training
     if _INSTALLED is not None:
         raise RuntimeError("watchdog: already installed in this process")
     supervisor = config.supervisor
-    _INSTALLED = Watchdog(
-        Path(config.logging.dir), rank, world_size, phase_timeouts(config), supervisor.heartbeat_interval_s, role
-    )
+    run_dir = Path(config.logging.dir)
+    limits = PhaseLimits.for_run(config, run_dir)
+    _INSTALLED = Watchdog(run_dir, rank, world_size, limits, supervisor.heartbeat_interval_s, role)
     return _INSTALLED
 
 
