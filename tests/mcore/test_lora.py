@@ -355,6 +355,31 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly(reference):
     assert "holds LoRA adapters only" in result["plain"]  # a model without adapters is refused
 
 
+@pytest.mark.megatron
+@pytest.mark.dist
+@pytest.mark.layout
+def test_context_parallel_equals_one_rank():
+    """CP 2 against one rank (test_cp_training's run: the same packed rows, each CP rank its share):
+    the old pass, three steps' metrics and grad norms, the adapters within Adam's bound."""
+    from megatron_empg.config import ParallelConfig
+    from tests.trainer import test_cp_training as cp
+
+    cases = [("token-mean", "k3")]
+    reference = run_distributed(cp._train, 1, ParallelConfig(), cases, None, LORA, timeout=300)[0]
+    layout = ParallelConfig(context_parallel_size=cp.CP)
+    per_rank = run_distributed(cp._train, 2, layout, cases, reference["initial"], LORA, timeout=300)
+    ref = reference[cases[0]]
+    assert ref["params"] and all(".lora." in n for n in ref["params"])  # the adapters trained, alone
+    for rank, results in enumerate(per_rank):
+        ours = results[cases[0]]
+        for got, want, mask in zip(ours["old"], ref["old"], ref["masks"], strict=True):
+            torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5)
+        for step in range(cp.STEPS):
+            assert ours["grad_norms"][step] == pytest.approx(ref["grad_norms"][step], rel=1e-5), (rank, step)
+            assert ours["metrics"][step]["loss"] == pytest.approx(ref["metrics"][step]["loss"], rel=1e-5, abs=1e-6)
+        cp._assert_params(ours, ref, 1, 1, f"cp2 rank {rank}")
+
+
 def test_base_fingerprint_tells_bases_apart(tmp_path):
     from megatron_empg.mcore.lora.base import base_fingerprint, base_record
 

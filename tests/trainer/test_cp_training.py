@@ -46,11 +46,17 @@ def _loss(kl: str, agg_mode: str) -> LossConfig:
 
 
 def _train(
-    rank: int, world_size: int, parallel: ParallelConfig, cases: list[tuple[str, str]], initial: dict | None = None
+    rank: int,
+    world_size: int,
+    parallel: ParallelConfig,
+    cases: list[tuple[str, str]],
+    initial: dict | None = None,
+    model_overrides: tuple[str, ...] = (),
 ) -> dict:
     """Per (aggregation mode, KL): the full rows' old log-probs, the steps' metrics and grad norms,
-    and the parameters, under ``parallel``, from the reference's ``initial`` weights (None: the
-    reference itself, whose initial weights are returned under "initial")."""
+    and the trained parameters (a LoRA policy's: its adapters), under ``parallel``, from the
+    reference's ``initial`` weights (None: the reference itself, whose initial weights are returned
+    under "initial"); ``model_overrides`` of the model config."""
     from megatron_empg.mcore.model import build_gpt_model
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -60,7 +66,7 @@ def _train(
     from megatron_empg.trainer.bind.build import bind_loss
     from tests.adam_bound import applied_grads
 
-    model = load_model_config(MODEL)
+    model = load_model_config(MODEL, model_overrides)
     cp = parallel.context_parallel_size
     pp = parallel.pipeline_model_parallel_size
     plan = MicroBatchPlan(packing=True, max_tokens=BUDGET * CP, fixed_shape=pp > 1, segment_multiple=2 * CP)
@@ -102,7 +108,7 @@ def _train(
             for _ in range(STEPS):
                 steps.append(train_step(ddp, optimizer, scheduler, micro, loss, groups=groups))
                 by_id = applied_grads(ddp, optimizer)
-                grads.append({n: by_id[id(p)] for n, p in ddp[0].module.named_parameters()})
+                grads.append({n: by_id[id(p)] for n, p in ddp[0].module.named_parameters() if p.requires_grad})
             results[agg_mode, kl] = {
                 "old": rows,
                 "masks": [mb.loss_mask for mb in full],
@@ -111,7 +117,7 @@ def _train(
                 "lrs": [s.lr for s in steps],
                 "grads": grads,
                 "tp_rank": groups.tp_rank,
-                "params": {n: p.detach().clone() for n, p in ddp[0].module.named_parameters()},
+                "params": {n: p.detach().clone() for n, p in ddp[0].module.named_parameters() if p.requires_grad},
                 "pp_rank": groups.pp_rank,
                 "local_tokens": [mb.shape[1] for mb in micro],
             }

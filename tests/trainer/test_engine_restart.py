@@ -5,6 +5,8 @@ equals the one-process reference run's (same tokens, same statistics) with no re
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_empg.trainer.run.metrics_log import read_metrics
@@ -53,7 +55,10 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_step_redrawn(tmp_path
         env={"PYTHONPATH": f"{hook}:{REPO}"},
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "engine 0 failed inside the rollout of step 2: generate: the vLLM engine core process" in done.stderr
+    # the core dies 0.3 s into the call: inside generate, or (a short call) found by the health
+    # request before the next one
+    failed = r"engine 0 failed inside the rollout of step 2: (generate|health request): the vLLM engine core process"
+    assert re.search(failed, done.stderr), [line for line in done.stderr.splitlines() if "engine 0" in line]
     assert "engine 0: starting it again (1 of rollout.engine_restarts=2)" in done.stderr
     records = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
