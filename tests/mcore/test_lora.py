@@ -12,7 +12,9 @@ One spawned rank:
     - three RL steps (test_train_step's ``_train``) train the adapters and leave every base weight
       bit-identical.
 Two spawned ranks: the same three steps at TP 2 and at PP 2 give TP 1's adapters (first-step
-gradients tightly, parameters within Adam's bound) and the same untouched base.
+gradients tightly, parameters within Adam's bound) and the same untouched base; CP 2 gives one
+rank's old pass, metrics and adapters; QKV and proj with adapters at TP 2, with and without
+sequence parallelism, give the float64 one-rank layers' outputs and gradients.
 """
 
 from __future__ import annotations
@@ -460,3 +462,118 @@ def test_adapter_sync_refuses_partial_rollouts(tmp_path):
     assert error.value.field == "weight_sync.lora_mode" and "partial" in error.value.reason
     whole = load_config(RunConfig, DEMO_RECIPE, base)
     _check_lora_sync(whole, whole.model_config())  # the control
+
+
+# --------------------------------------------------------------------------------------------
+# Sequence parallelism, at the layers (the trainer's needs the TE spec, which takes no adapters).
+
+
+def _sp_worker(rank: int, world_size: int, sequence_parallel: bool) -> dict:
+    """QKV (column-parallel) and proj (row-parallel) with adapters at TP 2, their weights the
+    TP shards of full ones drawn on every rank alike; forward and backward of a fixed input. The
+    replicated matrices' gradients summed over TP where they are marked ``sequence_parallel`` (as
+    Megatron's ``finalize_model_grads`` does). Returns the full outputs and every full gradient."""
+    import torch.distributed as dist
+
+    from megatron_empg.config import ParallelConfig, load_model_config
+    from megatron_empg.mcore.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
+    from megatron_empg.mcore.model import transformer_config
+    from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megatron_empg.mcore.weights import tp_partition, tp_slice
+
+    model = load_model_config(MODEL, LORA)
+    parallel = ParallelConfig(tensor_model_parallel_size=2)
+    groups = initialize_model_parallel(parallel, seed=3)
+    try:
+        config = transformer_config(
+            model,
+            parallel,
+            params_dtype=torch.float32,
+            use_cpu_initialization=True,
+            sequence_parallel=sequence_parallel,
+        )
+        h, q = model.hidden_size, model.num_attention_heads * model.kv_channels
+        out_qkv = q + 2 * model.num_query_groups * model.kv_channels
+        common = dict(config=config, init_method=torch.nn.init.zeros_, bias=False, lora=model.lora)
+        targets = model.lora.resolved_targets(moe=False)
+        qkv = LoraColumnParallelLinear(h, out_qkv, gather_output=False, role="qkv", targets=targets, **common)
+        proj = LoraRowParallelLinear(
+            q, h, input_is_parallel=True, skip_bias_add=True, role="proj", targets=targets, **common
+        )
+        g = torch.Generator().manual_seed(7)
+        full = {}
+        for prefix, layer in (("qkv", qkv), ("proj", proj)):
+            for name, param in layer.named_parameters():
+                shape = list(param.shape)
+                partition = tp_partition(param)
+                if partition is not None:
+                    shape[partition[0]] *= groups.tp_size
+                full[f"{prefix}.{name}"] = torch.randn(shape, generator=g) * 0.2
+                with torch.no_grad():
+                    param.copy_(tp_slice(full[f"{prefix}.{name}"], partition, groups.tp_rank, groups.tp_size))
+        x = torch.randn(8, 1, h, generator=g)
+        grad_out = torch.randn(8, 1, h, generator=g)
+        local = x.chunk(groups.tp_size)[groups.tp_rank] if sequence_parallel else x
+        local = local.clone().requires_grad_()
+        a, _ = qkv(local)
+        attn = a[..., : q // groups.tp_size].contiguous()  # this rank's heads' q part stands in for attention
+        y, _ = proj(attn)
+        y_grad = grad_out.chunk(groups.tp_size)[groups.tp_rank] if sequence_parallel else grad_out
+        y.backward(y_grad)
+        grads = {}
+        for prefix, layer in (("qkv", qkv), ("proj", proj)):
+            for name, param in layer.named_parameters():
+                grad = param.grad.clone()
+                if getattr(param, "sequence_parallel", False):
+                    dist.all_reduce(grad, group=groups.tp_group)
+                partition = tp_partition(param)
+                if partition is not None:
+                    parts = [torch.empty_like(grad) for _ in range(groups.tp_size)]
+                    dist.all_gather(parts, grad, group=groups.tp_group)
+                    grad = torch.cat(parts, dim=partition[0])
+                grads[f"{prefix}.{name}"] = grad
+        if sequence_parallel:
+            parts = [torch.empty_like(y) for _ in range(groups.tp_size)]
+            dist.all_gather(parts, y.detach(), group=groups.tp_group)
+            y = torch.cat(parts)
+        return {"y": y.detach(), "grads": grads, "full": full, "x": x, "grad_out": grad_out}
+    finally:
+        destroy_model_parallel()
+
+
+def _sp_reference(result: dict, tp: int) -> dict:
+    """The same two layers whole, in float64 (TP 1): each rank's q part as the attention stand-in."""
+    from megatron_empg.config import load_model_config
+
+    model = load_model_config(MODEL, LORA)
+    full = {k: v.double().requires_grad_() for k, v in result["full"].items()}
+    x = result["x"].double()
+    groups, scale = model.num_query_groups, model.lora.scale
+
+    def lora(prefix, target, inp):
+        return inp @ full[f"{prefix}.lora.{target}.lora_A"].t() @ full[f"{prefix}.lora.{target}.lora_B"].t()
+
+    fused = x @ full["qkv.weight"].t()
+    q_rows = full["qkv.lora.q_proj.lora_B"].shape[0]
+    delta_q = lora("qkv", "q_proj", x).reshape(8, 1, groups, -1)
+    delta_k = lora("qkv", "k_proj", x).reshape(8, 1, groups, -1)
+    delta_v = lora("qkv", "v_proj", x).reshape(8, 1, groups, -1)
+    fused = fused + scale * torch.cat((delta_q, delta_k, delta_v), -1).reshape(8, 1, -1)
+    # every rank's first q // tp columns of its own QKV shard: the rows of its query groups
+    shard = fused.shape[-1] // tp
+    attn = torch.cat([fused[..., r * shard : r * shard + q_rows // tp] for r in range(tp)], dim=-1)
+    y = attn @ full["proj.weight"].t() + scale * lora("proj", "o_proj", attn)
+    y.backward(result["grad_out"].double())
+    return {"y": y.detach().float(), "grads": {k: v.grad.float() for k, v in full.items()}}
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_adapted_linears_at_tp2_with_and_without_sequence_parallelism(sequence_parallel):
+    results = run_distributed(_sp_worker, 2, sequence_parallel, timeout=240)
+    reference = _sp_reference(results[0], 2)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["y"], reference["y"], rtol=1e-5, atol=1e-5, msg=f"rank {rank} output")
+        for name, grad in reference["grads"].items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
