@@ -567,13 +567,20 @@ def _sp_reference(result: dict, tp: int) -> dict:
     return {"y": y.detach().float(), "grads": {k: v.grad.float() for k, v in full.items()}}
 
 
+def _sp_both(rank: int, world_size: int) -> dict:
+    return {sp: _sp_worker(rank, world_size, sp) for sp in (False, True)}
+
+
 @pytest.mark.megatron
 @pytest.mark.dist
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-def test_adapted_linears_at_tp2_with_and_without_sequence_parallelism(sequence_parallel):
-    results = run_distributed(_sp_worker, 2, sequence_parallel, timeout=240)
-    reference = _sp_reference(results[0], 2)
-    for rank, result in enumerate(results):
-        torch.testing.assert_close(result["y"], reference["y"], rtol=1e-5, atol=1e-5, msg=f"rank {rank} output")
-        for name, grad in reference["grads"].items():
-            torch.testing.assert_close(result["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+def test_adapted_linears_at_tp2_with_and_without_sequence_parallelism():
+    per_rank = run_distributed(_sp_both, 2, timeout=240)
+    for sp in (False, True):
+        reference = _sp_reference(per_rank[0][sp], 2)
+        for rank, results in enumerate(per_rank):
+            result, what = results[sp], f"{'sp' if sp else 'tp2'} rank {rank}"
+            torch.testing.assert_close(result["y"], reference["y"], rtol=1e-5, atol=1e-5, msg=f"{what} output")
+            for name, grad in reference["grads"].items():
+                torch.testing.assert_close(
+                    result["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} {name}: {m}"
+                )
