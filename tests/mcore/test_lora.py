@@ -11,7 +11,7 @@ One spawned rank:
       and its pass runs the policy's base with the anchor's adapters (the policy's are back after);
     - three RL steps (test_train_step's ``_train``) train the adapters and leave every base weight
       bit-identical.
-Two spawned ranks: the same three steps at TP 2 and at PP 2 give TP 1's adapters (first-step
+Two spawned ranks: the same three steps at TP 2, PP 2 and PP 2 x VPP 2 give TP 1's adapters (first-step
 gradients tightly, parameters within Adam's bound) and the same untouched base; CP 2 gives one
 rank's old pass, metrics and adapters; QKV and proj with adapters at TP 2, with and without
 sequence parallelism, give the float64 one-rank layers' outputs and gradients.
@@ -222,9 +222,10 @@ def _reference_worker(rank: int, world_size: int, work: str) -> dict:
 def _layouts_worker(rank: int, world_size: int, full: dict) -> dict:
     from tests.mcore.test_train_step import _train
 
+    layouts = (("tp2", 2, 1, {}), ("pp2", 1, 2, {}), ("pp2vpp2", 1, 2, {"virtual_pipeline_model_parallel_size": 2}))
     return {
-        name: _train(tp, pp, False, full, 2, model=MODEL, model_overrides=LORA, inspect=_lora_state)
-        for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2))
+        name: _train(tp, pp, False, full, 2, model=MODEL, model_overrides=LORA, inspect=_lora_state, **fields)
+        for name, tp, pp, fields in layouts
     }
 
 
@@ -307,7 +308,7 @@ def test_rl_steps_train_the_adapters_and_leave_the_base(reference):
 @pytest.mark.megatron
 @pytest.mark.dist
 @pytest.mark.layout
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2vpp2"])
 def test_layouts_equal_tp1(reference, layouts, layout):
     from megatron_empg.mcore.weights import tp_slice
 
