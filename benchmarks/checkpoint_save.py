@@ -231,7 +231,7 @@ def _probes(profile: Profile, optimizer, anchor) -> None:
 def build_and_step(model_cfg, dtype: torch.dtype):
     """Policy + DDP + Adam + scheduler + EMA anchor as ``benchmarks/train_step.py`` builds them, after
     one RL step (k3 KL, 2 sequences of 32 tokens) so that Adam has its state."""
-    from train_step import _batch
+    from train_step import Case, _micro_batches, _samples
 
     from megatron_empg.config import LossConfig, OptimizerConfig, ParallelConfig
     from megatron_empg.mcore.anchor import EmaAnchor
@@ -252,7 +252,9 @@ def build_and_step(model_cfg, dtype: torch.dtype):
     vocab = model_cfg.vocab_size
     loss, _ = bind_loss(LossConfig(kl="k3", kl_coef=0.05), vocab_size=vocab, topk=0)
     device = torch.device("cuda") if CUDA else torch.device("cpu")
-    mbs = _batch(vocab, 2, 32, 2, device)
+    case = Case(tokens=32)  # two packed rows of one 32-token sequence each
+    samples, advantages = _samples(vocab, case, 2 * case.tokens, "full", seed=0)
+    mbs = _micro_batches(samples, advantages, case, device)
     for mb, stats in zip(mbs, forward_stats(ddp, mbs, StatsRequest(vocab_size=vocab, k=0), groups), strict=True):
         mb.old_logprobs = stats.logprobs
     request = StatsRequest(vocab_size=vocab, with_entropy=False)
