@@ -175,3 +175,27 @@ class EmaSchedule:
         if self.tau == 1:
             return math.inf
         return self.period * self.tau / (1.0 - self.tau)
+
+
+class ScheduledEma:
+    """What every EMA anchor does with its schedule: ``schedule`` (``EmaSchedule``), ``tau``,
+    ``num_updates`` (the updates made, restored from checkpoints), and ``maybe_update(step)`` calling
+    the subclass's ``update()`` when the schedule says so."""
+
+    def __init__(self, schedule: EmaSchedule) -> None:
+        self.schedule = schedule
+        self.num_updates = 0
+
+    @property
+    def tau(self) -> float:
+        return self.schedule.tau
+
+    def maybe_update(self, step: int) -> bool:
+        """``update()`` if the schedule says so after the optimizer step numbered ``step`` (from 1)."""
+        if not self.schedule.should_update(step):
+            return False
+        self.update()
+        return True
+
+    def update(self) -> None:
+        raise NotImplementedError

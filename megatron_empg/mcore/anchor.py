@@ -78,7 +78,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_empg.core.checks import check_finite
-from megatron_empg.core.ema import EmaSchedule, ema_update_
+from megatron_empg.core.ema import EmaSchedule, ScheduledEma, ema_update_
 from megatron_empg.mcore import cpu_shims
 
 cpu_shims.install_pre_import()
@@ -116,7 +116,7 @@ def _rng_preserved() -> Iterator[None]:
             tracker.set_states(states)
 
 
-class EmaAnchor:
+class EmaAnchor(ScheduledEma):
     """EMA anchor of a Megatron policy (see the module docstring).
 
     Args:
@@ -147,11 +147,10 @@ class EmaAnchor:
         compute_dtype: torch.dtype = torch.bfloat16,
         master_on_cpu: bool = False,
     ) -> None:
-        self.schedule = EmaSchedule(tau=tau, period=period, first_update=first_update)
+        super().__init__(EmaSchedule(tau=tau, period=period, first_update=first_update))
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={compute_dtype!r} must be one of {COMPUTE_DTYPES}")
         self.compute_dtype = compute_dtype
-        self.num_updates = 0
         policy_models = list(policy_models)
         ddp_configs = {getattr(m, "ddp_config", None) is not None for m in policy_models}
         if ddp_configs != {True}:
@@ -381,10 +380,6 @@ class EmaAnchor:
 
     # ------------------------------------------------------------------ the EMA
 
-    @property
-    def tau(self) -> float:
-        return self.schedule.tau
-
     def averages(self, name: str) -> bool:
         """Whether the master holds the parameter ``name`` (a chunk's local name): every one."""
         return True
@@ -393,13 +388,6 @@ class EmaAnchor:
     def forward_models(self) -> Iterator[list[GPTModel]]:
         """The chunks the anchor pass runs: the anchor's own."""
         yield self.models
-
-    def maybe_update(self, step: int) -> bool:
-        """``update()`` if the schedule says so after the optimizer step numbered ``step`` (from 1)."""
-        if not self.schedule.should_update(step):
-            return False
-        self.update()
-        return True
 
     def update(self) -> None:
         """``master <- tau * master + (1 - tau) * main`` (float32; local), then ``refresh()``.

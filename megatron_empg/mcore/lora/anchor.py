@@ -29,12 +29,12 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from megatron_empg.core.ema import EmaSchedule, ema_update_
+from megatron_empg.core.ema import EmaSchedule, ScheduledEma, ema_update_
 from megatron_empg.mcore.anchor_storage import main_params
 from megatron_empg.mcore.lora.model import is_adapter
 
 
-class AdapterAnchor:
+class AdapterAnchor(ScheduledEma):
     """EMA anchor over a LoRA policy's adapters (module docstring).
 
     Args:
@@ -46,8 +46,7 @@ class AdapterAnchor:
     def __init__(
         self, policy_models: Sequence[torch.nn.Module], optimizer, *, tau: float, period: int, first_update=None
     ) -> None:
-        self.schedule = EmaSchedule(tau=tau, period=period, first_update=first_update)
-        self.num_updates = 0
+        super().__init__(EmaSchedule(tau=tau, period=period, first_update=first_update))
         self.policy_models = list(policy_models)
         self.models = [getattr(m, "module", m) for m in self.policy_models]
         mains, sharded = main_params(optimizer)
@@ -72,20 +71,9 @@ class AdapterAnchor:
         self._values = {key: torch.empty_like(param) for key, param in self._params.items()}
         self.refresh()
 
-    @property
-    def tau(self) -> float:
-        return self.schedule.tau
-
     def averages(self, name: str) -> bool:
         """Whether the master holds the parameter ``name`` (a chunk's local name): the adapters'."""
         return is_adapter(name)
-
-    def maybe_update(self, step: int) -> bool:
-        """``update()`` if the schedule says so after the optimizer step numbered ``step`` (from 1)."""
-        if not self.schedule.should_update(step):
-            return False
-        self.update()
-        return True
 
     def update(self) -> None:
         """``master <- tau * master + (1 - tau) * main`` (float32), then ``refresh()``; a main
