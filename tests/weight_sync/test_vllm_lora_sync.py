@@ -14,7 +14,6 @@ started from the base's weights with LoRA on (``VllmEngine(lora=)``).
 from __future__ import annotations
 
 import itertools
-import math
 from pathlib import Path
 
 import pytest
@@ -23,45 +22,18 @@ import torch
 from megatron_empg.config import ParallelConfig, RolloutConfig, load_model_config
 from megatron_empg.weight_sync import gate, mapping
 from tests.dist import run_distributed
-from tests.weight_sync.test_bridge import single_engine
-from tests.weight_sync.test_vllm_sync import CONTINUATION, PROBE_LENGTH, SEED, TOLERANCE, _sgd_step
+from tests.weight_sync.test_vllm_sync import PROBE_LENGTH, SEED, TOLERANCE, _sgd_step, _sync_and_check
 
 pytestmark = [pytest.mark.dist, pytest.mark.megatron, pytest.mark.vllm]
 
 MODEL = "tiny-qwen3"  # head_dim 32 (vLLM's CPU attention has no 16)
 LORA = ("lora.rank=8", "lora.alpha=16", "lora.targets=[all-linear]")
-BUCKET_BYTES = 64_000
 
 
 def _check(chunks, model, groups, engine, transport, shards, version, probe) -> dict:
-    """Gate at tolerance inf (the difference before), sync ``shards``, gate at TOLERANCE."""
-    from megatron_empg.mcore.step import score_sequences
-    from megatron_empg.weight_sync.bridge import SyncGroups, round_trip_errors, sync_weights
-
-    placement = single_engine(groups)
-    feeding = SyncGroups(groups.tp_group, groups.pp_group, placement.feeds_engine)
-
-    def verify(version, tolerance):
-        return gate.verify_sync(
-            engine,
-            probe,
-            lambda sequences: score_sequences(chunks, sequences, model.vocab_size, groups),
-            version,
-            tolerance=tolerance,
-            continuation=CONTINUATION,
-            seed=1,
-            diagnose=lambda: round_trip_errors(shards, model, feeding, bucket_bytes=BUCKET_BYTES),
-            placement=placement,
-        )
-
-    result = {"before": verify("before", math.inf)}
-    report = sync_weights(shards, model, feeding, transport, version, bucket_bytes=BUCKET_BYTES, placement=placement)
-    result.update(report=report, adapter=bool(engine._adapter()))
-    try:
-        result["after"] = verify(version, TOLERANCE)
-    except gate.ConsistencyError as error:
-        result["error"] = str(error)
-    return result
+    """test_vllm_sync's gate, sync of ``shards``, gate; and whether the engine then serves an adapter."""
+    result = _sync_and_check(chunks, model, groups, engine, transport, version, probe, shards=shards)
+    return {**result, "adapter": bool(engine._adapter())}
 
 
 def _perturb_adapters(chunks, seed: int) -> None:

@@ -60,15 +60,15 @@ def _sgd_step(chunks, probe, groups, model) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _sync_and_check(chunks, model, groups, engine, transport, version, probe, placement=None) -> dict:
+def _sync_and_check(chunks, model, groups, engine, transport, version, probe, placement=None, shards=None) -> dict:
     """Gate with tolerance inf (the difference before; also fills the prefix cache), sync, gate;
     returns the numbers on the engine rank for the parent to assert. ``placement``: where the
-    engines are (None: one, on rank 0)."""
+    engines are (None: one, on rank 0); ``shards``: what is pushed (None: ``named_weight_shards``)."""
     from megatron_empg.mcore.step import score_sequences
     from megatron_empg.mcore.weights import named_weight_shards
     from megatron_empg.weight_sync.bridge import SyncGroups, round_trip_errors, sync_weights
 
-    shards = named_weight_shards(chunks)
+    shards = named_weight_shards(chunks) if shards is None else shards
     placement = placement or single_engine(groups)
     feeding = SyncGroups(groups.tp_group, groups.pp_group, placement.feeds_engine)
 
