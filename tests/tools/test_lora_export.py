@@ -147,3 +147,40 @@ def test_merge_refuses_another_base(exported, tmp_path):
         "convert_megatron_to_hf", [str(work / "run"), str(tmp_path / "out"), "--merge", "--base", str(other), *QUIET]
     )
     assert result["code"] == 2 and "--base" in result["stderr"] and "not the base" in result["stderr"]
+
+
+@pytest.mark.parametrize(
+    ("init_from", "overrides", "words"),
+    [
+        ("peft", LORA, None),  # the control: the adapter on its base binds
+        ("peft", (), "is a PEFT LoRA adapter; the model has none"),
+        ("peft", ("lora.rank=8", "lora.alpha=8", "lora.targets=[all-linear]"), "the PEFT adapter is lora.rank=4"),
+        ("run", LORA, "holds a LoRA policy's adapters only"),  # adapters alone: no base to start from
+    ],
+    ids=["adapter", "no_lora", "other_rank", "adapter_checkpoint"],
+)
+def test_bind_checks_a_lora_init_from_naming_the_field(exported, tmp_path, init_from, overrides, words):
+    from megatron_empg.config import ConfigError, RunConfig, load_config
+    from megatron_empg.trainer.bind.build import bind
+    from tests.trainer.demo_runs import DEMO_RECIPE
+
+    work = exported["work"]
+    config = load_config(
+        RunConfig,
+        DEMO_RECIPE,
+        [
+            f"model={MODEL}",
+            f"model_overrides={json.dumps(list(overrides))}",
+            f"checkpoint.init_from={work / init_from}",
+            f"tokenizer={work / 'base'}",
+            f"logging.dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'run' / 'checkpoints'}",
+            "optimizer.use_distributed_optimizer=false",
+        ],
+    )
+    if words is None:
+        assert bind(config, 1).model.lora.rank == 4
+        return
+    with pytest.raises(ConfigError) as error:
+        bind(config, 1)
+    assert error.value.field == "checkpoint.init_from" and words in error.value.reason, error.value

@@ -311,7 +311,6 @@ def _check_lora(config: RunConfig, model: ModelConfig, attention: AttentionChoic
             "optimizer.use_distributed_optimizer",
             "a LoRA policy trains only its adapters, whose optimizer state is small: set it false",
         )
-    _check_peft_init(config, model)
     anchor = config.algorithm.anchor
     if anchor.compute_dtype == "float8_e4m3fn" or anchor.master_on_cpu:
         field = "compute_dtype" if anchor.compute_dtype == "float8_e4m3fn" else "master_on_cpu"
@@ -339,38 +338,6 @@ def _check_lora_sync(config: RunConfig, model: ModelConfig) -> None:
     if config.rollout.partial:
         raise ConfigError(
             field, "adapter cannot take rollout.partial (a running request keeps its adapter); use merged"
-        )
-
-
-def _check_peft_init(config: RunConfig, model: ModelConfig) -> None:
-    """A PEFT adapter as ``checkpoint.init_from``: adapters this model takes, the same as
-    ``model.lora``'s, on a local base."""
-    from megatron_empg.config.peft import lora_overrides
-    from megatron_empg.mcore.lora.base import base_path, peft_adapter
-
-    field = "checkpoint.init_from"
-    try:
-        adapter = peft_adapter(config.checkpoint.init_from)
-        if adapter is None:
-            return
-        wanted = lora_overrides(adapter, f"{config.checkpoint.init_from}/adapter_config.json")
-        base_path(config.checkpoint.init_from)
-    except (ValueError, OSError) as error:
-        raise ConfigError(field, str(error)) from None
-    lora = model.lora
-    have = lora_overrides(
-        {
-            "peft_type": "LORA",
-            "r": lora.rank,
-            "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout,
-            "target_modules": list(lora.resolved_targets(moe=model.is_moe)),
-        },
-        "model.lora",
-    )
-    if sorted(have) != sorted(wanted):
-        raise ConfigError(
-            field, f"the PEFT adapter is {', '.join(wanted)}; model.lora is {', '.join(have)}: set model_overrides so"
         )
 
 
