@@ -74,36 +74,30 @@ def write_merged(args: argparse.Namespace, reader: ModelCheckpointReader, model:
 
     from megatron_empg.mcore.checkpoint import copy_hf_assets
     from megatron_empg.mcore.convert import atomic_output_dir
+    from megatron_empg.weight_sync.hf_files import read_header
     from tools.safetensors_stream import PlannedTensor, SafetensorsShardWriter
 
     base = base_directory(args, reader.info)
     deltas = adapters(reader)
     scale = model.lora.scale
-    files = sorted(base.glob("*.safetensors"))
-    shapes, dtypes = {}, set()
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                piece = f.get_slice(name)
-                shapes[name] = (file, tuple(piece.get_shape()))
-                dtypes.add(getattr(torch, {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[piece.get_dtype()]))
+    stored = {file: read_header(file) for file in sorted(base.glob("*.safetensors"))}  # names, shapes, dtypes
+    dtypes = {t.dtype for tensors in stored.values() for t in tensors.values()}
     dtype = resolve_dtype(args.dtype, dtypes, f"base {base}")
     merged = set()
     with atomic_output_dir(args.out) as tmp:
-        planned = [PlannedTensor(name, shape, dtype) for name, (_, shape) in shapes.items()]
+        planned = [PlannedTensor(n, t.shape, dtype) for tensors in stored.values() for n, t in tensors.items()]
         writer = SafetensorsShardWriter(tmp, planned, args.max_shard_size)
-        for name, (file, _) in shapes.items():
+        for file, tensors in stored.items():
             with safe_open(str(file), framework="pt") as f:
-                tensor = f.get_tensor(name)
-            stem = name.removesuffix(".weight")
-            a, b = (
-                deltas.get(f"base_model.model.{stem}.lora_A.weight"),
-                deltas.get(f"base_model.model.{stem}.lora_B.weight"),
-            )
-            if a is not None and b is not None:
-                tensor = tensor.float() + scale * (b.float() @ a.float())
-                merged.add(stem)
-            writer.write(name, tensor.to(dtype))
+                for name in tensors:
+                    tensor = f.get_tensor(name)
+                    stem = name.removesuffix(".weight")
+                    a = deltas.get(f"base_model.model.{stem}.lora_A.weight")
+                    b = deltas.get(f"base_model.model.{stem}.lora_B.weight")
+                    if a is not None and b is not None:
+                        tensor = tensor.float() + scale * (b.float() @ a.float())
+                        merged.add(stem)
+                    writer.write(name, tensor.to(dtype))
         writer.close()
         unmatched = sorted({k.rsplit(".lora_", 1)[0].removeprefix("base_model.model.") for k in deltas} - merged)
         if unmatched:
