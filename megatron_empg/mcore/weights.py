@@ -248,7 +248,9 @@ def load_full_state_dict(
         )
 
 
-def named_weight_shards(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:
+def named_weight_shards(
+    chunks: Sequence[torch.nn.Module], *, adapters: bool = False
+) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:
     """This rank's parameters as (global name, local tensor, TP partition) for a weight sync.
 
     ``chunks`` may be DDP-wrapped. The partition is ``tp_partition``'s (None: replicated over TP;
@@ -256,15 +258,16 @@ def named_weight_shards(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, to
     the parameters themselves (no copy), a stacked expert weight's rows views of it
     (``split_experts``). Experts carry their global index: each expert-parallel rank names only its own.
     A LoRA policy's adapted linears give their merged weights (new tensors; ``mcore.lora.weights``)
-    under the base's names, and the adapters nothing: the engine serves the merged model.
+    under the base's names, and the adapters nothing: the engine serves the merged model. With
+    ``adapters``, the adapters alone instead (the ``adapter`` weight sync: ``mcore.lora.sync``).
     """
     out = []
     for chunk in chunks:
         module = getattr(chunk, "module", chunk)
         offset, experts = layer_offset(module), expert_offset(module)
-        merged = merged_weights(module)
+        merged = {} if adapters else merged_weights(module)
         for name, param in module.named_parameters():
-            if is_adapter(name):
+            if is_adapter(name) != adapters:
                 continue
             tensor = merged.get(name, param)
             for expert, view, partition in split_experts(name, tensor, tp_partition(param)):

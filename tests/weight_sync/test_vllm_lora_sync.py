@@ -66,7 +66,7 @@ def _worker(rank: int, world_size: int, base_dir: str) -> dict:
     engine = VllmEngine(base_dir, rollout, lora=model.lora)  # the base's weights
     transport = InProcessTransport(engine)
     probe = gate.probe_batch(2, PROBE_LENGTH, model.vocab_size, seed=0)
-    adapters = lambda: lora_weights.named_adapter_shards(chunks)  # noqa: E731
+    adapters = lambda: named_weight_shards(chunks, adapters=True)  # noqa: E731
     out = {"adapter": _check(chunks, model, groups, engine, transport, adapters(), "a-1", probe)}
     _sgd_step(chunks, probe, groups, model)  # the adapters only require a gradient
     out["adapter_step"] = _check(chunks, model, groups, engine, transport, adapters(), "a-2", probe)

@@ -3,7 +3,7 @@
     merged    every weight under HF's names, each adapted projection's as ``W + (alpha / r) B A``
               (``mcore.weights.named_weight_shards``); the engine serves the merged model, any
               engine, the bytes of the whole model per sync
-    adapter   the adapters only, under PEFT's names (``mcore.lora.weights.named_adapter_shards``);
+    adapter   the adapters only, under PEFT's names (``mcore.weights.named_weight_shards(adapters=True)``);
               the engine keeps the base it started from and serves them as a LoRA adapter (vLLM's
               ``LoRARequest``): the bytes of the adapters per sync
 
@@ -34,9 +34,9 @@ class AdapterWeights:
     engine_holds_base = True
 
     def shards(self, chunks: Sequence) -> list:
-        from megatron_empg.mcore.lora.weights import named_adapter_shards
+        from megatron_empg.mcore.weights import named_weight_shards
 
-        return named_adapter_shards(chunks)
+        return named_weight_shards(chunks, adapters=True)
 
 
 LORA_SYNC_MODES: dict[str, type] = {"merged": MergedWeights, "adapter": AdapterWeights}

@@ -39,19 +39,3 @@ def merged_weights(module: torch.nn.Module) -> dict[str, Tensor]:
     from megatron_empg.mcore.lora.model import adapters
 
     return {f"{name}.weight": merged_weight(linear) for name, linear in adapters(module)}
-
-
-def named_adapter_shards(chunks) -> list[tuple[str, Tensor, tuple[int, int] | None]]:
-    """This rank's adapters as (global name, local tensor, TP partition): what the ``adapter``
-    weight sync pushes (the bridge gathers the TP shards and names them as PEFT does)."""
-    from megatron_empg.mcore import weights
-    from megatron_empg.mcore.lora.model import is_adapter
-
-    out = []
-    for chunk in chunks:
-        module = getattr(chunk, "module", chunk)
-        offset = weights.layer_offset(module)
-        for name, param in module.named_parameters():
-            if is_adapter(name):
-                out.append((weights.global_name(name, offset), param, weights.tp_partition(param)))
-    return out
