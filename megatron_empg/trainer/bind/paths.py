@@ -8,7 +8,8 @@ A HF directory is checked as tools/convert_hf_to_megatron.py checks one (``weigh
 ``config.json`` readable and of a known architecture, the safetensors' headers complete, every
 tensor present) and its model compared with the run's field by field; a checkpoint must be complete
 (``mcore.checkpoint.checkpoint_problem``, as tools/convert_megatron_to_hf.py requires) and its saved
-model config equal the run's (``check_checkpoint_model``, also run for ``--resume``).
+model config equal the run's (``trainer.run.run_dir.check_checkpoint_model``, also run for
+``--resume``).
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def _check_checkpoint(field: str, path: Path, model: ModelConfig) -> None:
             f"{path} holds a LoRA policy's adapters only: start from their base ({_lora_base(path)}) and take "
             "the adapters with checkpoint.continue_from",
         )
+    from megatron_empg.trainer.run.run_dir import check_checkpoint_model
+
     check_checkpoint_model(field, path, model)
 
 
@@ -131,25 +134,3 @@ def _lora_base(directory: Path) -> str | None:
 
     base = read_checkpoint_info(directory).get("lora_base")
     return None if base is None else base["path"]
-
-
-def check_checkpoint_model(field: str, directory: Path, model: ModelConfig) -> None:
-    """The model config saved in the checkpoint ``directory`` must equal ``model`` in every field
-    that decides the tensors (``weight_sync.hf_files.ARCHITECTURE_FIELDS``); a checkpoint saved
-    without one is checked by name only, when it loads."""
-    from megatron_empg.mcore.checkpoint.files import MODEL_CONFIG_FILE, read_model_config
-    from megatron_empg.weight_sync.hf_files import architecture_differences
-
-    if not (directory / MODEL_CONFIG_FILE).is_file():
-        return
-    try:
-        saved = read_model_config(directory)
-    except ConfigError as error:
-        raise ConfigError(field, f"{directory / MODEL_CONFIG_FILE}: {error}") from None
-    differences = architecture_differences(saved, model)
-    if differences:
-        raise ConfigError(
-            field,
-            f"{directory} holds model {saved.name!r} of other shapes than this run's model {model.name!r} "
-            f"(saved != this run's): {'; '.join(differences)}",
-        )

@@ -43,7 +43,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_empg.config import ConfigError, RunConfig
+from megatron_empg.config import ConfigError, ModelConfig, RunConfig
 from megatron_empg.trainer.run.phase_limits import PHASE_TIMES
 
 RESTARTS_FILE = "engine-restarts.json"  # rollout.engine_restarts spent (trainer.engines.restart_budget)
@@ -194,8 +194,6 @@ def check_start(config: RunConfig, *, resume: bool, overwrite: bool, previous: d
     earlier = f"{len(steps)} records, steps {min(steps)}-{max(steps)}" if steps else ""
     if resume:
         if found is not None:  # of this run's model: other shapes would fail deep inside Megatron's load
-            from megatron_empg.trainer.bind.paths import check_checkpoint_model
-
             check_checkpoint_model("checkpoint.dir", found.path, config.model_config())
             return
         same_run = previous is not None and previous.get("checkpoint_dir") == str(checkpoint_dir.resolve())
@@ -261,4 +259,26 @@ def check_fresh_start(config: RunConfig) -> None:
         raise RunDirectoryError(
             f"checkpoint.dir={config.checkpoint.dir} holds checkpoints of an earlier run (newest: "
             f"{found.path.name}): pass --resume to continue it, or give this run another checkpoint.dir"
+        )
+
+
+def check_checkpoint_model(field: str, directory: Path, model: ModelConfig) -> None:
+    """The model config saved in the checkpoint ``directory`` must equal ``model`` in every field
+    that decides the tensors (``weight_sync.hf_files.ARCHITECTURE_FIELDS``); a checkpoint saved
+    without one is checked by name only, when it loads."""
+    from megatron_empg.mcore.checkpoint.files import MODEL_CONFIG_FILE, read_model_config
+    from megatron_empg.weight_sync.hf_files import architecture_differences
+
+    if not (directory / MODEL_CONFIG_FILE).is_file():
+        return
+    try:
+        saved = read_model_config(directory)
+    except ConfigError as error:
+        raise ConfigError(field, f"{directory / MODEL_CONFIG_FILE}: {error}") from None
+    differences = architecture_differences(saved, model)
+    if differences:
+        raise ConfigError(
+            field,
+            f"{directory} holds model {saved.name!r} of other shapes than this run's model {model.name!r} "
+            f"(saved != this run's): {'; '.join(differences)}",
         )
