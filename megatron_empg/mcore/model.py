@@ -371,5 +371,7 @@ def build_gpt_model(
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
     if model.lora is not None and config.perform_initialization and not meta_device:
-        lora_model.initialize_adapters(chunks, model.lora, lora_seed)
+        from megatron_empg.mcore.lora.init import initialize_adapters
+
+        initialize_adapters(chunks, model.lora, lora_seed)
     return chunks

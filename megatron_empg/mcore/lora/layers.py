@@ -27,7 +27,7 @@ linear gets ``[s / TP, b, in]``, a row-parallel one ``[s, b, in / TP]``)::
 gate rows, then its up rows), proj and fc2 whole. A part without an adapter gets zeros. Context
 parallelism and pipeline stages need nothing: the adapters act per token and per layer.
 
-The adapters' parameters are allocated here and drawn by ``mcore.lora.model.initialize_adapters``
+The adapters' parameters are allocated here and drawn by ``mcore.lora.init.initialize_adapters``
 (from the run's seed and each adapter's global name, so that every layout starts alike).
 ``sharded_state_dict`` adds the adapters to the base linear's checkpoint entries with their TP axes.
 """

@@ -6,20 +6,15 @@ proj, and fc1 and fc2 on a dense MLP) where ``lora``'s targets adapt them. ``fin
 the adapters trainable: Megatron's DDP and optimizer take parameters that require a
 gradient, so the base gets no gradient buffer, no optimizer state and no float32 master.
 
-``initialize_adapters`` draws each adapter's A from a generator seeded with the run's seed and the
-adapter's global name (the full model's layer index), whole, then takes this rank's TP shard: every
-parallel layout starts from the same adapters. B starts at zero, so the adapted model starts as its
-base (PEFT's default).
+The adapters' first values: ``mcore.lora.init``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 
@@ -83,31 +78,3 @@ def adapters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     for name, module in chunk.named_modules():
         if isinstance(getattr(module, "lora", None), torch.nn.ModuleDict) and len(module.lora):
             yield name, module
-
-
-@torch.no_grad()
-def initialize_adapters(chunks: Sequence[torch.nn.Module], lora: LoraConfig, seed: int) -> None:
-    """A of each adapter drawn whole from (``seed``, its global name), this rank's TP shard taken;
-    B zeros (module docstring)."""
-    from megatron_empg.mcore import weights
-    from megatron_empg.mcore.lora.layers import COLUMN_ROLES
-
-    for chunk in chunks:
-        module = getattr(chunk, "module", chunk)
-        offset = weights.layer_offset(module)
-        for name, linear in adapters(module):
-            tp, tp_rank = linear.tp_group.size(), linear.tp_group.rank()
-            for target, pair in linear.lora.items():
-                key = weights.global_name(f"{name}.lora.{target}.lora_A", offset)
-                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-                column = linear.lora_role in COLUMN_ROLES
-                inputs = pair.lora_A.shape[1] * (1 if column else tp)
-                full = torch.empty(lora.rank, inputs, dtype=torch.float32)
-                if lora.init == "kaiming":  # torch.nn.Linear's (PEFT's default): bound 1 / sqrt(in)
-                    torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
-                else:
-                    torch.nn.init.normal_(full, std=1 / lora.rank, generator=generator)
-                if not column:
-                    full = full.chunk(tp, dim=1)[tp_rank]
-                pair.lora_A.copy_(full)
-                pair.lora_B.zero_()
