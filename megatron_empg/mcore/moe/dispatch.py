@@ -113,8 +113,3 @@ class GroupedMoELayer(MoELayer):
             self.token_dispatcher = LocalTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config, pg_collection
             )
-
-    @property
-    def host_sync_free(self) -> bool:
-        """Whether routing and dispatch read nothing on the host (``LocalTokenDispatcher``)."""
-        return isinstance(self.token_dispatcher, LocalTokenDispatcher)
