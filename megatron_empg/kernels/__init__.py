@@ -65,3 +65,20 @@ def vocab_topk_kernel(logits: Tensor, k: int) -> Callable[..., tuple[Tensor, Ten
     from megatron_empg.kernels import topk_triton  # triton imported: vocab_logprob_kernels did
 
     return topk_triton.topk if k <= topk_triton.MAX_K else None
+
+
+def fp8_rows() -> Callable[[Tensor], tuple[Tensor, Tensor]] | None:
+    """``fp8_rows_triton.quantize_rows`` (the row-wise FP8 quantization of ``core.fp8`` in one
+    kernel), or None where triton is missing or ``EMPG_VOCAB_KERNEL`` is ``torch``."""
+    if vocab_kernel_mode() == "torch":
+        return None
+    return _fp8_rows_or_none()
+
+
+@functools.cache
+def _fp8_rows_or_none() -> Callable[[Tensor], tuple[Tensor, Tensor]] | None:
+    try:
+        from megatron_empg.kernels import fp8_rows_triton
+    except ImportError:
+        return None
+    return fp8_rows_triton.quantize_rows
