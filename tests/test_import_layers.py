@@ -60,6 +60,7 @@ MODULE_LEVEL: dict[str, dict[str, bool]] = {
         **VERSION_GATES,
         "megatron": True,
         "megatron_empg.core": True,
+        "megatron_empg.kernels": True,  # the FP8 anchor's row quantization
         "megatron_empg.parallel": True,
         "megatron_empg.mcore": True,
         "megatron_empg.config": True,

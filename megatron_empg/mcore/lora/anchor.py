@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from megatron_empg.core.ema import EmaSchedule, ScheduledEma, ema_update_
-from megatron_empg.mcore.anchor_storage import main_params
+from megatron_empg.mcore.anchor.layout import main_params
 from megatron_empg.mcore.lora.model import is_adapter
 
 

@@ -41,6 +41,7 @@ SwiGLU is ``mcore.moe.gemm.WeightedSwiGLU`` (compiled once, fused backward) wher
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,6 +90,8 @@ class GroupedExperts(MegatronModule):
 
     gemm_path: str = "auto"
     swiglu_backend: str | None = None
+    # ``(x, weight, offsets, path=...) -> y``: the FP8 anchor swaps in its scaled grouped matmul
+    grouped_linear: Callable[..., Tensor] = staticmethod(gemm.grouped_linear)
 
     def __init__(self, num_local_experts: int, config, *, pg_collection=None, name: str | None = None) -> None:
         super().__init__(config=config)
@@ -151,9 +154,9 @@ class GroupedExperts(MegatronModule):
             probs = torch.ones_like(probs)
         offsets = gemm.group_offsets(tokens_per_expert, x.device)
         path = None if self.gemm_path == "auto" else self.gemm_path
-        fc1 = gemm.grouped_linear(x, self.linear_fc1.weight, offsets, path=path)
+        fc1 = self.grouped_linear(x, self.linear_fc1.weight, offsets, path=path)
         hidden = gemm.weighted_swiglu(fc1, probs, fused=self.fused_swiglu, backend=self.swiglu_backend)
-        return gemm.grouped_linear(hidden, self.linear_fc2.weight, offsets, path=path), None
+        return self.grouped_linear(hidden, self.linear_fc2.weight, offsets, path=path), None
 
     def backward_dw(self) -> None:
         """No deferred weight gradients: autograd computes them in the backward pass."""

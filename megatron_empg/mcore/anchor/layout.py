@@ -1,5 +1,6 @@
 """Where the EMA anchor's numbers live (``mcore.anchor``): the optimizer's float32 main parameters
 its master pairs with, the flat buffers mirroring the policy's DDP buffers, and their all-gathers.
+What the values are stored as (bf16, FP8, TE FP8) is ``anchor.storage``'s.
 
 Distributed optimizer: the all-gather of the refresh. The anchor's weights of each policy DDP
 buffer live in one flat tensor with *that buffer's layout* (``param_index_map``, padded buckets
@@ -61,8 +62,14 @@ class Param:
     offset: int | None  # param's start in that flat buffer
     te_fp8: bool  # a Transformer Engine FP8 tensor
     policy: Tensor | None  # the policy's parameter (construction only)
-    fp8: Tensor | None = None  # emulated FP8 storage, param-shaped
+    fp8: Tensor | None = None  # row-wise FP8 storage, param-shaped (``storage.RowwiseFp8``)
     entry: Entry | None = None
+
+    @property
+    def rows(self) -> int:
+        """The rows of the row-wise FP8 scales: all dimensions but the last (a matrix's dim 0,
+        ``G x N`` of stacked experts ``[G, N, K]``), one for a vector."""
+        return self.param.numel() // self.param.shape[-1] if self.param.dim() >= 2 else 1
 
 
 @dataclasses.dataclass(eq=False)
