@@ -143,11 +143,15 @@ class AnchorConfig(Config):
     """Optimizer step of the first update (>= 1), the next ones ``period`` apart; null: ``period``."""
     compute_dtype: AnchorDtype = "bfloat16"
     """The dtype of the anchor's forward weights (the master stays float32)."""
-    fp8: Literal["auto", "te", "emulated"] = "auto"
-    """With ``compute_dtype`` float8_e4m3fn: ``te`` stores Transformer Engine FP8 parameters
+    fp8: Literal["auto", "te", "torch", "emulated"] = "auto"
+    """With ``compute_dtype`` float8_e4m3fn, how the anchor stores and runs FP8: ``torch`` keeps
+    the decoder's linear weights as float8_e4m3fn with one scale per row (half the bf16 bytes) and
+    multiplies them by the per-token quantized input through ``torch._scaled_mm`` (GPU sm89+; the
+    CPU has a slow kernel); ``emulated`` stores the same and computes the same product in float32
+    from the dequantized operands (any machine); ``te`` Transformer Engine FP8 parameters
     (``fp8_param``; GPU with TE, not with the distributed optimizer, whose buffers would need the
-    policy in FP8 too), ``emulated`` FP8 values with per-tensor scales in the forward dtype (any
-    machine: the arithmetic without the memory saving), ``auto`` TE where it can, else emulated."""
+    policy in FP8 too); ``auto`` TE where it can, else torch where the GPU multiplies in FP8, else
+    emulated. Embeddings, the output layer and norms keep the dequantized values in the forward dtype."""
     master_on_cpu: bool = False
     """Keep the float32 master in pinned host memory (GPU), to save GPU memory."""
 
@@ -158,9 +162,9 @@ class AnchorConfig(Config):
             raise ConfigError("period", f"must be >= 1, got {self.period!r}")
         if self.first_update is not None and self.first_update < 1:
             raise ConfigError("first_update", f"must be >= 1 or null, got {self.first_update!r}")
-        if self.fp8 == "te" and self.compute_dtype != "float8_e4m3fn":
+        if self.fp8 != "auto" and self.compute_dtype != "float8_e4m3fn":
             raise ConfigError(
-                "fp8", f"te stores FP8 weights: it needs compute_dtype float8_e4m3fn, got {self.compute_dtype}"
+                "fp8", f"{self.fp8} stores FP8 weights: it needs compute_dtype float8_e4m3fn, got {self.compute_dtype}"
             )
 
 

@@ -205,8 +205,16 @@ def _describe(components) -> str:
         f"{c.weight_sync.transport}, max staleness {c.rollout.max_staleness}"
         f"{' with partial rollouts' if c.rollout.partial else ''}\n"
         f"attention {components.attention.describe()}; on a GPU: {_fusions(components.attention)}\n"
-        f"{_experts(components)}"
+        f"{_experts(components)}{_anchor(components)}"
     )
+
+
+def _anchor(components) -> str:
+    """An FP8 anchor's line: which storage runs here and why."""
+    if components.config.algorithm.anchor.compute_dtype != "float8_e4m3fn" or not components.stats.anchor:
+        return ""
+    kind, why = components.anchor_storage
+    return f"anchor FP8 storage {kind} ({why})\n"
 
 
 def _experts(components) -> str:

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_empg.trainer.bind import machine
 from megatron_empg.trainer.bind.build import Components
 from megatron_empg.trainer.run.start import load_initial_weights
 
@@ -104,16 +103,14 @@ def build_anchor(components: Components, policy: Policy) -> EmaAnchor | AdapterA
         return AdapterAnchor(
             policy.models, policy.optimizer, tau=anchor.tau, period=anchor.period, first_update=anchor.first_update
         )
-    te_fp8 = machine.te_fp8(config)
-    fp8 = (
-        " (Transformer Engine FP8)" if te_fp8 else " (emulated FP8)" if anchor.compute_dtype == "float8_e4m3fn" else ""
-    )
+    storage, why = components.anchor_storage
     log.info(
-        "EMA anchor: tau %g every %d optimizer steps, %s weights%s",
+        "EMA anchor: tau %g every %d optimizer steps, %s weights, %s storage (%s)",
         anchor.tau,
         anchor.period,
         anchor.compute_dtype,
-        fp8,
+        storage,
+        why,
     )
     return EmaAnchor.from_configs(
         components.model,
@@ -125,7 +122,8 @@ def build_anchor(components: Components, policy: Policy) -> EmaAnchor | AdapterA
         first_update=anchor.first_update,
         compute_dtype=DTYPES[anchor.compute_dtype],
         master_on_cpu=anchor.master_on_cpu,
-        te_fp8=te_fp8,
+        fp8=storage if storage in ("emulated", "torch") else "emulated",
+        te_fp8=storage == "te",
         **_routing_replay(components),
     )
 

@@ -39,6 +39,23 @@ LAYOUTS = {  # name: (world size, overrides)
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
     "pp2": (2, ["parallel.pipeline_model_parallel_size=2"]),
     "dp2_distopt": (2, ["optimizer.use_distributed_optimizer=true"]),
+    # the row-wise FP8 anchor: the decoder's linears as FP8, the rest dequantized (and, sharded, a
+    # flat FP8 buffer of everything for the gather)
+    "tp2_fp8": (2, ["parallel.tensor_model_parallel_size=2", "algorithm.anchor.compute_dtype=float8_e4m3fn"]),
+    "dp2_distopt_fp8": (
+        2,
+        ["optimizer.use_distributed_optimizer=true", "algorithm.anchor.compute_dtype=float8_e4m3fn"],
+    ),
+    # grouped experts in FP8 too; their flat buffers over expert-DP
+    "moe_ep2_fp8": (
+        2,
+        [
+            "model=tiny-qwen3-moe",
+            "parallel.expert_model_parallel_size=2",
+            "algorithm.anchor.compute_dtype=float8_e4m3fn",
+            "model_overrides=[moe_experts=grouped]",
+        ],
+    ),
     # experts split over EP 2, their optimizer state over expert-DP 1, the rest over DP 2
     "moe_ep2_distopt": (
         2,
@@ -60,6 +77,7 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
     """Per layout: this rank's pipeline stage and the bytes of each held term, from the objects."""
     from megatron_empg.core.microbatch import MicroBatch
     from megatron_empg.mcore.anchor import EmaAnchor
+    from megatron_empg.mcore.anchor.storage import storage_params
     from megatron_empg.mcore.model import build_gpt_model
     from megatron_empg.mcore.optimizer import build_optimizer, build_scheduler, wrap_with_ddp
     from megatron_empg.mcore.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -82,10 +100,11 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
                 anchor = AdapterAnchor(ddp, optimizer, tau=0.9, period=1)
                 anchor_weights = anchor.weight_bytes()
             else:
+                dtype = getattr(torch, config.algorithm.anchor.compute_dtype)
                 anchor = EmaAnchor.from_configs(
-                    model, config.parallel, ddp, optimizer, tau=0.9, period=1, compute_dtype=torch.bfloat16
+                    model, config.parallel, ddp, optimizer, tau=0.9, period=1, compute_dtype=dtype
                 )
-                anchor_weights = _bytes(p for c in anchor.models for p in c.parameters())
+                anchor_weights = storage_params(anchor.params)
             ids = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
             mb = MicroBatch(
                 ids,
@@ -133,7 +152,7 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def measured() -> dict:
     results = {"tp1": run_distributed(_measure, 1, ["tp1"])[0]["tp1"]}
-    two = ["tp2", "pp2", "dp2_distopt", "moe_ep2_distopt", "lora_tp2"]
+    two = ["tp2", "pp2", "dp2_distopt", "tp2_fp8", "dp2_distopt_fp8", "moe_ep2_distopt", "moe_ep2_fp8", "lora_tp2"]
     for rank_result in run_distributed(_measure, 2, two, timeout=300):
         for name, values in rank_result.items():
             results.setdefault(name, []).append(values)

@@ -52,6 +52,7 @@ from megatron_empg.rollout.engine import ROUTED_EXPERT_LIMIT
 from megatron_empg.rollout.engines import ENGINES, EngineKind
 from megatron_empg.rollout.rewards import RewardFn
 from megatron_empg.tasks.registry import REWARDS
+from megatron_empg.trainer.bind import anchor_kind
 from megatron_empg.trainer.bind.layout import Layout, check_layout, engine_kind
 from megatron_empg.trainer.bind.paths import check_paths_of
 from megatron_empg.weight_sync.transport import TRANSPORTS
@@ -69,7 +70,8 @@ class Components:
     ``transport``: ``build(engine, weight_sync_config)`` of ``weight_sync.transport``.
     ``attention``: what ``model.attention_backend`` resolved to on this machine, ``experts`` what
     ``model.moe_experts`` did (None for a dense model); ``model`` holds the resolved names, so that
-    every model of the run is built alike.
+    every model of the run is built alike. ``anchor_storage``: the EMA anchor's storage kind here
+    and why (``anchor_kind.anchor_storage``).
     """
 
     config: RunConfig
@@ -83,6 +85,7 @@ class Components:
     transport: Callable
     attention: AttentionChoice
     experts: ExpertsChoice | None = None
+    anchor_storage: tuple[str, str] = ("plain", "")
 
 
 def bind(
@@ -129,7 +132,18 @@ def bind(
     if check_paths:
         check_paths_of(config, model)
     components = Components(
-        config, model, layout, advantage, loss_fn, stats, reward, engine, transport, attention, experts
+        config,
+        model,
+        layout,
+        advantage,
+        loss_fn,
+        stats,
+        reward,
+        engine,
+        transport,
+        attention,
+        experts,
+        anchor_kind.anchor_storage(config),
     )
     if device_bytes is not None:
         from megatron_empg.trainer.bind.memory_fixes import check_memory

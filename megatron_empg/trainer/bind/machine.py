@@ -1,8 +1,7 @@
 """What only the machine a run starts on can tell, checked before its engine starts (the config is
 ``trainer.bind.build``'s): room in ``weight_sync.shm_dir`` for a weight-sync bucket file, a GPU with
 Transformer Engine for a TE FP8 anchor, an engine that returns its routing on this device for router
-replay, the memory plan against this GPU; and which FP8 anchor
-``algorithm.anchor.fp8: auto`` means here.
+replay, the memory plan against this GPU.
 """
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron_empg.config import ConfigError, ModelConfig, RunConfig
+from megatron_empg.trainer.bind.anchor_kind import fp8_matmul_possible, te_fp8_possible
 
 
 def check_machine(config: RunConfig, model: ModelConfig, *, engine_rank: bool) -> None:
@@ -35,6 +35,13 @@ def check_machine(config: RunConfig, model: ModelConfig, *, engine_rank: bool) -
             "algorithm.anchor.fp8",
             "te needs a GPU and Transformer Engine (the NGC container); use fp8: emulated or auto elsewhere",
         )
+    if config.algorithm.anchor.fp8 == "torch" and torch.cuda.is_available() and not fp8_matmul_possible():
+        major, minor = torch.cuda.get_device_capability()
+        raise ConfigError(
+            "algorithm.anchor.fp8",
+            f"torch multiplies in FP8 (torch._scaled_mm), which this GPU (sm{major}{minor}) cannot: it needs sm89 or "
+            "newer (Ada, Hopper, Blackwell); use fp8: emulated or auto",
+        )
     if engine_rank and config.weight_sync.transport == "cuda_ipc" and not torch.cuda.is_available():
         raise ConfigError(
             "weight_sync.transport",
@@ -45,26 +52,6 @@ def check_machine(config: RunConfig, model: ModelConfig, *, engine_rank: bool) -
         from megatron_empg.weight_sync.transport import check_free_space
 
         check_free_space(config.weight_sync.shm_dir, bucket_file_bytes(config, model))
-
-
-def te_fp8(config: RunConfig) -> bool:
-    """Whether the FP8 anchor stores Transformer Engine FP8 parameters (``algorithm.anchor.fp8``;
-    ``auto``: where TE and a GPU are there and the distributed optimizer is off)."""
-    anchor = config.algorithm.anchor
-    if anchor.compute_dtype != "float8_e4m3fn" or anchor.fp8 == "emulated":
-        return False
-    if anchor.fp8 == "te":
-        return True
-    return not config.optimizer.use_distributed_optimizer and te_fp8_possible()
-
-
-def te_fp8_possible() -> bool:
-    """A GPU and Transformer Engine (Megatron's import of it)."""
-    if not torch.cuda.is_available():
-        return False
-    from megatron_empg.mcore.model import te_available
-
-    return te_available()
 
 
 def bucket_file_bytes(config: RunConfig, model: ModelConfig) -> int:

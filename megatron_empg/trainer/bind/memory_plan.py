@@ -210,6 +210,25 @@ def _optimizer_shards(config: RunConfig, layout) -> tuple[int, int]:
     return layout.dp * layout.cp, layout.training_ranks // config.parallel.expert_grid_size
 
 
+def _anchor_weights(components, shape, sharded: bool) -> int:
+    """The anchor's compute weights on this rank (``mcore.anchor.storage``). Row-wise FP8: the
+    decoder's linears and the local (grouped or sequential) experts 1 byte, the rest (embedding,
+    output layer, norms, routers; TE's experts) dequantized in the forward dtype, plus 1 byte each for the
+    gathered FP8 buffer with the distributed optimizer (scales: 4 bytes a row, neglected). TE FP8:
+    FP8 and a forward-dtype copy of every parameter (an upper bound; TE keeps norms unquantized)."""
+    config = components.config
+    anchor, forward = config.algorithm.anchor, DTYPE_BYTES[config.train.params_dtype]
+    if shape.adapters:  # the base with averaged adapters: the adapters' own dtype
+        return shape.trainable * DTYPE_BYTES[_trained_dtype(components.model, config.train)]
+    if anchor.compute_dtype != "float8_e4m3fn":
+        return shape.trainable * DTYPE_BYTES[anchor.compute_dtype]
+    if components.anchor_storage[0] == "te":
+        return shape.trainable * (1 + forward)
+    experts = components.experts
+    fp8 = shape.decoder_linears + (shape.expert_params if experts and experts.name in ("grouped", "sequential") else 0)
+    return fp8 + (shape.trainable - fp8) * (forward + (1 if sharded else 0))
+
+
 def _sharded_elements(shape, dp_shard: int, expert_dp: int) -> int:
     """This rank's elements of the fp32 optimizer state (and the anchor's master): a LoRA policy's
     adapters (never sharded), else its parameters over the optimizer's ranks."""
@@ -251,10 +270,7 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
         ),
     }
     if stats.anchor:
-        anchor_bytes = {"bfloat16": BF16, "float32": FP32, "float8_e4m3fn": 1 + BF16}[anchor.compute_dtype]
-        if shape.adapters:  # the base with averaged adapters: the adapters' own dtype
-            anchor_bytes = DTYPE_BYTES[_trained_dtype(model, train)]
-        resident["anchor_weights"] = shape.trainable * anchor_bytes
+        resident["anchor_weights"] = _anchor_weights(components, shape, dp_shard > 1 or expert_dp > 1)
         resident["anchor_master"] = 0 if anchor.master_on_cpu else sharded * FP32
     linear, quadratic = terms.layer_activations(
         model,

@@ -83,6 +83,7 @@ class RankShape:
     largest_weight: int
     expert_params: int = 0
     adapters: int = 0  # a LoRA policy's adapter elements on this rank (beside ``params``, its frozen base)
+    decoder_linears: int = 0  # the attention's and a dense MLP's linear weights (FP8 in an FP8 anchor)
 
     @property
     def trainable(self) -> int:
@@ -120,6 +121,9 @@ def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> Ra
         tensors.append(vocab_rows * model.hidden_size)
     layers = model.num_layers // pp
     adapters = layers * lora_layer_parameters(model, tp) if model.lora is not None else 0
+    h, d = model.hidden_size, model.kv_channels
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    mlp = 0 if model.is_moe else 3 * model.ffn_hidden_size * h
     return RankShape(
         params=sum(tensors),
         layers=layers,
@@ -128,6 +132,7 @@ def rank_shape(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> Ra
         largest_weight=max(tensors),
         expert_params=layers * sum(local_experts(model, parallel)),
         adapters=adapters,
+        decoder_linears=layers * ((2 * q + 2 * kv) * h + mlp) // tp,
     )
 
 
