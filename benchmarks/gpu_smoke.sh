@@ -37,8 +37,13 @@
 #   d. [lora] benchmarks/train_step.py: the 8k sdpa case with LoRA adapters (rank 64, every linear;
 #      train_step_lora_gpu.json): step time, tokens/s, peak against the plan, beside the dense part's
 #      full fine-tuning (MFU counts the frozen base's backward once: 4 passes, not 5)
+#   f. [fp8] benchmarks/fp8_anchor.py: issue 47's FP8 anchor at the 1.5B's dimensions, 4 packed 8k rows:
+#      the torch FP8 anchor against the bf16 one (pass time, bytes, log-prob error, KL)
+#                                                                      -> fp8_anchor_gpu.json
+#      (tests/gpu/test_fp8_anchor_gpu.py, in part tests: scaled_mm against the emulated product,
+#      the Triton row quantization, no host sync -> fp8_anchor_gpu_test.json)
 #
-# Parts. SMOKE_PARTS (comma-separated, default tests,kernels,moe,dense,lora: all, in that order) picks the
+# Parts. SMOKE_PARTS (comma-separated, default tests,kernels,moe,dense,lora,fp8: all, in that order) picks the
 # steps by their [part]; each part runs alone, e.g. the MoE measurement by itself (~3-4 min):
 #     SMOKE_PARTS=moe bash benchmarks/gpu_smoke.sh
 # and the rest in another call:  SMOKE_PARTS=tests,kernels,dense bash benchmarks/gpu_smoke.sh
@@ -48,7 +53,8 @@
 #
 # Everything the steps print goes to smoke.log too; results land in ${OUT:-benchmarks/results}. The
 # device tool returns at most 8 files: when a run leaves more (all parts: 9), the tests' small JSON
-# files (smoke_*.json, attention_gpu.json, cp_attention_gpu.json, grouped_experts_gpu.json) are
+# files (smoke_*.json, attention_gpu.json, cp_attention_gpu.json, grouped_experts_gpu.json,
+# fp8_anchor_gpu_test.json) are
 # packed into gpu_tests_json.tar (tar xf to unpack; their contents are in smoke.log's summary too).
 # Each step has a time cap and the whole run a budget (SMOKE_BUDGET_S, default 540 s) so that it ends
 # inside the device tool's 10 minutes; a step that fails or runs out of time is recorded and the
@@ -140,6 +146,7 @@ MOE_CASES=(--case attention=sdpa,tokens=8192)
 LORA_ARGS=(--model "$MODEL" --dtype bf16 --tokens-per-step 32768 --warmup 1 --repeats 2 ${PEAK:+--peak-tflops "$PEAK"}
     --model-override lora.rank=64 --model-override lora.alpha=128 --model-override "lora.targets=[all-linear]")
 LORA_CASES=(--case attention=sdpa,tokens=8192)
+FP8_ARGS=(--model "$MODEL" --tokens 8192 --seq 1024 --micro-batches 4 --fp8 torch)
 if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
     # the kernels under Triton's interpreter (vocab_kernel.py also sets it for --device cpu)
     VK_ARGS=(--device cpu --tokens 16 --vocab 512 --ids 33 --warmup 1 --repeats 1 --copy-gb 0.01 --sweep 256:4)
@@ -159,6 +166,7 @@ if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
     LORA_ARGS=(--model tiny-qwen2 --dtype fp32 --tokens-per-step 512 --warmup 1 --repeats 1
         --model-override lora.rank=4 --model-override "lora.targets=[all-linear]")
     LORA_CASES=(--case attention=sdpa,tokens=128)
+    FP8_ARGS=(--fp8 emulated)
 fi
 
 # ---------------------------------------------------------------- steps
@@ -186,11 +194,11 @@ step() {  # step NAME CAP_S CMD...: run with a time cap (within the budget), out
     STEPS+=("$name|$status|$((SECONDS - t0))")
 }
 
-SMOKE_PARTS=${SMOKE_PARTS:-tests,kernels,moe,dense,lora}
+SMOKE_PARTS=${SMOKE_PARTS:-tests,kernels,moe,dense,lora,fp8}
 PARTS=",$SMOKE_PARTS,"
 part() { [[ "$PARTS" == *",$1,"* ]]; }
 for p in ${SMOKE_PARTS//,/ }; do
-    [[ "$p" =~ ^(tests|kernels|moe|dense|lora)$ ]] || { log "SMOKE_PARTS: unknown part '$p' (tests, kernels, moe, dense, lora)"; exit 2; }
+    [[ "$p" =~ ^(tests|kernels|moe|dense|lora|fp8)$ ]] || { log "SMOKE_PARTS: unknown part '$p' (tests, kernels, moe, dense, lora, fp8)"; exit 2; }
 done
 log "== parts: ${PARTS:1:${#PARTS}-2}"
 pytest_counts() {  # pytest's own count (a skip on the GPU machine is no pass): appended to the last step's status
@@ -231,6 +239,10 @@ if part lora; then
     step "train_step: LoRA r64 all-linear, sdpa 8k (against the dense part's full fine-tuning)" 150 \
         env PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" \
         "$PY" benchmarks/train_step.py "${LORA_ARGS[@]}" "${LORA_CASES[@]}" --out "$OUT_DIR/train_step_lora_gpu.json"
+fi
+if part fp8; then
+    step "fp8_anchor: the torch FP8 anchor against bf16, 1.5B dimensions, 4 x 8k packed" 180 \
+        "$PY" benchmarks/fp8_anchor.py "${FP8_ARGS[@]}" --out "$OUT_DIR/fp8_anchor_gpu.json"
 fi
 if part dense || part moe || part lora; then
     # the memory plan against the peaks just measured (dense and MoE): printed only
@@ -412,6 +424,14 @@ if e:
     if fb:
         print(f"  forward+backward: grouped {fb['grouped']['seconds'] * 1e3:.2f} ms ({fb['grouped']['tflops']:.0f} "
               f"TFLOP/s), sequential {fb['sequential']['seconds'] * 1e3:.2f} ms: x{fb['grouped_speedup']:.1f}")
+f = load("fp8_anchor_gpu.json")
+if f:
+    print(f"\nfp8 anchor ({f.get('anchor_fp8')}): pass {f['anchor_pass_s'] * 1e3:.1f} ms vs bf16 "
+          f"{f['anchor_pass_s_bf16'] * 1e3:.1f} ms (x{f['anchor_pass_speedup']:.2f}); bytes x{f['anchor_bytes_ratio']:.3f} "
+          f"(linears x{f['linear_bytes_ratio']:.3f}); log-prob err p99 {f['logprob_err_p99']:.2e}; KL rel. err "
+          f"k3 {f['kl_rel_err']['k3']:.2e}, topk {f['kl_rel_err']['topk']:.2e} (drift {f['kl_headline_drift']})")
+    for key, g in f.get("goals", {}).items():
+        print(f"  goal {key} {g['goal']}: {'met' if g['met'] else 'NOT met'}")
 a = load("attention_gpu.json")
 if a:
     print(f"\nattention: {a.get('varlen_attn')}, grouped K/V natively: {a.get('varlen_native_gqa')}")
@@ -425,7 +445,8 @@ EOF
 shopt -s nullglob
 FILES=("$OUT_DIR"/*)
 TEST_JSON=()
-for f in smoke_float32.json smoke_bfloat16.json attention_gpu.json cp_attention_gpu.json grouped_experts_gpu.json; do
+for f in smoke_float32.json smoke_bfloat16.json attention_gpu.json cp_attention_gpu.json grouped_experts_gpu.json \
+    fp8_anchor_gpu_test.json; do
     [[ -f "$OUT_DIR/$f" ]] && TEST_JSON+=("$f")
 done
 if ((${#FILES[@]} > 8 && ${#TEST_JSON[@]} > 1)); then
