@@ -44,8 +44,8 @@ def decoder_linears(models: Sequence[torch.nn.Module]) -> dict[str, torch.nn.Mod
     return out
 
 
-def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``core.fp8.quantize_rows``, by one Triton kernel on CUDA (``kernels.fp8_quant_triton``)."""
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``core.fp8.quantize_rows`` (the same bits), by one Triton kernel on CUDA (``kernels.fp8_rows``)."""
     if x.is_cuda:
         kernel = kernels.fp8_rows()
         if kernel is not None:
@@ -69,7 +69,7 @@ def _install_linear(module: torch.nn.Module, weight_scale_inv: Tensor, matmul: f
         if kwargs.get("sequence_parallel"):
             group = get_tensor_model_parallel_group_if_none(kwargs.get("tp_group"))
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=group)
-        return fp8_math.fp8_linear(input, weight, weight_scale_inv, bias, matmul, quantize_activations)
+        return fp8_math.fp8_linear(input, weight, weight_scale_inv, bias, matmul, quantize_rows)
 
     module._forward_impl = forward_impl
 
@@ -83,7 +83,7 @@ def _install_grouped(module: GroupedExperts, weight: Tensor, weight_scale_inv: T
     matmul = fp8_math.scaled_grouped_mm_torch if torch_kind else fp8_math.scaled_grouped_mm_emulated
 
     def grouped_linear(x: Tensor, w: Tensor, offsets: Tensor, path: str | None = None) -> Tensor:
-        xq, x_scale_inv = quantize_activations(x)
+        xq, x_scale_inv = quantize_rows(x)
         return matmul(xq, x_scale_inv, w, module._fp8_scales[id(w)], offsets, x.dtype)
 
     module.grouped_linear = grouped_linear

@@ -177,9 +177,24 @@ class RowwiseFp8(AnchorStorage):
         return {g: torch.tensor(rows, device=device) for g, rows in by_group.items() if g.size() > 1}
 
     def write(self, anchor: EmaAnchor) -> None:
-        """Row maxima of this rank's ranges (combined over DP where sharded), the scales, then each
-        range quantized into the storage. No host sync: the ranges' boundaries are Python ints."""
+        """The master quantized into the storage, without a host sync. Unsharded: each parameter's
+        rows in one pass (``fp8_linear.quantize_rows``: one Triton kernel on CUDA). Sharded: the
+        row maxima of this rank's ranges, combined over DP, then each range quantized (a range's
+        boundaries are Python ints)."""
         masters = {e.index: e.master.to(self.scale_inv.device) for e in anchor.entries}
+        if anchor.sharded:
+            self._write_ranges(anchor, masters)
+            return
+        for e in anchor.entries:
+            p = anchor.params[e.index]
+            q, scale_inv = fp8_linear.quantize_rows(masters[e.index].view(p.rows, -1))
+            self._scale_inv(e.index).copy_(scale_inv)
+            if p.fp8 is None:  # not a linear: the dequantized values only
+                p.param.data.copy_(fp8_math.dequantize(q, scale_inv, p.param.dtype).view(p.param.shape))
+            else:
+                p.fp8.copy_(q.view(p.param.shape))
+
+    def _write_ranges(self, anchor: EmaAnchor, masters: dict[int, Tensor]) -> None:
         self._amax.zero_()
         for e in anchor.entries:
             cols = anchor.params[e.index].param.numel() // anchor.params[e.index].rows
@@ -194,13 +209,8 @@ class RowwiseFp8(AnchorStorage):
         torch.reciprocal(scale, out=self.scale_inv)
         for e in anchor.entries:
             p = anchor.params[e.index]
-            cols = p.param.numel() // p.rows
-            if p.fp8 is None:  # unsharded, not a linear: the dequantized values only
-                q = fp8_math.quantize(masters[e.index].view(p.rows, cols), self._scale_inv(e.index, scale))
-                p.param.data.copy_(fp8_math.dequantize(q, self._scale_inv(e.index), p.param.dtype).view(p.param.shape))
-                continue
             store = anchor.range_of(e, p.fp8)
-            for lo, hi, row, n in _row_pieces(e.start, e.end, cols):
+            for lo, hi, row, n in _row_pieces(e.start, e.end, p.param.numel() // p.rows):
                 s = scale[self.row_offsets[e.index] + row :][:n]
                 store[lo:hi].view(n, -1).copy_(fp8_math.quantize(masters[e.index][lo:hi].view(n, -1), s))
 
