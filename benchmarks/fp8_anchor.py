@@ -14,6 +14,8 @@ of 1k tokens). The old pass gives the policy's log-probs and top-``--k``; each a
 anchor's log-probs at the targets and at the policy's top-k (``mcore.step.forward_stats``), timed
 between two device synchronizes, median of ``--repeats`` after ``--warmup``.
 
+The FP8 anchor is run twice: with the output layer in the forward dtype (the default; the headline
+fields) and in FP8 too (``algorithm.anchor.fp8_output_layer``: ``output_layer_fp8``).
 Records (field names as issue 47 gives them): ``anchor_fp8`` (the storage kind), ``anchor_pass_s``
 and ``anchor_pass_s_bf16``, ``anchor_bytes`` and ``anchor_bytes_bf16`` (the compute weights, the
 scales included: ``mcore.anchor.storage.storage_params``; ``linear_bytes*`` the decoder's linears
@@ -45,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from megatron_empg.config import OptimizerConfig, ParallelConfig, load_model_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+KLS = ("k3", "topk")
 GOALS = {"anchor_pass_speedup": 1.4, "anchor_bytes_ratio": 0.5, "kl_rel_err": 0.01}
 
 
@@ -152,6 +155,9 @@ def run(args) -> dict:
             "bf16": dict(compute_dtype=torch.bfloat16),
             "fp32": dict(compute_dtype=torch.float32),
             "fp8": dict(compute_dtype=torch.float8_e4m3fn, fp8=args.fp8, fp8_forward_dtype=torch.bfloat16),
+            "fp8_out": dict(
+                compute_dtype=torch.float8_e4m3fn, fp8=args.fp8, fp8_forward_dtype=torch.bfloat16, fp8_output_layer=True
+            ),
         }
         anchors = {
             k: EmaAnchor.from_configs(cfg, parallel, ddp, optimizer, tau=0.9, period=1, **kw) for k, kw in kinds.items()
@@ -178,9 +184,17 @@ def run(args) -> dict:
                 else:
                     stats[kind] = forward_stats(anchor.models, mbs, request, groups)
             kl = {k: _kls(old, stats[k]) for k in anchors}
-            rel = {e: abs(kl["fp8"][e] - kl["bf16"][e]) / abs(kl["bf16"][e]) for e in ("k3", "topk")}
-            rel_fp32 = {e: abs(kl["bf16"][e] - kl["fp32"][e]) / abs(kl["fp32"][e]) for e in ("k3", "topk")}
-            by_drift.append({"drift": drift, "kl": kl, "kl_rel_err": rel, "kl_rel_err_bf16_vs_fp32": rel_fp32})
+            rel = {f: {e: abs(kl[f][e] - kl["bf16"][e]) / abs(kl["bf16"][e]) for e in KLS} for f in ("fp8", "fp8_out")}
+            rel_fp32 = {e: abs(kl["bf16"][e] - kl["fp32"][e]) / abs(kl["fp32"][e]) for e in KLS}
+            by_drift.append(
+                {
+                    "drift": drift,
+                    "kl": kl,
+                    "kl_rel_err": rel["fp8"],
+                    "kl_rel_err_output_layer_fp8": rel["fp8_out"],
+                    "kl_rel_err_bf16_vs_fp32": rel_fp32,
+                }
+            )
             if i == 0:
                 lp = {k: torch.cat([s.logprobs for s in v], dim=1) for k, v in stats.items()}
         nbytes = {k: storage_params(a.params) for k, a in anchors.items()}
@@ -192,15 +206,18 @@ def run(args) -> dict:
             )
             for k, a in anchors.items()
         }
-        fp8_scales = anchors["fp8"].storage.scale_inv.numel() * 4
+        nbytes = {
+            k: v + (a.storage.scale_inv.numel() * 4 if k.startswith("fp8") else 0)
+            for (k, v), a in zip(nbytes.items(), anchors.values(), strict=True)
+        }
         record = {
             "anchor_fp8": anchors["fp8"].storage.name,
             "anchor_pass_s": seconds["fp8"],
             "anchor_pass_s_bf16": seconds["bf16"],
             "anchor_pass_speedup": seconds["bf16"] / seconds["fp8"],
-            "anchor_bytes": nbytes["fp8"] + fp8_scales,
+            "anchor_bytes": nbytes["fp8"],
             "anchor_bytes_bf16": nbytes["bf16"],
-            "anchor_bytes_ratio": (nbytes["fp8"] + fp8_scales) / nbytes["bf16"],
+            "anchor_bytes_ratio": nbytes["fp8"] / nbytes["bf16"],
             "linear_bytes": linears["fp8"],
             "linear_bytes_bf16": linears["bf16"],
             "linear_bytes_ratio": linears["fp8"] / linears["bf16"],
@@ -209,10 +226,18 @@ def run(args) -> dict:
             "logprob_err_bf16_vs_fp32": _errors(lp["bf16"], lp["fp32"]),
             "anchor_pass_s_fp32": seconds["fp32"],
             "by_drift": by_drift,
+            "output_layer_fp8": {  # algorithm.anchor.fp8_output_layer: the untied output layer in FP8 too
+                "anchor_pass_s": seconds["fp8_out"],
+                "anchor_pass_speedup": seconds["bf16"] / seconds["fp8_out"],
+                "anchor_bytes": nbytes["fp8_out"],
+                "anchor_bytes_ratio": nbytes["fp8_out"] / nbytes["bf16"],
+                "logprob_err": _errors(lp["fp8_out"], lp["bf16"]),
+            },
         }
         # the headline KL: the first drift whose bf16 k3 reaches a typical RL step's KL (1e-3), else the largest
         headline = next((d for d in by_drift if d["kl"]["bf16"]["k3"] >= 1e-3), by_drift[-1])
         record["kl_rel_err"] = headline["kl_rel_err"]
+        record["output_layer_fp8"]["kl_rel_err"] = headline["kl_rel_err_output_layer_fp8"]
         record["kl_headline_drift"] = headline["drift"]
         record["logprob_err_p99"] = record["logprob_err"]["p99"]
         worst_kl = max(record["kl_rel_err"].values())

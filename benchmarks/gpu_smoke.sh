@@ -430,6 +430,10 @@ if f:
           f"{f['anchor_pass_s_bf16'] * 1e3:.1f} ms (x{f['anchor_pass_speedup']:.2f}); bytes x{f['anchor_bytes_ratio']:.3f} "
           f"(linears x{f['linear_bytes_ratio']:.3f}); log-prob err p99 {f['logprob_err_p99']:.2e}; KL rel. err "
           f"k3 {f['kl_rel_err']['k3']:.2e}, topk {f['kl_rel_err']['topk']:.2e} (drift {f['kl_headline_drift']})")
+    o = f.get("output_layer_fp8") or {}
+    if o:
+        print(f"  with the output layer in FP8: pass x{o['anchor_pass_speedup']:.2f}, bytes x{o['anchor_bytes_ratio']:.3f}, "
+              f"KL rel. err k3 {o['kl_rel_err']['k3']:.2e}, topk {o['kl_rel_err']['topk']:.2e}")
     for key, g in f.get("goals", {}).items():
         print(f"  goal {key} {g['goal']}: {'met' if g['met'] else 'NOT met'}")
 a = load("attention_gpu.json")

@@ -152,6 +152,10 @@ class AnchorConfig(Config):
     (``fp8_param``; GPU with TE, not with the distributed optimizer, whose buffers would need the
     policy in FP8 too); ``auto`` TE where it can, else torch where the GPU multiplies in FP8, else
     emulated. Embeddings, the output layer and norms keep the dequantized values in the forward dtype."""
+    fp8_output_layer: bool = False
+    """With ``fp8`` torch or emulated: an untied output layer in FP8 too (its weights half the
+    bytes, its GEMM in FP8), at the cost of the logits' own rounding in the KL's reference; a tied
+    one shares the embedding's weight, which stays in the forward dtype."""
     master_on_cpu: bool = False
     """Keep the float32 master in pinned host memory (GPU), to save GPU memory."""
 
@@ -162,6 +166,12 @@ class AnchorConfig(Config):
             raise ConfigError("period", f"must be >= 1, got {self.period!r}")
         if self.first_update is not None and self.first_update < 1:
             raise ConfigError("first_update", f"must be >= 1 or null, got {self.first_update!r}")
+        if self.fp8_output_layer and (self.compute_dtype != "float8_e4m3fn" or self.fp8 == "te"):
+            raise ConfigError(
+                "fp8_output_layer",
+                f"is for the row-wise FP8 kinds (compute_dtype float8_e4m3fn, fp8 auto, torch or emulated); got "
+                f"compute_dtype {self.compute_dtype}, fp8 {self.fp8}",
+            )
         if self.fp8 != "auto" and self.compute_dtype != "float8_e4m3fn":
             raise ConfigError(
                 "fp8", f"{self.fp8} stores FP8 weights: it needs compute_dtype float8_e4m3fn, got {self.compute_dtype}"

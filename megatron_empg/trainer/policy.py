@@ -123,6 +123,7 @@ def build_anchor(components: Components, policy: Policy) -> EmaAnchor | AdapterA
         compute_dtype=DTYPES[anchor.compute_dtype],
         master_on_cpu=anchor.master_on_cpu,
         fp8=storage if storage in ("emulated", "torch") else "emulated",
+        fp8_output_layer=anchor.fp8_output_layer,
         te_fp8=storage == "te",
         **_routing_replay(components),
     )

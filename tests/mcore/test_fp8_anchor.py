@@ -28,6 +28,7 @@ KINDS = {
     "bf16": dict(compute_dtype=torch.bfloat16),
     "emulated": dict(compute_dtype=torch.float8_e4m3fn, fp8="emulated"),
     "torch": dict(compute_dtype=torch.float8_e4m3fn, fp8="torch"),
+    "torch_out": dict(compute_dtype=torch.float8_e4m3fn, fp8="torch", fp8_output_layer=True),
 }
 STEPS, RESUME_AT = 3, 2
 
@@ -93,7 +94,7 @@ def _worker(rank: int, world: int) -> dict:
             k: {f"{c}.{n}": p.dtype for c, m in enumerate(a.models) for n, p in m.named_parameters()}
             for k, a in anchors.items()
         }
-        out["fp8"] = {k: anchors[k].fp8_weights() for k in ("emulated", "torch")}
+        out["fp8"] = {k: anchors[k].fp8_weights() for k in ("emulated", "torch", "torch_out")}
         out["resumed_fp8"] = resumed.fp8_weights()
         out["params"] = {
             k: {f"{c}.{n}": p.detach().clone() for c, m in enumerate(a.models) for n, p in m.named_parameters()}
@@ -186,9 +187,9 @@ def _linear(key: str) -> bool:
 
 
 def test_kinds_are_chosen_by_arguments_and_share_the_master(run):
-    assert run["kinds"] == {"bf16": "plain", "emulated": "emulated", "torch": "torch"}
+    assert run["kinds"] == {"bf16": "plain", "emulated": "emulated", "torch": "torch", "torch_out": "torch"}
     masters = run["masters"]
-    for kind in ("emulated", "torch"):
+    for kind in ("emulated", "torch", "torch_out"):
         assert masters[kind].keys() == masters["bf16"].keys()
         assert all(torch.equal(masters[kind][k], masters["bf16"][k]) for k in masters["bf16"])
     assert "for row-wise FP8 storage; this anchor's is 'plain'" in run["plain_fp8_error"]
@@ -196,10 +197,10 @@ def test_kinds_are_chosen_by_arguments_and_share_the_master(run):
 
 def test_linear_weights_are_stored_as_fp8_with_row_scales_of_the_master(run):
     master = run["masters"]["emulated"]
-    for kind in ("emulated", "torch"):
+    for kind in ("emulated", "torch", "torch_out"):
         dtypes, fp8 = run["dtypes"][kind], run["fp8"][kind]
-        linear = [k for k in dtypes if _linear(k)]
-        assert len(linear) == 4 * 4  # qkv, proj, fc1, fc2 per layer
+        linear = [k for k in dtypes if _linear(k) or (kind == "torch_out" and k == "0.output_layer.weight")]
+        assert len(linear) == 4 * 4 + (kind == "torch_out")  # qkv, proj, fc1, fc2 per layer; the output layer
         for key, dtype in dtypes.items():
             assert dtype == (torch.float8_e4m3fn if key in linear else torch.bfloat16), key
             q, scale_inv = fp8[key]
@@ -223,9 +224,10 @@ def test_emulated_computes_what_torch_computes(run):
 def test_fp8_logprobs_near_the_bf16_anchor_and_a_negative_control(run):
     lp = run["logprobs"]
     fp8_err = (lp["torch"] - lp["bf16"]).abs()
+    out_err = (lp["torch_out"] - lp["bf16"]).abs()  # the output layer's rounding on top
     control = (lp["other"] - lp["bf16"]).abs()
-    assert 0 < fp8_err.mean() < 0.5 * control.mean(), (fp8_err.mean(), control.mean())
-    assert fp8_err.max() < 0.1
+    assert 0 < fp8_err.mean() < out_err.mean() < 0.5 * control.mean(), (fp8_err.mean(), out_err.mean(), control.mean())
+    assert fp8_err.max() < 0.1 and out_err.max() < 0.15
 
 
 def test_resume_from_the_master_equals_the_uninterrupted_anchor(run):

@@ -76,6 +76,17 @@ def test_bind_resolves_it_and_empg_check_says_it():
     assert "anchor FP8" not in _describe(bind(_config(), 1, check_paths=False))
 
 
+def test_the_fp8_output_layer_is_for_the_row_wise_kinds():
+    assert _config(*FP8, "algorithm.anchor.fp8_output_layer=true").algorithm.anchor.fp8_output_layer
+    for overrides in (
+        ["algorithm.anchor.fp8_output_layer=true"],
+        [*FP8, "algorithm.anchor.fp8=te", "algorithm.anchor.fp8_output_layer=true"],
+    ):
+        with pytest.raises(ConfigError) as e:
+            _config(*overrides)
+        assert e.value.field == "algorithm.anchor.fp8_output_layer" and "row-wise FP8 kinds" in str(e.value)
+
+
 def test_only_auto_goes_without_the_fp8_dtype():
     for kind in ("te", "torch", "emulated"):
         with pytest.raises(ConfigError) as e:

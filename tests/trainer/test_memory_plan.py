@@ -41,7 +41,14 @@ LAYOUTS = {  # name: (world size, overrides)
     "dp2_distopt": (2, ["optimizer.use_distributed_optimizer=true"]),
     # the row-wise FP8 anchor: the decoder's linears as FP8, the rest dequantized (and, sharded, a
     # flat FP8 buffer of everything for the gather)
-    "tp2_fp8": (2, ["parallel.tensor_model_parallel_size=2", "algorithm.anchor.compute_dtype=float8_e4m3fn"]),
+    "tp2_fp8": (
+        2,
+        [
+            "parallel.tensor_model_parallel_size=2",
+            "algorithm.anchor.compute_dtype=float8_e4m3fn",
+            "algorithm.anchor.fp8_output_layer=true",
+        ],
+    ),
     "dp2_distopt_fp8": (
         2,
         ["optimizer.use_distributed_optimizer=true", "algorithm.anchor.compute_dtype=float8_e4m3fn"],
@@ -102,7 +109,14 @@ def _measure(rank: int, world_size: int, layouts: list[str]) -> dict:
             else:
                 dtype = getattr(torch, config.algorithm.anchor.compute_dtype)
                 anchor = EmaAnchor.from_configs(
-                    model, config.parallel, ddp, optimizer, tau=0.9, period=1, compute_dtype=dtype
+                    model,
+                    config.parallel,
+                    ddp,
+                    optimizer,
+                    tau=0.9,
+                    period=1,
+                    compute_dtype=dtype,
+                    fp8_output_layer=config.algorithm.anchor.fp8_output_layer,
                 )
                 anchor_weights = storage_params(anchor.params)
             ids = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))

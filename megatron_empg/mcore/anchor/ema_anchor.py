@@ -115,6 +115,7 @@ class EmaAnchor(ScheduledEma):
         compute_dtype: torch.bfloat16, torch.float16, torch.float32 or torch.float8_e4m3fn.
         fp8: with float8_e4m3fn and no Transformer Engine parameters, the storage kind
             (``anchor.storage``): ``emulated`` or ``torch``.
+        fp8_output_layer: those kinds: an untied output layer in FP8 too.
         master_on_cpu: keep the float32 master in pinned host memory (GPU machines only).
 
     At construction the master is a float32 copy of the optimizer's current main parameters and
@@ -132,6 +133,7 @@ class EmaAnchor(ScheduledEma):
         first_update: int | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
         fp8: str = "emulated",
+        fp8_output_layer: bool = False,
         master_on_cpu: bool = False,
     ) -> None:
         super().__init__(EmaSchedule(tau=tau, period=period, first_update=first_update))
@@ -159,7 +161,7 @@ class EmaAnchor(ScheduledEma):
                 f"the policy's DDP use_distributed_optimizer={use_distopt} does not match the optimizer "
                 f"({'distributed' if self.sharded else 'not distributed'})"
             )
-        self.storage = self._pick_storage(fp8)
+        self.storage = self._pick_storage(fp8, fp8_output_layer)
         self.params: list[Param] = []
         self.flats: list[Flat] = []
         self.dp_group = None
@@ -183,6 +185,7 @@ class EmaAnchor(ScheduledEma):
         first_update: int | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
         fp8: str = "emulated",
+        fp8_output_layer: bool = False,
         master_on_cpu: bool = False,
         fp8_forward_dtype: torch.dtype | None = None,
         te_fp8: bool = False,
@@ -225,6 +228,7 @@ class EmaAnchor(ScheduledEma):
             first_update=first_update,
             compute_dtype=compute_dtype,
             fp8=fp8,
+            fp8_output_layer=fp8_output_layer,
             master_on_cpu=master_on_cpu,
         )
 
@@ -294,7 +298,7 @@ class EmaAnchor(ScheduledEma):
             placed[name_of[policy_param]] = (index, start)
         return placed
 
-    def _pick_storage(self, fp8: str) -> AnchorStorage:
+    def _pick_storage(self, fp8: str, output_layer: bool) -> AnchorStorage:
         """The storage kind: ``te`` where the builder made Transformer Engine FP8 parameters,
         ``fp8`` for float8_e4m3fn without them, else ``plain``; checked against the parameters."""
         params = [(n, p) for model in self.models for n, p in model.named_parameters()]
@@ -304,7 +308,7 @@ class EmaAnchor(ScheduledEma):
             kind = "te"
         else:
             kind = fp8
-        storage = STORAGES[kind](self.compute_dtype)
+        storage = STORAGES[kind](self.compute_dtype, output_layer=output_layer)
         storage.check(params)
         return storage
 

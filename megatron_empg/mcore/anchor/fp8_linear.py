@@ -28,13 +28,16 @@ from megatron.core.utils import get_tensor_model_parallel_group_if_none  # noqa:
 from megatron_empg.mcore.moe.grouped import GroupedExperts  # noqa: E402
 
 
-def decoder_linears(models: Sequence[torch.nn.Module]) -> dict[str, torch.nn.Module]:
+def fp8_modules(models: Sequence[torch.nn.Module], *, output_layer: bool = False) -> dict[str, torch.nn.Module]:
     """``"<chunk>.<parameter name>"`` -> the module multiplying by that weight in the decoder: the
-    local linears (``weight``) and the grouped experts (``linear_fc1.weight``, ``linear_fc2.weight``).
-    The output layer, whose log-probs the KL reads, stays in the forward dtype."""
+    local linears (``weight``) and the grouped experts (``linear_fc1.weight``, ``linear_fc2.weight``);
+    with ``output_layer`` an untied output layer too (by default it stays in the forward dtype: its
+    log-probs are what the KL reads; a tied one reads the embedding's weight, which stays)."""
     out = {}
     for c, model in enumerate(models):
         for name, module in model.named_modules():
+            if output_layer and name == "output_layer" and getattr(module, "weight", None) is not None:
+                out[f"{c}.{name}.weight"] = module
             if not name.startswith("decoder."):
                 continue
             if isinstance(module, ColumnParallelLinear | RowParallelLinear) and module.weight is not None:

@@ -52,8 +52,9 @@ class AnchorStorage:
 
     name: ClassVar[str]
 
-    def __init__(self, compute_dtype: torch.dtype) -> None:
+    def __init__(self, compute_dtype: torch.dtype, *, output_layer: bool = False) -> None:
         self.compute_dtype = compute_dtype
+        self.output_layer = output_layer  # the row-wise FP8 kinds: the output layer in FP8 too
 
     def check(self, named_params: list[tuple[str, Tensor]]) -> None:
         """ValueError if the built parameters cannot hold this kind."""
@@ -143,7 +144,7 @@ class RowwiseFp8(AnchorStorage):
         total = sum(self.row_counts)
         self.scale_inv = torch.ones(total, dtype=torch.float32, device=device)
         self._amax = torch.zeros(total, dtype=torch.float32, device=device)
-        linears = fp8_linear.decoder_linears(anchor.models)
+        linears = fp8_linear.fp8_modules(anchor.models, output_layer=self.output_layer)
         self.linear = [False] * len(params)
         for i, p in enumerate(params):
             if p.buffer is not None:

@@ -226,6 +226,8 @@ def _anchor_weights(components, shape, sharded: bool) -> int:
         return shape.trainable * (1 + forward)
     experts = components.experts
     fp8 = shape.decoder_linears + (shape.expert_params if experts and experts.name in ("grouped", "sequential") else 0)
+    if anchor.fp8_output_layer and shape.last_stage and not components.model.tie_word_embeddings:
+        fp8 += shape.vocab_rows * components.model.hidden_size
     return fp8 + (shape.trainable - fp8) * (forward + (1 if sharded else 0))
 
 
