@@ -40,6 +40,11 @@ nothing loads, or a committed ``step_N`` that ``find_latest_checkpoint`` finds e
 was not yet updated. Deletion renames a directory out of the ``step_N`` namespace before removing
 its files, so a half-deleted checkpoint is never mistaken for a complete one.
 
+Saves in the background (``mcore.checkpoint.async_save``): ``start_save(..., staging=HostStaging())``
+copies the state into reused host buffers and returns a ``PendingSave`` whose files a thread writes
+while training goes on; ``finish_save(pending)`` (every rank, once ``pending.written_everywhere()``)
+commits it as above. ``save_checkpoint`` is ``finish_save(start_save(...))`` without staging.
+
 Writing (``mcore.checkpoint.stream``). ``dist_checkpointing.save`` plans and finalises the save;
 the shard files are written by a streaming writer (8 MiB writes, each file's CRC32 computed while
 it is written, no copies of the state before writing), fully parallel over DP (each replicated
@@ -119,7 +124,8 @@ _EXPORTS = {
     ),
     "load": ("load_checkpoint",),
     "parts": ("DEFAULT_OPTIMIZER_FORMAT", "OPTIMIZER_FORMATS", "CheckpointParts", "ModelMetadata", "SaveOptions"),
-    "save": ("checkpoint_info", "finish_checkpoint_dir", "save_checkpoint"),
+    "save": ("checkpoint_info", "finish_checkpoint_dir", "finish_save", "save_checkpoint", "start_save"),
+    "async_save": ("HostStaging", "PendingSave"),
     "train_state": ("TRAIN_STATE_VERSION", "TrainState"),
     "verify": ("find_verified_checkpoint", "verify_checkpoint"),
     "writer": ("start_checkpoint_writer",),

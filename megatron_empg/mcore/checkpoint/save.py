@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from megatron_empg.config import ModelConfig, to_yaml
 from megatron_empg.mcore import cpu_shims
 from megatron_empg.mcore.checkpoint import files as checkpoint_files
+from megatron_empg.mcore.checkpoint.async_save import HostStaging, PendingSave, SaveTarget
 from megatron_empg.mcore.checkpoint.files import (
     DIST_CKPT_FILES,
     FORMAT,
@@ -282,11 +284,29 @@ def save_checkpoint(
     raises ``CheckpointError`` on every rank together, naming the directory, the error, the free
     space and the last checkpoint (which stays loadable); this save's temp directory is removed.
     """
+    return finish_save(start_save(root_dir, state, parts, groups, options=options, model=model))
+
+
+def start_save(
+    root_dir: str | os.PathLike,
+    state: TrainState,
+    parts: CheckpointParts,
+    groups: ParallelGroups,
+    *,
+    options: SaveOptions | None = None,
+    model: ModelMetadata | None = None,
+    staging: HostStaging | None = None,
+) -> PendingSave:
+    """``save_checkpoint``'s first half, every rank together: the plan, and the shard files written
+    here (``staging`` None) or, with ``staging``, the state copied into its host buffers and the
+    files written by a background thread (``mcore.checkpoint.async_save``: training goes on while
+    it writes). ``finish_save`` (every rank) commits it."""
     cpu_shims.import_megatron()
     from megatron.core import dist_checkpointing
 
     from megatron_empg.mcore.checkpoint.stream import save_strategy
 
+    started = time.perf_counter()
     options = options or SaveOptions()
     model = model or ModelMetadata()
     step, keep_last, optimizer_format = state.step, options.keep_last, options.optimizer_format
@@ -329,24 +349,13 @@ def save_checkpoint(
             optimizer_status = "fresh"
     if scheduler is not None:
         sharded["scheduler"] = scheduler.state_dict()
-    if anchor is not None:  # the master's own tensors (no copy): nothing updates them during the save
+    if anchor is not None:  # the master's own tensors (no copy): staged or written before the next update
         sharded.update(anchor_sharded_state(anchor, anchor.full_master_state(copy=False)))
     sharded["rng_state"] = rng_sharded_object(groups, get_rng_state())
     sharded[SAVED_KEY] = saved_state
 
-    layout = layout_of(groups)
     content = {"format": FORMAT, "format_version": FORMAT_VERSION, **optimizer_metadata(optimizer_kind)}
     strategy, streaming = save_strategy(groups, options.checksums)
-    try:
-        on_every_rank(
-            lambda: dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy, content_metadata=content),
-            f"writing {tmp}",
-        )
-        files = measure_on_all_ranks(tmp, options.checksums, written=streaming.files)
-    except CheckpointError as e:
-        raise _failed_save(root, tmp, final, str(e)) from None
-    _before_commit(tmp)
-
     held = {
         "model": True,
         "optimizer": optimizer_status,
@@ -359,17 +368,58 @@ def save_checkpoint(
     }
     extra = {"lora_base": dict(model.base)} if lora else {}
     info = checkpoint_info(
-        step=step, model_name=model.model_name, layout=layout, model_chunks=len(chunks), parts=held, **extra
+        step=step, model_name=model.model_name, layout=layout_of(groups), model_chunks=len(chunks), parts=held, **extra
     )
+    target = SaveTarget(root, tmp, final, nonce, step, keep_last, model, options.checksums, info, streaming)
+
+    requests = []
+
+    def plan() -> None:  # the collectives of the plan; the request writes nothing yet (and stays here)
+        requests.append(
+            dist_checkpointing.save(
+                sharded, str(tmp), sharded_strategy=strategy, content_metadata=content, async_sharded_save=True
+            )
+        )
+
+    try:
+        on_every_rank(plan, f"planning {tmp}")
+        pending = PendingSave(target, requests[0], staging, started)
+    except CheckpointError as e:
+        raise _failed_save(root, tmp, final, str(e)) from None
+    return pending
+
+
+def finish_save(pending: PendingSave) -> Path:
+    """The end of every save, every rank together: this rank's writing waited for, Megatron's
+    write results and metadata, then the manifest, the completion marker, the rename, ``latest``
+    and retention. Returns the committed directory."""
+    target = pending.target
+    pending.wait()
+    try:
+        on_every_rank(pending.finalize, f"writing {target.tmp}")
+    except CheckpointError as e:
+        raise _failed_save(target.root, target.tmp, target.final, str(e)) from None
+    return _commit_save(target)
+
+
+def _commit_save(target: SaveTarget) -> Path:
+    try:
+        files = measure_on_all_ranks(target.tmp, target.checksums, written=target.streaming.files)
+    except CheckpointError as e:
+        raise _failed_save(target.root, target.tmp, target.final, str(e)) from None
+    _before_commit(target.tmp)
+    root, tmp, final = target.root, target.tmp, target.final
     try:
         removed = rank0_then_share(
-            lambda: _commit(root, tmp, final, info, keep_last, nonce, model, files, options.checksums),
+            lambda: _commit(
+                root, tmp, final, target.info, target.keep_last, target.nonce, target.model, files, target.checksums
+            ),
             f"committing {final}",
         )
     except CheckpointError as e:
         raise _failed_save(root, tmp, final, str(e)) from None
     if dist.get_rank() == 0:
-        logger.info("saved checkpoint %s (step %d)%s", final, step, f"; removed {removed}" if removed else "")
+        logger.info("saved checkpoint %s (step %d)%s", final, target.step, f"; removed {removed}" if removed else "")
     return final
 
 

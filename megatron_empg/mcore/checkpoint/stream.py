@@ -153,17 +153,23 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
         self.checksums = checksums
         self.files: dict[str, dict[str, int]] = {}
 
-    def save(self, sharded_state_dict, checkpoint_dir) -> None:
+    def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy: str = "mcore"):
+        """Megatron's plan (collectives, every rank) and an ``AsyncRequest`` whose ``async_fn`` is our
+        writer (``_write_buckets``; no collective) over the write buckets in ``async_fn_args[1]``
+        (None: nothing to write on this rank), and whose ``finalize_fns`` gather the results and
+        write the metadata (collectives, every rank). Megatron's own ``preload_fn`` (every tensor to
+        the host at once) is dropped: ``save`` stages as it writes, ``mcore.checkpoint.async_save``
+        into reused host buffers."""
         for sharded in nested_values(sharded_state_dict):
             if isinstance(sharded, ShardedTensor) and torch.is_tensor(sharded.data):
                 sharded.data = _own_storage(sharded.data)
-        request = self.async_save(sharded_state_dict, checkpoint_dir, async_strategy="mcore")
-        # Megatron's request: async_fn(rank, write_buckets, results_queue) (None: nothing to write
-        # on this rank), with a preload_fn that copies every tensor to the host first. Ours writes
-        # the same buckets, staging as it goes.
+        request = super().async_save(sharded_state_dict, checkpoint_dir, async_strategy="mcore")
         if request.async_fn is not None:
             request = request._replace(async_fn=self._write_buckets, preload_fn=None)
-        request.execute_sync()
+        return request
+
+    def save(self, sharded_state_dict, checkpoint_dir) -> None:
+        self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
     def _write_buckets(self, rank: int, write_buckets: list, results_queue) -> None:
         """Write every bucket (one file each) and put ``{bucket index: [WriteResult]}`` in
