@@ -324,6 +324,12 @@ class CheckpointConfig(Config):
     """How the distributed optimizer is saved: ``fully_reshardable`` (per-parameter tensors in model
     space, loadable at another TP, PP, DP or EP) or ``dp_reshardable`` (flat per-DP-rank buffers,
     refused at another TP/PP/VPP/EP/ETP) (``mcore.checkpoint``)."""
+    async_save: bool | None = None
+    """Write a checkpoint's files in the background while the next steps train: the step waits only
+    for a copy of the state into reused host buffers (pinned on a GPU), and the save is committed at
+    the end of the first step after every rank wrote its files; the previous checkpoint stays the
+    newest complete one until then. The last step's and a pre-emption's saves block. Null: on with a
+    GPU, off on a CPU (where the copy costs about what the write does)."""
     verify: Literal["checksum", "size"] = "checksum"
     """How a resume makes sure the checkpoint's files are intact (a damaged newest one is skipped for
     an older one): ``checksum`` records every file's CRC32 at save and compares it at resume, the

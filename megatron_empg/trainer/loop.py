@@ -47,6 +47,7 @@ from megatron_empg.trainer.engines.placements import build_engines, engine_on_th
 from megatron_empg.trainer.policy import build_anchor, build_policy
 from megatron_empg.trainer.run import watchdog
 from megatron_empg.trainer.run.bad_steps import BadSteps
+from megatron_empg.trainer.run.checkpoints import Checkpoints, async_saves
 from megatron_empg.trainer.run.run_dir import check_fresh_start
 from megatron_empg.trainer.run.signals import any_rank_signalled, ignored_in_children, stop_signals
 from megatron_empg.trainer.run.start import checkpoint_directory, load_tokenizer, old_module_names
@@ -116,6 +117,7 @@ class Trainer:
         self.optimizer_steps = 0  # applied ones (a refused step counts for nothing, the anchor's schedule included)
         self.bad_steps = BadSteps(config.train)
         self._stop_signal: int | None = None
+        self.checkpoints = Checkpoints(self._start_save, background=async_saves(config.checkpoint.async_save))
 
     # ------------------------------------------------------------------ setup
 
@@ -187,6 +189,7 @@ class Trainer:
         out = self.step()
         if validation.interval and self.step_index % validation.interval == 0:
             out.metrics.update(self.validate())
+        out.metrics.update(self.checkpoints.metrics())
         outputs.append(out)
         if logger is not None:
             logger.log(out.step, out.metrics)
@@ -197,8 +200,10 @@ class Trainer:
         # stops after the same step; the engine ranks' signals come with their messages.
         signalled = max(self._stop_signal or 0, self.engines.signal)
         stop = any_rank_signalled(signalled or None, dist.group.WORLD)
+        with watchdog.phase("checkpoint", self.step_index):
+            self.checkpoints.poll()  # a background save every rank has written: committed
         if last or (interval and self.step_index % interval == 0) or stop is not None:
-            self.save()
+            self.save(blocking=last or stop is not None)
         self.engines.end_of_step(stop=stop is not None or last)
         if stop is not None:
             log.warning("signal %d: checkpointed at step %d, stopping", stop, self.step_index)
@@ -387,12 +392,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self) -> Path:
+    def save(self, *, blocking: bool = True) -> Path | None:
+        """Checkpoint this step (``trainer.run.checkpoints``): the committed directory, or None while
+        its files are written in the background (``checkpoint.async_save``, not ``blocking``)."""
         with watchdog.phase("checkpoint", self.step_index):
-            return self._save()
+            return self.checkpoints.save(blocking=blocking)
 
-    def _save(self) -> Path:
-        from megatron_empg.mcore.checkpoint import ModelMetadata, SaveOptions, TrainState, save_checkpoint
+    def _start_save(self, staging):
+        from megatron_empg.mcore.checkpoint import ModelMetadata, SaveOptions, TrainState, start_save
 
         cfg = self.config.checkpoint
         engines = self.engines.state_dict()  # first: receiving rollouts drawn ahead moves the data cursor
@@ -405,11 +412,12 @@ class Trainer:
             engines=engines,  # e.g. rollouts drawn ahead: trained on resume, not drawn again
             config_yaml=to_yaml(self.config),
         )
-        return save_checkpoint(
+        return start_save(
             cfg.dir,
             state,
             self._checkpoint_parts(),
             self.groups,
+            staging=staging,
             options=SaveOptions(
                 keep_last=cfg.keep_last, checksums=cfg.verify == "checksum", optimizer_format=cfg.optimizer_format
             ),

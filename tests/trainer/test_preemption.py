@@ -3,7 +3,8 @@
 group, Megatron's checkpoint writer included) and straight to the process
 group of ``empg train`` (``kill -TERM -PGID``). Each run checkpoints at the step it reached and exits;
 every step logged before the signals equals the uninterrupted run's (the second run resumed from the
-first's checkpoint), and no process is left."""
+first's checkpoint), and no process is left. The periodic checkpoints are written in the background
+(``checkpoint.async_save``): the signal's save commits the one in flight first."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ TIMEOUT_S = 300
 def _config(tmp_path, name, warm_start, steps):
     config = demo_config(tmp_path, name, warm_start, steps=steps)
     config["checkpoint"]["interval"] = 2  # a periodic checkpoint is taken before the signal
+    config["checkpoint"]["async_save"] = True  # written in the background; the signal's save blocks
     return config
 
 
