@@ -28,6 +28,11 @@ buffer (memory, not cache, like a checkpoint's tensors), ran up to 2x slower (th
 commit 8f2cc8e's ``checkpoint_save_cpu_before.json``, used 16 MiB pieces and no pauses).
 
 ``ratio_to_plain_write`` = median save / median plain write (the issue's target: <= 2);
+with ``--async-save`` also saves in the background (``measure_async``): ``checkpoint_blocking_s`` and
+``checkpoint_persist_s`` (medians after the first save, which allocates the host buffers),
+``step_slowdown_during_write`` (the stand-in step: the one RL step above, repeated, while the thread
+writes, against 20 steps with no write; a short step, so the write's CPU use weighs more than in a
+real step).
 ``ratio_pairs_median``: the median of each save over the plain write just before it.
 
 Breakdown: every save runs with timers around the functions it goes through (``_probes``; those a
@@ -260,9 +265,13 @@ def build_and_step(model_cfg, dtype: torch.dtype):
     request = StatsRequest(vocab_size=vocab, with_entropy=False)
     for mb, stats in zip(mbs, forward_stats(anchor.models, mbs, request, groups), strict=True):
         mb.anchor_logprobs = stats.logprobs
-    train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups)
-    anchor.update()
-    return groups, ddp, optimizer, scheduler, anchor
+
+    def step() -> None:
+        train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups)
+        anchor.update()
+
+    step()
+    return groups, ddp, optimizer, scheduler, anchor, step
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,7 +303,7 @@ def timed_save(root: Path, step: int, build, profile: Profile) -> tuple[float, d
     from megatron_empg.mcore.checkpoint import CheckpointParts, TrainState, checkpoint_bytes
     from megatron_empg.mcore.checkpoint.save import save_checkpoint  # where _probes times it
 
-    groups, ddp, optimizer, scheduler, anchor = build
+    groups, ddp, optimizer, scheduler, anchor, _ = build
     parts = CheckpointParts(ddp, optimizer=optimizer, scheduler=scheduler, anchor=anchor)
     _sync()
     start = time.perf_counter()
@@ -302,6 +311,57 @@ def timed_save(root: Path, step: int, build, profile: Profile) -> tuple[float, d
     _sync()
     elapsed = time.perf_counter() - start
     return elapsed, profile.take(), checkpoint_bytes(path)
+
+
+def _timed_step(step) -> float:
+    _sync()
+    start = time.perf_counter()
+    step()
+    _sync()
+    return time.perf_counter() - start
+
+
+def measure_async(build, work: Path, repeats: int, quiet_steps: int = 20) -> dict:
+    """Saves in the background (``checkpoint.async_save``): per save the seconds training waits
+    (``start_save`` with reused host buffers: the plan and the copy), the writing's own seconds and
+    the steps run while it writes; against ``quiet_steps`` steps with no write, the step's slowdown."""
+    from megatron_empg.mcore.checkpoint import CheckpointParts, HostStaging, TrainState, finish_save, start_save
+
+    groups, ddp, optimizer, scheduler, anchor, step = build
+    parts = CheckpointParts(ddp, optimizer=optimizer, scheduler=scheduler, anchor=anchor)
+    quiet = [_timed_step(step) for _ in range(quiet_steps)]
+    staging, saves = HostStaging(), []
+    for i in range(repeats + 1):  # the first allocates the host buffers: reported apart
+        _sync()
+        pending = start_save(work / f"async_{i}", TrainState(i), parts, groups, staging=staging)
+        during = []
+        while not pending.written_here():
+            during.append(_timed_step(step))
+        start = time.perf_counter()
+        finish_save(pending)
+        saves.append(
+            {
+                "blocking_s": pending.blocking_s,
+                "persist_s": pending.persist_s,
+                "commit_s": time.perf_counter() - start,
+                "steps_during": len(during),
+                "step_s_during_median": statistics.median(during) if during else None,
+                "staged_bytes": staging.bytes,
+            }
+        )
+        shutil.rmtree(work / f"async_{i}")
+    steady = saves[1:] or saves
+    during = [s["step_s_during_median"] for s in steady if s["step_s_during_median"] is not None]
+    quiet_s = statistics.median(quiet)
+    return {
+        "async_saves": saves,
+        "checkpoint_blocking_s": statistics.median(s["blocking_s"] for s in steady),
+        "checkpoint_persist_s": statistics.median(s["persist_s"] for s in steady),
+        "first_blocking_s": saves[0]["blocking_s"],
+        "step_s_quiet_median": quiet_s,
+        "step_s_during_write_median": statistics.median(during) if during else None,
+        "step_slowdown_during_write": statistics.median(during) / quiet_s - 1 if during else None,
+    }
 
 
 def _median_breakdown(breakdowns: list[dict[str, float]]) -> dict[str, float]:
@@ -340,6 +400,7 @@ def measure(args) -> dict:
             breakdowns.append(breakdown)
             shutil.rmtree(work / f"save_{i}")
             print(f"repeat {i}: plain write {plains[-1]:.2f} s, save {seconds:.2f} s", flush=True)
+        background = measure_async(build, work, args.repeats) if args.async_save else {}
     finally:
         profile.restore()
         shutil.rmtree(work, ignore_errors=True)
@@ -367,6 +428,7 @@ def measure(args) -> dict:
         "breakdown_seconds_median": _median_breakdown(breakdowns),
         "breakdown_seconds_all": breakdowns,
         "max_rss_bytes": {"after_build": rss_built, "after_saves": _max_rss()},
+        **background,
     }
 
 
@@ -573,6 +635,11 @@ def main(argv=None) -> None:
         help="a result of this benchmark before a change: its summary is copied into this one's JSON",
     )
     p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="also measure saves in the background: blocking and persist seconds, the step's slowdown while writing",
+    )
+    p.add_argument(
         "--recipes",
         action="store_true",
         help="write the GPU recipes' checkpoint bytes and predicted save times instead of measuring",
@@ -639,6 +706,13 @@ def main(argv=None) -> None:
     )
     for name, seconds in sorted(result["breakdown_seconds_median"].items(), key=lambda item: -item[1]):
         print(f"  {name:<20} {seconds:7.3f} s")
+    if args.async_save:
+        slowdown = result["step_slowdown_during_write"]
+        print(
+            f"in the background: blocking {result['checkpoint_blocking_s']:.3f} s (first {result['first_blocking_s']:.3f}), "
+            f"persist {result['checkpoint_persist_s']:.2f} s, step slowdown while writing "
+            f"{'-' if slowdown is None else f'{100 * slowdown:.1f} %'}"
+        )
     print(f"wrote {args.out}")
 
 

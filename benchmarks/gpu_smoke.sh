@@ -37,13 +37,17 @@
 #   d. [lora] benchmarks/train_step.py: the 8k sdpa case with LoRA adapters (rank 64, every linear;
 #      train_step_lora_gpu.json): step time, tokens/s, peak against the plan, beside the dense part's
 #      full fine-tuning (MFU counts the frozen base's backward once: 4 passes, not 5)
+#   g. [ckpt] benchmarks/checkpoint_save.py --async-save: the 1.5B's whole training state (about 32 GB)
+#      saved in the background (checkpoint.async_save): the blocking seconds (goal <= 1 s), the
+#      persist seconds, the step's slowdown while it writes (goal <= 2 %), beside the blocking save
+#      against a plain write of the same bytes              -> checkpoint_save_gpu.json
 #   f. [fp8] benchmarks/fp8_anchor.py: issue 47's FP8 anchor at the 1.5B's dimensions, 4 packed 8k rows:
 #      the torch FP8 anchor against the bf16 one (pass time, bytes, log-prob error, KL)
 #                                                                      -> fp8_anchor_gpu.json
 #      (tests/gpu/test_fp8_anchor_gpu.py, in part tests: scaled_mm against the emulated product,
 #      the Triton row quantization, no host sync -> fp8_anchor_gpu_test.json)
 #
-# Parts. SMOKE_PARTS (comma-separated, default tests,kernels,moe,dense,lora,fp8: all, in that order) picks the
+# Parts. SMOKE_PARTS (comma-separated, default tests,kernels,moe,dense,lora,fp8,ckpt: all, in that order) picks the
 # steps by their [part]; each part runs alone, e.g. the MoE measurement by itself (~3-4 min):
 #     SMOKE_PARTS=moe bash benchmarks/gpu_smoke.sh
 # and the rest in another call:  SMOKE_PARTS=tests,kernels,dense bash benchmarks/gpu_smoke.sh
@@ -147,6 +151,8 @@ LORA_ARGS=(--model "$MODEL" --dtype bf16 --tokens-per-step 32768 --warmup 1 --re
     --model-override lora.rank=64 --model-override lora.alpha=128 --model-override "lora.targets=[all-linear]")
 LORA_CASES=(--case attention=sdpa,tokens=8192)
 FP8_ARGS=(--model "$MODEL" --tokens 8192 --seq 1024 --micro-batches 4 --fp8 torch)
+CKPT_ARGS=(--model "$MODEL" --model-overrides "" --dtype bf16 --repeats 2 --settle 2 --async-save
+    --dir "${SMOKE_CHECKPOINT_DIR:-/tmp/empg_ckpt}")
 if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
     # the kernels under Triton's interpreter (vocab_kernel.py also sets it for --device cpu)
     VK_ARGS=(--device cpu --tokens 16 --vocab 512 --ids 33 --warmup 1 --repeats 1 --copy-gb 0.01 --sweep 256:4)
@@ -167,6 +173,8 @@ if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
         --model-override lora.rank=4 --model-override "lora.targets=[all-linear]")
     LORA_CASES=(--case attention=sdpa,tokens=128)
     FP8_ARGS=(--fp8 emulated)
+    CKPT_ARGS=(--model tiny-qwen2 --model-overrides "" --dtype fp32 --repeats 1 --settle 0 --async-save
+        --dir "${TMPDIR:-/tmp}/empg_ckpt_dry")
 fi
 
 # ---------------------------------------------------------------- steps
@@ -194,11 +202,11 @@ step() {  # step NAME CAP_S CMD...: run with a time cap (within the budget), out
     STEPS+=("$name|$status|$((SECONDS - t0))")
 }
 
-SMOKE_PARTS=${SMOKE_PARTS:-tests,kernels,moe,dense,lora,fp8}
+SMOKE_PARTS=${SMOKE_PARTS:-tests,kernels,moe,dense,lora,fp8,ckpt}
 PARTS=",$SMOKE_PARTS,"
 part() { [[ "$PARTS" == *",$1,"* ]]; }
 for p in ${SMOKE_PARTS//,/ }; do
-    [[ "$p" =~ ^(tests|kernels|moe|dense|lora|fp8)$ ]] || { log "SMOKE_PARTS: unknown part '$p' (tests, kernels, moe, dense, lora, fp8)"; exit 2; }
+    [[ "$p" =~ ^(tests|kernels|moe|dense|lora|fp8|ckpt)$ ]] || { log "SMOKE_PARTS: unknown part '$p' (tests, kernels, moe, dense, lora, fp8, ckpt)"; exit 2; }
 done
 log "== parts: ${PARTS:1:${#PARTS}-2}"
 pytest_counts() {  # pytest's own count (a skip on the GPU machine is no pass): appended to the last step's status
@@ -243,6 +251,10 @@ fi
 if part fp8; then
     step "fp8_anchor: the torch FP8 anchor against bf16, 1.5B dimensions, 4 x 8k packed" 180 \
         "$PY" benchmarks/fp8_anchor.py "${FP8_ARGS[@]}" --out "$OUT_DIR/fp8_anchor_gpu.json"
+fi
+if part ckpt; then
+    step "checkpoint_save --async-save: the 1.5B's state in the background, against a blocking save" 240 \
+        "$PY" benchmarks/checkpoint_save.py "${CKPT_ARGS[@]}" --out "$OUT_DIR/checkpoint_save_gpu.json"
 fi
 if part dense || part moe || part lora; then
     # the memory plan against the peaks just measured (dense and MoE): printed only
@@ -436,6 +448,12 @@ if f:
               f"KL rel. err k3 {o['kl_rel_err']['k3']:.2e}, topk {o['kl_rel_err']['topk']:.2e}")
     for key, g in f.get("goals", {}).items():
         print(f"  goal {key} {g['goal']}: {'met' if g['met'] else 'NOT met'}")
+c = load("checkpoint_save_gpu.json")
+if c and "checkpoint_blocking_s" in c:
+    slow = c.get("step_slowdown_during_write")
+    print(f"\ncheckpoint {c['bytes'] / 1e9:.1f} GB: blocking save x{c['ratio_to_plain_write']:.2f} a plain write; "
+          f"in the background: blocking {c['checkpoint_blocking_s']:.2f} s (goal 1 s), persist "
+          f"{c['checkpoint_persist_s']:.1f} s, step slowdown {'-' if slow is None else f'{100 * slow:.1f} %'} (goal 2 %)")
 a = load("attention_gpu.json")
 if a:
     print(f"\nattention: {a.get('varlen_attn')}, grouped K/V natively: {a.get('varlen_native_gqa')}")
