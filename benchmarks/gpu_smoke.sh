@@ -41,13 +41,16 @@
 #      saved in the background (checkpoint.async_save): the blocking seconds (goal <= 1 s), the
 #      persist seconds, the step's slowdown while it writes (goal <= 2 %), beside the blocking save
 #      against a plain write of the same bytes              -> checkpoint_save_gpu.json
+#   h. [loop] benchmarks/whole_loop.py: empg train for 3 steps at the 1.5B's dimensions (random weights),
+#      the transformers engine in-process and sleeping between rollouts, bf16: each phase's time and
+#      device peak against empg plan's (goal: within 5 %)  -> whole_loop_gpu.json
 #   f. [fp8] benchmarks/fp8_anchor.py: issue 47's FP8 anchor at the 1.5B's dimensions, 4 packed 8k rows:
 #      the torch FP8 anchor against the bf16 one (pass time, bytes, log-prob error, KL)
 #                                                                      -> fp8_anchor_gpu.json
 #      (tests/gpu/test_fp8_anchor_gpu.py, in part tests: scaled_mm against the emulated product,
 #      the Triton row quantization, no host sync -> fp8_anchor_gpu_test.json)
 #
-# Parts. SMOKE_PARTS (comma-separated, default tests,kernels,moe,dense,lora,fp8,ckpt: all, in that order) picks the
+# Parts. SMOKE_PARTS (comma-separated, default tests,kernels,moe,dense,lora,fp8,ckpt,loop: all, in that order) picks the
 # steps by their [part]; each part runs alone, e.g. the MoE measurement by itself (~3-4 min):
 #     SMOKE_PARTS=moe bash benchmarks/gpu_smoke.sh
 # and the rest in another call:  SMOKE_PARTS=tests,kernels,dense bash benchmarks/gpu_smoke.sh
@@ -151,6 +154,7 @@ LORA_ARGS=(--model "$MODEL" --dtype bf16 --tokens-per-step 32768 --warmup 1 --re
     --model-override lora.rank=64 --model-override lora.alpha=128 --model-override "lora.targets=[all-linear]")
 LORA_CASES=(--case attention=sdpa,tokens=8192)
 FP8_ARGS=(--model "$MODEL" --tokens 8192 --seq 1024 --micro-batches 4 --fp8 torch)
+LOOP_ARGS=(--model "$MODEL" --steps 3 --dtype bfloat16)
 CKPT_ARGS=(--model "$MODEL" --model-overrides "" --dtype bf16 --repeats 2 --settle 2 --async-save
     --dir "${SMOKE_CHECKPOINT_DIR:-/tmp/empg_ckpt}")
 if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
@@ -173,6 +177,7 @@ if [[ "$DRY" == 1 ]]; then  # toy sizes on a CPU: exercises the flow only
         --model-override lora.rank=4 --model-override "lora.targets=[all-linear]")
     LORA_CASES=(--case attention=sdpa,tokens=128)
     FP8_ARGS=(--fp8 emulated)
+    LOOP_ARGS=(--steps 2)
     CKPT_ARGS=(--model tiny-qwen2 --model-overrides "" --dtype fp32 --repeats 1 --settle 0 --async-save
         --dir "${TMPDIR:-/tmp}/empg_ckpt_dry")
 fi
@@ -202,11 +207,11 @@ step() {  # step NAME CAP_S CMD...: run with a time cap (within the budget), out
     STEPS+=("$name|$status|$((SECONDS - t0))")
 }
 
-SMOKE_PARTS=${SMOKE_PARTS:-tests,kernels,moe,dense,lora,fp8,ckpt}
+SMOKE_PARTS=${SMOKE_PARTS:-tests,kernels,moe,dense,lora,fp8,ckpt,loop}
 PARTS=",$SMOKE_PARTS,"
 part() { [[ "$PARTS" == *",$1,"* ]]; }
 for p in ${SMOKE_PARTS//,/ }; do
-    [[ "$p" =~ ^(tests|kernels|moe|dense|lora|fp8|ckpt)$ ]] || { log "SMOKE_PARTS: unknown part '$p' (tests, kernels, moe, dense, lora, fp8, ckpt)"; exit 2; }
+    [[ "$p" =~ ^(tests|kernels|moe|dense|lora|fp8|ckpt|loop)$ ]] || { log "SMOKE_PARTS: unknown part '$p' (tests, kernels, moe, dense, lora, fp8, ckpt, loop)"; exit 2; }
 done
 log "== parts: ${PARTS:1:${#PARTS}-2}"
 pytest_counts() {  # pytest's own count (a skip on the GPU machine is no pass): appended to the last step's status
@@ -255,6 +260,10 @@ fi
 if part ckpt; then
     step "checkpoint_save --async-save: the 1.5B's state in the background, against a blocking save" 240 \
         "$PY" benchmarks/checkpoint_save.py "${CKPT_ARGS[@]}" --out "$OUT_DIR/checkpoint_save_gpu.json"
+fi
+if part loop; then
+    step "whole_loop: empg train, 3 steps at the 1.5B's dimensions, transformers engine, phases vs the plan" 420 \
+        "$PY" benchmarks/whole_loop.py "${LOOP_ARGS[@]}" --out "$OUT_DIR/whole_loop_gpu.json"
 fi
 if part dense || part moe || part lora; then
     # the memory plan against the peaks just measured (dense and MoE): printed only
@@ -454,6 +463,13 @@ if c and "checkpoint_blocking_s" in c:
     print(f"\ncheckpoint {c['bytes'] / 1e9:.1f} GB: blocking save x{c['ratio_to_plain_write']:.2f} a plain write; "
           f"in the background: blocking {c['checkpoint_blocking_s']:.2f} s (goal 1 s), persist "
           f"{c['checkpoint_persist_s']:.1f} s, step slowdown {'-' if slow is None else f'{100 * slow:.1f} %'} (goal 2 %)")
+w = load("whole_loop_gpu.json")
+if w:
+    print(f"\nwhole loop ({w['steps_logged']} steps): phase, median s, peak GiB, plan GiB, plan vs measured")
+    for name, x in w["phases"].items():
+        peak, gap = x["peak_bytes"], x["plan_vs_measured"]
+        print(f"  {name:<12} {x['seconds_median'] or 0:8.2f} {'-' if peak is None else f'{peak / 2**30:6.1f}'} "
+              f"{x['planned_peak_bytes'] / 2**30:6.1f} {'-' if gap is None else f'{100 * gap:+.1f} %'}")
 a = load("attention_gpu.json")
 if a:
     print(f"\nattention: {a.get('varlen_attn')}, grouped K/V natively: {a.get('varlen_native_gqa')}")

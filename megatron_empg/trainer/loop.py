@@ -48,6 +48,7 @@ from megatron_empg.trainer.policy import build_anchor, build_policy
 from megatron_empg.trainer.run import watchdog
 from megatron_empg.trainer.run.bad_steps import BadSteps
 from megatron_empg.trainer.run.checkpoints import Checkpoints, async_saves
+from megatron_empg.trainer.run.device_memory import peak_memory, peak_metrics
 from megatron_empg.trainer.run.run_dir import check_fresh_start
 from megatron_empg.trainer.run.signals import any_rank_signalled, ignored_in_children, stop_signals
 from megatron_empg.trainer.run.start import checkpoint_directory, load_tokenizer, old_module_names
@@ -117,6 +118,7 @@ class Trainer:
         self.optimizer_steps = 0  # applied ones (a refused step counts for nothing, the anchor's schedule included)
         self.bad_steps = BadSteps(config.train)
         self._stop_signal: int | None = None
+        self._peaks: dict[str, int] = {}  # this step's device memory peak per phase
         self.checkpoints = Checkpoints(self._start_save, background=async_saves(config.checkpoint.async_save))
 
     # ------------------------------------------------------------------ setup
@@ -211,6 +213,7 @@ class Trainer:
 
     def step(self) -> StepOutput:
         times: dict[str, float] = {}
+        self._peaks = {}
         with self._phase(times, "rollout"):
             rollout = self.engines.rollout(self.step_index, times, resync=self.sync_weights)
         # scored (between generation batches) or waited for (engines running ahead) inside it
@@ -250,13 +253,14 @@ class Trainer:
             behavior=behavior,
         )
         metrics["anchor/updates"] = float(ema_updates)
-        metrics.update(rollout_metrics(rollout, self.step_index - 1))
+        metrics.update(rollout_metrics(rollout, self.step_index - 1), **peak_metrics(self._peaks))
         return StepOutput(self.step_index, metrics)
 
     @contextlib.contextmanager
     def _phase(self, times: dict[str, float], name: str):
-        """A phase of the step in flight: timed into ``times[name]`` and watched (``trainer.run.watchdog``)."""
-        with watchdog.phase(name, self.step_index + 1), timed(times, name):
+        """A phase of the step in flight: timed into ``times[name]``, its device memory peak kept
+        (``trainer.run.device_memory``) and watched (``trainer.run.watchdog``)."""
+        with watchdog.phase(name, self.step_index + 1), timed(times, name), peak_memory(self._peaks, name):
             yield
 
     # ------------------------------------------------------------------ stages

@@ -46,6 +46,10 @@ def test_two_rl_steps_on_one_gpu(tmp_path, dtype):
     for record in records:
         assert record["actor/lr"] > 0 and record["actor/grad_norm"] > 0 and record["anchor/updates"] >= 0
         assert 0 <= record["sync/gate_max_logprob_diff"] <= TOLERANCE[dtype]
+        # the device peak of each phase (trainer.run.device_memory): the update holds the most
+        peaks = {k.removeprefix("memory/peak_gib/"): v for k, v in record.items() if k.startswith("memory/peak_gib/")}
+        assert {"rollout", "old_pass", "anchor_pass", "update", "weight_sync"} <= peaks.keys(), sorted(peaks)
+        assert 0 < peaks["old_pass"] <= peaks["update"], peaks
     assert (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
     results = os.environ.get("EMPG_GPU_RESULTS_DIR")
     if results:
