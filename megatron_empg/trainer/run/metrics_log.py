@@ -45,7 +45,15 @@ TIME_PARTS = (
     ("rollout", ("time/rollout", "time/rollout_wait")),
     (
         "train",
-        ("time/rewards", "time/advantages", "time/old_pass", "time/anchor_pass", "time/update", "time/ema_update"),
+        (
+            "time/rewards",
+            "time/advantages",
+            "time/old_pass",
+            "time/anchor_pass",
+            "time/teacher_pass",
+            "time/update",
+            "time/ema_update",
+        ),
     ),
     ("sync", ("time/weight_sync",)),
     ("val", ("time/validation",)),
