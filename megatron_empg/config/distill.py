@@ -46,7 +46,8 @@ class DistillConfig(Config):
     ``mse``, ``k3`` / ``low_var_kl`` (single-sample estimators at the sampled token) or
     ``forward_kl_topk`` (the forward KL over the teacher's ``topk`` ids)."""
     topk: int = 128
-    """k of ``forward_kl_topk``: the teacher's top-k ids per token (<= the vocabulary)."""
+    """k of ``forward_kl_topk``: the teacher's top-k ids per token (<= the vocabulary); the other
+    losses take the teacher's top-1 only (``distill/teacher_topk_mass`` is then its mass)."""
     use_policy_gradient: bool = True
     """The loss enters as a per-token advantage -sg(loss) of a PPO-clip policy loss (the published
     recipe with ``k1``); false: the loss is backpropagated directly (GKD; ``k3``, ``forward_kl_topk``)."""

@@ -38,8 +38,9 @@ class DistillTerm:
     ``coef`` is the weight of the term in the objective (1 without task rewards); ``weighted``:
     whether the behaviour-policy weights multiply it (an expectation over the sampled token: the
     policy-gradient form and the single-sample estimators; not a direct Top-k loss, an exact sum
-    at the position); ``teacher_k``: the top-k the teacher pass computes (the loss's, and the
-    metrics' top-k mass and top-1).
+    at the position); ``teacher_k``: the top-k the teacher pass computes: the loss's ``topk`` for
+    a Top-k loss, else 1 (the metrics' top-1 and its mass; [tokens, topk] per step would cost the
+    micro-batches 12 bytes x topk per token for two metrics).
     """
 
     loss: DistillLoss
@@ -72,7 +73,7 @@ class DistillTerm:
         loss = DISTILL_LOSSES[name]
         return cls(
             loss,
-            topk,
+            topk if loss.topk else 1,
             use_policy_gradient,
             use_task_rewards,
             coef if use_task_rewards else 1.0,
