@@ -36,6 +36,7 @@ STEP_METRICS = (
     ("reward", "reward/mean"),
     ("acc", "reward/accuracy"),
     ("kl", "actor/kl"),
+    ("distill", "distill/kl"),  # with algorithm.distill only
     ("entropy", "actor/entropy"),
     ("len", "response/length_mean"),
 )
