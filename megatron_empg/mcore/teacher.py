@@ -66,14 +66,14 @@ class FrozenTeacher:
         **build_kwargs: Any,
     ) -> FrozenTeacher:
         """Chunks of ``model_cfg`` by ``mcore.model.build_gpt_model`` (``build_kwargs`` too) in
-        ``params_dtype``, their weights written by ``load(chunks)``."""
+        ``params_dtype``, their weights written by ``load(chunks)``; neither moves the run's random
+        streams (CPU, CUDA and Megatron's tracker)."""
         from megatron_empg.mcore.model import build_gpt_model
 
         with _rng_preserved():
-            models = build_gpt_model(
-                model_cfg, parallel, params_dtype=params_dtype, perform_initialization=False, **build_kwargs
-            )
-        load(models)
+            kwargs = {"perform_initialization": False, **build_kwargs}
+            models = build_gpt_model(model_cfg, parallel, params_dtype=params_dtype, **kwargs)
+            load(models)
         return cls(models, offload=offload)
 
     @contextlib.contextmanager
