@@ -187,3 +187,33 @@ def test_a_teacher_equal_to_the_student_gives_zero_kl_and_plain_rl(inputs, loss)
     # negative control: the inputs' own teacher (another distribution) moves the gradient
     other = _ours(logits, dataclasses.replace(batch, old_logprobs=on_policy), args, "token-mean", **kw)
     assert (other["grad"] - plain["grad"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_distill_through_the_fused_output_layer_equals_whole_logits(inputs, name):
+    """``train.fused_output_loss``: the teacher's top-k ids are gathered chunk by chunk from the
+    output layer's input and weight, as the other ids are."""
+    from megatron_empg.parallel.fused_output import OutputLayerInput
+
+    args, agg = CASES[name]
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(B, S, 8, generator=g, requires_grad=True)
+    weight = torch.randn(V, 8, generator=g, requires_grad=True)
+    results = []
+    for fused in (True, False):
+        source = OutputLayerInput(hidden, weight) if fused else hidden @ weight.T
+        out = rl_loss(
+            source,
+            inputs["batch"],
+            vocab_start=0,
+            vocab_size=V,
+            tp_group=None,
+            chunk_size=4,
+            agg_mode=agg["agg_mode"],
+            distill=_term(args),
+            **RL,
+        )
+        results.append((out.loss.loss_sum, *torch.autograd.grad(out.loss.loss_sum, (hidden, weight))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert results[0][2].abs().sum() > 0
