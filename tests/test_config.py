@@ -373,6 +373,7 @@ REAL = [
     "qwen2.5-1.5b",
     "qwen2.5-3b",
     "qwen2.5-7b",
+    "qwen3-1.7b",
     "qwen3-4b",
     "qwen3-8b",
     "llama3.1-8b",
@@ -388,6 +389,7 @@ PUBLISHED_TOTAL = {
     "qwen2.5-1.5b": 1.54,
     "qwen2.5-3b": 3.09,
     "qwen2.5-7b": 7.62,
+    "qwen3-1.7b": 1.72,  # the model card's "1.7B" (1.4B non-embedding); not checked against HF's count
     "qwen3-4b": 4.02,
     "qwen3-8b": 8.19,
     "llama3.1-8b": 8.03,

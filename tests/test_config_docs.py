@@ -16,10 +16,12 @@ from megatron_empg.config import (
     REGISTRY,
     Config,
     ConfigError,
+    DistillConfig,
     ModelConfig,
     OptimizerConfig,
     RunConfig,
     SearchAgentConfig,
+    TeacherConfig,
     field_docs,
     from_dict,
     literal_choices,
@@ -36,6 +38,8 @@ CLASSES = [cls for _, cls in sections()] + [ModelConfig]
 REQUIRED = {
     RunConfig: {"model": "tiny-qwen2", "tokenizer": "/tmp/tokenizer"},
     SearchAgentConfig: {"retriever_url": "http://127.0.0.1:8000"},
+    DistillConfig: {"teacher": {"model": "tiny-qwen2", "checkpoint": "/tmp/teacher"}},
+    TeacherConfig: {"model": "tiny-qwen2", "checkpoint": "/tmp/teacher"},
     ModelConfig: to_dict(load_model_config("tiny-qwen2")),
 }
 
@@ -54,7 +58,7 @@ def _marked_fields() -> list[tuple[str, dataclasses.Field]]:
 def test_the_tree_has_every_config_class_and_each_checks_itself_the_one_way():
     names = {cls.__name__ for cls in CLASSES}
     assert {"RunConfig", "LossConfig", "PhaseTimeouts", "SearchAgentConfig", "ModelConfig", "ParallelConfig"} <= names
-    assert len(CLASSES) == 20
+    assert len(CLASSES) == 22
     for cls in CLASSES:
         assert issubclass(cls, Config) and "__post_init__" not in vars(cls), cls  # Config's, not its own
 
@@ -139,6 +143,7 @@ def test_a_nested_classs_error_names_its_dotted_path():
 CONTEXT = {
     "data.reward": ["data.source=files", "data.train_files=[train.jsonl]"],
     "algorithm.loss.kl": ["algorithm.loss.kl_args={}"],
+    "algorithm.distill.loss": ["algorithm.distill={teacher: {model: demo-qwen2, checkpoint: /tmp/teacher}}"],
 }
 
 
@@ -161,6 +166,7 @@ def test_the_marked_fields_are_the_registry_names():
         "algorithm.loss.kl",
         "algorithm.loss.agg_mode",
         "algorithm.behavior_is",
+        "algorithm.distill.loss",
         "rollout.engine",
         "weight_sync.transport",
         "weight_sync.lora_mode",

@@ -26,7 +26,10 @@ BASE = {
     "model": "tiny-qwen2",
     "tokenizer": "/tmp/tokenizer",
     "rollout": {"search_agent": {"retriever_url": "http://127.0.0.1:8000"}},
-    "algorithm": {"dynamic_sampling": {}},
+    "algorithm": {
+        "dynamic_sampling": {},
+        "distill": {"teacher": {"model": "tiny-qwen2", "checkpoint": "/tmp/teacher"}},
+    },
     "model_overrides": ["lora.rank=4"],  # the model's optional section
 }
 MAPPING, LIST, TEXT = "{a: 1}", "[1]", "text"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_empg.config import RunConfig, load_config, read_yaml
+from megatron_empg.config import RunConfig, load_config, load_model_config, read_yaml
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 R1 = "r1_distill_qwen_1.5b_math_ema_pg"
@@ -73,6 +73,20 @@ def _with_local_paths(path: Path, tmp_path: Path) -> RunConfig:
                 tensors = {n: torch.zeros(1) for n in mapping.hf_tensor_names(model)}
                 save_file(tensors, str(directory / "model.safetensors"))
             overrides.append(f"{field}={directory}")
+    if config.algorithm.distill is not None:  # the teacher: a HF directory of its model, the student's tokenizer
+        teacher = load_config(RunConfig, read_yaml(path), overrides).algorithm.distill
+        directory = tmp_path / "teacher"
+        directory.mkdir()
+        teacher_model = load_model_config(teacher.teacher.model)
+        (directory / "config.json").write_text(json.dumps(teacher_model.to_hf_config()))
+        save_file(
+            {n: torch.zeros(1) for n in mapping.hf_tensor_names(teacher_model)}, str(directory / "model.safetensors")
+        )
+        overrides.append(f"algorithm.distill.teacher.checkpoint={directory}")
+        tokenizer = json.dumps({"model": {"type": "BPE", "vocab": {"a": 0}}, "added_tokens": []})
+        for source in (directory, tmp_path / "checkpoint.init_from", tmp_path / "tokenizer"):
+            if source.is_dir():
+                (source / "tokenizer.json").write_text(tokenizer)
     return load_config(RunConfig, read_yaml(path), overrides)
 
 

@@ -25,7 +25,7 @@ The machinery is generic and works for any (nested) dataclass::
   free-form ``dict`` field.
 
 The modules: ``schema`` (the machinery above; ``errors`` and ``yaml_files`` under it), ``model`` (``ModelConfig``, ``ParallelConfig``),
-``algorithm``, ``rollout`` and ``run`` (the sections of ``RunConfig``). Import from the package.
+``algorithm`` (with ``distill``), ``rollout`` and ``run`` (the sections of ``RunConfig``). Import from the package.
 
 Cross-field checks live on the dataclasses as ``validate()`` methods that raise
 ``ConfigError(field, reason)`` with the field name relative to the dataclass; ``from_dict`` adds the
@@ -43,6 +43,12 @@ from megatron_empg.config.algorithm import (  # noqa: F401
     DynamicSamplingConfig,
     LossConfig,
     OptimizerConfig,
+)
+from megatron_empg.config.distill import (  # noqa: F401
+    DISTILL_PLACEMENTS,
+    TEACHER_DTYPES,
+    DistillConfig,
+    TeacherConfig,
 )
 from megatron_empg.config.model import (  # noqa: F401
     FAMILIES,

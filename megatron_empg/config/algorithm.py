@@ -6,6 +6,7 @@ import dataclasses
 import typing
 from typing import Literal
 
+from megatron_empg.config.distill import DistillConfig
 from megatron_empg.config.schema import Config, ConfigError, named_in
 
 LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
@@ -234,6 +235,8 @@ class AlgorithmConfig(Config):
     [1/C, C], else 0)."""
     behavior_is_cap: float = 2.0
     """C >= 1 of ``behavior_is``."""
+    distill: DistillConfig | None = None
+    """On-policy distillation from a frozen teacher, with or without the RL loss; null: none."""
     router_replay: Literal["rollout", "none"] = "none"
     """A mixture of experts: ``rollout`` makes the old, anchor and update passes route every token
     to the experts the engine routed it to when it sampled (R3, rollout routing replay: the engine

@@ -383,6 +383,8 @@ class PhaseTimeouts(Config):
     """The old policy's forward pass (log-probs of the samples)."""
     anchor_pass: float | None = None
     """The anchor's forward pass."""
+    teacher_pass: float | None = None
+    """The distillation teacher's forward pass."""
     update: float | None = None
     """The update pass and optimizer steps of a step."""
     ema_update: float | None = None

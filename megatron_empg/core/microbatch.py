@@ -55,6 +55,10 @@ class MicroBatch:
         anchor_logprobs: [B, S] float32 log pi_ref(target), from the anchor pass (a KL only).
         topk_ids: [B, S, K] int64 Top-k index set (a Top-k KL only).
         topk_anchor_logprobs: [B, S, K] float32 log pi_ref at ``topk_ids`` (a Top-k KL only).
+        teacher_logprobs: [B, S] float32 log pi_teacher(target), from the teacher pass (distillation only).
+        teacher_topk_ids: [B, S, K] int64 the teacher's top-k ids, descending (distillation only).
+        teacher_topk_logprobs: [B, S, K] float32 log pi_teacher at ``teacher_topk_ids``.
+        student_top1: [B, S] int64 the policy's top-1 id from the old pass (distillation's metrics), or None.
         routed_experts: [B, S, L, k] int16, the experts the engine routed each token to in each of
             the L MoE layers (``algorithm.router_replay``), replayed by every pass; padding and each
             sequence's last token (no engine routing, no loss) hold experts 0 .. k-1. None: the
@@ -79,6 +83,10 @@ class MicroBatch:
     anchor_logprobs: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_anchor_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
+    teacher_topk_ids: Tensor | None = None
+    teacher_topk_logprobs: Tensor | None = None
+    student_top1: Tensor | None = None
     routed_experts: Tensor | None = None
     cp_size: int = 1
     cp_rank: int = 0

@@ -6,7 +6,11 @@ is Top-k; the entropy only when it has a coefficient or is logged), or from the 
 input and weight shard (``fused_output.OutputLayerInput``) with ``fused_output_logprobs``, which
 never holds more than one chunk of the logits; then the ``core`` losses:
 
-    loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(H)
+    loss = agg(policy loss) + kl_coef * agg(KL) - entropy_coef * agg(H) [+ coef * distill]
+
+With a distillation term (``core.distill.term.DistillTerm``, bound from ``algorithm.distill``), the
+student's log-probs at the teacher's top-k ids (a Top-k loss) are gathered in the same pass, and
+without task rewards (``use_task_rewards`` false) the policy loss drops out (KL and entropy stay).
 
 With ``batch.behavior_weights`` w (``core.behavior_is``: samples drawn by an engine whose policy
 mu is not pi_old), every term that is an expectation over the sampled token is multiplied by w.
@@ -27,6 +31,7 @@ from torch import Tensor
 
 from megatron_empg.core.aggregation import LossSum, aggregate, sequence_token_counts
 from megatron_empg.core.checks import check_choice, check_same_shape
+from megatron_empg.core.distill.term import DistillTerm, zero_like
 from megatron_empg.core.kl_term import KLTerm, bind_kl
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.policy_loss import POLICY_LOSSES
@@ -73,6 +78,7 @@ def rl_loss(
     agg_mode: str = "token-mean",
     chunk_size: int | None = None,
     inplace_backward: bool = False,
+    distill: DistillTerm | None = None,
     validate: bool = True,
 ) -> RLLoss:
     """The update-pass objective of one micro-batch from this rank's vocab shard (module docstring).
@@ -102,6 +108,7 @@ def rl_loss(
             for logits, ``fused_output.FUSED_CHUNK_SIZE`` for an ``OutputLayerInput``).
         inplace_backward: write the logits gradient into ``vocab_parallel_logits`` (no logits
             tensor with an ``OutputLayerInput``: ignored).
+        distill: the distillation term, or None; ``batch`` then carries the teacher's log-probs.
 
     Returns:
         ``RLLoss``; ``loss.loss_sum`` carries the gradient.
@@ -116,8 +123,12 @@ def rl_loss(
         raise ValueError(f"{'hidden' if fused else 'vocab_parallel_logits'} must be [B, S, *], got {tuple(rows.shape)}")
     lead = rows.shape[:2]
     num_tokens = lead.numel()
-    ids = batch.target_ids if kl is None else kl.gather_ids(batch, lead_shape=lead, vocab_size=vocab_size)
-    ids = ids.reshape(num_tokens, -1)  # [T, M + 1], the target last
+    ids = batch.target_ids.unsqueeze(-1) if kl is None else kl.gather_ids(batch, lead_shape=lead, vocab_size=vocab_size)
+    head_ids = distill.gather_ids(batch) if distill is not None else None  # [B, S, K] or None
+    num_head = 0 if head_ids is None else head_ids.shape[-1]
+    if head_ids is not None:
+        ids = torch.cat([head_ids, ids], dim=-1)  # [B, S, K + M + 1]
+    ids = ids.reshape(num_tokens, -1)  # [T, (K +) M + 1], the target last
     check_same_shape(target_ids=batch.target_ids, behavior_weights=batch.behavior_weights)
     with_entropy = entropy_coef > 0 or log_entropy
     shard = dict(
@@ -137,6 +148,7 @@ def rl_loss(
             rows.reshape(num_tokens, -1), ids, inplace_backward=inplace_backward, **shard
         )
     gathered = gathered.reshape(*lead, -1)
+    head, gathered = (gathered[..., :num_head], gathered[..., num_head:]) if num_head else (None, gathered)
     logprobs = gathered[..., -1]  # [B, S] log pi(target)
     mask = batch.loss_mask
     old = batch.old_logprobs
@@ -153,6 +165,11 @@ def rl_loss(
     metrics = {"policy_loss": LossSum(total.loss_sum.detach(), total.count)}
     for name, values in pg.metrics.items():
         metrics[name] = aggregate(values, mask)
+    if distill is not None:
+        out = distill(head, logprobs, batch, weights=weights, agg_mode=agg_mode, split=split, validate=validate)
+        total = total if distill.use_task_rewards else zero_like(total)
+        total = LossSum(total.loss_sum + distill.coef * out.loss.loss_sum, total.count)
+        metrics.update(out.metrics)
     if kl is not None:
         kl_values = kl(gathered, batch, weights=weights, validate=validate)  # [B, S]
         kl_sum = aggregate(kl_values, mask, agg_mode, seq_ids, **split)

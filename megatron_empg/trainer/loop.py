@@ -1,6 +1,6 @@
 """The RL loop: one ``Trainer.step`` is
 
-    rollout -> rewards -> advantages -> micro-batches -> old pass -> anchor pass
+    rollout -> rewards -> advantages -> micro-batches -> old pass -> anchor pass [-> teacher pass]
     -> update (per mini-batch) -> EMA update -> weight sync (+ consistency gate) -> metrics
     -> checkpoint
 
@@ -44,7 +44,7 @@ from megatron_empg.trainer.bind.build import Components
 from megatron_empg.trainer.engines.collect import Scorer, prompt_batches, validation_sets
 from megatron_empg.trainer.engines.metrics import rollout_metrics, step_metrics, timed
 from megatron_empg.trainer.engines.placements import build_engines, engine_on_this_rank, training_placement
-from megatron_empg.trainer.policy import build_anchor, build_policy
+from megatron_empg.trainer.policy import build_anchor, build_policy, build_teacher
 from megatron_empg.trainer.run import watchdog
 from megatron_empg.trainer.run.bad_steps import BadSteps
 from megatron_empg.trainer.run.checkpoints import Checkpoints, async_saves
@@ -106,6 +106,7 @@ class Trainer:
         policy = build_policy(components, groups)
         self.models, self.optimizer, self.scheduler = policy.models, policy.optimizer, policy.scheduler
         self.anchor = build_anchor(components, policy)
+        self.teacher = build_teacher(components, groups)
         from megatron_empg.mcore.lora.sync import LORA_SYNC_MODES
 
         self.synced_weights = LORA_SYNC_MODES[config.weight_sync.lora_mode]()  # what sync_weights pushes
@@ -230,6 +231,9 @@ class Trainer:
             behavior = batch.behavior_is(algorithm.behavior_is, algorithm.behavior_is_cap)  # vs the sampler
         with self._phase(times, "anchor_pass"):
             self.anchor_pass(micro)
+        if self.teacher is not None:
+            with self._phase(times, "teacher_pass"):
+                self.teacher_pass(micro)
         with self._phase(times, "update"):
             done = self.optimizer_steps
             update_metrics = self.update(batch.minis)
@@ -283,9 +287,10 @@ class Trainer:
         from megatron_empg.mcore.step import StatsRequest
 
         plan = self.components.stats
+        top1 = self.teacher is not None  # distillation's top-1 agreement
         request = StatsRequest(
             vocab_size=self.model.vocab_size,
-            k=plan.old_topk,
+            k=max(plan.old_topk, int(top1)),
             with_entropy=False,
             chunk_size=self.config.algorithm.loss.chunk_size,
         )
@@ -293,6 +298,8 @@ class Trainer:
             mb.old_logprobs = out.logprobs
             if plan.old_topk:
                 mb.topk_ids = out.topk_ids
+            if top1:
+                mb.student_top1 = out.topk_ids[..., 0]
             if plan.anchor_is_old:
                 mb.anchor_logprobs = out.logprobs
                 if plan.old_topk:
@@ -320,6 +327,22 @@ class Trainer:
                 mb.topk_anchor_logprobs = out.extra_logprobs
             elif plan.anchor_topk:
                 mb.topk_ids, mb.topk_anchor_logprobs = out.topk_ids, out.topk_logprobs
+
+    def teacher_pass(self, micro: list[MicroBatch]) -> None:
+        """log pi_teacher at the targets and the teacher's top-k ids and log-probs (distillation)."""
+        from megatron_empg.mcore.step import StatsRequest
+
+        request = StatsRequest(
+            vocab_size=self.model.vocab_size,
+            k=self.components.distill.term.teacher_k,
+            with_entropy=False,
+            chunk_size=self.config.algorithm.loss.chunk_size,
+        )
+        with self.teacher.forward_models() as models:
+            outs = self._forward_stats(models, micro, request)
+        for mb, out in zip(micro, outs):
+            mb.teacher_logprobs = out.logprobs
+            mb.teacher_topk_ids, mb.teacher_topk_logprobs = out.topk_ids, out.topk_logprobs
 
     def _forward_stats(self, models, micro: list[MicroBatch], request) -> list[StatsResult]:
         """``request``'s per-token statistics of ``models`` for each of ``micro``, on every
@@ -353,9 +376,9 @@ class Trainer:
                 )
             )
             self.optimizer_steps += results[-1].skipped is None
-        # a mixture of experts' routing metrics keep their own moe/ names (mcore.moe.routing)
+        # a mixture of experts' routing metrics keep their own moe/ names (mcore.moe.routing), distillation its distill/
         merged = {
-            k if k.startswith("moe/") else f"actor/{k}": statistics.fmean(r.metrics[k] for r in results)
+            k if k.startswith(("moe/", "distill/")) else f"actor/{k}": statistics.fmean(r.metrics[k] for r in results)
             for k in results[0].metrics
         }
         merged["actor/grad_norm"] = statistics.fmean(r.grad_norm for r in results)

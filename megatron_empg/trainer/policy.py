@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from megatron_empg.mcore.anchor import EmaAnchor
     from megatron_empg.mcore.lora.anchor import AdapterAnchor
     from megatron_empg.mcore.parallel_state import ParallelGroups
+    from megatron_empg.mcore.teacher import FrozenTeacher
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,35 @@ def build_anchor(components: Components, policy: Policy) -> EmaAnchor | AdapterA
         fp8_output_layer=anchor.fp8_output_layer,
         te_fp8=storage == "te",
         **_routing_replay(components),
+    )
+
+
+def build_teacher(components: Components, groups: ParallelGroups) -> FrozenTeacher | None:
+    """The distillation teacher on the training ranks (``algorithm.distill``, placement trainer),
+    its weights from ``teacher.checkpoint``; None without distillation."""
+    from megatron_empg.mcore.fusions import fusion_plan
+    from megatron_empg.mcore.teacher import FrozenTeacher
+
+    binding = components.distill
+    if binding is None:
+        return None
+    config = components.config
+    spec = config.algorithm.distill.teacher
+    log.info(
+        "distillation teacher %s (%s, %s weights%s), loss %s",
+        binding.model.name,
+        spec.checkpoint,
+        spec.dtype,
+        ", offloaded between passes" if spec.offload else "",
+        binding.term.loss.name,
+    )
+    return FrozenTeacher.build(
+        binding.model,
+        config.parallel,
+        params_dtype=DTYPES[spec.dtype],
+        load=lambda chunks: load_initial_weights(chunks, spec.checkpoint, binding.model, config, groups),
+        offload=spec.offload,
+        fusions=fusion_plan(components.attention, cuda=torch.cuda.is_available()),
     )
 
 

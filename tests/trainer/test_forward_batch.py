@@ -66,6 +66,10 @@ def _update_rows(calls=CALLS, seed: int = 0, *, fixed_shape: bool = False, count
         mb.topk_ids = torch.randint(0, 250, (1, s, K), generator=g)
         mb.topk_anchor_logprobs = -torch.rand(1, s, K, generator=g)
         mb.routed_experts = torch.randint(0, 8, (1, s, 2, 2), generator=g).to(torch.int16)  # router replay
+        mb.teacher_logprobs = -torch.rand(1, s, generator=g)  # distillation
+        mb.teacher_topk_ids = torch.randint(0, 250, (1, s, K), generator=g)
+        mb.teacher_topk_logprobs = -torch.rand(1, s, K, generator=g)
+        mb.student_top1 = torch.randint(0, 250, (1, s), generator=g)
     return micro
 
 

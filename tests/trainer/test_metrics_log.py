@@ -195,6 +195,14 @@ def test_without_a_terminal_a_line_per_step_names_each_metric_formatted(tmp_path
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == [{"step": 12, **STEP}]
 
 
+def test_a_distillation_run_shows_its_kl_to_the_teacher_and_its_pass_in_train(tmp_path, capsys, monkeypatch):
+    step = {**STEP, "distill/kl": 0.0731, "time/teacher_pass": 4.5}
+    _console(_config(tmp_path), 480, monkeypatch, tty=False, records=[(12, step)])
+    _, metrics, times = capsys.readouterr().out.splitlines()[0].split(" | ")
+    assert _pairs(metrics)["distill"] == "0.0731" and "kl 1.2e-03 distill" in metrics
+    assert _pairs(times.split(" s: ")[1])["train"] == format_number(sum(STEP[k] for k in TRAIN_TIMES) + 4.5)
+
+
 def test_validation_gets_a_line_of_its_own_or_joins_its_step(tmp_path, capsys, monkeypatch):
     partial = {"reward/mean": 0.0234, "actor/kl": -0.0001023, "time/rollout": 0.21, "time/weight_sync": 0.047}
     _console(

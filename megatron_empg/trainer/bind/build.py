@@ -5,7 +5,8 @@
 
 ``bind`` reads the config, the registries (the only lists of names: ``core.advantages``,
 ``parallel.rl_loss.ALL_POLICY_LOSSES``, ``core.kl_term.KL_KINDS``, ``core.aggregation.AGG_MODES``, ``core.behavior_is.BEHAVIOR_IS``,
-``tasks.registry.REWARDS``, ``rollout.engines.ENGINES``, ``weight_sync.transport.TRANSPORTS``) and
+``tasks.registry.REWARDS``, ``rollout.engines.ENGINES``, ``weight_sync.transport.TRANSPORTS``,
+``core.distill.losses.DISTILL_LOSSES``: ``trainer.bind.distill``) and
 every record of each data file; it starts nothing and touches no device. In order:
 
 1. ``model.attention_backend`` on this machine (``mcore.attention_backends``: ``auto`` becomes a
@@ -42,6 +43,7 @@ from megatron_empg.core.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimat
 from megatron_empg.core.aggregation import AGG_MODES
 from megatron_empg.core.behavior_is import BEHAVIOR_IS
 from megatron_empg.core.checks import ArgumentError, check_keywords
+from megatron_empg.core.distill.term import DistillTerm
 from megatron_empg.core.kl_term import KL_KINDS, KLTerm, StatsPlan, bind_kl
 from megatron_empg.core.microbatch import MicroBatch
 from megatron_empg.core.rpg import RPG_POLICY_LOSSES
@@ -53,6 +55,7 @@ from megatron_empg.rollout.engines import ENGINES, EngineKind
 from megatron_empg.rollout.rewards import RewardFn
 from megatron_empg.tasks.registry import REWARDS
 from megatron_empg.trainer.bind import anchor_kind
+from megatron_empg.trainer.bind.distill import DistillBinding, bind_distill
 from megatron_empg.trainer.bind.layout import Layout, check_layout, engine_kind
 from megatron_empg.trainer.bind.paths import check_paths_of
 from megatron_empg.weight_sync.transport import TRANSPORTS
@@ -71,7 +74,8 @@ class Components:
     ``attention``: what ``model.attention_backend`` resolved to on this machine, ``experts`` what
     ``model.moe_experts`` did (None for a dense model); ``model`` holds the resolved names, so that
     every model of the run is built alike. ``anchor_storage``: the EMA anchor's storage kind here
-    and why (``anchor_kind.anchor_storage``).
+    and why (``anchor_kind.anchor_storage``). ``distill``: ``algorithm.distill`` resolved (the term
+    ``loss_fn`` carries, the teacher's model config), or None.
     """
 
     config: RunConfig
@@ -85,6 +89,7 @@ class Components:
     transport: Callable
     attention: AttentionChoice
     experts: ExpertsChoice | None = None
+    distill: DistillBinding | None = None
     anchor_storage: tuple[str, str] = ("plain", "")
 
 
@@ -114,11 +119,13 @@ def bind(
     layout = check_layout(config, model, world_size)
     algorithm = config.algorithm
     advantage = _registered("algorithm.advantage", algorithm.advantage, ADVANTAGE_ESTIMATORS)
+    distill = bind_distill(config, model, check_paths=check_paths)
     loss_fn, stats = bind_loss(
         algorithm.loss,
         vocab_size=model.vocab_size,
         topk=algorithm.topk,
         anchor_is_behaviour_policy=algorithm.anchor_is_behaviour_policy,
+        distill=distill.term if distill is not None else None,
     )
     _registered("algorithm.behavior_is", algorithm.behavior_is, BEHAVIOR_IS)
     reward = _registered("data.reward", config.data.reward, REWARDS)
@@ -143,6 +150,7 @@ def bind(
         transport,
         attention,
         experts,
+        distill,
         anchor_kind.anchor_storage(config),
     )
     if device_bytes is not None:
@@ -163,12 +171,17 @@ def _registered(field: str, name: str, registry: dict[str, Any]) -> Any:
 
 
 def bind_loss(
-    loss: LossConfig, *, vocab_size: int, topk: int, anchor_is_behaviour_policy: bool = False
+    loss: LossConfig,
+    *,
+    vocab_size: int,
+    topk: int,
+    anchor_is_behaviour_policy: bool = False,
+    distill: DistillTerm | None = None,
 ) -> tuple[Callable, StatsPlan]:
     """``rl_loss`` with ``algorithm.loss`` (``loss``) bound for a vocabulary of ``vocab_size`` and a
     Top-k KL of ``topk`` (checked by one forward and backward on a tiny batch), and what the old and
     anchor passes must compute for it (``KLTerm.stats``; ``anchor_is_behaviour_policy``: the old
-    pass serves as the anchor pass where it can)."""
+    pass serves as the anchor pass where it can); with the distillation term ``distill``."""
     field = "algorithm.loss"
     policy_loss = _registered(f"{field}.policy_loss", loss.policy_loss, ALL_POLICY_LOSSES)
     if loss.policy_loss in RPG_POLICY_LOSSES and "kl_coef" in loss.policy_loss_args:
@@ -199,6 +212,7 @@ def bind_loss(
         log_entropy=loss.log_entropy,
         agg_mode=loss.agg_mode,
         inplace_backward=loss.inplace_backward,
+        distill=distill,
         **({"chunk_size": loss.chunk_size} if loss.chunk_size else {}),
     )
     loss_fn = functools.partial(rl_loss, **kwargs)
@@ -228,6 +242,16 @@ def _dry_run(loss_fn: Callable, term: KLTerm | None, k: int, field: str) -> None
     logprobs = torch.log_softmax(torch.randn(2, 3, vocab, generator=generator), dim=-1)
     targets = torch.randint(0, vocab, (2, 3), generator=generator)
     topk = torch.arange(k).expand(2, 3, k) if term is not None and term.kind.topk else None
+    distill = loss_fn.keywords["distill"]
+    teacher = {}
+    if distill is not None:  # the teacher: another random distribution, its top-k by torch.topk
+        teacher_logprobs = torch.log_softmax(torch.randn(2, 3, vocab, generator=generator), dim=-1)
+        top = torch.topk(teacher_logprobs, min(distill.teacher_k, vocab), dim=-1)
+        teacher = dict(
+            teacher_logprobs=teacher_logprobs.gather(-1, targets[..., None])[..., 0],
+            teacher_topk_ids=top.indices,
+            teacher_topk_logprobs=top.values,
+        )
     batch = MicroBatch(
         input_ids=targets,
         target_ids=targets,
@@ -237,6 +261,7 @@ def _dry_run(loss_fn: Callable, term: KLTerm | None, k: int, field: str) -> None
         anchor_logprobs=logprobs.gather(-1, targets[..., None])[..., 0] - 0.1 if term is not None else None,
         topk_ids=topk,
         topk_anchor_logprobs=logprobs.gather(-1, topk) if topk is not None else None,
+        **teacher,
     )
     try:
         out = rl_loss(logits, batch, **{**loss_fn.keywords, "inplace_backward": False}, vocab_start=0, tp_group=None)

@@ -6,7 +6,8 @@ A training rank (the plan covers every pipeline stage and reports the most loade
 
     weights, gradients (DDP's fp32 buffer), fp32 main parameters and Adam's m, v (both / DP with the
     distributed optimizer), the EMA anchor (compute weights, fp32 master / DP; none when the KL's
-    anchor is the behaviour policy), the unfused attention's score buffer (Megatron's
+    anchor is the behaviour policy), a distillation teacher's weights (its dtype; none when
+    offloaded between passes), the unfused attention's score buffer (Megatron's
     GlobalMemoryBuffer, kept once grown), the step's micro-batch tensors, a sleeping engine
     (colocated), its CUDA context
 
@@ -16,6 +17,7 @@ and on top of that, one phase at a time:
                  and KV cache) in place of the asleep one
     weight sync  the engine's weights woken, one bucket on the GPU
     old / anchor the forward-only passes: one forward micro-batch's logits, one layer's working set
+    teacher      the same for the teacher's shape (its weights too when offloaded)
     update       the activations of the micro-batches in flight (``memory_terms.layer_activations``
                  x layers x tokens, the pipeline's in-flight count, recompute), the logits and
                  their gradient (last stage), the largest weight's bf16 gradient
@@ -40,7 +42,7 @@ from megatron_empg.trainer.bind.memory_terms import BF16, CUDA, FP32, GIB, Calib
 
 # torch reports 85,017,493,504 bytes for an H100 80GB HBM3 (benchmarks/results/train_step_gpu_d63de0f.json)
 DEFAULT_DEVICE_BYTES = 85_017_493_504
-PHASES = ("rollout", "weight_sync", "old_pass", "anchor_pass", "update", "optimizer", "checkpoint")
+PHASES = ("rollout", "weight_sync", "old_pass", "anchor_pass", "teacher_pass", "update", "optimizer", "checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +270,9 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
         if attention == "unfused"
         else 0,
         "micro_batches": terms.microbatch_tensor_bytes(  # this rank's share of the step's rows, on the device
-            config, layout.samples_per_replica * train.max_seq_len // layout.cp, stats.old_topk or stats.anchor_topk
+            config,
+            layout.samples_per_replica * train.max_seq_len // layout.cp,
+            (stats.old_topk or stats.anchor_topk) + (components.distill.term.teacher_k if components.distill else 0),
         ),
     }
     if stats.anchor:
@@ -316,6 +320,7 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
         "weight_sync": {"bucket": int(config.weight_sync.bucket_size_mb * 2**20)},
         "old_pass": dict(forward),
         "anchor_pass": dict(forward) if stats.anchor else {},
+        "teacher_pass": {},
         "update": {
             "activations": int(activations),
             "logits": update_logits,
@@ -332,12 +337,34 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
             else 0
         },
     }
+    if components.distill is not None:
+        resident["teacher_weights"], phases["teacher_pass"] = _teacher_terms(
+            components, pp_rank, forward_tokens, vocab, scratch, options
+        )
     asleep = {"cuda_context": cal.cuda_context, **engine["asleep"]}
     device_terms = {phase: dict(asleep) for phase in PHASES}
     device_terms["rollout"] = {"cuda_context": cal.cuda_context, **engine["awake"]}
     device_terms["weight_sync"] = {"cuda_context": cal.cuda_context, **engine["weights"]}
     kind = "training rank" + (f" (pipeline stage {pp_rank} of {layout.pp})" if layout.pp > 1 else "")
     return RankPlan(kind, resident, phases, device_terms, cal.allocator_slack)
+
+
+def _teacher_terms(components, pp_rank: int, tokens: int, vocab: int, scratch: int, options: PlanOptions):
+    """(resident bytes, teacher-pass terms) of the distillation teacher on this pipeline stage:
+    its weights in ``teacher.dtype`` (held, or brought in for the pass when offloaded), one forward
+    micro-batch's logits and one of its layers' working set (as the old pass's, at its shape)."""
+    config, layout, teacher = components.config, components.layout, components.distill.model
+    spec = config.algorithm.distill.teacher
+    weights = rank_shape(teacher, config.parallel, pp_rank).params * DTYPE_BYTES[spec.dtype]
+    heads, h = teacher.num_attention_heads // layout.tp, teacher.hidden_size
+    mlp = (6 if options.fused_swiglu else 8) * (teacher.ffn_hidden_size // layout.tp)
+    layer = tokens * (BF16 * (4 * h + 3 * heads * teacher.kv_channels) + mlp)
+    if teacher.attention_backend == "unfused":
+        layer += 8 * heads * terms.sequence_terms(tokens, config.train.max_seq_len)
+    phase = {"logits": BF16 * tokens * vocab, "vocab_scratch": scratch, "one_layer": int(layer)}
+    if spec.offload:
+        phase["teacher_weights"] = weights
+    return (0 if spec.offload else weights), phase
 
 
 def _colocated_engine(config: RunConfig, model, layout, device: int, cal: Calibration) -> dict[str, dict[str, int]]:

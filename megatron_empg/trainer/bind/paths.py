@@ -52,6 +52,18 @@ def check_paths_of(config: RunConfig, model: ModelConfig) -> None:
         _check_checkpoint("checkpoint.continue_from", Path(checkpoint.continue_from), model)
 
 
+def check_model_source(field: str, path: str | Path, model: ModelConfig) -> None:
+    """The weights of another model of the run (a distillation teacher) at ``path``: a Hugging
+    Face directory of ``model`` or a checkpoint (or a root holding one) of it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(field, f"{path} is not a directory")
+    if (path / "config.json").is_file():
+        _check_hf_directory(field, path, model)
+    else:
+        _check_checkpoint(field, path, model)
+
+
 def _check_hf_directory(field: str, path: Path, model: ModelConfig) -> None:
     from megatron_empg.weight_sync.hf_files import (
         HFDirectoryError,

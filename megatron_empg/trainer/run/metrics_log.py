@@ -36,6 +36,7 @@ STEP_METRICS = (
     ("reward", "reward/mean"),
     ("acc", "reward/accuracy"),
     ("kl", "actor/kl"),
+    ("distill", "distill/kl"),  # with algorithm.distill only
     ("entropy", "actor/entropy"),
     ("len", "response/length_mean"),
 )
@@ -45,7 +46,15 @@ TIME_PARTS = (
     ("rollout", ("time/rollout", "time/rollout_wait")),
     (
         "train",
-        ("time/rewards", "time/advantages", "time/old_pass", "time/anchor_pass", "time/update", "time/ema_update"),
+        (
+            "time/rewards",
+            "time/advantages",
+            "time/old_pass",
+            "time/anchor_pass",
+            "time/teacher_pass",
+            "time/update",
+            "time/ema_update",
+        ),
     ),
     ("sync", ("time/weight_sync",)),
     ("val", ("time/validation",)),

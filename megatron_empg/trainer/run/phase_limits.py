@@ -45,6 +45,7 @@ AUTO_TIMEOUTS: dict[str, tuple[float, float]] = {
     "batching": (600.0, 0.0),
     "old_pass": (600.0, 5e-4),
     "anchor_pass": (600.0, 5e-4),
+    "teacher_pass": (600.0, 5e-4),
     "update": (900.0, 1.5e-3),
     "ema_update": (600.0, 0.0),
     "weight_sync": (1200.0, 0.0),

@@ -20,13 +20,22 @@ def load_tokenizer(config: RunConfig):
     directory, or a checkpoint with its ``hf/`` assets)."""
     from transformers import AutoTokenizer
 
-    source = config.tokenizer
-    if source is None:  # a HF directory, or a checkpoint (a step_N directory or a root) with its hf/ assets
-        init = Path(config.checkpoint.init_from or config.checkpoint.continue_from)
-        if not (init / "config.json").is_file() and not (init / "hf").is_dir():
-            init = checkpoint_directory(init)
-        source = init / "hf" if (init / "hf").is_dir() else init
-    return AutoTokenizer.from_pretrained(str(source))
+    return AutoTokenizer.from_pretrained(str(tokenizer_source(config)))
+
+
+def tokenizer_source(config: RunConfig) -> Path:
+    """The directory ``load_tokenizer`` reads."""
+    if config.tokenizer is not None:
+        return Path(config.tokenizer)
+    return hf_assets(config.checkpoint.init_from or config.checkpoint.continue_from)
+
+
+def hf_assets(path: str | Path) -> Path:
+    """A HF directory itself, or a checkpoint's (a step_N directory or a root's newest) hf/ assets."""
+    init = Path(path)
+    if not (init / "config.json").is_file() and not (init / "hf").is_dir():
+        init = checkpoint_directory(init)
+    return init / "hf" if (init / "hf").is_dir() else init
 
 
 def write_hf_config(model: ModelConfig, out_dir: Path) -> None:

@@ -1,0 +1,115 @@
+"""``algorithm.distill`` at bind (``trainer.bind.distill``): each refusal names its field (and, for the
+vocabulary and the tokenizer, both models'); the bound loss carries the term; ``empg plan`` counts
+the teacher."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from megatron_empg.config import ConfigError, RunConfig, load_config, load_model_config, to_dict
+from megatron_empg.trainer.bind.build import bind
+from megatron_empg.trainer.bind.distill import check_teacher_tokenizer, tokenizer_fingerprint
+from tests.trainer.demo_runs import DEMO_RECIPE
+
+TEACHER = "algorithm.distill={teacher: {model: demo-qwen2, checkpoint: /tmp/teacher}}"
+
+
+def demo(tmp_path, *overrides: str) -> RunConfig:
+    return load_config(RunConfig, DEMO_RECIPE, ["checkpoint.init_from=null", f"tokenizer={tmp_path}", *overrides])
+
+
+def refused(config: RunConfig, world_size: int = 1) -> ConfigError:
+    with pytest.raises(ConfigError) as error:
+        bind(config, world_size=world_size, check_paths=False)
+    return error.value
+
+
+def test_a_teacher_binds_into_the_update_loss(tmp_path):
+    components = bind(
+        demo(tmp_path, TEACHER, "algorithm.distill.loss=k3", "algorithm.distill.use_policy_gradient=false"),
+        1,
+        check_paths=False,
+    )
+    term = components.loss_fn.keywords["distill"]
+    assert term is components.distill.term and term.loss.name == "k3" and not term.use_policy_gradient
+    assert components.distill.model.name == "demo-qwen2"
+    assert bind(demo(tmp_path), 1, check_paths=False).distill is None  # negative control
+
+
+def test_the_engine_placement_is_refused(tmp_path):
+    error = refused(demo(tmp_path, TEACHER, "algorithm.distill.placement=engine"))
+    assert error.field == "algorithm.distill.placement" and "use trainer" in error.reason
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_naming_both(tmp_path):
+    error = refused(demo(tmp_path, TEACHER, "algorithm.distill.teacher.model=tiny-qwen2"))
+    assert error.field == "algorithm.distill.teacher.model"
+    assert "tiny-qwen2" in error.reason and "demo-qwen2" in error.reason and "250" in error.reason
+
+
+def _teacher_yaml(tmp_path, **changes) -> str:
+    data = {**to_dict(load_model_config("demo-qwen2")), "name": "demo-teacher", **changes}
+    path = tmp_path / "teacher.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_a_teacher_whose_layers_do_not_split_over_pp_is_refused(tmp_path):
+    pp2 = ["parallel.pipeline_model_parallel_size=2", "rollout.in_process=false", "weight_sync.transport=shm_file"]
+    teacher = _teacher_yaml(tmp_path, num_layers=3)
+    error = refused(demo(tmp_path, TEACHER, f"algorithm.distill.teacher.model={teacher}", *pp2), world_size=2)
+    assert error.field == "algorithm.distill.teacher.model" and "num_layers" in error.reason, error
+    even = _teacher_yaml(tmp_path, num_layers=4)  # negative control: 4 layers split over PP 2
+    bind(demo(tmp_path, TEACHER, f"algorithm.distill.teacher.model={even}", *pp2), world_size=2, check_paths=False)
+
+
+def test_topk_beyond_the_vocabulary_is_refused(tmp_path):
+    error = refused(demo(tmp_path, TEACHER, "algorithm.distill.topk=129"))
+    assert error.field == "algorithm.distill.topk"
+
+
+def _tokenizer(directory, vocab: dict) -> str:
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(
+        json.dumps({"model": {"type": "BPE", "vocab": vocab}, "added_tokens": []})
+    )
+    return str(directory)
+
+
+def test_a_teacher_tokenizer_of_other_ids_is_refused_naming_both(tmp_path):
+    student = _tokenizer(tmp_path / "student", {"a": 0, "b": 1})
+    other = _tokenizer(tmp_path / "other", {"a": 1, "b": 0})
+    same = _tokenizer(tmp_path / "same", {"b": 1, "a": 0})  # the same map, written in another order
+    config = demo(student, TEACHER, f"algorithm.distill.teacher.tokenizer={other}")
+    with pytest.raises(ConfigError) as error:
+        check_teacher_tokenizer(config)
+    assert error.value.field == "algorithm.distill.teacher.tokenizer"
+    assert student in error.value.reason and other in error.value.reason
+    check_teacher_tokenizer(demo(student, TEACHER, f"algorithm.distill.teacher.tokenizer={same}"))
+    assert tokenizer_fingerprint(tmp_path) is None  # no tokenizer files: refused as such
+    with pytest.raises(ConfigError, match="holds no tokenizer files"):
+        check_teacher_tokenizer(demo(student, TEACHER, f"algorithm.distill.teacher.tokenizer={tmp_path}"))
+
+
+def test_the_plan_counts_the_teacher(tmp_path):
+    from megatron_empg.trainer.bind.memory_plan import plan_memory
+
+    def training_rank(*overrides):
+        plan = plan_memory(bind(demo(tmp_path, *overrides), 1, check_paths=False))
+        return next(r for r in plan.ranks if r.kind.startswith("training"))
+
+    teacher = _teacher_yaml(tmp_path, num_layers=4)
+    without = training_rank()
+    held = training_rank(
+        TEACHER, f"algorithm.distill.teacher.model={teacher}", "algorithm.distill.teacher.dtype=float32"
+    )
+    params = load_model_config(teacher).num_parameters()
+    assert "teacher_weights" not in without.resident
+    # the teacher's parameters (its vocabulary padded to 128: demo-qwen2's is already) in float32
+    assert held.resident["teacher_weights"] == 4 * params
+    assert held.phases["teacher_pass"]["logits"] > 0
+    offloaded = training_rank(TEACHER, "algorithm.distill.teacher.offload=true")
+    assert offloaded.resident["teacher_weights"] == 0 and offloaded.phases["teacher_pass"]["teacher_weights"] > 0
