@@ -312,7 +312,7 @@ def _run(config: RunConfig, components, *, resume: bool) -> int:
 def _train_here(config: RunConfig, components, role, resume: bool) -> int:
     import torch.distributed as dist
 
-    from megatron_empg.mcore.checkpoint.files import CheckpointError
+    from megatron_empg.mcore.checkpoint.files import CheckpointError, SaveError
     from megatron_empg.rollout.retriever.client import RetrieverError
     from megatron_empg.trainer.loop import Trainer
     from megatron_empg.trainer.run import watchdog
@@ -332,7 +332,14 @@ def _train_here(config: RunConfig, components, role, resume: bool) -> int:
     logger = MetricsLogger(config, config.train.steps, enabled=dist.get_rank() == 0)
     try:
         trainer.run(resume=resume, logger=logger)
-    except CheckpointError as error:  # a save that failed (a full disk), no intact checkpoint: said plainly
+    except SaveError as error:
+        # A full disk: the checkpoints before it are intact and space may come back, so the launcher
+        # restarts from the last one (supervisor.max_restarts bounds a disk that stays full).
+        if dist.get_rank() == 0:
+            sys.stderr.write(f"empg: error: {error} Exit {watchdog.RESTARTABLE_EXIT} (restartable).\n")
+        watchdog.exit_restartable(f"checkpoint save failed: {error}")
+        return watchdog.RESTARTABLE_EXIT
+    except CheckpointError as error:  # no intact checkpoint to resume from: said plainly
         if dist.get_rank() == 0:
             sys.stderr.write(f"empg: error: {error}\n")
         return 1
