@@ -49,6 +49,7 @@ import json
 import os
 import platform
 import random
+import re
 import resource
 import signal
 import statistics
@@ -106,10 +107,12 @@ def _corrupt_then_kill(run: Path, flags: Path) -> str:
 
 
 def _full_disk(run: Path, flags: Path) -> str:
-    """Both training ranks' RLIMIT_FSIZE lowered to half the smallest shard of the newest checkpoint
-    (their log lines and metrics records stay below it)."""
-    shards = [p.stat().st_size for p in (run / "checkpoints").glob("step_*/*.distcp")]
-    limit = min(shards) // 2 if shards else 1 << 20
+    """Both training ranks' RLIMIT_FSIZE lowered to half the smallest shard of the committed
+    checkpoints (not a save in progress: its shards are still growing), 1 MiB before the first:
+    above the log and metrics files the ranks append to (a write past the limit fails there too)."""
+    committed = [d for d in (run / "checkpoints").glob("step_*") if re.fullmatch(r"step_\d+", d.name)]
+    shards = [_size(p) for d in committed for p in d.glob("*.distcp")]
+    limit = min((n for n in shards if n), default=2 << 20) // 2
     done = []
     for rank in (0, 1):
         pid = _beat(run, rank).get("pid")
@@ -117,6 +120,13 @@ def _full_disk(run: Path, flags: Path) -> str:
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, limit))
             done.append(f"rank {rank} (pid {pid})")
     return f"RLIMIT_FSIZE {limit} bytes for {', '.join(done) or 'no rank'}"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # retention removed its checkpoint meanwhile
+        return 0
 
 
 def _flag(name: str):
