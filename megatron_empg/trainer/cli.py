@@ -284,9 +284,12 @@ def _bind_and_run(config: RunConfig, world_size: int, held, *, resume: bool, ove
 def _nothing_to_do(config: RunConfig) -> str | None:
     """Why a ``--resume`` has no step left to train (its checkpoint is at or past ``train.steps``),
     or None. Reads files only."""
-    from megatron_empg.mcore.checkpoint import find_latest_checkpoint
+    from megatron_empg.mcore.checkpoint import CheckpointError, find_latest_checkpoint
 
-    found = find_latest_checkpoint(config.checkpoint.dir) if Path(config.checkpoint.dir).is_dir() else None
+    try:
+        found = find_latest_checkpoint(config.checkpoint.dir) if Path(config.checkpoint.dir).is_dir() else None
+    except CheckpointError:  # no intact checkpoint: the resume says so, with what it found (not a traceback here)
+        return None
     if found is None or found.step < config.train.steps:
         return None
     return f"the newest checkpoint, {found.path}, is at step {found.step} and train.steps is {config.train.steps}"
