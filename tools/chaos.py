@@ -14,7 +14,7 @@ seeded shuffle of ``--kinds`` repeated (so ``--faults`` >= the kinds has each at
     kill_engine    SIGKILL to the engine rank
     stop_engine    SIGSTOP to the engine rank (the training ranks wait in the rollout: a hang)
     corrupt_shard  the newest checkpoint's largest shard cut in half, then SIGKILL to rank 1: the
-                   restart resumes from the checkpoint before it
+                   restart resumes from the checkpoint before it (with one checkpoint: no cut)
     full_disk      the training ranks' file size limit (RLIMIT_FSIZE, prlimit from here) lowered
                    below a checkpoint shard: their next save fails (EFBIG), the run exits
                    restartable and the launcher's restart (new processes, no limit: the space came
@@ -102,7 +102,11 @@ def _signal_rank(run: Path, rank: int, sig: int) -> str:
 
 
 def _corrupt_then_kill(run: Path, flags: Path) -> str:
-    what = truncate_checkpoint(run) if (run / "checkpoints" / "latest").is_file() else "no checkpoint yet"
+    """With two committed checkpoints, the newest's largest shard cut in half (the resume skips it
+    for the one before); with one, nothing cut: a run whose every checkpoint is damaged is refused
+    by design (a resume must not start again from scratch unasked); then rank 1 killed."""
+    committed = [d for d in (run / "checkpoints").glob("step_*") if re.fullmatch(r"step_\d+", d.name)]
+    what = truncate_checkpoint(run) if len(committed) >= 2 else f"not cut: {len(committed)} committed checkpoint(s)"
     return f"{what}; {_signal_rank(run, TRAINING_RANK, signal.SIGKILL)}"
 
 
