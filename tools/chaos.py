@@ -241,7 +241,8 @@ def campaign(suite: Suite, name: str, faults: list[tuple[str, int]], rng: random
         acted = _act(suite, proc, kind, run, flags, t_inject)
         trained = len(steps_trained(flags))  # (a restart's old attempt has ended: its steps are in)
         nxt = acted is not None and suite.wait_for(proc, lambda: len(steps_trained(flags)) > trained)
-        cause = acted and acted["cause"]
+        cause = acted["cause"] if acted else None
+        detected = None if acted is None or acted["detected"] is None else acted["detected"] - acted["began"]
         injected.append(
             {
                 "kind": kind,
@@ -249,7 +250,7 @@ def campaign(suite: Suite, name: str, faults: list[tuple[str, int]], rng: random
                 "what": what,
                 "survived": nxt and (cause or "").startswith(EXPECTED_CAUSE.get(kind, "")),
                 "restart_cause": cause,
-                "seconds_to_detection": acted and acted["detected"] and round(acted["detected"] - acted["began"], 1),
+                "seconds_to_detection": None if detected is None else round(detected, 1),
                 "seconds_to_next_step": round(time.time() - acted["began"], 1) if nxt else None,
                 "restarts": len(read_history(run)) - restarts,
             }
