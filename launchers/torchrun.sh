@@ -27,7 +27,8 @@
 # code 3, ranks killed by a signal this script did not send) is started again with --resume, up to
 # supervisor.max_restarts times within supervisor.restart_window_s (megatron_empg/trainer/run/restarts.py
 # decides; <logging.dir>/restarts.jsonl keeps each attempt and its cause). A clean end, a configuration
-# error (exit 2), a crash or a signal to this script ends it.
+# error (exit 2), a crash or a signal to this script ends it. Beside each attempt, `restarts --watch`
+# kills a rank stopped (SIGSTOP) after a peer ended, which no rank's watchdog is left to find.
 # Environment: PYTHON (default python) and TORCHRUN (default torchrun), e.g. from .venv/bin.
 set -euo pipefail
 
@@ -101,12 +102,17 @@ while :; do
     "$TORCHRUN" --standalone --nproc-per-node "$nproc" -m megatron_empg.trainer.cli train "$config" \
         ${overrides[@]+"${overrides[@]}"} ${resume[@]+"${resume[@]}"} &
     torchrun_pid=$!
+    # a rank stopped after its peers ended is watched by no watchdog: this kills it (restarts.py)
+    "${restarts[@]}" --watch "$torchrun_pid" --started "$started" &
+    watch_pid=$!
     while :; do
         status=0
         wait "$torchrun_pid" || status=$?
         kill -0 "$torchrun_pid" 2> /dev/null || break # else a trapped signal interrupted the wait
     done
     torchrun_pid=
+    kill "$watch_pid" 2> /dev/null || true
+    wait "$watch_pid" 2> /dev/null || true
     ((status != 0 || signalled)) || exit 0
     why=()
     ((signalled == 0)) || why=(--signalled)

@@ -83,6 +83,8 @@ elif hook == "nan_step":
             self.components = components
 
     loop.Trainer.update = update
+elif hook == "chaos":  # tools/chaos.py: faults from flag files the campaign writes
+    import tools.chaos_hook
 '''
 
 DETECTED = re.compile(

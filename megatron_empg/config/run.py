@@ -410,8 +410,9 @@ class SupervisorConfig(Config):
     """Hangs and restarts. A phase that outlasts its timeout ends the run with exit code 3
     (restartable) after every rank wrote its stacks to ``logging.dir/hang-<time>/``. The launchers
     (``launchers/torchrun.sh``, ``launchers/slurm/train.sbatch``, nemo-run) restart a run that
-    ended restartable, or whose ranks were killed, with ``--resume``; a configuration error (exit
-    2), a crash or a clean end is not restarted."""
+    ended restartable (a hang, a lost rank, a checkpoint save that failed: a full disk), or whose
+    ranks were killed, with ``--resume``; a configuration error (exit 2), a crash or a clean end is
+    not restarted."""
 
     phase_timeout_s: PhaseTimeouts = dataclasses.field(default_factory=PhaseTimeouts)
     """Seconds each phase of a step may last."""

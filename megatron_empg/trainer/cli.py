@@ -292,9 +292,12 @@ def _bind_and_run(config: RunConfig, world_size: int, held, *, resume: bool, ove
 def _nothing_to_do(config: RunConfig) -> str | None:
     """Why a ``--resume`` has no step left to train (its checkpoint is at or past ``train.steps``),
     or None. Reads files only."""
-    from megatron_empg.mcore.checkpoint import find_latest_checkpoint
+    from megatron_empg.mcore.checkpoint import CheckpointError, find_latest_checkpoint
 
-    found = find_latest_checkpoint(config.checkpoint.dir) if Path(config.checkpoint.dir).is_dir() else None
+    try:
+        found = find_latest_checkpoint(config.checkpoint.dir) if Path(config.checkpoint.dir).is_dir() else None
+    except CheckpointError:  # no intact checkpoint: the resume says so, with what it found (not a traceback here)
+        return None
     if found is None or found.step < config.train.steps:
         return None
     return f"the newest checkpoint, {found.path}, is at step {found.step} and train.steps is {config.train.steps}"
@@ -320,7 +323,7 @@ def _run(config: RunConfig, components, *, resume: bool) -> int:
 def _train_here(config: RunConfig, components, role, resume: bool) -> int:
     import torch.distributed as dist
 
-    from megatron_empg.mcore.checkpoint.files import CheckpointError
+    from megatron_empg.mcore.checkpoint.files import CheckpointError, SaveError
     from megatron_empg.rollout.retriever.client import RetrieverError
     from megatron_empg.trainer.loop import Trainer
     from megatron_empg.trainer.run import watchdog
@@ -340,7 +343,14 @@ def _train_here(config: RunConfig, components, role, resume: bool) -> int:
     logger = MetricsLogger(config, config.train.steps, enabled=dist.get_rank() == 0)
     try:
         trainer.run(resume=resume, logger=logger)
-    except CheckpointError as error:  # a save that failed (a full disk), no intact checkpoint: said plainly
+    except SaveError as error:
+        # A full disk: the checkpoints before it are intact and space may come back, so the launcher
+        # restarts from the last one (supervisor.max_restarts bounds a disk that stays full).
+        if dist.get_rank() == 0:
+            sys.stderr.write(f"empg: error: {error} Exit {watchdog.RESTARTABLE_EXIT} (restartable).\n")
+        watchdog.exit_restartable(f"checkpoint save failed: {error}")
+        return watchdog.RESTARTABLE_EXIT
+    except CheckpointError as error:  # no intact checkpoint to resume from: said plainly
         if dist.get_rank() == 0:
             sys.stderr.write(f"empg: error: {error}\n")
         return 1

@@ -108,7 +108,7 @@ def _errors(fn, *args, **kwargs) -> str | None:
     try:
         fn(*args, **kwargs)
     except ckpt.CheckpointError as e:
-        return str(e)
+        return f"{type(e).__name__}: {e}"
     return None
 
 
@@ -337,6 +337,8 @@ def test_failed_write_says_why_and_keeps_the_last_checkpoint(results):
     root = Path(results["root"]) / "full"
     error = w1["full_error"]
     assert error is not None and f"saving step_00000003 into {root} failed" in error
+    # a SaveError (the trainer exits restartable on it), on one line: the writer's cause, not its traceback
+    assert error.startswith("SaveError: ") and "\n" not in error and "File too large" in error, error
     assert "Free on its filesystem:" in error and "after removing the partial save step_00000003.tmp-" in error
     assert "The last checkpoint, step_00000002 (" in error and "is kept" in error
     assert f"writing {root}/step_00000003.tmp-" in error and "CheckpointException" in error, error

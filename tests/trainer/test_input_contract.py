@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_empg.config import ConfigError, RunConfig, load_config, to_yaml
+from megatron_empg.mcore.checkpoint.files import DIST_CKPT_FILES, CheckpointError, find_latest_checkpoint
 from megatron_empg.trainer.bind.build import bind
 from megatron_empg.weight_sync import mapping
 from tests.trainer.test_run_dir import _checkpoint
@@ -131,6 +132,12 @@ def test_resume_with_steps_left_is_not_nothing_to_do(tmp_path):
     config = load_config(RunConfig, DEMO_RECIPE, [f"checkpoint.dir={tmp_path}/ckpt", "train.steps=5"])
     assert _nothing_to_do(config) is None
     assert "is at step 4 and train.steps is 4" in _nothing_to_do(dataclasses.replace(config, train=_steps(config, 4)))
+    # its only checkpoint damaged: not for this check to say (it raised a traceback here; the resume names it)
+    (tmp_path / "ckpt" / "step_00000004" / DIST_CKPT_FILES[0]).unlink()
+    damaged = dataclasses.replace(config, train=_steps(config, 4))
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        find_latest_checkpoint(damaged.checkpoint.dir)
+    assert _nothing_to_do(damaged) is None
 
 
 def _steps(config: RunConfig, steps: int):

@@ -5,14 +5,26 @@ line, as the launchers call it."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from megatron_empg.trainer.run.restarts import HISTORY, begin, decide, read_history, record
+from megatron_empg.trainer.run.restarts import (
+    HISTORY,
+    begin,
+    decide,
+    read_history,
+    record,
+    stopped_after_the_end,
+    watch,
+)
 from megatron_empg.trainer.run.watchdog import REQUEST
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,15 +67,17 @@ def request(run_dir: Path, when: float) -> None:
     )
 
 
-def outcome(run_dir: Path, status: int, signalled: bool = False, max_restarts: int = 3) -> tuple[bool, str]:
+def outcome(
+    run_dir: Path, status: int, signalled: bool = False, max_restarts: int = 3, started: float = STARTED
+) -> tuple[bool, str]:
     d = decide(
         run_dir,
         status=status,
-        started=STARTED,
+        started=started,
         signalled=signalled,
         max_restarts=max_restarts,
         window_s=3600,
-        now=STARTED + 60,
+        now=started + 60,
     )
     return d.restart, d.cause
 
@@ -154,3 +168,54 @@ def test_begin_clears_the_last_attempt(tmp_path, leftover):
     request(tmp_path, STARTED) if leftover == "request" else beat(tmp_path, 3, "running")
     begin(tmp_path)
     assert not (tmp_path / REQUEST).exists() and not list(tmp_path.glob("heartbeats/*.json"))
+
+
+def _live_beat(run_dir: Path, rank: int, state: str, pid: int, when: float) -> None:
+    beat(run_dir, rank, state, when)
+    path = run_dir / "heartbeats" / f"rank{rank}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "host": socket.gethostname(), "pid": pid}))
+
+
+def test_a_rank_stopped_after_its_peers_ended_is_killed_by_the_watch(tmp_path, capsys):
+    """A stopped rank whose peers ended has no watchdog left to find it (torchrun waits on it for
+    ever): the launcher's ``--watch`` kills it, whether its beats stopped (rank 1) or its last beat
+    said done before it stopped (rank 2). While every rank runs, or while a stop is recent, it is
+    left alone."""
+    ranks = [subprocess.Popen(["sleep", "600"]) for _ in range(2)]
+    torchrun = subprocess.Popen(["sleep", "600"])  # the launcher's child, which the watch does not outlive
+    try:
+        for proc in ranks:
+            os.kill(proc.pid, signal.SIGSTOP)
+        now = time.time()
+        started = now - 60
+        _live_beat(tmp_path, 0, "running", torchrun.pid, now)
+        _live_beat(tmp_path, 1, "running", ranks[0].pid, now - 10)
+        _live_beat(tmp_path, 2, "running", ranks[1].pid, now)
+        stopped_s = {ranks[1].pid: 10.0}
+        assert stopped_after_the_end(tmp_path, started, 3, now, stopped_s) == []  # rank 0's watchdog finds them
+        _live_beat(tmp_path, 0, "done", torchrun.pid, now)
+        _live_beat(tmp_path, 2, "done", ranks[1].pid, now - 10)
+        assert stopped_after_the_end(tmp_path, started, 30, now, stopped_s) == []  # not stopped for long enough
+        assert stopped_after_the_end(tmp_path, started, 3, now, stopped_s) == [1, 2]
+        assert stopped_after_the_end(tmp_path, started, 3, now) == [1]  # rank 2 said done: its process tells
+
+        watching = threading.Thread(target=watch, args=(tmp_path, started, 0.1, torchrun.pid))
+        watching.start()
+        assert [proc.wait(timeout=30) for proc in ranks] == [-signal.SIGKILL, -signal.SIGKILL]
+        torchrun.kill()
+        torchrun.wait()
+        watching.join(timeout=30)
+        assert not watching.is_alive()  # it ends with the launcher's child
+        lines = sorted(capsys.readouterr().out.splitlines())
+        assert lines == [
+            f"restarts: rank {rank} (pid {proc.pid}) stopped after its peers ended: killed (SIGKILL)"
+            for rank, proc in zip((1, 2), ranks)
+        ]
+        assert outcome(tmp_path, status=1, started=started) == (
+            True,
+            f"lost: rank 1 (pid {ranks[0].pid}) stopped after its peers ended: killed (SIGKILL) (rank 1)",
+        )  # the first kill's request: restarted
+    finally:
+        for proc in (*ranks, torchrun):
+            proc.kill()
+            proc.wait()

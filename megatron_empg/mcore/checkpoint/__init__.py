@@ -60,9 +60,9 @@ share, split over the current world) and skips a damaged checkpoint the same way
 saved without a manifest load unchecked (INFO note).
 
 Full disks. Before writing, rank 0 warns when the filesystem has less free space than the newest
-checkpoint takes. A failed write raises ``CheckpointError`` on every rank together, saying what
-failed, the free space, and the last checkpoint's name and size (it stays; a resume loads it); the
-failed save's temp directory is removed. ``remove_leftovers`` removes those of crashed runs.
+checkpoint takes. A failed write raises ``SaveError`` (a ``CheckpointError``) on every rank
+together, saying what failed, the free space, and the last checkpoint's name and size (it stays; a
+resume loads it); the failed save's temp directory is removed. ``remove_leftovers`` removes those of crashed runs.
 
 Resharding. Tensors are saved under global keys (Megatron's ``sharded_state_dict``: layers by
 their global index, TP shards by their offset), so a checkpoint loads at another TP/PP/DP layout
@@ -111,6 +111,7 @@ _EXPORTS = {
         "TMP_MARK",
         "CheckpointError",
         "FoundCheckpoint",
+        "SaveError",
         "checkpoint_bytes",
         "checkpoint_problem",
         "copy_hf_assets",

@@ -72,6 +72,11 @@ class CheckpointError(RuntimeError):
     or a save failed."""
 
 
+class SaveError(CheckpointError):
+    """A save that failed to write (a full disk): the checkpoints before it are intact, and a
+    later save may succeed once there is room (the trainer exits restartable on it)."""
+
+
 class FoundCheckpoint(NamedTuple):
     """What ``find_latest_checkpoint`` picked: the directory, its step, and why this one."""
 

@@ -35,6 +35,7 @@ from megatron_empg.mcore.checkpoint.files import (
     TMP_MARK,
     TRASH_MARK,
     CheckpointError,
+    SaveError,
     checkpoint_bytes,
     checkpoint_problem,
     copy_hf_assets,
@@ -217,7 +218,7 @@ def _warn_if_low_space(root: Path) -> None:
         )
 
 
-def _failed_save(root: Path, tmp: Path, final: Path, error: str) -> CheckpointError:
+def _failed_save(root: Path, tmp: Path, final: Path, error: str) -> SaveError:
     """The error every rank raises when a save failed: what failed, the free space, the last
     checkpoint's name and size, and that it is kept. Rank 0 first removes this save's temp
     directory (best effort), so that the next save has the room. Collective."""
@@ -257,9 +258,9 @@ def _failed_save(root: Path, tmp: Path, final: Path, error: str) -> CheckpointEr
         return f"{message}."
 
     try:
-        return CheckpointError(rank0_then_share(report, f"reporting the failed save of {final}"))
+        return SaveError(rank0_then_share(report, f"reporting the failed save of {final}"))
     except CheckpointError as e:
-        return CheckpointError(f"saving {final.name} into {root} failed: {error} (and reporting it failed: {e})")
+        return SaveError(f"saving {final.name} into {root} failed: {error} (and reporting it failed: {e})")
 
 
 def save_checkpoint(
@@ -281,8 +282,9 @@ def save_checkpoint(
 
     Rank 0 warns first when the filesystem has less free space than the newest checkpoint takes.
     A write that fails (a full disk: ENOSPC, EFBIG, torch's "enforce fail at inline_container.cc")
-    raises ``CheckpointError`` on every rank together, naming the directory, the error, the free
-    space and the last checkpoint (which stays loadable); this save's temp directory is removed.
+    raises ``SaveError`` (a ``CheckpointError``) on every rank together, naming the directory, the
+    error, the free space and the last checkpoint (which stays loadable); this save's temp directory
+    is removed.
     """
     return finish_save(start_save(root_dir, state, parts, groups, options=options, model=model))
 

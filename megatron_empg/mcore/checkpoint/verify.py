@@ -58,7 +58,7 @@ def on_every_rank(fn: Callable[[], Any], what: str) -> list[Any]:
     try:
         mine = ("ok", fn())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 (re-raised below, on every rank)
-        mine = ("error", f"{type(e).__name__}: {e}")
+        mine = ("error", one_line(f"{type(e).__name__}: {e}"))
         logger.exception("%s failed on rank %d", what, dist.get_rank())
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -70,6 +70,16 @@ def on_every_rank(fn: Callable[[], Any], what: str) -> list[Any]:
         detail = "; ".join(f"rank(s) {ranks}: {error}" for error, ranks in by_error.items())
         raise CheckpointError(f"{what} failed on {detail}")
     return [value for _, value in gathered]
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: torch's ``CheckpointException`` carries each rank's traceback, whose
+    frames are dropped (the log has them); the other lines, each once, joined by " | "."""
+    kept = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith((" ", "\t", "Traceback ")) and line.strip() not in kept:
+            kept.append(line.strip())
+    return " | ".join(kept)
 
 
 def check_same_on_all_ranks(obj: Any, what: str) -> None:

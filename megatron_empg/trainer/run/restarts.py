@@ -6,7 +6,10 @@ The launchers (``launchers/torchrun.sh``, ``launchers/slurm/train.sbatch``) run 
 
 which appends the attempt to ``<logging.dir>/restarts.jsonl`` and exits 0 when the run is to be
 started again with ``--resume``, 1 when not (it prints the reason either way). Before an attempt,
-``--begin`` removes the previous attempt's restart request. Torch-free (it runs in the launcher).
+``--begin`` removes the previous attempt's restart request. ``--watch PID --started T`` runs beside
+an attempt (``launchers/torchrun.sh``) while PID (torchrun) lives: a rank stopped once a peer ended
+has no watchdog left to find it, and torchrun would wait on it for ever, so this kills it
+(``watch``). Torch-free (it runs in the launcher).
 
 A run is restarted when it ended restartable: a rank declared a hang or a lost peer
 (``<logging.dir>/restart-request.json`` written during the attempt, ``trainer.run.watchdog``), the
@@ -21,14 +24,25 @@ a crash (a rank reported an exception that was not a lost peer), a signal to the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_empg.config import ConfigError, RunConfig, load_config
-from megatron_empg.trainer.run.watchdog import HEARTBEATS, REQUEST, RESTARTABLE_EXIT, fresh_request
+from megatron_empg.trainer.run.watchdog import (
+    HEARTBEATS,
+    REQUEST,
+    RESTARTABLE_EXIT,
+    STALE_BEATS,
+    claim_request,
+    fresh_request,
+)
 
 HISTORY = "restarts.jsonl"
 CONFIG_ERROR_EXIT = 2
@@ -105,6 +119,71 @@ def _beats(run_dir: Path, started: float) -> dict[int, dict]:
     return beats
 
 
+def stopped_after_the_end(
+    run_dir: Path, started: float, stale_s: float, now: float | None = None, stopped_s: dict[int, float] | None = None
+) -> list[int]:
+    """The ranks of the attempt begun at ``started`` that are stopped with no watchdog left to find
+    them: some rank ended (its last beat says done or crashed), and these still say running with no
+    beat for ``stale_s`` (a live process beats from a thread, even inside a collective), or their
+    process has been stopped for ``stale_s`` (``stopped_s``: seconds by pid, as seen by the caller;
+    a rank stopped after its own last beat said done). While every rank runs, a stopped one is its
+    peers' watchdogs' to find."""
+    beats = _beats(run_dir, started)
+    if not any(b.get("state") in ("done", "crashed") for b in beats.values()):
+        return []
+    now = time.time() if now is None else now
+    stopped_s = stopped_s or {}
+    return sorted(
+        r
+        for r, b in beats.items()
+        if (b.get("state") == "running" and now - b["time"] > stale_s) or stopped_s.get(b.get("pid"), 0) > stale_s
+    )
+
+
+def watch(run_dir: Path, started: float, interval_s: float, child: int) -> None:
+    """While the launcher's ``child`` (torchrun) runs: SIGKILL the ranks on this host that
+    ``stopped_after_the_end`` finds (torchrun would wait on them for ever), a line each, with a
+    restart request (cause ``lost``): the attempt is restarted, and its resume finds what is left
+    (``--resume`` past the last step: nothing to do, exit 0)."""
+    host, killed, stopped_at = socket.gethostname(), set(), {}
+    while _alive(child):
+        now = time.time()
+        beats = {r: b for r, b in _beats(run_dir, started).items() if b.get("host") == host}
+        pids = {b.get("pid") for b in beats.values()} - killed
+        stopped_at = {pid: stopped_at.get(pid, now) for pid in pids if isinstance(pid, int) and _stopped(pid)}
+        stopped_s = {pid: now - t for pid, t in stopped_at.items()}
+        for rank in stopped_after_the_end(run_dir, started, STALE_BEATS * interval_s, now, stopped_s):
+            pid = beats.get(rank, {}).get("pid")
+            if not isinstance(pid, int) or pid <= 1 or pid in killed:
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+                detail = f"rank {rank} (pid {pid}) stopped after its peers ended: killed (SIGKILL)"
+                print(f"restarts: {detail}", flush=True)
+                # restartable: the resume finds what is left to do (nothing, when the last step was saved)
+                claim_request(run_dir, started, cause="lost", rank=rank, phase=None, step=None, detail=detail)
+        time.sleep(interval_s)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP: state T in /proc; not on Linux: never)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def read_history(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / HISTORY
     if not path.exists():
@@ -144,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--started", type=float, help="the attempt's start (epoch seconds)")
     p.add_argument("--status", type=int, help="the attempt's exit status")
     p.add_argument("--signalled", action="store_true", help="the launcher got a stop signal")
+    p.add_argument("--watch", type=int, metavar="PID", help="while PID (torchrun) runs: stopped_after_the_end")
     args = p.parse_args(argv)
     try:
         config = load_config(RunConfig, args.config, args.overrides)
@@ -153,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(config.logging.dir)
     if args.begin:
         begin(run_dir)
+        return 0
+    if args.watch is not None:
+        if args.started is None:
+            p.error("--watch needs --started")
+        watch(run_dir, args.started, config.supervisor.heartbeat_interval_s, args.watch)
         return 0
     if args.started is None or args.status is None:
         p.error("--started and --status are needed (or --begin)")

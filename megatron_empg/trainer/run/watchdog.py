@@ -398,10 +398,8 @@ def failed(error: BaseException) -> None:
     from megatron_empg.rollout.engine import EngineFailure
 
     if isinstance(error, (RestartableError, EngineFailure)):  # an engine lost outside a rollout too
-        phase, step = w.failed_in or (None, None)
-        claim_request(w.run_dir, w.started, cause="restartable", rank=w.rank, phase=phase, step=step, detail=str(error))
         log.error("restartable: %s", error)
-        _flush_and_exit()
+        exit_restartable(str(error))
     if isinstance(error, Exception) and _collective_failure(error):
         lost = peer_lost(w.run_dir, w.world_size, w.rank, w.interval_s)
         if lost:
@@ -414,6 +412,17 @@ def failed(error: BaseException) -> None:
             log.error("restartable: %s", detail)
             _flush_and_exit()
     w.crashed(error)
+
+
+def exit_restartable(detail: str) -> None:
+    """Write this attempt's restart request (cause ``restartable``: every rank's watchdog exits on
+    it, the engine ranks' too) and exit ``RESTARTABLE_EXIT``; nothing where no watchdog is installed."""
+    w = _INSTALLED
+    if w is None:
+        return
+    phase, step = w.failed_in or (None, None)
+    claim_request(w.run_dir, w.started, cause="restartable", rank=w.rank, phase=phase, step=step, detail=detail)
+    _flush_and_exit()
 
 
 def _flush_and_exit() -> None:
