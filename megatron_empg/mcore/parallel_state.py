@@ -9,9 +9,11 @@ frozen ``ParallelGroups``. Code below mcore gets its groups from that object (or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,6 +129,23 @@ def seed_everything(seed: int, pp_rank: int = 0) -> None:
     random.seed(stage_seed)
     torch.manual_seed(stage_seed)
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+@contextlib.contextmanager
+def rng_preserved() -> Iterator[None]:
+    """Inside the block, random draws (building a second model: the anchor, a teacher) leave the
+    run's streams as they were: torch's CPU and CUDA generators and Megatron's tracked states."""
+    cpu_shims.install_pre_import()
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    states = {name: state.clone() for name, state in tracker.get_states().items()}
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            tracker.set_states(states)
 
 
 def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, **megatron_kwargs: Any) -> ParallelGroups:

@@ -20,24 +20,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core import tensor_parallel
+
+from megatron_empg.mcore.parallel_state import rng_preserved
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
 
     from megatron_empg.config import ModelConfig, ParallelConfig
-
-
-@contextlib.contextmanager
-def _rng_preserved() -> Iterator[None]:
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    states = {name: state.clone() for name, state in tracker.get_states().items()}
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            tracker.set_states(states)
 
 
 class FrozenTeacher:
@@ -70,7 +59,7 @@ class FrozenTeacher:
         streams (CPU, CUDA and Megatron's tracker)."""
         from megatron_empg.mcore.model import build_gpt_model
 
-        with _rng_preserved():
+        with rng_preserved():
             kwargs = {"perform_initialization": False, **build_kwargs}
             models = build_gpt_model(model_cfg, parallel, params_dtype=params_dtype, **kwargs)
             load(models)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_empg.config import ConfigError, to_yaml
+from megatron_empg.config import ConfigError
 from megatron_empg.core.microbatch import MicroBatch, StatsResult
 from megatron_empg.parallel.link import Link
 from megatron_empg.trainer.batching.batch import Sample
@@ -47,11 +47,11 @@ from megatron_empg.trainer.engines.placements import build_engines, engine_on_th
 from megatron_empg.trainer.policy import build_anchor, build_policy, build_teacher
 from megatron_empg.trainer.run import watchdog
 from megatron_empg.trainer.run.bad_steps import BadSteps
-from megatron_empg.trainer.run.checkpoints import Checkpoints, async_saves
+from megatron_empg.trainer.run.checkpoints import Checkpoints, TrainerCheckpoints, async_saves
 from megatron_empg.trainer.run.device_memory import peak_memory, peak_metrics
 from megatron_empg.trainer.run.run_dir import check_fresh_start
 from megatron_empg.trainer.run.signals import any_rank_signalled, ignored_in_children, stop_signals
-from megatron_empg.trainer.run.start import checkpoint_directory, load_tokenizer, old_module_names
+from megatron_empg.trainer.run.start import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class StepOutput:
     metrics: dict[str, float]
 
 
-class Trainer:
+class Trainer(TrainerCheckpoints):
     """Everything one run holds. Build with ``Trainer(bind(config, world_size))`` on every training
     rank (after ``torch.distributed`` is initialised: ``parallel.link.start_worlds``), then
     ``run(resume=...)``. With disaggregated engines, ``link`` on training rank 0 (the engine ranks
@@ -416,102 +416,6 @@ class Trainer:
             diagnose = lambda: bridge.round_trip_errors(shards, self.model, groups, bucket_bytes=bucket)  # noqa: E731
             metrics["sync/gate_max_logprob_diff"] = self.engines.gate(self.step_index, score, diagnose)
         return metrics
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save(self, *, blocking: bool = True) -> Path | None:
-        """Checkpoint this step (``trainer.run.checkpoints``): the committed directory, or None while
-        its files are written in the background (``checkpoint.async_save``, not ``blocking``)."""
-        with watchdog.phase("checkpoint", self.step_index):
-            return self.checkpoints.save(blocking=blocking)
-
-    def _start_save(self, staging):
-        from megatron_empg.mcore.checkpoint import ModelMetadata, SaveOptions, TrainState, start_save
-
-        cfg = self.config.checkpoint
-        engines = self.engines.state_dict()  # first: receiving rollouts drawn ahead moves the data cursor
-        state = TrainState(
-            step=self.step_index,
-            optimizer_steps=self.optimizer_steps,
-            anchor_num_updates=self.anchor.num_updates if self.anchor is not None else 0,
-            bad_steps=self.bad_steps.state_dict(),  # the gradient-norm history: a resume refuses alike
-            data=self.batches.state_dict(),
-            engines=engines,  # e.g. rollouts drawn ahead: trained on resume, not drawn again
-            config_yaml=to_yaml(self.config),
-        )
-        return start_save(
-            cfg.dir,
-            state,
-            self._checkpoint_parts(),
-            self.groups,
-            staging=staging,
-            options=SaveOptions(
-                keep_last=cfg.keep_last, checksums=cfg.verify == "checksum", optimizer_format=cfg.optimizer_format
-            ),
-            model=ModelMetadata(config=self.model, hf_assets=self.engines.hf_assets(), base=self.lora_base),
-        )
-
-    def _checkpoint_parts(self):
-        """The policy's chunks, optimizer, scheduler and anchor, as a checkpoint saves and loads them."""
-        from megatron_empg.mcore.checkpoint import CheckpointParts
-
-        return CheckpointParts(self.models, optimizer=self.optimizer, scheduler=self.scheduler, anchor=self.anchor)
-
-    def resume(self) -> bool:
-        """Load the newest intact checkpoint of ``checkpoint.dir`` (a damaged one is named and skipped:
-        ``mcore.checkpoint.find_verified_checkpoint``, every rank); False if there is none."""
-        from megatron_empg.mcore.checkpoint import CheckpointError, find_verified_checkpoint
-
-        checkpoint = self.config.checkpoint
-        found = find_verified_checkpoint(checkpoint.dir, checksums=checkpoint.verify == "checksum")
-        if found is None:
-            log.info("no checkpoint in %s to resume from", checkpoint.dir)
-            return False
-        state = self._load_training_state(found.path)
-        if state.data is None or state.engines is None:
-            raise CheckpointError(
-                f"{found.path} holds no training-loop state (data cursor, engines' state): "
-                "not a checkpoint of a training run (start from its weights with checkpoint.init_from)"
-            )
-        self.batches.load_state_dict(state.data)
-        self.engines.load_state_dict(state.engines)
-        log.info("resumed from %s at step %d", found.path, self.step_index)
-        return True
-
-    def continue_from(self, path: str | Path) -> None:
-        """Start from an earlier stage's checkpoint (``path``: a ``step_N`` directory or a checkpoint
-        root, whose newest is taken): its training state, and this run's data order from its step."""
-        from megatron_empg.mcore.checkpoint import CheckpointError, verify_checkpoint
-
-        directory = checkpoint_directory(path)
-        problems = verify_checkpoint(directory, checksums=self.config.checkpoint.verify == "checksum")
-        if problems:
-            raise CheckpointError(f"checkpoint.continue_from={path}: {directory} is damaged: {'; '.join(problems[:3])}")
-        self._load_training_state(directory)
-        self.batches.cursor = self.step_index
-        log.info("continuing from %s at step %d (data: this run's order)", directory, self.step_index)
-
-    def _load_training_state(self, directory: Path):
-        """Policy, optimizer, scheduler, anchor and step counters from ``directory``; its ``TrainState``.
-        A LoRA policy's checkpoint must have been trained on this run's base (``checkpoint.init_from``)."""
-        from megatron_empg.mcore.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_info
-
-        saved_base = read_checkpoint_info(directory).get("lora_base")
-        if saved_base is not None and self.lora_base is not None:
-            if saved_base["fingerprint"] != self.lora_base["fingerprint"]:
-                raise CheckpointError(
-                    f"checkpoint.init_from: {self.lora_base['path']} is not the base the adapters of {directory} "
-                    f"were trained on ({saved_base['path']}, another fingerprint)"
-                )
-
-        with old_module_names():  # a checkpoint of before the trainer's groups
-            state = load_checkpoint(directory, self._checkpoint_parts(), self.groups, model_name=self.model.name)
-        self.step_index = state.step
-        self.optimizer_steps = state.optimizer_steps
-        self.bad_steps.load_state_dict(state.bad_steps)  # None: a checkpoint of before the history
-        if self.anchor is not None:
-            self.anchor.num_updates = state.anchor_num_updates
-        return state
 
     def _signals(self):
         """SIGTERM / SIGUSR1 (Slurm's pre-emption warning) set a flag the loop checks after each step

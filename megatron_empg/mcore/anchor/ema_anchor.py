@@ -66,7 +66,7 @@ from megatron_empg.mcore import cpu_shims
 
 cpu_shims.install_pre_import()
 
-from megatron.core import fp8_utils, tensor_parallel  # noqa: E402  (after the pre-import shims)
+from megatron.core import fp8_utils  # noqa: E402  (after the pre-import shims)
 
 from megatron_empg.mcore.anchor.layout import (  # noqa: E402
     Entry,
@@ -77,6 +77,7 @@ from megatron_empg.mcore.anchor.layout import (  # noqa: E402
     te_fp8_model_init,
 )
 from megatron_empg.mcore.anchor.storage import STORAGES, AnchorStorage, RowwiseFp8  # noqa: E402
+from megatron_empg.mcore.parallel_state import rng_preserved  # noqa: E402
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -85,19 +86,6 @@ if TYPE_CHECKING:
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 FP8_KINDS = ("emulated", "torch")  # without TE parameters; ``te`` is chosen by the builder's
-
-
-@contextlib.contextmanager
-def _rng_preserved() -> Iterator[None]:
-    """Building the anchor's chunks must not move the policy run's random streams."""
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    states = {name: state.clone() for name, state in tracker.get_states().items()}
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            tracker.set_states(states)
 
 
 class EmaAnchor(ScheduledEma):
@@ -146,7 +134,7 @@ class EmaAnchor(ScheduledEma):
         ddp_configs = {getattr(m, "ddp_config", None) is not None for m in policy_models}
         if ddp_configs != {True}:
             raise TypeError("policy_models must be the policy's chunks wrapped in Megatron DistributedDataParallel")
-        with _rng_preserved():
+        with rng_preserved():
             self.models: list[GPTModel] = list(build_models())
         if len(self.models) != len(policy_models):
             raise ValueError(f"build_models made {len(self.models)} chunks; the policy has {len(policy_models)}")

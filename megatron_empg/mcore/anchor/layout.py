@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,19 @@ class Param:
         """The rows of the row-wise FP8 scales: all dimensions but the last (a matrix's dim 0,
         ``G x N`` of stacked experts ``[G, N, K]``), one for a vector."""
         return self.param.numel() // self.param.shape[-1] if self.param.dim() >= 2 else 1
+
+
+class StoredAnchor(Protocol):
+    """What an anchor's storage (``anchor.storage``) reads of the anchor (``EmaAnchor``)."""
+
+    models: list
+    params: list[Param]
+    flats: list[Flat]
+    entries: list[Entry]
+    sharded: bool
+    dp_group: Any
+
+    def range_of(self, e: Entry, target: Tensor) -> Tensor: ...
 
 
 @dataclasses.dataclass(eq=False)

@@ -40,8 +40,7 @@ from megatron.core import fp8_utils  # noqa: E402
 from megatron_empg.mcore.anchor import fp8_linear  # noqa: E402
 
 if TYPE_CHECKING:
-    from megatron_empg.mcore.anchor.ema_anchor import EmaAnchor
-    from megatron_empg.mcore.anchor.layout import Entry, Param
+    from megatron_empg.mcore.anchor.layout import Entry, Param, StoredAnchor
 
 
 class AnchorStorage:
@@ -80,13 +79,13 @@ class AnchorStorage:
     def check_expert_buffer(self) -> None:
         """Raise where this kind cannot mirror an expert-parallel DDP buffer."""
 
-    def attach(self, anchor: EmaAnchor) -> None:
+    def attach(self, anchor: StoredAnchor) -> None:
         """Allocate what the kind keeps beside the parameters."""
 
-    def write(self, anchor: EmaAnchor) -> None:
+    def write(self, anchor: StoredAnchor) -> None:
         raise NotImplementedError
 
-    def finish(self, anchor: EmaAnchor) -> None:
+    def finish(self, anchor: StoredAnchor) -> None:
         """After the gather."""
 
 
@@ -104,7 +103,7 @@ class PlainStorage(AnchorStorage):
                     f"params_dtype={self.compute_dtype} (compute_dtype)"
                 )
 
-    def write(self, anchor: EmaAnchor) -> None:
+    def write(self, anchor: StoredAnchor) -> None:
         for e in anchor.entries:
             anchor.range_of(e, anchor.params[e.index].param.data).copy_(e.master)
 
@@ -136,7 +135,7 @@ class RowwiseFp8(AnchorStorage):
     def place(self, name: str, param: Tensor, view: Tensor) -> None:
         """The parameter keeps its forward-dtype tensor; ``attach`` takes the FP8 view."""
 
-    def attach(self, anchor: EmaAnchor) -> None:
+    def attach(self, anchor: StoredAnchor) -> None:
         params = anchor.params
         device = params[0].param.device
         self.row_counts = [p.rows for p in params]
@@ -168,7 +167,7 @@ class RowwiseFp8(AnchorStorage):
         scales = self.scale_inv if scales is None else scales
         return scales[self.row_offsets[i] : self.row_offsets[i] + self.row_counts[i]]
 
-    def _group_rows(self, anchor: EmaAnchor) -> dict:
+    def _group_rows(self, anchor: StoredAnchor) -> dict:
         """Data-parallel group -> int64 indices of the scale rows of the parameters in its buffers."""
         by_group: dict = {}
         for i, p in enumerate(anchor.params):
@@ -177,7 +176,7 @@ class RowwiseFp8(AnchorStorage):
         device = self.scale_inv.device
         return {g: torch.tensor(rows, device=device) for g, rows in by_group.items() if g.size() > 1}
 
-    def write(self, anchor: EmaAnchor) -> None:
+    def write(self, anchor: StoredAnchor) -> None:
         """The master quantized into the storage, without a host sync. Unsharded: each parameter's
         rows in one pass (``fp8_linear.quantize_rows``: one Triton kernel on CUDA). Sharded: the
         row maxima of this rank's ranges, combined over DP, then each range quantized (a range's
@@ -195,7 +194,7 @@ class RowwiseFp8(AnchorStorage):
             else:
                 p.fp8.copy_(q.view(p.param.shape))
 
-    def _write_ranges(self, anchor: EmaAnchor, masters: dict[int, Tensor]) -> None:
+    def _write_ranges(self, anchor: StoredAnchor, masters: dict[int, Tensor]) -> None:
         self._amax.zero_()
         for e in anchor.entries:
             cols = anchor.params[e.index].param.numel() // anchor.params[e.index].rows
@@ -215,7 +214,7 @@ class RowwiseFp8(AnchorStorage):
                 s = scale[self.row_offsets[e.index] + row :][:n]
                 store[lo:hi].view(n, -1).copy_(fp8_math.quantize(masters[e.index][lo:hi].view(n, -1), s))
 
-    def finish(self, anchor: EmaAnchor) -> None:
+    def finish(self, anchor: StoredAnchor) -> None:
         """Sharded: the gathered FP8 values of the non-linear parameters, dequantized into them."""
         if not anchor.sharded:
             return
@@ -224,7 +223,7 @@ class RowwiseFp8(AnchorStorage):
                 deq = fp8_math.dequantize(p.fp8.view(p.rows, -1), self._scale_inv(i), p.param.dtype)
                 p.param.data.copy_(deq.view(p.param.shape))
 
-    def fp8_weights(self, anchor: EmaAnchor) -> dict[str, tuple[Tensor | None, Tensor]]:
+    def fp8_weights(self, anchor: StoredAnchor) -> dict[str, tuple[Tensor | None, Tensor]]:
         """key -> (float8_e4m3fn in the parameter's shape, or None where only the dequantized
         values are kept; float32 ``scale_inv`` ``[rows]``)."""
         return {p.key: (p.fp8, self._scale_inv(i)) for i, p in enumerate(anchor.params)}
@@ -276,7 +275,7 @@ class TeFp8(AnchorStorage):
             "re-quantization is over one DP group)"
         )
 
-    def write(self, anchor: EmaAnchor) -> None:
+    def write(self, anchor: StoredAnchor) -> None:
         te_params, te_masters, te_starts = [], [], []
         for p in anchor.params:
             e: Entry | None = p.entry
@@ -293,7 +292,7 @@ class TeFp8(AnchorStorage):
         if te_params:
             fp8_utils.quantize_param_shard(te_params, te_masters, te_starts, anchor.dp_group)
 
-    def finish(self, anchor: EmaAnchor) -> None:
+    def finish(self, anchor: StoredAnchor) -> None:
         if anchor.sharded:
             fp8_utils.post_all_gather_processing([p.param for p in anchor.params if p.te_fp8])
 
