@@ -26,7 +26,8 @@
 #      recipe's loss, packed rows of one sequence each (the worst case of a budget)
 #                                                                      -> train_step_gpu.json
 #      unfused vs sdpa at 2k (the A/B), sdpa at 8k (k3, Top-k, forward passes at 16k), sdpa at 16k
-#      and 24k with full recompute; one checkpoint save against a plain write of the same bytes
+#      and 24k with full recompute; one checkpoint save against a plain write of the same bytes;
+#      each case's time by op class from one more, profiled step (--profile: time_by_op_class)
 #   b2. [dense or moe] benchmarks/plan_vs_gpu.py on those results: the memory plan (empg plan) against
 #      each configuration's measured peaks, dense and MoE, printed (within 10 % is the goal; 5 % is
 #      issue 44's for the MoE step)
@@ -140,7 +141,7 @@ TK_ARGS=(--device cuda --tokens 16384 --vocab 151936 --k 32 --warmup 2 --repeats
 TK_ENV=()
 TOPK_ARGS=(--device cuda --tokens 16384 --tp 1 --warmup 3 --repeats 10
     --sweep-tokens 16384 --sweep-chunks "1024,4096" --sweep-variants ours_vp_inplace)
-TRAIN_ARGS=(--model "$MODEL" --dtype bf16 --tokens-per-step 32768 --warmup 1 --repeats 2 --checkpoint
+TRAIN_ARGS=(--model "$MODEL" --dtype bf16 --tokens-per-step 32768 --warmup 1 --repeats 2 --checkpoint --profile
     --checkpoint-dir "${SMOKE_CHECKPOINT_DIR:-/tmp/empg_ckpt}" ${PEAK:+--peak-tflops "$PEAK"})
 TRAIN_CASES=(--case attention=unfused,tokens=2048 --case attention=sdpa,tokens=2048
     --case attention=sdpa,tokens=8192 --case attention=sdpa,tokens=8192,kl=topk

@@ -69,6 +69,7 @@ measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -101,6 +102,7 @@ from moe_step import (  # noqa: E402  (the MoE blocks' timer, FLOPs, record fiel
     moe_summary,
     print_comparison,
 )
+from op_classes import OpProfile  # noqa: E402  (the step's time by op class)
 
 from megatron_empg.config import ParallelConfig, RunConfig, load_config, load_model_config  # noqa: E402
 
@@ -154,14 +156,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, peaks: dict, stage: str):
+def _timed(fn, peaks: dict, stage: str, ops: OpProfile | None = None):
     """fn() between two device synchronizes: (its result, seconds); the allocator's peak during it
-    is kept as the max over calls in ``peaks[stage]``."""
+    is kept as the max over calls in ``peaks[stage]``; with ``ops``, profiled by op class."""
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
     _sync()
     start = time.perf_counter()
-    out = fn()
+    with ops.stage(stage) if ops is not None else contextlib.nullcontext():
+        out = fn()
     _sync()
     elapsed = time.perf_counter() - start
     if CUDA:
@@ -310,7 +313,9 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
     )
     times: dict[str, list[float]] = {stage: [] for stage in STAGES}
     lengths: list[int] = []
-    for step in range(warmup + repeats):
+    ops = OpProfile() if args.profile else None
+    for step in range(warmup + repeats + bool(ops)):  # the profiled step: one more, not timed
+        profiled = ops if step == warmup + repeats else None
         progress.update(step=step, stage="batch")
         samples, advantages = _samples(vocab, case, args.tokens_per_step, args.lengths, seed=step)
         lengths = [s.length for s in samples]
@@ -320,7 +325,7 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         if moe_timer:
             moe_timer.collect()  # nothing before the step's first pass
         old, t_old = _timed(
-            lambda: rows.split_stats(forward_stats(ddp, rows.batches, old_request, groups)), peaks, "old_pass"
+            lambda: rows.split_stats(forward_stats(ddp, rows.batches, old_request, groups)), peaks, "old_pass", profiled
         )
         moe_by_pass = {"old_pass": moe_timer.collect()["forward"]} if moe_timer else {}
         for mb, out in zip(mbs, old, strict=True):
@@ -334,6 +339,7 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
                 lambda: rows.split_stats(forward_stats(anchor_models, rows.batches, anchor_request, groups)),
                 peaks,
                 "anchor_pass",
+                profiled,
             )
         if moe_timer:
             moe_by_pass["anchor_pass"] = moe_timer.collect()["forward"]
@@ -344,14 +350,17 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         progress["stage"] = "update"
         units = functools.partial(loss_units, agg_mode=loss_cfg.agg_mode)  # a mixture of experts' router losses
         _, t_update = _timed(
-            lambda: train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups, loss_units=units), peaks, "update"
+            lambda: train_step(ddp, optimizer, scheduler, mbs, loss, groups=groups, loss_units=units),
+            peaks,
+            "update",
+            profiled,
         )
         if moe_timer:
             update = moe_timer.collect()
             moe_by_pass.update(update_forward=update["forward"], update_backward=update["backward"])
         progress["stage"] = "ema_update"
-        _, t_ema = _timed(anchor.update, peaks, "ema_update")
-        if step >= warmup:
+        _, t_ema = _timed(anchor.update, peaks, "ema_update", profiled)
+        if warmup <= step < warmup + repeats:
             for stage, t in zip(STAGES, (t_old, t_anchor, t_update, t_ema)):
                 times[stage].append(t)
             if moe_timer:
@@ -397,6 +406,8 @@ def run_case(args, case: Case, recipe: RunConfig, progress: dict) -> tuple[dict,
         record["peak_tflops"] = peak
     if model_cfg.is_moe:
         record.update(moe_record(model_cfg, policy, parallel, moe_timer, moe_times, flops, step_s, peak))
+    if ops is not None:
+        record.update(ops.record())
     record["peak_gib"] = max(peaks.values()) / GIB if CUDA else None
     if CUDA:
         record["peak_gib_by_stage"] = {k: v / GIB for k, v in peaks.items()}
@@ -611,6 +622,11 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak for the MFU (H100 SXM: 989)")
     p.add_argument("--checkpoint", action="store_true", help="time one save against a plain write (first case)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more step under the torch profiler: time by op class (op_classes.py)",
+    )
     p.add_argument("--checkpoint-dir", default=tempfile.gettempdir())
     p.add_argument("--out", default=str(REPO / f"benchmarks/results/train_step_{'gpu' if CUDA else 'cpu'}.json"))
     args = p.parse_args(argv)
