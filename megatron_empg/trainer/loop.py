@@ -203,8 +203,9 @@ class Trainer(TrainerCheckpoints):
         # stops after the same step; the engine ranks' signals come with their messages.
         signalled = max(self._stop_signal or 0, self.engines.signal)
         stop = any_rank_signalled(signalled or None, dist.group.WORLD)
-        with watchdog.phase("checkpoint", self.step_index):
-            self.checkpoints.poll()  # a background save every rank has written: committed
+        if self.checkpoints.written():  # a background save every rank has written: committed
+            with watchdog.phase("checkpoint", self.step_index):  # (only then: the phase learns real saves)
+                self.checkpoints.finish()
         if last or (interval and self.step_index % interval == 0) or stop is not None:
             self.save(blocking=last or stop is not None)
         self.engines.end_of_step(stop=stop is not None or last)

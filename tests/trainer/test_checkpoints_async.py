@@ -1,5 +1,5 @@
 """``trainer.run.checkpoints.Checkpoints``: one background save in flight at most, committed by the
-first poll after every rank wrote it or before the next save; a blocking save commits the one in
+first step end after every rank wrote it (``written``) or before the next save; a blocking save commits the one in
 flight first; the metrics each step record gets. The saves are stand-ins (the real ones:
 ``tests/mcore/test_async_checkpoint.py``; through ``empg train``: ``test_preemption.py``)."""
 
@@ -40,11 +40,11 @@ def test_background_saves_commit_later_and_once(monkeypatch):
     c, log, started = _checkpoints(monkeypatch, background=True)
     assert c.save(blocking=False) is None and started[0].in_background
     assert c.metrics() == {"checkpoint/blocking_s": 0.5, "checkpoint/writing": 1.0}
-    assert c.poll() is None and log == [("poll", 1)]  # not written yet everywhere
+    assert not c.written() and log == [("poll", 1)]  # not written yet everywhere
     started[0].written = True
-    assert c.poll() == Path("step_1") and log[-1] == ("commit", 1)
+    assert c.written() and c.finish() == Path("step_1") and log[-1] == ("commit", 1)
     assert c.metrics() == {"checkpoint/persist_s": 2.0, "checkpoint/writing": 0.0}
-    assert c.poll() is None and log[-1] == ("commit", 1)  # nothing in flight: no collective either
+    assert not c.written() and log[-1] == ("commit", 1)  # nothing in flight: no collective either
 
     c.save(blocking=False)  # step 2 in flight, then a blocking save (the last step, a signal)
     assert c.save(blocking=True) == Path("step_3")

@@ -54,11 +54,10 @@ class Checkpoints:
             return None
         return _finish(pending)
 
-    def poll(self) -> Path | None:
-        """Commit the save in flight if every rank has written it (every rank; one all-reduce)."""
-        if self._pending is None or not self._pending.written_everywhere():
-            return None
-        return self.finish()
+    def written(self) -> bool:
+        """Whether a save is in flight and every rank has written it (every rank; one all-reduce
+        while one is in flight, nothing otherwise): ``finish`` then commits it without waiting."""
+        return self._pending is not None and self._pending.written_everywhere()
 
     def finish(self) -> Path | None:
         """Commit the save in flight, waiting for its writing (every rank); None if there is none."""
