@@ -60,7 +60,9 @@ from tools.run_processes import processes_with  # noqa: E402
 RECIPE = REPO / "recipes" / "demo_cpu.yaml"
 LAUNCHER = REPO / "launchers" / "torchrun.sh"
 TIMEOUT_S = 600
-TIMING = ("time/", "perf/", "sync/seconds", "engines/seconds", "engines/slowest")  # prefixes of wall-clock metrics
+# prefixes of wall-clock metrics (and of what a background save's timing decides: checkpoint/writing),
+# and of the device's allocator peaks
+TIMING = ("time/", "perf/", "sync/seconds", "engines/seconds", "engines/slowest", "checkpoint/", "memory/")
 INTERVAL, KEEP_LAST = 3, 2
 
 
