@@ -67,5 +67,5 @@ def test_an_engine_teacher_equal_to_the_student_scores_zero_kl_then_parts(tmp_pa
     assert "distillation teacher engine" in out.stderr
     first, last = read_metrics(tmp_path / "engine" / "metrics.jsonl")
     assert abs(first["distill/kl"]) < 1e-5 and first["distill/top1_agreement"] == 1.0
-    assert 0 < first["distill/teacher_topk_mass"] <= 1.0 + 1e-6
+    assert 0 < first["distill/teacher_topk_mass"] <= 1.0 + 1e-6 and first["engines/teacher_seconds_max"] > 0
     assert last["distill/kl"] > 1e-5  # negative control: the student left the teacher

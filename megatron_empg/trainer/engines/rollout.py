@@ -163,7 +163,7 @@ class RolloutStage:
         payload, row, failure = None, None, "on other ranks"
         version = self.weights_version  # at the start: rollout.partial may load newer weights inside generate
         if self.engine is not None:
-            start, tokens = time.perf_counter(), 0
+            start, tokens, teacher_s = time.perf_counter(), 0, 0.0
             try:
                 self.engine.check_health()  # between calls: a core that no longer answers fails here, not in generate
                 if self.teacher is not None:
@@ -172,13 +172,17 @@ class RolloutStage:
                 payload = self.generate(prompt_ids, sampling, self.between_steps)
                 tokens = sum(len(t.token_ids) for group in payload for t in group)
                 if self.teacher is not None:  # the teacher's scores travel with the trajectories
+                    scoring = time.perf_counter()
                     payload = list(zip(payload, self.teacher.score(prompt_ids, payload)))
+                    teacher_s = time.perf_counter() - scoring
             except EngineFailure as error:
                 log.error("engine %d failed inside the rollout of step %d: %s", placement.engine, step + 1, error)
-                failure = str(error)
-            row = [time.perf_counter() - start, len(prompts) * sampling.n, tokens, float(payload is None)]
-        # each engine's seconds, samples, tokens and whether it failed, on every rank: all raise together
-        table = placement.engine_table(row, 4)
+                failure, payload = str(error), None
+            seconds = time.perf_counter() - start - teacher_s
+            row = [seconds, len(prompts) * sampling.n, tokens, float(payload is None), teacher_s]
+        # each engine's seconds, samples, tokens, whether it failed and its teacher's seconds, on every
+        # rank: all raise together
+        table = placement.engine_table(row, 5)
         failed = [e for e in range(placement.num_engines) if table[e, 3] > 0]
         if failed:
             raise EngineLost(failed, failure)
@@ -233,7 +237,8 @@ class RolloutStage:
         """Each engine's generate time, samples and tokens (``table`` [E, >= 3], an all-reduced
         table that only owners fill), as the spread over engines: ``engines/slowest`` is the slowest
         engine's index, ``engines/slowest_share`` its share of all engines' seconds (1/E when they
-        are balanced; the others wait for it)."""
+        are balanced; the others wait for it); with a teacher engine (column 4) the slowest
+        teacher's scoring seconds, ``engines/teacher_seconds_max``."""
         placement = self.placement
         slowest = int(table[:, 0].argmax())
         total = float(table[:, 0].sum())
@@ -247,6 +252,7 @@ class RolloutStage:
             "engines/samples_max": float(table[:, 1].max()),
             "engines/tokens_min": float(table[:, 2].min()),
             "engines/tokens_max": float(table[:, 2].max()),
+            **({"engines/teacher_seconds_max": float(table[:, 4].max())} if self._teacher_factory else {}),
         }
 
     # ------------------------------------------------------------------ validation
