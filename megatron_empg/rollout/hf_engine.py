@@ -361,11 +361,15 @@ class HfEngine:
         ``sequences``: ``[S][L_s]`` token ids (``1 <= L_s <= max_model_len - 1``). Returns
         ``[S][L_s - 1]`` floats: temperature 1, no top-k/top-p (the model's own distribution).
         """
-        return [scores.target.tolist() for scores in self.score_topk(sequences, 1, method="score")]
+        return [scores.target.tolist() for scores in self._scored("score", sequences, 1)]
 
-    def score_topk(self, sequences: Sequence[Sequence[int]], k: int, *, method: str = "score_topk") -> list[TopkScores]:
+    def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[TopkScores]:
         """``score`` with the top-k (``1 <= k <= vocab_size``) of each position's float32
         log-softmax: ``[S]`` ``TopkScores`` of ``L_s - 1`` positions each."""
+        return self._scored("score_topk", sequences, k)
+
+    def _scored(self, method: str, sequences: Sequence[Sequence[int]], k: int) -> list[TopkScores]:
+        """One right-padded forward of ``sequences``; errors name ``method``."""
         self._state.check_idle(method)
         if not 1 <= k <= self.vocab_size:
             raise ValueError(f"{method}: k must be in [1, vocab_size={self.vocab_size}], got {k!r}")
