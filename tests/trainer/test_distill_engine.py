@@ -144,4 +144,4 @@ def test_the_engine_teacher_gives_the_trainer_teachers_fields(run):
 def test_the_per_token_losses_agree(run, loss, k):
     engine, trainer = _losses(run[k]["engine"], loss), _losses(run[k]["trainer"], loss)
     assert engine.abs().max() > 1e-3  # the losses are not trivially zero
-    assert (engine - trainer).abs().max() < 1e-4
+    assert (engine - trainer).abs().max() < 2e-5  # measured <= 5e-6 (k3, up to its clamp at 10)
