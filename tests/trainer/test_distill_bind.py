@@ -57,6 +57,24 @@ def test_the_engine_placement_binds_a_hf_teacher_and_refuses_a_megatron_checkpoi
     assert error.value.field == "algorithm.distill.teacher.checkpoint" and "Megatron checkpoint" in error.value.reason
     error = refused(demo(tmp_path, TEACHER, *engine, "algorithm.distill.teacher.offload=true"))
     assert error.field == "algorithm.distill.teacher.offload"
+    assert components.distill.context == 32 + 1  # train.max_seq_len, below rollout.max_model_len 128
+
+
+def test_an_engine_teacher_needs_one_position_past_the_longest_sample(tmp_path):
+    # the demo's samples have at most train.max_seq_len = 32 tokens; an engine scores one as a prompt
+    teacher = f"algorithm.distill.teacher.model={_teacher_yaml(tmp_path, max_position_embeddings=32)}"
+    assert bind(demo(tmp_path, TEACHER, teacher), 1, check_paths=False).distill.context == 33  # trainer: fits
+    error = refused(demo(tmp_path, TEACHER, teacher, "algorithm.distill.placement=engine"))
+    assert error.field == "algorithm.distill.teacher.model" and "max_position_embeddings 32" in error.reason
+    error = refused(
+        demo(
+            tmp_path,
+            TEACHER,
+            "algorithm.distill.placement=engine",
+            "algorithm.distill.teacher.gpu_memory_utilization=0.6",
+        )
+    )
+    assert error.field == "algorithm.distill.teacher.gpu_memory_utilization"  # 0.6 beside the engine's 0.5
 
 
 def test_a_teacher_of_another_vocabulary_is_refused_naming_both(tmp_path):

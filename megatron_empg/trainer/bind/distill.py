@@ -50,12 +50,14 @@ PLACEMENTS: dict[str, type] = {"trainer": TrainerPlacement, "engine": EngineTeac
 
 @dataclasses.dataclass(frozen=True)
 class DistillBinding:
-    """What ``bind_distill`` resolved: the update pass's ``term``, the teacher's ``model`` config
-    and its ``placement``."""
+    """What ``bind_distill`` resolved: the update pass's ``term``, the teacher's ``model`` config,
+    its ``placement`` and ``context``: the longest sample + 1, a teacher engine's ``max_model_len``
+    (it scores a sample as a prompt, leaving one position for an output token, as vLLM does)."""
 
     term: DistillTerm
     model: ModelConfig
     placement: TrainerPlacement | EngineTeacherPlacement
+    context: int
 
 
 def bind_distill(config: RunConfig, model: ModelConfig, *, check_paths: bool = True) -> DistillBinding | None:
@@ -71,7 +73,9 @@ def bind_distill(config: RunConfig, model: ModelConfig, *, check_paths: bool = T
         _check_engine_teacher(config)
     if distill.topk > model.vocab_size:
         raise ConfigError(f"{FIELD}.topk", f"must be <= model.vocab_size={model.vocab_size}, got {distill.topk}")
-    teacher = _teacher_model(config, model, placement)
+    rollout = config.rollout
+    longest = min(rollout.max_model_len or model.max_position_embeddings, config.train.max_seq_len)  # a sample's bound
+    teacher = _teacher_model(config, model, placement, longest + 1)
     if check_paths:
         _check_teacher_paths(config, teacher, placement)
     term = DistillTerm.bind(
@@ -86,7 +90,7 @@ def bind_distill(config: RunConfig, model: ModelConfig, *, check_paths: bool = T
         clip_eps_high=distill.clip_eps_high,
         clip_c=distill.clip_c,
     )
-    return DistillBinding(term, teacher, placement)
+    return DistillBinding(term, teacher, placement, longest + 1)
 
 
 def _check_engine_teacher(config: RunConfig) -> None:
@@ -112,7 +116,7 @@ def _check_engine_teacher(config: RunConfig) -> None:
         )
 
 
-def _teacher_model(config: RunConfig, model: ModelConfig, placement) -> ModelConfig:
+def _teacher_model(config: RunConfig, model: ModelConfig, placement, context: int) -> ModelConfig:
     field = f"{FIELD}.teacher.model"
     name = config.algorithm.distill.teacher.model
     try:
@@ -130,6 +134,12 @@ def _teacher_model(config: RunConfig, model: ModelConfig, placement) -> ModelCon
             field,
             f"the teacher {teacher.name!r} has max_position_embeddings {teacher.max_position_embeddings} < "
             f"train.max_seq_len {config.train.max_seq_len}",
+        )
+    if placement.on_engines and teacher.max_position_embeddings < context:
+        raise ConfigError(
+            field,
+            f"the teacher {teacher.name!r} has max_position_embeddings {teacher.max_position_embeddings}; its engine "
+            f"scores the longest sample ({context - 1} tokens) as a prompt with one position to spare: {context}",
         )
     if placement.on_engines:  # the engine runs it at its own layout
         return dataclasses.replace(teacher, attention_backend=model.attention_backend)

@@ -144,7 +144,9 @@ def build_engines(
         )
     distill, teacher = components.distill, None
     if distill is not None and distill.placement.on_engines:
-        teacher = functools.partial(TeacherEngine, config, components.engine, distill.term.teacher_k)
+        teacher = functools.partial(
+            TeacherEngine, config, components.engine, distill.term.teacher_k, max_model_len=distill.context
+        )
     stage = RolloutStage(
         config, components.model, tokenizer, components.engine, placement, run_dir=run_dir, teacher=teacher
     )

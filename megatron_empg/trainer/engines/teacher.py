@@ -10,7 +10,7 @@ the engine group; ``Sample.teacher`` carries them into the micro-batches' ``teac
 with training on a GPU (``rollout.sleep_while_training``) it sleeps (level 1) between its calls.
 A vLLM teacher runs in its own process: two in-process vLLM engines cannot share one.
 
-    teacher = TeacherEngine(config, ENGINES["hf"], k=8)
+    teacher = TeacherEngine(config, ENGINES["hf"], k=8, max_model_len=129)
     scores = teacher.score(prompts, trajectories)   # [P][n] TopkScores
 """
 
@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 
 class TeacherEngine:
     """The teacher of ``config.algorithm.distill`` in an engine of ``kind``; ``k``: the top-k it
-    returns per position (``DistillTerm.teacher_k``)."""
+    returns per position (``DistillTerm.teacher_k``); ``max_model_len``: its context, the longest
+    sample + 1 (``DistillBinding.context``)."""
 
-    def __init__(self, config: RunConfig, kind: EngineKind, k: int) -> None:
+    def __init__(self, config: RunConfig, kind: EngineKind, k: int, *, max_model_len: int) -> None:
         spec = config.algorithm.distill.teacher
         self.k = k
         self.sleeps = config.rollout.sleep_while_training
@@ -41,6 +42,7 @@ class TeacherEngine:
             dtype=spec.dtype,
             in_process=config.rollout.in_process and not kind.own_process,
             gpu_memory_utilization=spec.gpu_memory_utilization,
+            max_model_len=max_model_len,
         )
         log.info("distillation teacher engine %s from %s (%s, top-%d)", kind.target, spec.checkpoint, spec.dtype, k)
         self.engine = kind.load()(spec.checkpoint, rollout, load_format="auto", max_logprobs=k)
