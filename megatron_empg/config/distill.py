@@ -22,14 +22,24 @@ class TeacherConfig(Config):
     model: str
     """A name in ``model_configs/`` (``qwen3-8b``) or the path of a model YAML, as ``model`` is."""
     checkpoint: str
-    """The teacher's weights: a HF model directory or a Megatron (converted or training) checkpoint."""
+    """The teacher's weights: a HF model directory or a Megatron (converted or training) checkpoint
+    (``placement: engine``: a HF model directory only)."""
     dtype: TeacherDtype = "bfloat16"
     """The dtype of the teacher's forward weights."""
     offload: bool = False
-    """Keep the teacher's weights in pinned host memory between its passes (GPU), to save GPU memory."""
+    """Keep the teacher's weights in pinned host memory between its passes (GPU), to save GPU memory
+    (``placement: trainer``; an engine teacher sleeps between its calls with ``rollout.sleep_while_training``)."""
     tokenizer: str | None = None
     """The teacher's tokenizer (a HF directory or hub name), checked equal to the student's
     ``tokenizer``; null: ``checkpoint`` (a HF directory holds one)."""
+    gpu_memory_utilization: float = 0.2
+    """``placement: engine`` with vLLM on a GPU: the fraction of the GPU its teacher engine takes
+    (weights and KV cache; scoring needs no long cache), in (0, 1]; it sits beside the rollout
+    engine's ``rollout.gpu_memory_utilization`` (the two must sum to <= 1)."""
+
+    def validate(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +80,9 @@ class DistillConfig(Config):
     """The dual-clip constant c > 1 of the policy-gradient form (verl's default); null: off."""
     placement: DistillPlacement = "trainer"
     """Where the teacher runs: ``trainer`` (a Megatron model on the training ranks, forward only,
-    at the student's TP / PP / CP) or ``engine`` (an engine scoring the samples with top-k prompt
-    log-probs; not available yet: refused at bind)."""
+    at the student's TP / PP / CP) or ``engine`` (an engine of ``rollout.engine``'s kind beside
+    each colocated rollout engine, from ``teacher.checkpoint`` as a HF directory, scoring the
+    samples with top-k prompt log-probs: exact at the sampled token, no tail beyond the top-k)."""
 
     def validate(self) -> None:
         if self.topk < 1:

@@ -1,7 +1,7 @@
 """The rollout-engine protocol: what the trainer needs from an inference engine, and its results.
 
 An engine samples ``n`` responses per prompt (``generate``), scores fixed sequences by teacher
-forcing (``score``), takes new weights from the trainer between rollouts (``begin_weight_update``
+forcing (``score``; ``score_topk`` with the top-k of every position, a distillation teacher's), takes new weights from the trainer between rollouts (``begin_weight_update``
 -> ``update_weights`` per bucket -> ``finish_weight_update``) and, when colocated with training on
 a GPU, frees its memory while the trainer runs (``sleep`` / ``wake_up``). Token ids are plain
 Python ints and log-probs plain floats (natural log), so results cross process boundaries freely.
@@ -88,6 +88,41 @@ def check_routed_experts(routed: torch.Tensor | None, response_tokens: int, owne
         )
 
 
+@dataclass(frozen=True)
+class TopkScores:
+    """One sequence's teacher-forced scores with the top-k of each position (``score_topk``), for
+    the ``T = L - 1`` positions that predict tokens ``1 .. L-1`` of a sequence of ``L`` tokens.
+
+    ``ids``: ``[T, k]`` int64, the k most likely ids at each position, descending.
+    ``logprobs``: ``[T, k]`` float32, their log-probs. ``target``: ``[T]`` float32,
+    ``log p(x_t | x_<t)`` of the sequence's own next token (exact, in the top-k or not). CPU
+    tensors, natural log, temperature 1, no top-k/top-p masking of the distribution.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    target: torch.Tensor
+
+    def __post_init__(self) -> None:
+        t, k = self.ids.shape if self.ids.dim() == 2 else (-1, -1)
+        if self.ids.dtype != torch.int64 or k < 1:
+            raise ValueError(
+                f"TopkScores.ids: expected an int64 [T, k] tensor, got {self.ids.dtype} {list(self.ids.shape)}"
+            )
+        if self.logprobs.shape != (t, k) or self.target.shape != (t,):
+            raise ValueError(
+                f"TopkScores: ids {list(self.ids.shape)}, logprobs {list(self.logprobs.shape)} and target "
+                f"{list(self.target.shape)} do not agree (expected [T, k], [T, k], [T])"
+            )
+
+    @classmethod
+    def from_logprobs(cls, logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> TopkScores:
+        """From ``logprobs`` (``[T, V]`` float log-softmax) and ``targets`` (``[T]`` int64 ids)."""
+        top = logprobs.topk(k, dim=-1)
+        target = logprobs.gather(-1, targets[:, None])[:, 0]
+        return cls(top.indices.cpu(), top.values.float().cpu(), target.float().cpu())
+
+
 class RolloutEngine(Protocol):
     """An inference engine that the trainer samples from and pushes its weights into.
 
@@ -126,6 +161,12 @@ class RolloutEngine(Protocol):
         ``sequences``: ``[S][L_s]`` token ids, each non-empty. Returns ``[S][L_s - 1]`` floats
         (natural log, temperature 1, no top-k/top-p: the model's own distribution).
         """
+        ...
+
+    def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[TopkScores]:
+        """``score`` with the top-k of every position: ``[S]`` ``TopkScores`` of ``T = L_s - 1``
+        positions each (``1 <= k <=`` the vocabulary; an engine may allow less: vLLM's
+        ``max_logprobs``, which it is started with)."""
         ...
 
     def begin_weight_update(self) -> None:

@@ -62,6 +62,7 @@ from megatron_empg.rollout.engine import (
     Completion,
     EngineState,
     FinishReason,
+    TopkScores,
     check_generate_arguments,
     check_token_sequences,
     check_update_arguments,
@@ -142,6 +143,7 @@ class HfEngine:
         load_format: str = "auto",
         device: torch.device | str | None = None,
         routed_experts: bool = False,
+        max_logprobs: int | None = None,  # vLLM's limit of score_topk's k; none here (any k <= vocab_size)
     ) -> None:
         if not isinstance(rollout, RolloutConfig):
             raise TypeError(f"rollout: expected a RolloutConfig, got {type(rollout).__name__}")
@@ -359,17 +361,31 @@ class HfEngine:
         ``sequences``: ``[S][L_s]`` token ids (``1 <= L_s <= max_model_len - 1``). Returns
         ``[S][L_s - 1]`` floats: temperature 1, no top-k/top-p (the model's own distribution).
         """
-        self._state.check_idle("score")
-        model = self._model
+        return [scores.target.tolist() for scores in self._scored("score", sequences, 1)]
+
+    def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[TopkScores]:
+        """``score`` with the top-k (``1 <= k <= vocab_size``) of each position's float32
+        log-softmax: ``[S]`` ``TopkScores`` of ``L_s - 1`` positions each."""
+        return self._scored("score_topk", sequences, k)
+
+    def _scored(self, method: str, sequences: Sequence[Sequence[int]], k: int) -> list[TopkScores]:
+        """One right-padded forward of ``sequences``; errors name ``method``."""
+        self._state.check_idle(method)
+        if not 1 <= k <= self.vocab_size:
+            raise ValueError(f"{method}: k must be in [1, vocab_size={self.vocab_size}], got {k!r}")
         token_sequences = check_token_sequences(
             sequences, argument="sequences", vocab_size=self.vocab_size, max_length=self.max_model_len - 1
         )
         # Right padding: the default position ids 0 .. L_s - 1 are right as they are.
         input_ids, mask = (t.to(self._device) for t in _padded(token_sequences, left=False))
         with torch.inference_mode():
-            logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-            logprobs = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0].cpu()
-        return [logprobs[i, : len(sequence) - 1].tolist() for i, sequence in enumerate(token_sequences)]
+            logits = self._model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+            return [
+                TopkScores.from_logprobs(
+                    logits[i, : len(seq) - 1].float().log_softmax(-1), input_ids[i, 1 : len(seq)], k
+                )
+                for i, seq in enumerate(token_sequences)
+            ]
 
     # ----------------------------------------------------------------------------------------
     # Weight updates.

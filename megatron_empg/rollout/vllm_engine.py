@@ -71,6 +71,7 @@ from megatron_empg.rollout.engine import (
     ROUTED_EXPERT_DTYPE,
     Completion,
     EngineState,
+    TopkScores,
     check_generate_arguments,
     check_token_sequences,
     check_update_arguments,
@@ -113,6 +114,20 @@ def _check_no_live_in_process_engine() -> None:
             "state is process-global (shutting one down breaks the other): shut it down first, or "
             "use rollout.in_process=False"
         )
+
+
+def _topk_scores(steps: Sequence, targets: Sequence[int], k: int) -> TopkScores:
+    """``TopkScores`` of one sequence from vLLM's prompt log-probs (``steps``: per position a
+    ``{token id: Logprob}`` of the top-k and the position's own token ``targets[t]``)."""
+    ids = torch.empty(len(targets), k, dtype=torch.int64)
+    logprobs = torch.empty(len(targets), k, dtype=torch.float32)
+    target = torch.empty(len(targets), dtype=torch.float32)
+    for t, (step, token) in enumerate(zip(steps, targets)):
+        ranked = sorted((entry.rank, -entry.logprob, token_id) for token_id, entry in step.items())[:k]
+        ids[t] = torch.tensor([token_id for _, _, token_id in ranked])
+        logprobs[t] = torch.tensor([-negative for _, negative, _ in ranked])
+        target[t] = step[token].logprob
+    return TopkScores(ids, logprobs, target)
 
 
 def _completion(
@@ -179,6 +194,7 @@ class VllmEngine:
         skip_tokenizer_init: bool = False,
         routed_experts: bool = False,
         lora: LoraConfig | None = None,
+        max_logprobs: int | None = None,
     ) -> None:
         if not isinstance(rollout, RolloutConfig):
             raise TypeError(f"rollout: expected a RolloutConfig, got {type(rollout).__name__}")
@@ -216,6 +232,8 @@ class VllmEngine:
         )
         if routed_experts:
             engine_args["enable_return_routed_experts"] = True
+        if max_logprobs is not None:  # score_topk's largest k (vLLM's default: 20)
+            engine_args["max_logprobs"] = max_logprobs
         self._routed_experts = routed_experts
         if lora is not None:
             self._adapters = AdapterSlot(lora, Path(model_dir) / "lora_adapters")
@@ -374,6 +392,34 @@ class VllmEngine:
         return [
             [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], sequence[1:])]
             for out, sequence in zip(outputs, token_sequences)
+        ]
+
+    def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[TopkScores]:
+        """``score`` with the top-k of each position, from vLLM's ``prompt_logprobs=k`` (the k
+        most likely ids by rank, and the sequence's own token, which vLLM adds when it is not among
+        them): ``[S]`` ``TopkScores`` of ``L_s - 1`` positions each. ``1 <= k <= max_logprobs``
+        (the engine's start argument; vLLM's default 20)."""
+        self._state.check_idle("score_topk")
+        llm = self._llm
+        from vllm import SamplingParams
+
+        limit = llm.model_config.max_logprobs
+        limit = self.vocab_size if limit == -1 else min(limit, self.vocab_size)
+        if not 1 <= k <= limit:
+            raise ValueError(f"score_topk: k must be in [1, {limit}] (the engine's max_logprobs), got {k!r}")
+        token_sequences = check_token_sequences(
+            sequences, argument="sequences", vocab_size=self.vocab_size, max_length=self.max_model_len - 1
+        )
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+        with self._watched("score_topk"):
+            outputs = llm.generate(
+                [{"prompt_token_ids": sequence} for sequence in token_sequences],
+                params,
+                use_tqdm=False,
+                **self._adapter(),
+            )
+        return [
+            _topk_scores(out.prompt_logprobs[1:], sequence[1:], k) for out, sequence in zip(outputs, token_sequences)
         ]
 
     def _adapter(self) -> dict:

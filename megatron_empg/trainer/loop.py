@@ -44,7 +44,7 @@ from megatron_empg.trainer.bind.build import Components
 from megatron_empg.trainer.engines.collect import Scorer, prompt_batches, validation_sets
 from megatron_empg.trainer.engines.metrics import rollout_metrics, step_metrics, timed
 from megatron_empg.trainer.engines.placements import build_engines, engine_on_this_rank, training_placement
-from megatron_empg.trainer.policy import build_anchor, build_policy, build_teacher
+from megatron_empg.trainer.policy import build_anchor, build_policy
 from megatron_empg.trainer.run import watchdog
 from megatron_empg.trainer.run.bad_steps import BadSteps
 from megatron_empg.trainer.run.checkpoints import Checkpoints, TrainerCheckpoints, async_saves
@@ -52,6 +52,7 @@ from megatron_empg.trainer.run.device_memory import peak_memory, peak_metrics
 from megatron_empg.trainer.run.run_dir import check_fresh_start
 from megatron_empg.trainer.run.signals import any_rank_signalled, ignored_in_children, stop_signals
 from megatron_empg.trainer.run.start import load_tokenizer
+from megatron_empg.trainer.teacher import build_teacher
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class Trainer(TrainerCheckpoints):
             self.anchor_pass(micro)
         if self.teacher is not None:
             with self._phase(times, "teacher_pass"):
-                self.teacher_pass(micro)
+                self.teacher.stats(micro, self._forward_stats)  # trainer.teacher: per placement
         with self._phase(times, "update"):
             done = self.optimizer_steps
             update_metrics = self.update(batch.minis)
@@ -328,22 +329,6 @@ class Trainer(TrainerCheckpoints):
                 mb.topk_anchor_logprobs = out.extra_logprobs
             elif plan.anchor_topk:
                 mb.topk_ids, mb.topk_anchor_logprobs = out.topk_ids, out.topk_logprobs
-
-    def teacher_pass(self, micro: list[MicroBatch]) -> None:
-        """log pi_teacher at the targets and the teacher's top-k ids and log-probs (distillation)."""
-        from megatron_empg.mcore.step import StatsRequest
-
-        request = StatsRequest(
-            vocab_size=self.model.vocab_size,
-            k=self.components.distill.term.teacher_k,
-            with_entropy=False,
-            chunk_size=self.config.algorithm.loss.chunk_size,
-        )
-        with self.teacher.forward_models() as models:
-            outs = self._forward_stats(models, micro, request)
-        for mb, out in zip(micro, outs):
-            mb.teacher_logprobs = out.logprobs
-            mb.teacher_topk_ids, mb.teacher_topk_logprobs = out.topk_ids, out.topk_logprobs
 
     def _forward_stats(self, models, micro: list[MicroBatch], request) -> list[StatsResult]:
         """``request``'s per-token statistics of ``models`` for each of ``micro``, on every

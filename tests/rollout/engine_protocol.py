@@ -36,6 +36,7 @@ def assert_update_protocol_enforced(
     for method, call in [
         ("generate", lambda: engine.generate(prompts, sampling)),
         ("score", lambda: engine.score(probes)),
+        ("score_topk", lambda: engine.score_topk(probes, 2)),
         ("sleep", engine.sleep),
     ]:
         with pytest.raises(RuntimeError, match=f"{method}: a weight update is in progress; call finish_weight_update"):

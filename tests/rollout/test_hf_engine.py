@@ -170,6 +170,21 @@ def test_score_equals_a_transformers_forward(rig):
     assert rig.engine.vocab_size == rig.reference.config.vocab_size and rig.engine.max_model_len == 256
 
 
+def test_score_topk_equals_the_top_k_of_a_transformers_forward(rig):
+    k = 7
+    scores = rig.engine.score_topk(rig.probes, k)
+    assert [s.ids.shape for s in scores] == [(0, k), (1, k), (6, k), (39, k)]
+    for probe, got in zip(rig.probes, scores):
+        logprobs = hf_logits(rig.reference, probe).log_softmax(-1)[:-1]  # [L - 1, V] float64
+        order = logprobs.argsort(-1, descending=True)[:, :k]
+        assert torch.equal(got.ids, order)  # random tiny weights: no ties in the head
+        assert max_abs_diff(got.logprobs.flatten().tolist(), logprobs.gather(-1, order).flatten().tolist()) < TOLERANCE
+        assert max_abs_diff(got.target.tolist(), hf_score(rig.reference, probe)) < TOLERANCE
+    assert [s.target.tolist() for s in scores] == rig.engine.score(rig.probes)
+    with pytest.raises(ValueError, match=r"score_topk: k must be in \[1, vocab_size"):
+        rig.engine.score_topk(rig.probes, rig.engine.vocab_size + 1)
+
+
 def test_greedy_equals_transformers_generate_with_log_softmax_logprobs(rig):
     config = sampling(n=1, temperature=0.0, max_tokens=16, ignore_eos=False)
     with pytest.raises(ValueError, match="n must be 1 when using greedy sampling"):  # as in vLLM

@@ -282,6 +282,20 @@ def test_score_equals_teacher_forced_hf_logprobs(rig):
     assert_scores_equal(scores, [hf_score(rig.reference, p) for p in PROBES])
 
 
+def test_score_topk_equals_the_top_k_of_hf_logprobs(rig):
+    k = 5
+    scores = rig.engine.score_topk(PROBES, k)
+    assert [s.ids.shape for s in scores] == [(0, k), (1, k), (6, k), (39, k)]
+    for probe, got in zip(PROBES[1:], scores[1:]):  # the first has no position
+        logprobs = hf_logits(rig.reference, probe).log_softmax(-1)[:-1]  # [L - 1, V] float64
+        order = logprobs.argsort(-1, descending=True)[:, :k]
+        assert torch.equal(got.ids, order)  # random tiny weights: no ties in the head
+        assert_scores_equal(got.logprobs.tolist(), logprobs.gather(-1, order).tolist())
+        assert_scores_equal([got.target.tolist()], [hf_score(rig.reference, probe)])
+    with pytest.raises(ValueError, match="max_logprobs"):  # vLLM's default limit, 20
+        rig.engine.score_topk(PROBES, 21)
+
+
 def test_weight_update_with_named_tensors(rig, tiny_model):
     before = rig.engine.score(PROBES)
     rig.push(hf_model(tiny_model, seed=1), "step-1")

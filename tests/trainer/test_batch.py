@@ -215,3 +215,30 @@ def test_a_micro_batch_moves_every_tensor_to_the_device():
     assert {"input_ids", "cu_seqlens", "seq_ids", "old_logprobs"} <= set(tensors)
     assert {t.device.type for t in tensors.values()} == {"meta"} and moved.max_seqlen == packed.max_seqlen
     assert packed.input_ids.device.type == "cpu"  # a copy
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_teacher_scores_land_at_the_positions_predicting_each_token(packing):
+    """``Sample.teacher`` (a teacher engine's ``TopkScores``) at ``offset .. offset + L - 2`` of its
+    sequence, where ``target_ids`` hold its tokens 1 .. L-1; every sample of a micro-batch or none."""
+    from megatron_empg.rollout.engine import TopkScores
+
+    samples = [Sample([1, 2], [3, 4, 5], [0.0] * 3, "stop", group=0), Sample([6], [7, 8], [0.0] * 2, "stop", group=1)]
+    for i, s in enumerate(samples):  # position t of sample i: target 100 i + t, ids (t, t + 1), log-probs -(t, t + 1)
+        t = torch.arange(s.length - 1)
+        ids = torch.stack([t, t + 1], -1)
+        s.teacher = TopkScores(ids, -ids.float(), 100.0 * i + t.float())
+    (mb,) = micro_batches(samples, [1.0, 1.0], MicroBatchPlan(packing=packing, micro_batch_size=2, pad_multiple=1))
+    rows = [(0, 0), (0, 5)] if packing else [(0, 0), (1, 0)]  # (row, offset) of each sample
+    for i, ((row, offset), s) in enumerate(zip(rows, samples)):
+        span = slice(offset, offset + s.length - 1)
+        assert mb.target_ids[row, span].tolist() == (s.prompt_ids + s.response_ids)[1:]
+        assert mb.teacher_logprobs[row, span].tolist() == [100.0 * i + t for t in range(s.length - 1)]
+        assert mb.teacher_topk_ids[row, span, 1].tolist() == list(range(1, s.length))
+        assert mb.teacher_topk_logprobs[row, span, 0].tolist() == [-float(t) for t in range(s.length - 1)]
+    assert mb.teacher_logprobs.shape == mb.input_ids.shape and mb.teacher_topk_ids.shape[-1] == 2
+    samples[1].teacher = None  # negative control: a micro-batch of taught and untaught samples
+    with pytest.raises(ValueError, match="have no teacher scores"):
+        micro_batches(samples, [1.0, 1.0], MicroBatchPlan(packing=packing, micro_batch_size=2))
+    samples[0].teacher = None
+    assert micro_batches(samples, [1.0, 1.0], MicroBatchPlan(packing=packing))[0].teacher_logprobs is None

@@ -39,9 +39,42 @@ def test_a_teacher_binds_into_the_update_loss(tmp_path):
     assert bind(demo(tmp_path), 1, check_paths=False).distill is None  # negative control
 
 
-def test_the_engine_placement_is_refused(tmp_path):
-    error = refused(demo(tmp_path, TEACHER, "algorithm.distill.placement=engine"))
-    assert error.field == "algorithm.distill.placement" and "use trainer" in error.reason
+def test_the_engine_placement_binds_a_hf_teacher_and_refuses_a_megatron_checkpoint(tmp_path):
+    from tools.make_tiny_model import save_tiny_hf_model
+
+    student = save_tiny_hf_model(load_model_config("demo-qwen2"), tmp_path / "student", seed=0)
+    teacher_hf = student  # a HF directory of the teacher's model config, with the student's tokenizer
+    engine = ("algorithm.distill.placement=engine", "rollout.engine=hf")
+    spec = f"algorithm.distill={{teacher: {{model: demo-qwen2, checkpoint: {teacher_hf}}}}}"
+    components = bind(demo(student, spec, *engine), 1)
+    assert components.distill.placement.on_engines and components.distill.placement.name == "engine"
+    assert not bind(demo(student, spec), 1).distill.placement.on_engines  # the trainer placement
+    megatron = tmp_path / "megatron_checkpoint"  # a directory without config.json
+    megatron.mkdir()
+    spec = f"algorithm.distill={{teacher: {{model: demo-qwen2, checkpoint: {megatron}}}}}"
+    with pytest.raises(ConfigError) as error:
+        bind(demo(student, spec, *engine), 1)
+    assert error.value.field == "algorithm.distill.teacher.checkpoint" and "Megatron checkpoint" in error.value.reason
+    error = refused(demo(tmp_path, TEACHER, *engine, "algorithm.distill.teacher.offload=true"))
+    assert error.field == "algorithm.distill.teacher.offload"
+    assert components.distill.context == 32 + 1  # train.max_seq_len, below rollout.max_model_len 128
+
+
+def test_an_engine_teacher_needs_one_position_past_the_longest_sample(tmp_path):
+    # the demo's samples have at most train.max_seq_len = 32 tokens; an engine scores one as a prompt
+    teacher = f"algorithm.distill.teacher.model={_teacher_yaml(tmp_path, max_position_embeddings=32)}"
+    assert bind(demo(tmp_path, TEACHER, teacher), 1, check_paths=False).distill.context == 33  # trainer: fits
+    error = refused(demo(tmp_path, TEACHER, teacher, "algorithm.distill.placement=engine"))
+    assert error.field == "algorithm.distill.teacher.model" and "max_position_embeddings 32" in error.reason
+    error = refused(
+        demo(
+            tmp_path,
+            TEACHER,
+            "algorithm.distill.placement=engine",
+            "algorithm.distill.teacher.gpu_memory_utilization=0.6",
+        )
+    )
+    assert error.field == "algorithm.distill.teacher.gpu_memory_utilization"  # 0.6 beside the engine's 0.5
 
 
 def test_a_teacher_of_another_vocabulary_is_refused_naming_both(tmp_path):
@@ -113,3 +146,14 @@ def test_the_plan_counts_the_teacher(tmp_path):
     assert held.phases["teacher_pass"]["logits"] > 0
     offloaded = training_rank(TEACHER, "algorithm.distill.teacher.offload=true")
     assert offloaded.resident["teacher_weights"] == 0 and offloaded.phases["teacher_pass"]["teacher_weights"] > 0
+    # placement engine: nothing on the training ranks' allocator; the teacher engine beside the
+    # rollout engine (vLLM, the demo's engine): its GPU share awake in the rollout, asleep after it
+    engine = training_rank(TEACHER, "algorithm.distill.placement=engine", "algorithm.distill.teacher.dtype=float32")
+    assert "teacher_weights" not in engine.resident and engine.phases["teacher_pass"] == {}
+    device = engine.device["rollout"]["teacher_engine_awake"]
+    assert device > 0 and abs(device - 0.4 * without.device["rollout"]["engine_awake"]) <= 1  # 0.2 vs the engine's 0.5
+    assert "teacher_engine_awake" not in engine.device["update"] and engine.device["update"]["teacher_engine_asleep"]
+    hf = training_rank(
+        TEACHER, "algorithm.distill.placement=engine", "algorithm.distill.teacher.dtype=float32", "rollout.engine=hf"
+    )
+    assert hf.device["rollout"]["teacher_engine_weights"] == 4 * load_model_config("demo-qwen2").num_parameters()

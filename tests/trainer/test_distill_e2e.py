@@ -52,3 +52,20 @@ def test_a_teacher_equal_to_the_student_trains_as_plain_rl_at_first_and_resumes(
     assert [m["step"] for m in resumed] == [1, 2]
     for key in COMPARED + DISTILL:
         assert resumed[1][key] == pytest.approx(last[key], rel=CLOSE_REL, abs=CLOSE_ABS), key
+
+
+@pytest.mark.timeout(600)
+def test_an_engine_teacher_equal_to_the_student_scores_zero_kl_then_parts(tmp_path, warm_start):
+    """``placement: engine``: the transformers engine beside the rollout engine scores the samples
+    (its top-k prompt log-probs travel with them); at step 1 the teacher is the student (the HF
+    warm start the policy starts from), so the distillation KL is 0 up to the two float32
+    implementations' rounding and every top-1 agrees; at step 2 the student has moved."""
+    config = _config(tmp_path, "engine", warm_start, steps=2, teacher=True)
+    config["algorithm"]["distill"]["placement"] = "engine"
+    out = run_train(config, tmp_path, "engine")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "distillation teacher engine" in out.stderr
+    first, last = read_metrics(tmp_path / "engine" / "metrics.jsonl")
+    assert abs(first["distill/kl"]) < 1e-5 and first["distill/top1_agreement"] == 1.0
+    assert 0 < first["distill/teacher_topk_mass"] <= 1.0 + 1e-6 and first["engines/teacher_seconds_max"] > 0
+    assert last["distill/kl"] > 1e-5  # negative control: the student left the teacher

@@ -24,6 +24,10 @@ of each mini-batch of all replicas of one engine (every rank of them holds them 
 between those replicas by estimated compute, so that no replica waits for a heavier one; the
 union over replicas, and with it each optimizer step's gradient, is unchanged. Samples that do not
 train are left out of every pass: a sample without loss tokens adds 0 to every (sum, count).
+
+A sample scored by a distillation teacher engine (``Sample.teacher``, ``algorithm.distill.placement:
+engine``) puts its scores into the micro-batch's ``teacher_*`` at the positions that predict its
+tokens 1 .. L-1 (zeros elsewhere): every sample of a micro-batch has them, or none.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import torch
 from megatron_empg.core.advantages import token_advantages
 from megatron_empg.core.aggregation import masked_values
 from megatron_empg.core.microbatch import MicroBatch
-from megatron_empg.rollout.engine import ROUTED_EXPERT_DTYPE
+from megatron_empg.rollout.engine import ROUTED_EXPERT_DTYPE, TopkScores
 from megatron_empg.rollout.trajectory import Trajectory
 from megatron_empg.trainer.batching.balance import micro_batch_bins, partition
 
@@ -71,11 +75,15 @@ class Sample:
     version: int = 0  # the weights that drew it (its first token): training steps done when the engine got them
     token_versions: list[int] | None = None  # [len(response_ids)] per token (rollout.partial); None: all `version`
     routed_experts: torch.Tensor | None = None  # [length - 1, layers, top_k] int16, the engine's routing (Trajectory's)
+    teacher: TopkScores | None = None  # [length - 1] positions: a distillation teacher engine's scores of its tokens
 
     @classmethod
-    def from_trajectory(cls, example, group: int, trajectory: Trajectory, *, version: int = 0) -> Sample:
+    def from_trajectory(
+        cls, example, group: int, trajectory: Trajectory, *, version: int = 0, teacher: TopkScores | None = None
+    ) -> Sample:
         """The sample of ``trajectory``, a response to ``example`` (a ``PromptExample``), in ``group``,
-        drawn with weights ``version`` (its tokens' own versions, ``version_name`` labels, if it has them)."""
+        drawn with weights ``version`` (its tokens' own versions, ``version_name`` labels, if it has them);
+        ``teacher``: a teacher engine's scores of prompt + response (``placement: engine``)."""
         tokens = None
         if trajectory.versions is not None:
             tokens = [version if label is None else version_step(label) for label in trajectory.versions]
@@ -92,6 +100,7 @@ class Sample:
             version=version,
             token_versions=tokens,
             routed_experts=trajectory.routed_experts,
+            teacher=teacher,
         )
 
     @property
@@ -220,6 +229,31 @@ class _Rows:
         self.advantages = torch.zeros((rows, width), dtype=torch.float32)
         self.sampler = torch.zeros((rows, width), dtype=torch.float32)
         self.routed = None if routing is None else filler_routing((rows, width), *routing)
+        self.teacher: dict[str, torch.Tensor] = {}  # MicroBatch.teacher_* from the samples' engine scores
+        self.untaught = 0  # samples without them
+
+    def put_teacher(self, row: int, offset: int, n: int, scores: TopkScores | None) -> None:
+        """A teacher engine's ``scores`` of a sequence of ``n`` tokens at ``[row, offset : offset +
+        n - 1]`` (the positions that predict its tokens 1 .. n-1); zeros elsewhere."""
+        if scores is None:
+            self.untaught += 1
+            return
+        t, k = scores.ids.shape
+        if t != n - 1:
+            raise ValueError(f"a sample of {n} tokens has teacher scores of {t} positions, expected {n - 1}")
+        if not self.teacher:
+            rows, width = self.input_ids.shape
+            self.teacher = {
+                "teacher_logprobs": torch.zeros(rows, width, dtype=torch.float32),
+                "teacher_topk_ids": torch.zeros(rows, width, k, dtype=torch.long),
+                "teacher_topk_logprobs": torch.zeros(rows, width, k, dtype=torch.float32),
+            }
+        if self.teacher["teacher_topk_ids"].shape[-1] != k:
+            raise ValueError(f"teacher scores of top-{k} beside top-{self.teacher['teacher_topk_ids'].shape[-1]}")
+        span = slice(offset, offset + n - 1)
+        self.teacher["teacher_logprobs"][row, span] = scores.target
+        self.teacher["teacher_topk_ids"][row, span] = scores.ids
+        self.teacher["teacher_topk_logprobs"][row, span] = scores.logprobs
 
     def put(self, row: int, offset: int, sample: Sample, advantage: float) -> None:
         """``sample``'s tokens at ``[row, offset : offset + length]``; its targets, loss mask,
@@ -228,6 +262,7 @@ class _Rows:
         n, p, r = tokens.numel(), len(sample.prompt_ids), len(sample.response_ids)
         self.input_ids[row, offset : offset + n] = tokens
         self.target_ids[row, offset : offset + n - 1] = tokens[1:]
+        self.put_teacher(row, offset, n, sample.teacher)
         if self.routed is not None:
             routed = sample.routed_experts
             if routed is None or routed.shape != (n - 1, *self.routed.shape[2:]):
@@ -251,6 +286,8 @@ class _Rows:
         self.sampler[row, span] = masked_values(torch.tensor(sample.sampler_logprobs, dtype=torch.float32), generated)
 
     def micro_batch(self, **layout) -> MicroBatch:
+        if self.teacher and self.untaught:
+            raise ValueError(f"{self.untaught} sample(s) of a micro-batch have no teacher scores, the others do")
         return MicroBatch(
             self.input_ids,
             self.target_ids,
@@ -258,6 +295,7 @@ class _Rows:
             self.advantages,
             self.sampler,
             routed_experts=self.routed,
+            **self.teacher,
             **layout,
         )
 

@@ -1,11 +1,14 @@
 """``algorithm.distill`` resolved and checked at bind (``trainer.bind.build.bind``), nothing started:
 
 - ``loss`` a name of ``core.distill.losses.DISTILL_LOSSES``, ``topk`` <= the vocabulary;
-- ``placement``: a class of ``PLACEMENTS`` (``trainer``); ``engine`` is refused (not built yet);
-- the teacher's model config: the student's vocabulary, its heads / query groups / layers split by
-  the run's TP / PP / CP (``ParallelConfig.validate_for``), positions for ``train.max_seq_len``;
-- with the paths: the teacher's weights (a HF directory of that model, or a checkpoint of it) and
-  its tokenizer's files equal to the student's ``tokenizer``'s (each error names both).
+- ``placement``: a class of ``PLACEMENTS``, chosen here once (``trainer.teacher`` runs it);
+- the teacher's model config: the student's vocabulary, positions for ``train.max_seq_len``; on the
+  training ranks (``trainer``) also its heads / query groups / layers split by the run's TP / PP /
+  CP (``ParallelConfig.validate_for``) and no experts; an ``engine`` teacher has its own layout,
+  but needs engines colocated with training (no ``rollout.disaggregated``) and no ``offload``;
+- with the paths: the teacher's weights (a HF directory of that model, or a checkpoint of it; an
+  ``engine`` teacher a HF directory only) and its tokenizer's files equal to the student's
+  ``tokenizer``'s (each error names both).
 """
 
 from __future__ import annotations
@@ -30,19 +33,31 @@ class TrainerPlacement:
     forward only (``trainer.distill.teacher``)."""
 
     name = "trainer"
+    on_engines = False  # the engines score nothing
 
 
-PLACEMENTS: dict[str, type | None] = {"trainer": TrainerPlacement, "engine": None}
+@dataclasses.dataclass(frozen=True)
+class EngineTeacherPlacement:
+    """The teacher is served by an engine beside each rollout engine (``trainer.engines.teacher``),
+    scoring the samples with top-k prompt log-probs; its layout need not fit the student's."""
+
+    name = "engine"
+    on_engines = True  # each engine owner starts one teacher engine
+
+
+PLACEMENTS: dict[str, type] = {"trainer": TrainerPlacement, "engine": EngineTeacherPlacement}
 
 
 @dataclasses.dataclass(frozen=True)
 class DistillBinding:
-    """What ``bind_distill`` resolved: the update pass's ``term``, the teacher's ``model`` config
-    and its ``placement``."""
+    """What ``bind_distill`` resolved: the update pass's ``term``, the teacher's ``model`` config,
+    its ``placement`` and ``context``: the longest sample + 1, a teacher engine's ``max_model_len``
+    (it scores a sample as a prompt, leaving one position for an output token, as vLLM does)."""
 
     term: DistillTerm
     model: ModelConfig
-    placement: TrainerPlacement
+    placement: TrainerPlacement | EngineTeacherPlacement
+    context: int
 
 
 def bind_distill(config: RunConfig, model: ModelConfig, *, check_paths: bool = True) -> DistillBinding | None:
@@ -53,17 +68,16 @@ def bind_distill(config: RunConfig, model: ModelConfig, *, check_paths: bool = T
         return None
     if distill.loss not in DISTILL_LOSSES:
         raise ConfigError(f"{FIELD}.loss", f"unknown name {distill.loss!r}; expected one of {sorted(DISTILL_LOSSES)}")
-    placement = PLACEMENTS[distill.placement]
-    if placement is None:
-        raise ConfigError(
-            f"{FIELD}.placement",
-            f"{distill.placement} (a teacher served by an engine of its own) is not built yet; use trainer",
-        )
+    placement = PLACEMENTS[distill.placement]()
+    if placement.on_engines:
+        _check_engine_teacher(config)
     if distill.topk > model.vocab_size:
         raise ConfigError(f"{FIELD}.topk", f"must be <= model.vocab_size={model.vocab_size}, got {distill.topk}")
-    teacher = _teacher_model(config, model)
+    rollout = config.rollout
+    longest = min(rollout.max_model_len or model.max_position_embeddings, config.train.max_seq_len)  # a sample's bound
+    teacher = _teacher_model(config, model, placement, longest + 1)
     if check_paths:
-        _check_teacher_paths(config, teacher)
+        _check_teacher_paths(config, teacher, placement)
     term = DistillTerm.bind(
         distill.loss,
         topk=distill.topk,
@@ -76,10 +90,33 @@ def bind_distill(config: RunConfig, model: ModelConfig, *, check_paths: bool = T
         clip_eps_high=distill.clip_eps_high,
         clip_c=distill.clip_c,
     )
-    return DistillBinding(term, teacher, placement())
+    return DistillBinding(term, teacher, placement, longest + 1)
 
 
-def _teacher_model(config: RunConfig, model: ModelConfig) -> ModelConfig:
+def _check_engine_teacher(config: RunConfig) -> None:
+    """What a teacher on the engines needs of the run's other settings."""
+    if config.rollout.disaggregated:
+        raise ConfigError(
+            f"{FIELD}.placement",
+            "engine with rollout.placement disaggregated: a teacher beside disaggregated engines is not built yet; "
+            "colocate the engines or use placement trainer",
+        )
+    teacher = config.algorithm.distill.teacher
+    if config.rollout.gpu_memory_utilization + teacher.gpu_memory_utilization > 1:
+        raise ConfigError(
+            f"{FIELD}.teacher.gpu_memory_utilization",
+            f"{teacher.gpu_memory_utilization} beside rollout.gpu_memory_utilization "
+            f"{config.rollout.gpu_memory_utilization}: the teacher engine and the rollout engine share the GPU "
+            "(their sum must be <= 1)",
+        )
+    if teacher.offload:
+        raise ConfigError(
+            f"{FIELD}.teacher.offload",
+            "is the trainer placement's; an engine teacher sleeps between its calls with rollout.sleep_while_training",
+        )
+
+
+def _teacher_model(config: RunConfig, model: ModelConfig, placement, context: int) -> ModelConfig:
     field = f"{FIELD}.teacher.model"
     name = config.algorithm.distill.teacher.model
     try:
@@ -92,6 +129,20 @@ def _teacher_model(config: RunConfig, model: ModelConfig) -> ModelConfig:
             f"the teacher {teacher.name!r} has vocab_size {teacher.vocab_size}, the student model {model.name!r} "
             f"{model.vocab_size}: distillation compares log-probs of one vocabulary",
         )
+    if teacher.max_position_embeddings < config.train.max_seq_len:
+        raise ConfigError(
+            field,
+            f"the teacher {teacher.name!r} has max_position_embeddings {teacher.max_position_embeddings} < "
+            f"train.max_seq_len {config.train.max_seq_len}",
+        )
+    if placement.on_engines and teacher.max_position_embeddings < context:
+        raise ConfigError(
+            field,
+            f"the teacher {teacher.name!r} has max_position_embeddings {teacher.max_position_embeddings}; its engine "
+            f"scores the longest sample ({context - 1} tokens) as a prompt with one position to spare: {context}",
+        )
+    if placement.on_engines:  # the engine runs it at its own layout
+        return dataclasses.replace(teacher, attention_backend=model.attention_backend)
     try:
         config.parallel.validate_for(teacher)
     except ConfigError as error:
@@ -102,21 +153,22 @@ def _teacher_model(config: RunConfig, model: ModelConfig) -> ModelConfig:
         raise ConfigError(
             field, f"the teacher {teacher.name!r} has experts: a mixture-of-experts teacher is not built yet"
         )
-    if teacher.max_position_embeddings < config.train.max_seq_len:
-        raise ConfigError(
-            field,
-            f"the teacher {teacher.name!r} has max_position_embeddings {teacher.max_position_embeddings} < "
-            f"train.max_seq_len {config.train.max_seq_len}",
-        )
     return dataclasses.replace(teacher, attention_backend=model.attention_backend)
 
 
-def _check_teacher_paths(config: RunConfig, teacher: ModelConfig) -> None:
-    """The teacher's weights exist (as ``checkpoint.init_from`` is checked) and its tokenizer is
-    the student's, file by file."""
+def _check_teacher_paths(config: RunConfig, teacher: ModelConfig, placement) -> None:
+    """The teacher's weights exist (as ``checkpoint.init_from`` is checked; a HF directory for an
+    engine, which loads nothing else) and its tokenizer is the student's, file by file."""
     from megatron_empg.trainer.bind.paths import check_model_source
 
-    check_model_source(f"{FIELD}.teacher.checkpoint", config.algorithm.distill.teacher.checkpoint, teacher)
+    field, checkpoint = f"{FIELD}.teacher.checkpoint", Path(config.algorithm.distill.teacher.checkpoint)
+    if placement.on_engines and checkpoint.is_dir() and not (checkpoint / "config.json").is_file():
+        raise ConfigError(
+            field,
+            f"{checkpoint} has no config.json: placement engine loads the teacher from a Hugging Face model "
+            "directory, not a Megatron checkpoint (convert it, or use placement trainer)",
+        )
+    check_model_source(field, checkpoint, teacher)
     check_teacher_tokenizer(config)
 
 

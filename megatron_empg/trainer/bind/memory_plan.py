@@ -17,7 +17,9 @@ and on top of that, one phase at a time:
                  and KV cache) in place of the asleep one
     weight sync  the engine's weights woken, one bucket on the GPU
     old / anchor the forward-only passes: one forward micro-batch's logits, one layer's working set
-    teacher      the same for the teacher's shape (its weights too when offloaded)
+    teacher      the same for the teacher's shape (its weights too when offloaded); a teacher on
+                 the engines (``placement: engine``) instead beside the engine: awake in the rollout
+                 (vLLM: ``teacher.gpu_memory_utilization`` x the device), asleep otherwise
     update       the activations of the micro-batches in flight (``memory_terms.layer_activations``
                  x layers x tokens, the pipeline's in-flight count, recompute), the logits and
                  their gradient (last stage), the largest weight's bf16 gradient
@@ -315,6 +317,9 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
         forward_layer += 8 * heads * terms.sequence_terms(forward_tokens, train.max_seq_len)
     forward = {"logits": BF16 * forward_tokens * vocab, "vocab_scratch": scratch, "one_layer": int(forward_layer)}
     engine = _colocated_engine(config, model, layout, device, cal)
+    if components.distill is not None and components.distill.placement.on_engines:
+        for state, share in _teacher_engine(components, device, cal).items():
+            engine[state].update(share)
     phases = {
         "rollout": {},
         "weight_sync": {"bucket": int(config.weight_sync.bucket_size_mb * 2**20)},
@@ -337,7 +342,7 @@ def _training_stage(components, pp_rank: int, device: int, options: PlanOptions)
             else 0
         },
     }
-    if components.distill is not None:
+    if components.distill is not None and not components.distill.placement.on_engines:
         resident["teacher_weights"], phases["teacher_pass"] = _teacher_terms(
             components, pp_rank, forward_tokens, vocab, scratch, options
         )
@@ -365,6 +370,27 @@ def _teacher_terms(components, pp_rank: int, tokens: int, vocab: int, scratch: i
     if spec.offload:
         phase["teacher_weights"] = weights
     return (0 if spec.offload else weights), phase
+
+
+def _teacher_engine(components, device: int, cal: Calibration) -> dict[str, dict[str, int]]:
+    """A distillation teacher engine's share (``placement: engine``) beside the colocated engine:
+    awake while the rollout scores (vLLM: ``teacher.gpu_memory_utilization`` x the device and its
+    process's context; hf: its weights and one batched forward's logits of every sample), asleep
+    (level 1) otherwise with ``rollout.sleep_while_training``, else as awake."""
+    config, layout, teacher = components.config, components.layout, components.distill.model
+    rollout, spec = config.rollout, config.algorithm.distill.teacher
+    if rollout.engine == "hf":
+        weights = terms.params_bytes(teacher, spec.dtype)
+        tokens = layout.samples_per_replica * (layout.dp // layout.engines) * config.train.max_seq_len
+        awake = {"teacher_engine_weights": weights, "teacher_engine_logits": FP32 * tokens * teacher.vocab_size}
+        asleep = {} if rollout.sleep_while_training else {"teacher_engine_weights": weights}
+    else:
+        awake = {
+            "teacher_engine_awake": int(spec.gpu_memory_utilization * device),
+            "teacher_engine_context": cal.cuda_context,
+        }
+        asleep = {"teacher_engine_asleep": cal.engine_asleep} if rollout.sleep_while_training else dict(awake)
+    return {"asleep": asleep, "awake": awake, "weights": asleep}
 
 
 def _colocated_engine(config: RunConfig, model, layout, device: int, cal: Calibration) -> dict[str, dict[str, int]]:

@@ -24,6 +24,7 @@ Every training rank calls, in this order::
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,6 +42,7 @@ from megatron_empg.trainer.bind.layout import Layout
 from megatron_empg.trainer.engines.collect import RolloutCollector, Scorer, StepRollout
 from megatron_empg.trainer.engines.remote import FromEngines, RemoteEngines, Start
 from megatron_empg.trainer.engines.rollout import EngineLost, RolloutStage
+from megatron_empg.trainer.engines.teacher import TeacherEngine
 from megatron_empg.trainer.run.start import write_hf_config
 from megatron_empg.weight_sync.bridge import SyncGroups, SyncReport
 
@@ -140,7 +142,14 @@ def build_engines(
             placement=placement,
             probe=probe,
         )
-    stage = RolloutStage(config, components.model, tokenizer, components.engine, placement, run_dir=run_dir)
+    distill, teacher = components.distill, None
+    if distill is not None and distill.placement.on_engines:
+        teacher = functools.partial(
+            TeacherEngine, config, components.engine, distill.term.teacher_k, max_model_len=distill.context
+        )
+    stage = RolloutStage(
+        config, components.model, tokenizer, components.engine, placement, run_dir=run_dir, teacher=teacher
+    )
     collector = RolloutCollector(config, stage, batches, scorer, dp_size=dp_size, replica=replica)
     return ColocatedEngines(
         config,

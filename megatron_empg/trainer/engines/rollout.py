@@ -6,7 +6,9 @@ groups whole). Seeds follow the global prompt index (``rollout.sampling.seed`` +
 first prompt x n, times the search agent's turns per episode), so E engines draw what one engine
 would. Each owner shares its trajectories inside its engine group only, so every rank holds the
 samples of all the replicas its engine serves (the trainer balances them between those replicas). Validation prompts split over the engines the same way, and their metric sums
-are reduced once over the world.
+are reduced once over the world. With a distillation teacher on the engines
+(``algorithm.distill.placement: engine``, ``trainer.engines.teacher``) each owner scores its
+trajectories with it before sharing them: the samples carry the teacher's scores.
 
     stage = RolloutStage(config, model, tokenizer, engine_kind, placement, run_dir=...)  # every rank
     replicas, metrics = stage.sample(step, examples, dp_size=...)   # [R][samples of a replica]
@@ -34,6 +36,7 @@ from megatron_empg.rollout.trajectory import Trajectory
 from megatron_empg.trainer.batching.batch import Sample
 from megatron_empg.trainer.engines.metrics import add_sums, sample_means, sample_sums
 from megatron_empg.trainer.engines.restart_budget import RestartBudget
+from megatron_empg.trainer.engines.teacher import TeacherEngine
 from megatron_empg.trainer.run.signals import ignored_in_children
 from megatron_empg.trainer.run.start import write_hf_config
 from megatron_empg.trainer.run.watchdog import RestartableError
@@ -59,6 +62,8 @@ class RolloutStage:
 
     weights_version = 0  # training steps done when the engines got their weights (the sync sets it)
     between_steps: Callable[[], None] | None = None  # rollout.partial: given to the engine's generate by `sample`
+    teacher: TeacherEngine | None = None  # the owner's distillation teacher engine (placement: engine)
+    _teacher_factory: Callable[[], TeacherEngine] | None = None  # what starts it (every rank: its payload has scores)
 
     def __init__(
         self,
@@ -69,12 +74,15 @@ class RolloutStage:
         placement: EnginePlacement,
         *,
         run_dir: Path,
+        teacher: Callable[[], TeacherEngine] | None = None,
     ) -> None:
         self.config, self.placement = config, placement
+        self._teacher_factory = teacher
         self.model_dir = run_dir / f"engine_model_{placement.engine}"
         self.agent = self._build_agent(model, tokenizer) if placement.is_owner and config.rollout.search_agent else None
         self._engine_args = (model, tokenizer, engine_kind)
         self.engine = self._start(*self._engine_args) if placement.is_owner else None
+        self.teacher = self._start_teacher() if placement.is_owner else None
         self.asleep = False
         self.restarts = RestartBudget(run_dir, config.rollout.engine_restarts)  # over the run's attempts
 
@@ -91,11 +99,7 @@ class RolloutStage:
         if self.config.weight_sync.lora_mode == "adapter":
             _link_base_weights(self.config.checkpoint.init_from, self.model_dir)
             start = {"load_format": "auto", "lora": model.lora}
-        environment = (
-            {}
-            if rollout.in_process
-            else engine_environment(self.placement, rollout.tensor_parallel_size, shares_node=rollout.disaggregated)
-        )
+        environment = self._environment()
         log.info(
             "engine %d of %d on rank %d%s",
             self.placement.engine,
@@ -110,6 +114,21 @@ class RolloutStage:
         with ignored_in_children(), child_environment(environment):
             routing = {"routed_experts": True} if self.config.algorithm.router_replay == "rollout" else {}
             return engine_kind.load()(self.model_dir, rollout, **start, **routing)
+
+    def _environment(self, *, own_process: bool = False) -> dict[str, str]:
+        """The environment of this owner's engine processes (none in process, unless ``own_process``)."""
+        rollout = self.config.rollout
+        if rollout.in_process and not own_process:
+            return {}
+        return engine_environment(self.placement, rollout.tensor_parallel_size, shares_node=rollout.disaggregated)
+
+    def _start_teacher(self) -> TeacherEngine | None:
+        """The distillation teacher's engine beside this owner's (``placement: engine``), or None."""
+        if self._teacher_factory is None:
+            return None
+        own_process = self._engine_args[2].own_process  # a vLLM teacher: a process of its own
+        with ignored_in_children(), child_environment(self._environment(own_process=own_process)):
+            return self._teacher_factory()
 
     def _build_agent(self, model: ModelConfig, tokenizer):
         """The multi-turn search agent of ``rollout.search_agent``, after checking that its retriever
@@ -144,27 +163,38 @@ class RolloutStage:
         payload, row, failure = None, None, "on other ranks"
         version = self.weights_version  # at the start: rollout.partial may load newer weights inside generate
         if self.engine is not None:
-            start, tokens = time.perf_counter(), 0
+            start, tokens, teacher_s = time.perf_counter(), 0, 0.0
             try:
                 self.engine.check_health()  # between calls: a core that no longer answers fails here, not in generate
-                payload = self.generate([examples[p].prompt_ids for p in prompts], sampling, self.between_steps)
+                if self.teacher is not None:
+                    self.teacher.check_health()
+                prompt_ids = [examples[p].prompt_ids for p in prompts]
+                payload = self.generate(prompt_ids, sampling, self.between_steps)
                 tokens = sum(len(t.token_ids) for group in payload for t in group)
+                if self.teacher is not None:  # the teacher's scores travel with the trajectories
+                    scoring = time.perf_counter()
+                    payload = list(zip(payload, self.teacher.score(prompt_ids, payload)))
+                    teacher_s = time.perf_counter() - scoring
             except EngineFailure as error:
                 log.error("engine %d failed inside the rollout of step %d: %s", placement.engine, step + 1, error)
-                failure = str(error)
-            row = [time.perf_counter() - start, len(prompts) * sampling.n, tokens, float(payload is None)]
-        # each engine's seconds, samples, tokens and whether it failed, on every rank: all raise together
-        table = placement.engine_table(row, 4)
+                failure, payload = str(error), None
+            seconds = time.perf_counter() - start - teacher_s
+            row = [seconds, len(prompts) * sampling.n, tokens, float(payload is None), teacher_s]
+        # each engine's seconds, samples, tokens, whether it failed and its teacher's seconds, on every
+        # rank: all raise together
+        table = placement.engine_table(row, 5)
         failed = [e for e in range(placement.num_engines) if table[e, 3] > 0]
         if failed:
             raise EngineLost(failed, failure)
         payload = placement.broadcast_from_owner(payload)
+        if self._teacher_factory is None:
+            payload = [(group, [None] * len(group)) for group in payload]
         per_replica = len(examples) // dp_size
         replicas = [
             [
-                Sample.from_trajectory(examples[p], p, t, version=version)
+                Sample.from_trajectory(examples[p], p, t, version=version, teacher=scores)
                 for p in range(first, first + per_replica)
-                for t in payload[p - prompts.start]
+                for t, scores in zip(*payload[p - prompts.start])
             ]
             for first in range(prompts.start, prompts.stop, per_replica)
         ]
@@ -185,6 +215,10 @@ class RolloutStage:
             with contextlib.suppress(Exception):  # what is left of it: its processes are gone or killed
                 self.engine.shutdown()
             self.engine = self._start(*self._engine_args)
+            if self.teacher is not None:
+                with contextlib.suppress(Exception):
+                    self.teacher.shutdown()
+                self.teacher = self._start_teacher()
             self.asleep = False
 
     def generate(
@@ -203,7 +237,8 @@ class RolloutStage:
         """Each engine's generate time, samples and tokens (``table`` [E, >= 3], an all-reduced
         table that only owners fill), as the spread over engines: ``engines/slowest`` is the slowest
         engine's index, ``engines/slowest_share`` its share of all engines' seconds (1/E when they
-        are balanced; the others wait for it)."""
+        are balanced; the others wait for it); with a teacher engine (column 4) the slowest
+        teacher's scoring seconds, ``engines/teacher_seconds_max``."""
         placement = self.placement
         slowest = int(table[:, 0].argmax())
         total = float(table[:, 0].sum())
@@ -217,6 +252,7 @@ class RolloutStage:
             "engines/samples_max": float(table[:, 1].max()),
             "engines/tokens_min": float(table[:, 2].min()),
             "engines/tokens_max": float(table[:, 2].max()),
+            **({"engines/teacher_seconds_max": float(table[:, 4].max())} if self._teacher_factory else {}),
         }
 
     # ------------------------------------------------------------------ validation
@@ -295,6 +331,9 @@ class RolloutStage:
         self.asleep = False
 
     def shutdown(self) -> None:
+        if self.teacher is not None:
+            self.teacher.shutdown()
+            self.teacher = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
