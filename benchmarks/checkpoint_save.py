@@ -30,7 +30,7 @@ commit 8f2cc8e's ``checkpoint_save_cpu_before.json``, used 16 MiB pieces and no 
 ``ratio_to_plain_write`` = median save / median plain write (the issue's target: <= 2);
 with ``--async-save`` also saves in the background (``measure_async``): ``checkpoint_blocking_s`` and
 ``checkpoint_persist_s`` (medians after the first save, which allocates the host buffers),
-``step_slowdown_during_write`` (the stand-in step: the one RL step above, repeated, while the thread
+``step_slowdown_while_persisting`` (the stand-in step: the one RL step above, repeated, while the thread
 writes, against 20 steps with no write; a short step, so the write's CPU use weighs more than in a
 real step).
 ``ratio_pairs_median``: the median of each save over the plain write just before it.
@@ -95,10 +95,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from common import commit, plain_write  # noqa: E402
+
 from megatron_empg.config import load_model_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-PLAIN_CHUNK = 8 << 20  # mcore.checkpoint.stream.WRITE_CHUNK (a constant: a before run has no such module)
 DEFAULT_MODEL = "qwen2.5-1.5b"
 DEFAULT_OVERRIDES = "num_layers=3 vocab_size=32768 bos_token_id=1 eos_token_id=2"
 
@@ -283,21 +284,6 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def plain_write(path: Path, nbytes: int) -> float:
-    """Seconds to write ``nbytes`` to a new file at ``path`` in ``PLAIN_CHUNK`` writes from one
-    buffer of random bytes, fsync included; the file is removed afterwards (untimed)."""
-    view = memoryview(os.urandom(PLAIN_CHUNK))
-    start = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        left = nbytes
-        while left:
-            left -= f.write(view[: min(PLAIN_CHUNK, left)])
-        os.fsync(f.fileno())
-    elapsed = time.perf_counter() - start
-    path.unlink()
-    return elapsed
-
-
 def timed_save(root: Path, step: int, build, profile: Profile) -> tuple[float, dict[str, float], int]:
     """One ``save_checkpoint`` into ``root``: seconds, the exclusive breakdown, bytes on disk."""
     from megatron_empg.mcore.checkpoint import CheckpointParts, TrainState, checkpoint_bytes
@@ -360,7 +346,7 @@ def measure_async(build, work: Path, repeats: int, quiet_steps: int = 20) -> dic
         "first_blocking_s": saves[0]["blocking_s"],
         "step_s_quiet_median": quiet_s,
         "step_s_during_write_median": statistics.median(during) if during else None,
-        "step_slowdown_during_write": statistics.median(during) / quiet_s - 1 if during else None,
+        "step_slowdown_while_persisting": statistics.median(during) / quiet_s - 1 if during else None,
     }
 
 
@@ -412,6 +398,7 @@ def measure(args) -> dict:
         "params_dtype": args.dtype,
         "build_and_step_seconds": build_s,
         "bytes": nbytes,
+        "checkpoint_gb": nbytes / 1e9,
         "plain_write_seconds": plains,
         "save_seconds": saves,
         "first_save_seconds": first_s,
@@ -676,10 +663,12 @@ def main(argv=None) -> None:
         "benchmark": "checkpoint_save",
         "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit(),
         "machine": _machine(Path(args.dir)),
         "params": vars(args),
         **result,
     }
+    report["device"] = report["machine"]["device"]
     if args.before:
         before = json.loads(Path(args.before).read_text())
         keys = (
@@ -707,7 +696,7 @@ def main(argv=None) -> None:
     for name, seconds in sorted(result["breakdown_seconds_median"].items(), key=lambda item: -item[1]):
         print(f"  {name:<20} {seconds:7.3f} s")
     if args.async_save:
-        slowdown = result["step_slowdown_during_write"]
+        slowdown = result["step_slowdown_while_persisting"]
         print(
             f"in the background: blocking {result['checkpoint_blocking_s']:.3f} s (first {result['first_blocking_s']:.3f}), "
             f"persist {result['checkpoint_persist_s']:.2f} s, step slowdown while writing "

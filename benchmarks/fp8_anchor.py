@@ -33,7 +33,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -43,6 +42,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import commit  # noqa: E402
 
 from megatron_empg.config import OptimizerConfig, ParallelConfig, load_model_config  # noqa: E402
 
@@ -54,11 +56,6 @@ GOALS = {"anchor_pass_speedup": 1.4, "anchor_bytes_ratio": 0.5, "kl_rel_err": 0.
 def _sync() -> None:
     if CUDA:
         torch.cuda.synchronize()
-
-
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    return done.stdout.strip() or "unknown"
 
 
 def _machine() -> dict:
@@ -281,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "fp8_anchor",
         "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit(),
         "device": _machine()["device"],
         "machine": _machine(),
         "command": "fp8_anchor.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -460,7 +460,7 @@ if f:
         print(f"  goal {key} {g['goal']}: {'met' if g['met'] else 'NOT met'}")
 c = load("checkpoint_save_gpu.json")
 if c and "checkpoint_blocking_s" in c:
-    slow = c.get("step_slowdown_during_write")
+    slow = c.get("step_slowdown_while_persisting")
     print(f"\ncheckpoint {c['bytes'] / 1e9:.1f} GB: blocking save x{c['ratio_to_plain_write']:.2f} a plain write; "
           f"in the background: blocking {c['checkpoint_blocking_s']:.2f} s (goal 1 s), persist "
           f"{c['checkpoint_persist_s']:.1f} s, step slowdown {'-' if slow is None else f'{100 * slow:.1f} %'} (goal 2 %)")

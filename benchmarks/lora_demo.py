@@ -23,6 +23,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import commit  # noqa: E402
+
 LORA = ["lora.rank=16", "lora.alpha=32", "lora.targets=[all-linear]"]
 RUNS = {
     "full": [],
@@ -35,11 +39,6 @@ RUNS = {
 }
 KEYS = ("reward/accuracy", "reward/malformed", "sync/gbytes", "actor/kl")
 WINDOW = 50
-
-
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
 
 
 def _run(name: str, overrides: list[str], args) -> dict:
@@ -110,7 +109,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(REPO / "tools/make_demo_model.py"), str(warm)], cwd=REPO, check=True)
     result = {
         "benchmark": "lora_demo",
-        "commit": _commit(),
+        "commit": commit(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "gpu": None},
         "recipe": "recipes/demo_cpu.yaml",
         "lora": LORA,

@@ -61,7 +61,7 @@ same configuration (``benchmarks/plan_vs_gpu.py``'s ``record_configuration`` and
 
 ``--checkpoint``: after the first case that fits, one save (``mcore.checkpoint.save_checkpoint``:
 policy, optimizer, anchor master, RNG) into ``--checkpoint-dir``, then a plain sequential write of
-the same number of bytes to a file in the same directory (``checkpoint_save.plain_write``: 8 MiB
+the same number of bytes to a file in the same directory (``common.plain_write``: 8 MiB
 writes, fsync), each removed after; ``benchmarks/checkpoint_save.py`` has the repeated, itemised
 measurement.
 """
@@ -92,6 +92,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from common import commit, plain_write  # noqa: E402
 from moe_step import (  # noqa: E402  (the MoE blocks' timer, FLOPs, record fields, comparison, goals)
     MOE_LAYERS,
     MoeBlockTimer,
@@ -454,9 +455,8 @@ def _planned(record: dict, args) -> dict:
 
 def time_checkpoint(state: dict, directory: Path) -> dict:
     """One save of ``state`` (``run_case``'s) against a plain write of as many bytes, same disk
-    (``checkpoint_save.plain_write``: the streaming writer's 8 MiB pieces, fsync). Megatron's
+    (``common.plain_write``: the streaming writer's 8 MiB pieces, fsync). Megatron's
     writer process is started first, as the trainer does at start-up."""
-    from checkpoint_save import plain_write
 
     from megatron_empg.mcore.checkpoint import (
         CheckpointParts,
@@ -557,17 +557,6 @@ def _machine() -> dict:
     return info
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-        ).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def _summary(record: dict) -> str:
     if not record["ok"]:
         return (
@@ -647,7 +636,7 @@ def main(argv=None) -> None:
     report = {
         "benchmark": "train_step",
         "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": _machine(),
         "params": {k: v for k, v in vars(args).items() if k != "case"},

@@ -29,7 +29,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from datetime import UTC, datetime
@@ -40,6 +39,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import commit  # noqa: E402
 
 # measured phase (trainer.loop) -> the plan's phases whose peak it is compared with
 PLAN_PHASES = {
@@ -51,11 +53,6 @@ PLAN_PHASES = {
 }
 GOAL = 0.05
 PROMPT_TOKENS = 16  # the demo's prompts ("12+34=": 6-7 tokens) and room
-
-
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    return done.stdout.strip() or "unknown"
 
 
 def _device() -> str:
@@ -145,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "whole_loop",
         "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit(),
         "device": _device(),
         "command": "whole_loop.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "params": vars(args),
@@ -153,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps_logged": len(records),
         "step_seconds": [r.get("time/step") for r in records],
         "phases": phases,
+        "phase_peak_gib": {k: None if v["peak_bytes"] is None else v["peak_bytes"] / 2**30 for k, v in phases.items()},
+        "phase_planned_gib": {k: v["planned_peak_bytes"] / 2**30 for k, v in phases.items()},
         "goal": {"plan_within": GOAL, "worst": max(gaps) if gaps else None, "met": bool(gaps) and max(gaps) <= GOAL},
     }
     text = json.dumps(report, indent=1, default=str)

@@ -2,13 +2,16 @@
 distributed optimizer, the fully parallel writer), against the synchronous save of the same state:
 
 - the state is the one at the save's start: training steps taken while the thread writes change
-  nothing in it (the loaded model, optimizer and anchor equal a synchronous save made at the start);
+  nothing in it (the loaded model, optimizer and anchor equal the state then and a blocking save
+  of it, whose shard files have the same sizes);
 - until the commit the previous checkpoint is the newest complete one (``find_verified_checkpoint``,
   what a crash in the middle leaves), then the new one is;
 - the host buffers are kept and reused by the next save (the same tensors);
 - a write that fails in the thread (the disk full: ``RLIMIT_FSIZE``'s EFBIG on one rank) fails the
   commit on every rank together with the usual error, removes the partial save and keeps the last
-  checkpoint.
+  checkpoint;
+- a rank killed (SIGKILL) while its thread writes leaves the previous checkpoint the newest complete
+  one and a temp directory that the next start removes.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,6 +71,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
                 staging=staging,
             )
 
+        sync = run.save(f"{root}/sync2")  # the same state, saved the blocking way
         pending = start("async2")
         buffers = [b.data_ptr() for b in staging._buffers]
         out["background"] = pending.in_background
@@ -90,6 +98,13 @@ def _worker(rank: int, world: int, root: str) -> dict:
         loaded_master = run.anchor.full_master_state()
         out["master_equal"] = all(torch.equal(loaded_master[k], master[k]) for k in master)
         out["loaded_cursor"] = run.cursor
+        run.load(sync)  # the blocking save of the same state: the same content
+        out["sync_equals_async"] = _equal(before, _state(run)) and all(
+            torch.equal(run.anchor.full_master_state()[k], loaded_master[k]) for k in master
+        )
+        out["shard_sizes_equal"] = sorted(p.stat().st_size for p in sync.glob("*.distcp")) == sorted(
+            p.stat().st_size for p in path.glob("*.distcp")
+        )
 
         # a write failing in the thread on rank 1 (a full disk: EFBIG past the size limit)
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -126,6 +141,7 @@ def test_the_saved_state_is_the_one_at_the_start(results):
         assert r["background"] and r["staged_bytes"] > 0
         assert r["moved"], "training did not move the state while the thread wrote"
         assert r["loaded_equals_start"] and r["master_equal"] and r["loaded_cursor"] == 2
+        assert r["sync_equals_async"] and r["shard_sizes_equal"]  # the blocking save holds the same
 
 
 def test_the_previous_checkpoint_is_the_newest_until_the_commit(results):
@@ -144,3 +160,48 @@ def test_a_write_failing_in_the_thread_fails_the_commit_everywhere(results):
         assert "step_00000002" in r["full_error"] and "is kept" in r["full_error"]
         assert not any(".tmp-" in name for name in r["full_listing"]), r["full_listing"]
         assert r["full_resume"] == 2
+
+
+_KILLED_WHILE_WRITING = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    sys.path.insert(0, {repo!r})
+    import torch.distributed as dist
+    from tests.dist import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
+    from megatron_empg.mcore import checkpoint as ckpt
+    from megatron_empg.mcore.checkpoint import stream
+    from megatron_empg.mcore.checkpoint.writer import start_checkpoint_writer
+    from tests.mcore.test_checkpoint import _Run
+
+    start_checkpoint_writer()  # its process dies with this one
+    run = _Run(1, False)
+    run.step()
+    run.save({root!r})  # step 1: the previous checkpoint
+    run.step()
+    write = stream._Sink.write
+    stream._Sink.write = lambda self, data: (time.sleep(0.05), write(self, data))[1]  # a slow disk
+    state = ckpt.TrainState(run.cursor, data={{"cursor": run.cursor}})
+    pending = ckpt.start_save({root!r}, state, run.parts(), run.groups, staging=ckpt.HostStaging())
+    time.sleep(0.3)
+    print("writing" if not pending.written_here() else "written", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the rank dies while its thread writes step 2
+    """
+)
+
+
+def test_a_kill_while_the_thread_writes_falls_back_to_the_previous_checkpoint(tmp_path):
+    from megatron_empg.mcore import checkpoint as ckpt
+
+    root = tmp_path / "ckpt"
+    code = _KILLED_WHILE_WRITING.format(repo=str(Path(__file__).resolve().parents[2]), root=str(root))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("writing"), done.stdout  # killed mid-write, not after
+    names = sorted(p.name for p in root.iterdir())
+    assert any(n.startswith("step_00000002.tmp-") for n in names) and "step_00000002" not in names, names
+    found = ckpt.find_latest_checkpoint(root)
+    assert found.step == 1 and ckpt.checkpoint_problem(found.path) is None
+    ckpt.remove_leftovers(root)  # what the next empg train does first
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
