@@ -48,6 +48,24 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: (-weight[item.path], first_seen[item.path]))
 
 
+SLOWEST_FILES = 10
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The files that took longest (setup, call and teardown of their tests summed; with xdist, on
+    whichever worker ran them): where the suite's time goes, file by file."""
+    seconds: dict[str, float] = collections.defaultdict(float)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if hasattr(report, "duration") and hasattr(report, "nodeid") and report.nodeid:
+                seconds[report.nodeid.split("::")[0]] += report.duration
+    if not seconds:
+        return
+    terminalreporter.section(f"slowest {min(SLOWEST_FILES, len(seconds))} files")
+    for path, total in sorted(seconds.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]:
+        terminalreporter.write_line(f"{total:8.1f}s  {path}")
+
+
 @pytest.fixture(scope="session")
 def warm_start(tmp_path_factory) -> Path:
     """A short version of the demo's warm start (tools/make_demo_model.py, 300 steps instead of
