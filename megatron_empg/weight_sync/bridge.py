@@ -41,7 +41,8 @@ from torch import Tensor
 from megatron_empg.config import ModelConfig
 from megatron_empg.parallel.placement import EnginePlacement
 from megatron_empg.weight_sync import mapping
-from megatron_empg.weight_sync.transport import Transport, pack_bucket, unpack_bucket
+from megatron_empg.weight_sync.protocol import Transport
+from megatron_empg.weight_sync.transport import pack_bucket, unpack_bucket
 
 
 class WeightShard(NamedTuple):

@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from megatron_empg.config import ConfigError
 from megatron_empg.parallel.cuda_ipc import ALIGNMENT, build_header, handle_to_wire, pack
-from megatron_empg.weight_sync.transport import NamedTensors, WeightReceiver
+from megatron_empg.weight_sync.protocol import NamedTensors, WeightReceiver
 
 
 class CudaIpcTransport:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from megatron_empg.weight_sync.transport import NamedTensors, Transport
+from megatron_empg.weight_sync.protocol import NamedTensors, Transport
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,39 +22,14 @@ import itertools
 import math
 import os
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from megatron_empg.config import ConfigError
-
-NamedTensors = Sequence[tuple[str, Tensor]]
-
-
-class WeightReceiver(Protocol):
-    """The rollout engine's side of a weight update (see ``rollout.engine.RolloutEngine``)."""
-
-    def begin_weight_update(self) -> None: ...
-
-    def update_weights(
-        self, *, named_tensors: NamedTensors | None = None, path: str | None = None, ipc: dict | None = None
-    ) -> None: ...
-
-    def finish_weight_update(self, version: str) -> None: ...
-
-
-class Transport(Protocol):
-    """One weight update: ``begin()``, ``send(bucket)`` per bucket (HF names, full tensors),
-    ``finish(version)``, which also makes the engine drop KV computed with the old weights."""
-
-    def begin(self) -> None: ...
-
-    def send(self, bucket: NamedTensors) -> None: ...
-
-    def finish(self, version: str) -> None: ...
+from megatron_empg.weight_sync.cuda_ipc import CudaIpcTransport
+from megatron_empg.weight_sync.protocol import NamedTensors, Transport, WeightReceiver
 
 
 class InProcessTransport:
@@ -213,8 +188,6 @@ def _shm_file_transport(engine: WeightReceiver, settings) -> SharedMemoryFileTra
 
 
 def _cuda_ipc_transport(engine: WeightReceiver, settings):
-    from megatron_empg.weight_sync.cuda_ipc import CudaIpcTransport  # it imports this module
-
     return CudaIpcTransport(engine)
 
 
