@@ -17,8 +17,8 @@ from megatron_empg.rollout.data import DataError, load_validation_sets
 from megatron_empg.rollout.engine import Completion
 from megatron_empg.tasks.registry import REWARDS
 from megatron_empg.trainer.engines.collect import Scorer
-from megatron_empg.trainer.engines.metrics import sample_means
 from megatron_empg.trainer.engines.rollout import RolloutStage
+from megatron_empg.trainer.engines.sums import sample_means
 from tools.make_tiny_model import char_tokenizer
 
 QA = DataConfig(

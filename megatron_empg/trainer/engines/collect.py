@@ -20,7 +20,7 @@ from megatron_empg.config import RunConfig
 from megatron_empg.rollout.rewards import RewardFn, RewardLimits, WorkerReward, overlong_penalty, score_guarded
 from megatron_empg.trainer.batching.batch import Sample
 from megatron_empg.trainer.engines.dynamic_sampling import DynamicSampler, dynamic_batch_prompts
-from megatron_empg.trainer.engines.metrics import sample_sums
+from megatron_empg.trainer.engines.sums import sample_sums
 
 log = logging.getLogger(__name__)
 

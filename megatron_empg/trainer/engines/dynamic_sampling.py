@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_empg.config import DynamicSamplingConfig
 from megatron_empg.parallel.collectives import collective_device
 from megatron_empg.trainer.batching.batch import Sample
-from megatron_empg.trainer.engines.metrics import add_sums, sample_sums
+from megatron_empg.trainer.engines.sums import add_sums, sample_sums
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from megatron_empg.rollout.engine import EngineFailure
 from megatron_empg.rollout.engines import EngineKind
 from megatron_empg.rollout.trajectory import Trajectory
 from megatron_empg.trainer.batching.batch import Sample
-from megatron_empg.trainer.engines.metrics import add_sums, sample_means, sample_sums
 from megatron_empg.trainer.engines.restart_budget import RestartBudget
+from megatron_empg.trainer.engines.sums import add_sums, sample_means, sample_sums
 from megatron_empg.trainer.engines.teacher import TeacherEngine
 from megatron_empg.trainer.run.signals import ignored_in_children
 from megatron_empg.trainer.run.start import write_hf_config
