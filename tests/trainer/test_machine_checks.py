@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from megatron_empg.config import load_model_config
-from megatron_empg.trainer.bind.machine import bucket_file_bytes
+from megatron_empg.trainer.bind.memory_terms import bucket_file_bytes
 from megatron_empg.weight_sync.transport import check_free_space
 from tests.trainer.demo_runs import REPO, train_command
 from tests.trainer.hf_runs import hf_engine_config, random_demo_model

@@ -10,6 +10,7 @@ import torch
 
 from megatron_empg.config import ConfigError, ModelConfig, RunConfig
 from megatron_empg.trainer.bind.anchor_kind import fp8_matmul_possible, te_fp8_possible
+from megatron_empg.trainer.bind.memory_terms import bucket_file_bytes
 
 
 def check_machine(config: RunConfig, model: ModelConfig, *, engine_rank: bool) -> None:
@@ -52,16 +53,6 @@ def check_machine(config: RunConfig, model: ModelConfig, *, engine_rank: bool) -
         from megatron_empg.weight_sync.transport import check_free_space
 
         check_free_space(config.weight_sync.shm_dir, bucket_file_bytes(config, model))
-
-
-def bucket_file_bytes(config: RunConfig, model: ModelConfig) -> int:
-    """The largest weight-sync bucket file: ``weight_sync.bucket_size_mb``, or the whole model if
-    smaller, but never less than its largest tensor (a bucket holds at least one), plus a header."""
-    size = torch.empty((), dtype=getattr(torch, config.train.params_dtype)).element_size()
-    largest = max(model.vocab_size, model.ffn_hidden_size, model.num_attention_heads * model.kv_channels)
-    largest *= model.hidden_size * size
-    whole = model.num_parameters() * size
-    return max(min(int(config.weight_sync.bucket_size_mb * 2**20), whole), largest) + 2**20
 
 
 def check_memory_here(components) -> None:

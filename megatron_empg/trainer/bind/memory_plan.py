@@ -40,7 +40,7 @@ from typing import Any
 from megatron_empg.config import RunConfig
 from megatron_empg.mcore.checkpoint.size import DTYPE_BYTES
 from megatron_empg.trainer.bind import memory_terms as terms
-from megatron_empg.trainer.bind.memory_terms import BF16, CUDA, FP32, GIB, Calibration, rank_shape
+from megatron_empg.trainer.bind.memory_terms import BF16, CUDA, FP32, GIB, Calibration, bucket_file_bytes, rank_shape
 
 # torch reports 85,017,493,504 bytes for an H100 80GB HBM3 (benchmarks/results/train_step_gpu_d63de0f.json)
 DEFAULT_DEVICE_BYTES = 85_017_493_504
@@ -435,7 +435,6 @@ def _engine_rank(config: RunConfig, device: int, cal: Calibration) -> RankPlan:
 
 def _host(components, ranks_per_node: int) -> dict[str, int]:
     """Host memory per node of ``ranks_per_node`` GPUs (one rank each)."""
-    from megatron_empg.trainer.bind.machine import bucket_file_bytes
 
     config, model, layout = components.config, components.model, components.layout
     per_node = min(ranks_per_node, layout.world_size)

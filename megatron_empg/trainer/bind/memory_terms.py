@@ -228,3 +228,13 @@ def microbatch_tensor_bytes(config: RunConfig, tokens: int, k: int) -> int:
     old / anchor log-probs, positions, the Top-k ids and log-probs) over ``tokens``."""
     per_token = 8 + 8 + 1 + 4 + 4 + 8 + 8 + 4 + 4 + 4 + k * (8 + 4)
     return per_token * tokens
+
+
+def bucket_file_bytes(config: RunConfig, model: ModelConfig) -> int:
+    """The largest weight-sync bucket file: ``weight_sync.bucket_size_mb``, or the whole model if
+    smaller, but never less than its largest tensor (a bucket holds at least one), plus a header."""
+    size = DTYPE_BYTES[config.train.params_dtype]
+    largest = max(model.vocab_size, model.ffn_hidden_size, model.num_attention_heads * model.kv_channels)
+    largest *= model.hidden_size * size
+    whole = model.num_parameters() * size
+    return max(min(int(config.weight_sync.bucket_size_mb * 2**20), whole), largest) + 2**20
